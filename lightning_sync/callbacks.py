@@ -1,0 +1,73 @@
+"""Callbacks that measure a run: step time and communication per optimizer step."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+from typing_extensions import override
+
+
+class SyncReport(pl.Callback):
+    """Times every training batch and sums the strategy's communication; writes a JSON summary on rank 0.
+
+    The step time of a batch is the wall time from ``on_train_batch_start`` to ``on_train_batch_end`` on rank 0
+    (forward, backward, sync and optimizer step; data loading excluded). The first ``warmup_steps`` batches are
+    left out of the median. Bytes per step divide the meter's totals by the optimizer steps taken; strategies without
+    a lightning_sync meter (e.g. Lightning's own ``"ddp"``) report none.
+
+    Args:
+        path: where to write the summary JSON after fit/test (``None``: don't write).
+        warmup_steps: batches left out of the step-time median.
+    """
+
+    def __init__(self, path: Optional[str] = None, warmup_steps: int = 3) -> None:
+        self.path = path
+        self.warmup_steps = warmup_steps
+        self.step_seconds: list[float] = []
+        self.summary: dict[str, Any] = {}
+        self._started = 0.0
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        self._started = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.step_seconds.append(time.perf_counter() - self._started)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        timed = self.step_seconds[self.warmup_steps :] or self.step_seconds
+        steps = max(trainer.global_step, 1)
+        self.summary.update(
+            strategy=type(trainer.strategy).__name__,
+            world_size=trainer.world_size,
+            optimizer_steps=trainer.global_step,
+            batches=len(self.step_seconds),
+            step_time_ms=1000 * statistics.median(timed) if timed else None,
+        )
+        meter = getattr(trainer.strategy, "meter", None)
+        if meter is not None:
+            total = meter.total
+            self.summary.update(
+                bytes_sent_per_step=total.bytes_sent / steps,
+                bytes_recv_per_step=total.bytes_recv / steps,
+                calls_per_step=total.calls / steps,
+                comm_seconds_per_step=total.seconds / steps,
+            )
+        self._write(trainer)
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.summary["test"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
+        self._write(trainer)
+
+    def _write(self, trainer: pl.Trainer) -> None:
+        if self.path is not None and trainer.is_global_zero:
+            Path(self.path).write_text(json.dumps(self.summary, indent=2, sort_keys=True))

@@ -1,0 +1,1 @@
+"""Plain torch.distributed algorithms (no Lightning): the meter, compression, bucketing, averaging, consistency."""

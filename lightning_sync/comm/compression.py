@@ -1,0 +1,493 @@
+"""Gradient compression shared by every sync mode.
+
+A :class:`Compressor` averages one :class:`FlatBucket` over a process group. It owns the encoding, the collectives
+(issued through a :class:`~lightning_sync.comm.meter.CommMeter`, so the meter sees the compressed payload) and the
+decoding, and writes the mean back into the bucket's buffer in place. The same objects serve the DDP comm hook,
+the bucketed all-reduce, periodic averaging and the parameter server.
+
+Compressors with memory (error-feedback residuals, PowerSGD's warm-start factors) keep it per bucket index; it is
+part of :meth:`Compressor.state_dict`, so it goes into checkpoints.
+
+Nothing here knows of Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+import torch
+from torch.distributed import ProcessGroup
+
+from lightning_sync.comm.meter import CommMeter
+
+
+@dataclass
+class FlatBucket:
+    """A flat 1-D buffer holding several tensors back to back.
+
+    Attributes:
+        index: a stable id of the bucket (the same bucket gets the same index every step); compressor memory is
+            keyed by it.
+        buffer: the contiguous 1-D buffer.
+        shapes: the shapes of the tensors laid out in ``buffer``, in order, with no gaps.
+    """
+
+    index: int
+    buffer: torch.Tensor
+    shapes: list[torch.Size]
+
+    def views(self) -> list[torch.Tensor]:
+        """The tensors of the bucket, as views into ``buffer`` with their own shapes."""
+        out, offset = [], 0
+        for shape in self.shapes:
+            numel = math.prod(shape)
+            out.append(self.buffer[offset : offset + numel].view(shape))
+            offset += numel
+        return out
+
+
+def _completed(value: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+class Compressor(ABC):
+    """Averages buckets over a process group, possibly compressing what goes on the wire.
+
+    Subclasses implement :meth:`average`. ``steps`` counts completed optimizer steps (syncs); the owner calls
+    :meth:`advance` once after each, which lets a compressor switch on late (PowerSGD's ``start_iter``).
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    @abstractmethod
+    def average(
+        self, bucket: FlatBucket, meter: CommMeter, group: Optional[ProcessGroup] = None
+    ) -> torch.futures.Future:
+        """Starts averaging ``bucket.buffer`` over ``group`` (all ranks must call it with the same bucket layout).
+
+        Returns:
+            A future that resolves to ``bucket.buffer`` once it holds the mean over the group's ranks (or the
+            decompressed estimate of it).
+        """
+
+    def advance(self) -> None:
+        """Marks the end of one optimizer step."""
+        self.steps += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume bit-exactly (step count, residuals, factors)."""
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+
+
+class NoCompression(Compressor):
+    """Plain fp32 (or whatever the buffer's dtype is) ring all-reduce, then divide by the world size."""
+
+    name = "none"
+
+    def average(
+        self, bucket: FlatBucket, meter: CommMeter, group: Optional[ProcessGroup] = None
+    ) -> torch.futures.Future:
+        n = meter.world_size(group)
+        buffer = bucket.buffer
+        if n == 1:
+            return _completed(buffer)
+        buffer.div_(n)
+        work = meter.all_reduce(buffer, group=group, async_op=True)
+        return work.get_future().then(lambda _: buffer)
+
+
+class CastCompression(Compressor):
+    """Casts to a 16-bit dtype for the all-reduce and back afterwards: half the bytes of fp32."""
+
+    wire_dtype: ClassVar[torch.dtype]
+
+    def average(
+        self, bucket: FlatBucket, meter: CommMeter, group: Optional[ProcessGroup] = None
+    ) -> torch.futures.Future:
+        n = meter.world_size(group)
+        buffer = bucket.buffer
+        if n == 1:
+            return _completed(buffer)
+        wire = buffer.to(self.wire_dtype).div_(n)
+        work = meter.all_reduce(wire, group=group, async_op=True)
+
+        def _decode(_: torch.futures.Future) -> torch.Tensor:
+            buffer.copy_(wire)
+            return buffer
+
+        return work.get_future().then(_decode)
+
+
+class FP16Compression(CastCompression):
+    """IEEE half precision on the wire (pre-divided by the world size to keep the sum in range)."""
+
+    name = "fp16"
+    wire_dtype = torch.float16
+
+
+class BF16Compression(CastCompression):
+    """bfloat16 on the wire: fp32's range, 8 bits of mantissa."""
+
+    name = "bf16"
+    wire_dtype = torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------------------- top-k
+class TopKCompression(Compressor):
+    """Sparsification: each rank sends only its ``k`` largest-magnitude entries, with error feedback.
+
+    Per bucket and call, with ``numel`` entries and ``k = max(1, ceil(density * numel))``:
+
+    1. with error feedback, the residual kept from this bucket's previous call is added to the gradient;
+    2. the ``k`` entries of largest magnitude are picked; their fp32 values and int32 indices are packed (values
+       bit-cast to int32) into one ``2k``-element tensor and exchanged with a single ``all_gather_into_tensor``,
+       so the meter counts exactly ``(n-1) * k * 8`` bytes sent per rank;
+    3. every rank scatter-adds all ranks' contributions into a zeroed fp32 buffer, divides by the world size and
+       writes that estimate of the mean into ``bucket.buffer``. All ranks get bit-identical results.
+    4. with error feedback, the residual becomes ``(gradient + old residual) - what this rank sent``, so nothing is
+       lost, only delayed.
+
+    With one rank the buffer already is the mean and is returned untouched (no residual is kept).
+
+    Args:
+        density: fraction of the entries sent, in ``(0, 1]``.
+        error_feedback: keep what was not sent and add it to the next call's gradient.
+    """
+
+    name = "topk"
+
+    def __init__(self, density: float, error_feedback: bool = True) -> None:
+        super().__init__()
+        assert 0.0 < density <= 1.0, f"TopKCompression: density must be in (0, 1], got {density}"
+        self.density = float(density)
+        self.error_feedback = bool(error_feedback)
+        self.residuals: dict[int, torch.Tensor] = {}
+
+    def num_selected(self, numel: int) -> int:
+        """``k = max(1, ceil(density * numel))``, capped at ``numel`` (float noise below 1e-9 is ignored)."""
+        return min(numel, max(1, math.ceil(self.density * numel - 1e-9)))
+
+    def average(
+        self, bucket: FlatBucket, meter: CommMeter, group: Optional[ProcessGroup] = None
+    ) -> torch.futures.Future:
+        n = meter.world_size(group)
+        buffer = bucket.buffer
+        numel = buffer.numel()
+        if n == 1 or numel == 0:
+            return _completed(buffer)
+        assert numel < 2**31, "TopKCompression: int32 indices need buckets of fewer than 2**31 entries"
+
+        acc = buffer.detach().reshape(-1).to(torch.float32, copy=True)
+        if self.error_feedback:
+            residual = self.residuals.get(bucket.index)
+            if residual is not None:
+                if residual.numel() != numel:
+                    raise ValueError(
+                        f"TopKCompression: bucket {bucket.index} has {numel} entries but its residual has "
+                        f"{residual.numel()}; bucket indices must keep their layout"
+                    )
+                acc.add_(residual.to(acc.device))
+
+        k = self.num_selected(numel)
+        _, indices = torch.topk(acc.abs(), k, sorted=False)
+        values = acc[indices]
+        if self.error_feedback:
+            acc[indices] = 0.0  # what stays behind is exactly (grad + old residual) - sent
+            self.residuals[bucket.index] = acc
+
+        payload = torch.cat([values.view(torch.int32), indices.to(torch.int32)])
+        gathered = torch.empty(n * 2 * k, dtype=torch.int32, device=payload.device)
+        work = meter.all_gather_into_tensor(gathered, payload, group=group, async_op=True)
+
+        def _decode(_: torch.futures.Future) -> torch.Tensor:
+            per_rank = gathered.view(n, 2, k)
+            all_values = per_rank[:, 0, :].reshape(-1).view(torch.float32)
+            all_indices = per_rank[:, 1, :].reshape(-1).to(torch.int64)
+            dense = torch.zeros(numel, dtype=torch.float32, device=payload.device)
+            dense.index_add_(0, all_indices, all_values)
+            dense.div_(n)
+            buffer.copy_(dense.view_as(buffer))
+            return buffer
+
+        return work.get_future().then(_decode)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step count and the per-bucket residuals (cloned)."""
+        return {"steps": self.steps, "residuals": {i: r.clone() for i, r in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.residuals = {int(i): r.clone() for i, r in state.get("residuals", {}).items()}
+
+
+# ------------------------------------------------------------------------------------------------------- PowerSGD
+@dataclass
+class _PowerSGDMemory:
+    """What PowerSGD keeps for one bucket between calls."""
+
+    shapes: list[torch.Size]
+    generator: torch.Generator
+    q: list[torch.Tensor]  # one (m, rank) factor per compressed matrix, identical on all ranks
+    residuals: list[Optional[torch.Tensor]]  # one (n, m) error-feedback residual per compressed matrix
+
+
+def _orthonormalize(p: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning the columns of ``p`` (``n x r``, ``r <= n``), via Householder QR.
+
+    Householder QR always returns orthonormal columns, also for rank-deficient or all-zero ``p`` (no division by a
+    vanishing norm, hence no NaN). It is deterministic, so ranks holding identical ``p`` get identical results.
+    """
+    q, _ = torch.linalg.qr(p, mode="reduced")
+    return q
+
+
+class PowerSGDCompression(Compressor):
+    """Low-rank gradient compression by one step of power iteration (Vogels et al., 2019, "PowerSGD").
+
+    While ``steps < start_iter`` it is exactly :class:`NoCompression`. After that, per bucket:
+
+    * every tensor with ``ndim >= 2`` is viewed as a matrix ``M`` of shape ``(shape[0], prod(shape[1:]))``; it is
+      compressed iff ``rank * (n + m) < n * m``. Every other tensor (biases, small matrices) goes, packed into one
+      flat buffer, through one plain all-reduce;
+    * for the compressed matrices (with error feedback ``M += residual`` first): ``P = M @ Q``; all ``P`` are
+      all-reduced packed in one buffer; each ``P`` is orthonormalised; ``Q = M^T @ P``; all ``Q`` are all-reduced
+      packed in one buffer and divided by the world size; the approximation ``P @ Q^T`` (= ``P P^T mean(M)``) is
+      written back into the bucket and ``residual = M - approximation``.
+
+    So a compressed ``n x m`` matrix puts exactly ``rank * (n + m)`` fp32 values on the wire. ``Q`` starts from a
+    :class:`torch.Generator` seeded with ``seed + bucket.index`` (identical on all ranks); with ``warm_start`` the
+    previous step's (all-reduced, hence identical) ``Q`` is reused, otherwise a fresh one is drawn from that
+    generator every call. A warm-started column that became exactly zero (e.g. after an all-zero gradient) is
+    redrawn, so the factor cannot collapse. Results are bit-identical on all ranks.
+
+    Every collective is issued from the calling thread, in program order: the ``P`` all-reduce (and the remainder's)
+    is launched asynchronously and waited for in :meth:`average`, then the ``Q`` all-reduce is launched
+    asynchronously and the returned future completes after it. Issuing the second collective from a completion
+    callback instead is unsafe on gloo with several buckets in flight: a blocking call there starves gloo's worker
+    threads (deadlock), an asynchronous one can reach the process group in a different order on different ranks.
+
+    With one rank the buffer already is the mean and is returned untouched.
+
+    Args:
+        rank: the rank of the approximation (``>= 1``).
+        start_iter: number of initial steps averaged without compression (``>= 0``).
+        error_feedback: keep ``M - approximation`` and add it to the next call's matrix.
+        warm_start: reuse the previous ``Q`` instead of drawing a fresh one each call.
+        seed: seed of the per-bucket generator (``seed + bucket.index``).
+    """
+
+    name = "powersgd"
+
+    def __init__(
+        self,
+        rank: int,
+        start_iter: int = 0,
+        error_feedback: bool = True,
+        warm_start: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        assert int(rank) == rank and rank >= 1, f"PowerSGDCompression: rank must be an integer >= 1, got {rank}"
+        assert int(start_iter) == start_iter and start_iter >= 0, (
+            f"PowerSGDCompression: start_iter must be an integer >= 0, got {start_iter}"
+        )
+        self.rank = int(rank)
+        self.start_iter = int(start_iter)
+        self.error_feedback = bool(error_feedback)
+        self.warm_start = bool(warm_start)
+        self.seed = int(seed)
+        self._memory: dict[int, _PowerSGDMemory] = {}
+        self._uncompressed = NoCompression()
+
+    # ------------------------------------------------------------------ layout
+    def is_compressed(self, shape: torch.Size) -> bool:
+        """Whether a tensor of this shape is sent as rank-``rank`` factors (else it is all-reduced as is)."""
+        if len(shape) < 2:
+            return False
+        n, m = shape[0], math.prod(shape[1:])
+        return self.rank * (n + m) < n * m
+
+    def _memory_for(self, bucket: FlatBucket, device: torch.device) -> _PowerSGDMemory:
+        shapes = [torch.Size(s) for s in bucket.shapes]
+        mem = self._memory.get(bucket.index)
+        if mem is None:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(self.seed + bucket.index)
+            mem = _PowerSGDMemory(shapes=shapes, generator=generator, q=[], residuals=[])
+            self._memory[bucket.index] = mem
+        elif mem.shapes != shapes:
+            raise ValueError(
+                f"PowerSGDCompression: bucket {bucket.index} changed layout from {mem.shapes} to {shapes}; "
+                "bucket indices must keep their layout"
+            )
+        return mem
+
+    def _initial_q(self, mem: _PowerSGDMemory, slot: int, m: int, device: torch.device) -> torch.Tensor:
+        """The ``Q`` to multiply with for compressed matrix number ``slot`` (identical on all ranks)."""
+        if self.warm_start and slot < len(mem.q):
+            q = mem.q[slot].to(device)
+            dead = q.abs().sum(dim=0) == 0
+            if bool(dead.any()):
+                fresh = torch.randn(m, self.rank, generator=mem.generator).to(device)
+                q = torch.where(dead.unsqueeze(0), fresh, q)
+            return q
+        return torch.randn(m, self.rank, generator=mem.generator).to(device)
+
+    # ------------------------------------------------------------------ averaging
+    def average(
+        self, bucket: FlatBucket, meter: CommMeter, group: Optional[ProcessGroup] = None
+    ) -> torch.futures.Future:
+        if self.steps < self.start_iter:
+            return self._uncompressed.average(bucket, meter, group)
+        world = meter.world_size(group)
+        buffer = bucket.buffer
+        if world == 1:
+            return _completed(buffer)
+        device = buffer.device
+        mem = self._memory_for(bucket, device)
+
+        views = bucket.views()
+        compressed = [i for i, v in enumerate(views) if self.is_compressed(v.shape)]
+        plain = [i for i, v in enumerate(views) if not self.is_compressed(v.shape)]
+
+        # Remainder: one flat uncompressed all-reduce of the pre-divided tensors.
+        rest: Optional[torch.Tensor] = None
+        rest_fut: Optional[torch.futures.Future] = None
+        if plain and sum(views[i].numel() for i in plain) > 0:
+            rest = torch.cat([views[i].reshape(-1) for i in plain]).div_(world)
+            rest_fut = meter.all_reduce(rest, group=group, async_op=True).get_future()
+
+        # Matrices (plus residuals), and P = M @ Q for all of them packed into one buffer.
+        mats: list[torch.Tensor] = []
+        ps: list[torch.Tensor] = []
+        q_flat: Optional[torch.Tensor] = None
+        q_fut: Optional[torch.futures.Future] = None
+        if compressed:
+            qs = []
+            for slot, i in enumerate(compressed):
+                mat = views[i].reshape(views[i].shape[0], -1).to(torch.float32, copy=True)
+                if self.error_feedback and slot < len(mem.residuals) and mem.residuals[slot] is not None:
+                    mat.add_(mem.residuals[slot].to(device))
+                mats.append(mat)
+                qs.append(self._initial_q(mem, slot, mat.shape[1], device))
+            p_flat = torch.cat([(mat @ q).reshape(-1) for mat, q in zip(mats, qs)])
+            meter.all_reduce(p_flat, group=group, async_op=True).wait()
+
+            # Orthonormalise each P (identical on all ranks); Q = M^T @ P, packed into one buffer.
+            offset = 0
+            for mat in mats:
+                numel = mat.shape[0] * self.rank
+                ps.append(_orthonormalize(p_flat[offset : offset + numel].view(mat.shape[0], self.rank)))
+                offset += numel
+            q_flat = torch.cat([(mat.t() @ p).reshape(-1) for mat, p in zip(mats, ps)])
+            q_fut = meter.all_reduce(q_flat, group=group, async_op=True).get_future()
+
+        pending = [f for f in (rest_fut, q_fut) if f is not None]
+
+        def _decode(_: Any) -> torch.Tensor:
+            for f in pending:
+                f.value()  # re-raises the error of a failed collective
+            if rest is not None:
+                offset = 0
+                for i in plain:
+                    numel = views[i].numel()
+                    views[i].copy_(rest[offset : offset + numel].view_as(views[i]))
+                    offset += numel
+            if q_flat is not None:
+                q_flat.div_(world)
+                new_q, new_res, offset = [], [], 0
+                for i, mat, p in zip(compressed, mats, ps):
+                    numel = mat.shape[1] * self.rank
+                    q = q_flat[offset : offset + numel].view(mat.shape[1], self.rank)
+                    offset += numel
+                    approx = p @ q.t()
+                    views[i].copy_(approx.view_as(views[i]))
+                    new_q.append(q.clone())
+                    new_res.append(mat.sub_(approx) if self.error_feedback else None)
+                mem.q = new_q if self.warm_start else []
+                mem.residuals = new_res if self.error_feedback else []
+            return buffer
+
+        if not pending:
+            return _completed(_decode(None))
+        return torch.futures.collect_all(pending).then(_decode)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Step count and, per bucket index, the layout, generator state, ``Q`` factors and residuals (cloned)."""
+        return {
+            "steps": self.steps,
+            "rank": self.rank,
+            "buckets": {
+                i: {
+                    "shapes": [tuple(s) for s in mem.shapes],
+                    "generator": mem.generator.get_state().clone(),
+                    "q": [q.clone() for q in mem.q],
+                    "residuals": [None if r is None else r.clone() for r in mem.residuals],
+                }
+                for i, mem in self._memory.items()
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "rank" in state and int(state["rank"]) != self.rank:
+            raise ValueError(f"PowerSGDCompression: state was saved with rank {state['rank']}, not {self.rank}")
+        memory: dict[int, _PowerSGDMemory] = {}
+        for i, saved in state.get("buckets", {}).items():
+            generator = torch.Generator(device="cpu")
+            generator.set_state(saved["generator"].clone())
+            memory[int(i)] = _PowerSGDMemory(
+                shapes=[torch.Size(s) for s in saved["shapes"]],
+                generator=generator,
+                q=[q.clone() for q in saved["q"]],
+                residuals=[None if r is None else r.clone() for r in saved["residuals"]],
+            )
+        self._memory = memory
+
+
+# -------------------------------------------------------------------------------------------------------- factory
+COMPRESSORS = ("none", "fp16", "bf16", "topk", "powersgd")
+
+
+def build_compressor(
+    name: str,
+    *,
+    topk_density: float = 0.01,
+    error_feedback: bool = True,
+    powersgd_rank: int = 4,
+    powersgd_start_iter: int = 0,
+    powersgd_warm_start: bool = True,
+) -> Compressor:
+    """A fresh compressor by name (one of :data:`COMPRESSORS`); options not used by that compressor are ignored.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`COMPRESSORS`.
+    """
+    if name == "none":
+        return NoCompression()
+    if name == "fp16":
+        return FP16Compression()
+    if name == "bf16":
+        return BF16Compression()
+    if name == "topk":
+        return TopKCompression(topk_density, error_feedback=error_feedback)
+    if name == "powersgd":
+        return PowerSGDCompression(
+            powersgd_rank,
+            start_iter=powersgd_start_iter,
+            error_feedback=error_feedback,
+            warm_start=powersgd_warm_start,
+        )
+    raise ValueError(f"unknown compressor {name!r}; expected one of {', '.join(COMPRESSORS)}")

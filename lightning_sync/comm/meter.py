@@ -1,0 +1,221 @@
+"""One communication meter for every sync mode.
+
+Every collective that lightning_sync issues goes through a :class:`CommMeter`. The meter calls torch.distributed
+itself, so the bytes it counts are the bytes of the tensors that really go to the process group: a compressed
+payload (fp16, a low-rank factor, top-k values and indices) counts at its compressed size.
+
+What is counted, per rank, for a payload of ``S`` bytes on a group of ``n`` ranks:
+
+============================  ============================  ============================
+collective                     bytes sent                    bytes received
+============================  ============================  ============================
+``all_reduce``                 ``2 (n-1)/n * S``             ``2 (n-1)/n * S``
+``all_gather`` (S per rank)    ``(n-1) * S``                 ``(n-1) * S``
+``broadcast``                  ``(n-1)/n * S`` (mean)        ``(n-1)/n * S`` (mean)
+``send`` / ``recv``            ``S`` / ``0``                 ``0`` / ``S``
+============================  ============================  ============================
+
+Gloo (CPU) and NCCL (GPU) both run a dense ``all_reduce`` as a ring: a reduce-scatter of ``n`` chunks followed by
+an all-gather of the reduced chunks, so each rank sends ``n-1`` chunks of ``S/n`` bytes in each phase. An
+``all_gather`` ring forwards every other rank's block once. A broadcast moves ``n-1`` copies of ``S`` over the
+whole group whatever its tree shape; the meter books the mean per rank. With one rank nothing is counted.
+
+``seconds`` is the time collectives are in flight: for a blocking call the time spent in it, for an asynchronous
+one the time from launch until its future completes. Overlapped collectives therefore count in full, even when
+backward hid them.
+
+The meter knows nothing of Lightning: strategies call :meth:`CommMeter.step` once per optimizer step and log the
+returned :class:`CommStats`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; older releases have only the first.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class CommStats:
+    """Communication counted over some interval, for one rank."""
+
+    bytes_sent: float = 0.0
+    bytes_recv: float = 0.0
+    calls: int = 0
+    seconds: float = 0.0
+
+    def __sub__(self, other: CommStats) -> CommStats:
+        return CommStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    def __add__(self, other: CommStats) -> CommStats:
+        return CommStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def as_metrics(self, prefix: str = "comm/") -> dict[str, float]:
+        """The stats as ``{"comm/bytes_sent": ..., ...}``, ready for a logger."""
+        return {prefix + f.name: float(getattr(self, f.name)) for f in fields(self)}
+
+
+def ring_all_reduce_bytes(nbytes: int, world_size: int) -> float:
+    """Bytes one rank sends (and receives) in a ring all-reduce of ``nbytes`` on ``world_size`` ranks."""
+    return 2.0 * (world_size - 1) / world_size * nbytes
+
+
+class _TimedWork:
+    """An async work handle whose completion time is booked on the meter exactly once."""
+
+    def __init__(self, work: Any, meter: CommMeter, started: float) -> None:
+        self._work = work
+        self._meter = meter
+        self._started = started
+        self._booked = False
+        try:
+            self._future: Optional[torch.futures.Future] = work.get_future().then(self._on_done)
+        except RuntimeError:  # some backends' point-to-point works have no future: book the time at wait()
+            self._future = None
+
+    def _on_done(self, fut: torch.futures.Future) -> Any:
+        self._book()
+        return fut.value()
+
+    def _book(self) -> None:
+        with self._meter._lock:
+            if not self._booked:
+                self._booked = True
+                self._meter._total.seconds += time.perf_counter() - self._started
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until the collective is done; ``timeout`` (seconds) bounds the wait on the work itself."""
+        if self._future is None:
+            if timeout is None:
+                self._work.wait()
+            else:
+                import datetime
+
+                self._work.wait(datetime.timedelta(seconds=timeout))
+            self._book()
+        else:
+            self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        """A future that completes after the collective and after its time is booked."""
+        if self._future is None:
+            raise RuntimeError("this work handle has no future; call wait()")
+        return self._future
+
+
+class CommMeter:
+    """Issues collectives through torch.distributed and counts what each one puts on the wire.
+
+    Args:
+        group: the process group to use when a call names none (``None``: the default group).
+    """
+
+    def __init__(self, group: Optional[ProcessGroup] = None) -> None:
+        self.group = group
+        self._lock = threading.Lock()
+        self._total = CommStats()
+        self._last_step = CommStats()
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def total(self) -> CommStats:
+        """Everything counted since the meter was made (or last reset)."""
+        with self._lock:
+            return CommStats(**vars(self._total))
+
+    def step(self) -> CommStats:
+        """Closes one optimizer step: returns what was counted since the previous call."""
+        now = self.total
+        delta, self._last_step = now - self._last_step, now
+        return delta
+
+    def reset(self) -> None:
+        with self._lock:
+            self._total = CommStats()
+            self._last_step = CommStats()
+
+    def record(self, bytes_sent: float, bytes_recv: float, seconds: float = 0.0, calls: int = 1) -> None:
+        """Books traffic that did not go through the meter's own calls (e.g. a third-party collective)."""
+        with self._lock:
+            self._total.bytes_sent += bytes_sent
+            self._total.bytes_recv += bytes_recv
+            self._total.calls += calls
+            self._total.seconds += seconds
+
+    def world_size(self, group: Optional[ProcessGroup] = None) -> int:
+        return dist.get_world_size(group if group is not None else self.group)
+
+    def _run(self, sent: float, recv: float, async_op: bool, launch: Any) -> Any:
+        started = time.perf_counter()
+        work = launch()
+        self.record(sent, recv, calls=1)
+        if async_op:
+            return _TimedWork(work, self, started)
+        self.record(0.0, 0.0, seconds=time.perf_counter() - started, calls=0)
+        return None
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp.RedOpType = ReduceOp.SUM,
+        group: Optional[ProcessGroup] = None,
+        async_op: bool = False,
+    ) -> Optional[_TimedWork]:
+        """``dist.all_reduce`` in place, counted as a ring all-reduce."""
+        group = group if group is not None else self.group
+        n = self.world_size(group)
+        wire = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), n)
+        return self._run(wire, wire, async_op, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+
+    def all_gather_into_tensor(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        group: Optional[ProcessGroup] = None,
+        async_op: bool = False,
+    ) -> Optional[_TimedWork]:
+        """``dist.all_gather_into_tensor``: each rank's ``tensor`` is concatenated, rank order, into ``output``."""
+        group = group if group is not None else self.group
+        n = self.world_size(group)
+        wire = float((n - 1) * tensor.numel() * tensor.element_size())
+        return self._run(
+            wire,
+            wire,
+            async_op,
+            lambda: _all_gather_single(output, tensor, group=group, async_op=async_op),
+        )
+
+    def broadcast(
+        self,
+        tensor: torch.Tensor,
+        src: int = 0,
+        group: Optional[ProcessGroup] = None,
+        async_op: bool = False,
+    ) -> Optional[_TimedWork]:
+        """``dist.broadcast`` from global rank ``src``, counted at the per-rank mean of ``(n-1)/n * S``."""
+        group = group if group is not None else self.group
+        n = self.world_size(group)
+        wire = (n - 1) / n * tensor.numel() * tensor.element_size()
+        return self._run(wire, wire, async_op, lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
+
+    def send(self, tensor: torch.Tensor, dst: int, group: Optional[ProcessGroup] = None) -> _TimedWork:
+        """Asynchronous point-to-point send (``dist.isend``)."""
+        group = group if group is not None else self.group
+        nbytes = float(tensor.numel() * tensor.element_size())
+        return self._run(nbytes, 0.0, True, lambda: dist.isend(tensor, dst=dst, group=group))
+
+    def recv(self, tensor: torch.Tensor, src: Optional[int] = None, group: Optional[ProcessGroup] = None) -> _TimedWork:
+        """Asynchronous point-to-point receive (``dist.irecv``)."""
+        group = group if group is not None else self.group
+        nbytes = float(tensor.numel() * tensor.element_size())
+        return self._run(0.0, nbytes, True, lambda: dist.irecv(tensor, src=src, group=group))

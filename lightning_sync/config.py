@@ -1,0 +1,183 @@
+"""Structured configs: one dataclass per strategy, validated the moment it is built.
+
+A strategy's knobs are the fields of its config dataclass, and each field is documented here, where it is defined.
+Hydra's YAML files in ``conf/strategy/`` set the same names. Validation runs in ``__post_init__``, so a bad value
+fails in the launching process, before any rank starts, with a :class:`ConfigError` that names the field, the value
+and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Iterable, Optional, TypeVar
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+COMPRESSORS = ("none", "fp16", "bf16", "topk", "powersgd")
+BUCKETINGS = ("overlap", "flat", "naive")
+
+
+class ConfigError(ValueError):
+    """A user's configuration mistake: one line naming the field, the value and what is allowed."""
+
+
+def check_choice(field: str, value: Any, allowed: Iterable[str]) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ConfigError(f"{field}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
+
+
+def check_range(
+    field: str,
+    value: Any,
+    low: Optional[float] = None,
+    high: Optional[float] = None,
+    low_open: bool = False,
+    integer: bool = False,
+) -> None:
+    """Checks ``low <= value <= high`` (``low < value`` when ``low_open``) and, optionally, that it is an integer."""
+    bad_type = isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int))
+    if bad_type or (isinstance(value, float) and not math.isfinite(value)):
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(f"{field}={value!r} is not allowed; it must be {kind}")
+    lower_ok = low is None or (value > low if low_open else value >= low)
+    upper_ok = high is None or value <= high
+    if not (lower_ok and upper_ok):
+        lo = "" if low is None else f"{'(' if low_open else '['}{low}"
+        hi = "" if high is None else f"{high}]"
+        if low is not None and high is None:
+            allowed = f"> {low}" if low_open else f">= {low}"
+        elif low is None:
+            allowed = f"<= {high}"
+        else:
+            allowed = f"in {lo}, {hi}"
+        raise ConfigError(f"{field}={value!r} is not allowed; it must be {allowed}")
+
+
+_C = TypeVar("_C", bound="_StrategyConfig")
+
+
+@dataclass
+class _StrategyConfig:
+    """Knobs every lightning_sync strategy has."""
+
+    start_method: str = "popen"
+    """How Lightning starts the ranks: ``popen`` re-runs the command (Hydra-aware), ``spawn``/``forkserver`` start
+    fresh interpreters, ``fork`` copies this process (each child is pinned to one OpenMP thread to avoid the libgomp
+    fork deadlock)."""
+    timeout_s: float = 600.0
+    """Seconds any collective may wait before the process group gives up (no wait is unbounded)."""
+    check_consistency_every: int = 0
+    """Every this many optimizer steps, check that all replicas hold identical parameters (0: never)."""
+
+    def __post_init__(self) -> None:
+        check_choice("strategy.start_method", self.start_method, START_METHODS)
+        check_range("strategy.timeout_s", self.timeout_s, low=0, low_open=True)
+        check_range("strategy.check_consistency_every", self.check_consistency_every, low=0, integer=True)
+
+    @classmethod
+    def split_kwargs(cls: type[_C], kwargs: dict[str, Any], passthrough: Iterable[str] = ()) -> tuple[_C, dict]:
+        """Builds the config from the keys of ``kwargs`` that are its fields.
+
+        Returns:
+            The validated config, and the remaining keys, which must all be in ``passthrough``.
+
+        Raises:
+            ConfigError: for a key that is neither a field nor in ``passthrough``.
+        """
+        names = {f.name for f in fields(cls)}
+        passthrough = set(passthrough)
+        unknown = sorted(set(kwargs) - names - passthrough)
+        if unknown:
+            raise ConfigError(
+                f"strategy.{unknown[0]} is not a knob of {cls.__name__}; known knobs: {', '.join(sorted(names))}"
+            )
+        mine = {k: v for k, v in kwargs.items() if k in names}
+        rest = {k: v for k, v in kwargs.items() if k not in names}
+        return cls(**mine), rest
+
+
+@dataclass
+class CompressionKnobs:
+    """Settings of the gradient compressors (:mod:`lightning_sync.comm.compression`)."""
+
+    topk_density: float = 0.01
+    """``topk``: share of entries sent each step, in (0, 1]; the rest waits in the error-feedback residual."""
+    error_feedback: bool = True
+    """``topk``/``powersgd``: add what compression left out last time to this step's gradient."""
+    powersgd_rank: int = 4
+    """``powersgd``: rank r of the low-rank factors; an n x m matrix sends r(n + m) values."""
+    powersgd_start_iter: int = 10
+    """``powersgd``: optimizer steps sent uncompressed before compression starts (let training settle first)."""
+    powersgd_warm_start: bool = True
+    """``powersgd``: reuse last step's Q factor as the starting point of the power iteration."""
+
+    def _check_compression(self, field: str, name: str) -> None:
+        check_choice(field, name, COMPRESSORS)
+        check_range("strategy.topk_density", self.topk_density, low=0, high=1, low_open=True)
+        check_range("strategy.powersgd_rank", self.powersgd_rank, low=1, integer=True)
+        check_range("strategy.powersgd_start_iter", self.powersgd_start_iter, low=0, integer=True)
+
+    def build_compressor(self, name: str) -> Any:
+        """A fresh :class:`~lightning_sync.comm.compression.Compressor` for ``name`` with these settings."""
+        from lightning_sync.comm.compression import build_compressor
+
+        return build_compressor(
+            name,
+            topk_density=self.topk_density,
+            error_feedback=self.error_feedback,
+            powersgd_rank=self.powersgd_rank,
+            powersgd_start_iter=self.powersgd_start_iter,
+            powersgd_warm_start=self.powersgd_warm_start,
+        )
+
+
+@dataclass
+class DDPConfig(CompressionKnobs, _StrategyConfig):
+    """The ``ddp`` strategy: torch DistributedDataParallel, with comm hooks that also run on CPU/gloo."""
+
+    comm_hook: str = "none"
+    """DDP communication hook: ``none`` (plain all-reduce), ``fp16``, ``bf16``, ``powersgd`` or ``topk``; all are
+    registered on gloo as well as NCCL, and all go through the communication meter."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MiB."""
+    find_unused_parameters: bool = False
+    """Let DDP tolerate parameters that get no gradient in a step (costs a graph traversal per step)."""
+    gradient_as_bucket_view: bool = False
+    """Make ``param.grad`` views into DDP's buckets (saves one copy and the memory of one gradient)."""
+    static_graph: bool = False
+    """Promise DDP the graph and the set of used parameters never change."""
+    broadcast_buffers: bool = True
+    """Broadcast rank 0's buffers (e.g. BatchNorm statistics) at every forward."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_compression("strategy.comm_hook", self.comm_hook)
+        check_range("strategy.bucket_cap_mb", self.bucket_cap_mb, low=0, low_open=True)
+
+
+@dataclass
+class AllReduceConfig(CompressionKnobs, _StrategyConfig):
+    """The ``allreduce`` strategy: no DDP wrapper; gradients bucketed and all-reduced by hand."""
+
+    bucketing: str = "overlap"
+    """``overlap``: buckets launched during backward as their last gradient lands; ``flat``: one buffer after
+    backward; ``naive``: the textbook per-parameter all-reduce loop (kept for comparison)."""
+    bucket_cap_mb: float = 25.0
+    """Bucket size in MiB (``overlap``)."""
+    first_bucket_mb: float = 1.0
+    """Size of the first bucket in MiB, small so that communication starts early in backward (``overlap``)."""
+    compression: str = "none"
+    """Gradient compressor: ``none``, ``fp16``, ``bf16``, ``topk`` or ``powersgd``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_choice("strategy.bucketing", self.bucketing, BUCKETINGS)
+        check_range("strategy.bucket_cap_mb", self.bucket_cap_mb, low=0, low_open=True)
+        check_range("strategy.first_bucket_mb", self.first_bucket_mb, low=0, low_open=True)
+        self._check_compression("strategy.compression", self.compression)
+
+
+def field_defaults(cls: type) -> dict[str, Any]:
+    """``{field: default}`` of a config dataclass (used to check that the YAML files match the dataclasses)."""
+    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}

@@ -1,0 +1,6 @@
+"""Lightning adapters, one file per sync mode."""
+
+from lightning_sync.strategies._base import SyncStrategyBase
+from lightning_sync.strategies.ddp import DDPSyncStrategy
+
+__all__ = ["SyncStrategyBase", "DDPSyncStrategy"]

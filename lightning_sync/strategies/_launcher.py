@@ -1,0 +1,100 @@
+"""A ``popen`` launcher that re-runs a Hydra job, not the whole command line.
+
+Lightning's subprocess launcher starts ranks 1..n-1 by re-running ``sys.argv``. Under ``hydra -m`` that re-runs the
+whole sweep inside every child, and each child also writes a new output folder. This launcher starts each child on
+exactly the job the parent is running: the job's own overrides, no ``-m``, and the job's output folder as the run
+folder, with nothing written to Hydra's output subdir.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from typing_extensions import override
+
+# Command-line flags of a Hydra app that select the config, with whether they take a value.
+_HYDRA_CONFIG_FLAGS = {"--config-path": True, "-cp": True, "--config-name": True, "-cn": True, "--config-dir": True,
+                       "-cd": True}
+
+
+def _hydra_in_use() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:
+        return False
+    return HydraConfig.initialized()
+
+
+def _config_flags(argv: Sequence[str]) -> list[str]:
+    """The config-selecting flags of ``argv`` (``-cn x``, ``--config-dir=y``), kept for the child."""
+    kept, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if name in _HYDRA_CONFIG_FLAGS:
+            takes_next = "=" not in arg and i + 1 < len(argv)
+            kept.extend(argv[i : i + 2] if takes_next else [arg])
+            i += 2 if takes_next else 1
+        else:
+            i += 1
+    return kept
+
+
+def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
+    """The command and working directory that re-run the current Hydra job (not the sweep) as ``local_rank``."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_original_cwd, to_absolute_path
+
+    import __main__
+
+    hydra_cfg = HydraConfig.get()
+    if getattr(__main__, "__spec__", None) is None:
+        command = [sys.executable, to_absolute_path(sys.argv[0])]
+    else:
+        command = [sys.executable, "-m", __main__.__spec__.name]
+    command += _config_flags(sys.argv[1:])
+    command += list(hydra_cfg.overrides.task)
+    output_dir = hydra_cfg.runtime.output_dir
+    command += [
+        f"hydra.run.dir={output_dir}",
+        f"hydra.job.name={hydra_cfg.job.name}_rank{local_rank}",
+        "hydra.output_subdir=null",
+        "hydra/hydra_logging=disabled",
+        "hydra/job_logging=disabled",
+    ]
+    return command, get_original_cwd()
+
+
+class HydraJobSubprocessLauncher(_SubprocessScriptLauncher):
+    """Lightning's ``popen`` launcher, but a child under Hydra runs the parent's job, never its sweep."""
+
+    @override
+    def _call_children_scripts(self) -> None:
+        if not _hydra_in_use():
+            super()._call_children_scripts()
+            return
+        self._check_can_spawn_children()
+        self.procs = []
+        env = self.cluster_environment
+        os.environ.update(
+            MASTER_ADDR=env.main_address,
+            MASTER_PORT=str(env.main_port),
+            NODE_RANK=str(env.node_rank()),
+            LOCAL_RANK=str(env.local_rank()),
+            WORLD_SIZE=str(self.num_processes * self.num_nodes),
+        )
+        for local_rank in range(1, self.num_processes):
+            child_env = dict(os.environ, LOCAL_RANK=str(local_rank))
+            if os.environ.get("PL_GLOBAL_SEED") is None:
+                child_env.pop("PL_GLOBAL_SEED", None)
+            command, cwd = hydra_job_command(local_rank)
+            self.procs.append(subprocess.Popen(command, env=child_env, cwd=cwd))
+
+    def wait_children(self, timeout: Optional[float] = None) -> None:
+        """Waits for the children to exit (used between the jobs of a sweep so ports and cores are free again)."""
+        for proc in self.procs:
+            proc.wait(timeout=timeout)

@@ -1,0 +1,76 @@
+"""The ``ddp`` sync mode: torch DistributedDataParallel, with comm hooks that also run on CPU/gloo."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_sync.comm.ddp_hook import DDPHookState, compressed_allreduce_hook
+from lightning_sync.config import DDPConfig
+from lightning_sync.strategies._base import SyncStrategyBase
+
+
+class DDPSyncStrategy(SyncStrategyBase):
+    """Lightning's DDP, with every bucket averaged by a lightning_sync compressor through the meter.
+
+    Lightning registers ``ddp_comm_hook`` only on CUDA, so on CPU a hook is silently dropped. This strategy always
+    registers its hook, on gloo as on NCCL. ``comm_hook="none"`` registers a plain metered all-reduce, so every mode
+    reports bytes the same way.
+
+    Args:
+        **kwargs: the fields of :class:`~lightning_sync.config.DDPConfig` (``comm_hook``, ``bucket_cap_mb``,
+            ``find_unused_parameters``, ``powersgd_rank``, ...) and Lightning's own strategy arguments.
+    """
+
+    config_class = DDPConfig
+    strategy_name = "sync_ddp"
+    config: DDPConfig
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.hook_state: Optional[DDPHookState] = None
+
+    @override
+    def _ddp_kwargs(self, config: DDPConfig) -> dict[str, Any]:
+        return {
+            "bucket_cap_mb": config.bucket_cap_mb,
+            "find_unused_parameters": config.find_unused_parameters,
+            "gradient_as_bucket_view": config.gradient_as_bucket_view,
+            "static_graph": config.static_graph,
+            "broadcast_buffers": config.broadcast_buffers,
+        }
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        """Registers the metered compressor hook on the DDP model, whatever the device.
+
+        Guarantees: after this, every gradient bucket DDP reduces goes through ``self.hook_state.compressor`` and
+        is counted by ``self.meter``; ``self.hook_state.calls`` counts the buckets.
+        """
+        assert isinstance(self.model, DistributedDataParallel)
+        assert self.meter is not None
+        self.hook_state = DDPHookState(compressor=self.config.build_compressor(self.config.comm_hook), meter=self.meter)
+        self.model.register_comm_hook(self.hook_state, compressed_allreduce_hook)
+
+    @override
+    def on_sync_step_end(self) -> None:
+        """Advances the compressor's step count (PowerSGD switches on at ``powersgd_start_iter``)."""
+        if self.hook_state is not None:
+            self.hook_state.compressor.advance()
+
+    @override
+    def sync_state_dict(self) -> dict[str, Any]:
+        """Adds the compressor's memory to the base state."""
+        state = super().sync_state_dict()
+        if self.hook_state is not None:
+            state["compressor"] = self.hook_state.compressor.state_dict()
+        return state
+
+    @override
+    def load_sync_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores the compressor's memory saved by :meth:`sync_state_dict`."""
+        super().load_sync_state_dict(state)
+        if self.hook_state is not None and "compressor" in state:
+            self.hook_state.compressor.load_state_dict(state["compressor"])

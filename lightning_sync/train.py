@@ -1,0 +1,148 @@
+"""The Hydra app: ``python -m lightning_sync.train strategy=<mode> model=<model> ...`` (or ``lightning-sync-train``).
+
+It composes ``conf/``, instantiates the data, the model and the strategy (its own config group, passed to
+``lightning.Trainer``), fits, tests, and writes to the run folder: ``metrics.csv`` (every logged metric, including
+``comm/*`` per optimizer step), ``config.yaml`` (the resolved config) and ``summary.json`` (test metrics, median
+step time, bytes per step). A user's config mistake ends with one line naming the field and a non-zero exit, before
+any rank starts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+import lightning_sync  # noqa: F401  (registers the strategies)
+from lightning_sync.config import ConfigError, check_range
+
+
+def _config_dir() -> str:
+    """``conf/`` beside the package in a checkout, or ``lightning_sync/conf`` in an installed wheel."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "conf", here / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return str(candidate)
+    raise FileNotFoundError(f"no Hydra config found beside {here}")
+
+
+CONFIG_DIR = _config_dir()
+# Environment variables Lightning's popen launcher sets in the parent; cleared between the jobs of a sweep.
+_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def _config_error(exc: BaseException) -> ConfigError | None:
+    """The ConfigError behind ``exc`` (Hydra wraps errors raised while instantiating), if any."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, (ConfigError, ValueError)) and not type(seen).__module__.startswith("hydra"):
+            return seen if isinstance(seen, ConfigError) else ConfigError(str(seen))
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _validate_trainer(cfg: DictConfig) -> None:
+    devices = cfg.trainer.get("devices", 1)
+    if devices != "auto":
+        check_range("trainer.devices", devices, low=1, integer=True)
+    check_range("trainer.num_nodes", cfg.trainer.get("num_nodes", 1), low=1, integer=True)
+
+
+def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
+    """Instantiates (datamodule, model, trainer) from a composed config; raises ConfigError for a bad value."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_sync.callbacks import SyncReport
+
+    _validate_trainer(cfg)
+    try:
+        strategy = hydra.utils.instantiate(cfg.strategy)
+        datamodule = hydra.utils.instantiate(cfg.data)
+        model = hydra.utils.instantiate(cfg.model)
+    except Exception as exc:  # noqa: BLE001 - re-raised unless it is a config mistake
+        error = _config_error(exc)
+        if error is None:
+            raise
+        raise error from None
+    run_dir = Path(cfg.get("run_dir") or hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer = pl.Trainer(
+        **trainer_kwargs,
+        strategy=strategy,
+        logger=CSVLogger(save_dir=str(run_dir), name="", version=""),
+        callbacks=[SyncReport(path=str(run_dir / "summary.json"))],
+    )
+    return datamodule, model, trainer
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Fits (and tests) one configuration; returns the run's summary on global rank 0 (``{}`` on other ranks)."""
+    import lightning.pytorch as pl
+
+    from lightning_sync.callbacks import SyncReport
+
+    launch_env = {k: os.environ.get(k) for k in _LAUNCH_ENV}
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule, model, trainer = build(cfg)
+    if trainer.is_global_zero:
+        Path(trainer.logger.save_dir, "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    try:
+        trainer.fit(model, datamodule=datamodule)
+        if cfg.get("test", True):
+            trainer.test(model, datamodule=datamodule, verbose=False)
+    finally:
+        _end_job(trainer, launch_env)
+    report = next(cb for cb in trainer.callbacks if isinstance(cb, SyncReport))
+    return report.summary if trainer.is_global_zero else {}
+
+
+def _end_job(trainer: Any, launch_env: dict[str, str | None]) -> None:
+    """Leaves the process as it was before the job, so the next job of a sweep launches its own ranks."""
+    import torch.distributed as dist
+
+    launcher = getattr(trainer.strategy, "launcher", None)
+    wait_children = getattr(launcher, "wait_children", None)
+    if wait_children is not None:
+        wait_children(timeout=trainer.strategy.config.timeout_s)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in launch_env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        summary = run(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    if summary.get("optimizer_steps") is not None:
+        print(_summary_line(summary))
+
+
+def _summary_line(summary: dict[str, Any]) -> str:
+    parts = [f"strategy={summary.get('strategy')}", f"steps={summary.get('optimizer_steps')}"]
+    if summary.get("step_time_ms") is not None:
+        parts.append(f"step_time_ms={summary['step_time_ms']:.2f}")
+    if "bytes_sent_per_step" in summary:
+        parts.append(f"bytes_sent_per_step={summary['bytes_sent_per_step']:.0f}")
+    parts += [f"{k}={v:.4f}" for k, v in summary.get("test", {}).items()]
+    return "summary: " + " ".join(parts)
+
+
+def main() -> None:
+    """Console-script entry point (``lightning-sync-train``)."""
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()
