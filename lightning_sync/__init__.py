@@ -6,6 +6,7 @@ Importing the package registers the strategies with Lightning's ``StrategyRegist
 
 from lightning_sync.comm.meter import CommMeter, CommStats
 from lightning_sync.config import ConfigError
+from lightning_sync.strategies.allreduce import AllReduceStrategy
 from lightning_sync.strategies.ddp import DDPSyncStrategy
 
 __version__ = "0.1.0"
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 # registry name -> (class, description)
 STRATEGIES = {
     "sync_ddp": (DDPSyncStrategy, "torch DDP with metered comm hooks that also run on CPU/gloo"),
+    "sync_allreduce": (AllReduceStrategy, "hand-written bucketed all-reduce overlapped with backward, no DDP wrapper"),
 }
 
 
@@ -26,4 +28,4 @@ def _register_strategies() -> None:
 
 _register_strategies()
 
-__all__ = ["CommMeter", "CommStats", "ConfigError", "DDPSyncStrategy", "STRATEGIES"]
+__all__ = ["AllReduceStrategy", "CommMeter", "CommStats", "ConfigError", "DDPSyncStrategy", "STRATEGIES"]

@@ -169,6 +169,11 @@ class AllReduceConfig(CompressionKnobs, _StrategyConfig):
     """Size of the first bucket in MiB, small so that communication starts early in backward (``overlap``)."""
     compression: str = "none"
     """Gradient compressor: ``none``, ``fp16``, ``bf16``, ``topk`` or ``powersgd``."""
+    find_unused_parameters: bool = False
+    """All-reduce a used-mask each step so that a parameter no rank used keeps ``grad=None`` (as DDP); without it
+    such a parameter gets a zero gradient. Parameters unused on some ranks never hang either way."""
+    broadcast_buffers: bool = True
+    """Broadcast rank 0's buffers (e.g. BatchNorm statistics) before every training step, as DDP does."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,6 +1,7 @@
 """Lightning adapters, one file per sync mode."""
 
 from lightning_sync.strategies._base import SyncStrategyBase
+from lightning_sync.strategies.allreduce import AllReduceStrategy
 from lightning_sync.strategies.ddp import DDPSyncStrategy
 
-__all__ = ["SyncStrategyBase", "DDPSyncStrategy"]
+__all__ = ["AllReduceStrategy", "SyncStrategyBase", "DDPSyncStrategy"]

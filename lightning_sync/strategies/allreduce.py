@@ -1,0 +1,144 @@
+"""The ``allreduce`` sync mode: no DDP wrapper; gradients all-reduced by hand, bucketed and overlapped with backward."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Generator, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_sync.comm.bucketing import GradientSynchronizer
+from lightning_sync.config import AllReduceConfig
+from lightning_sync.strategies._base import SyncStrategyBase
+
+
+class AllReduceStrategy(SyncStrategyBase):
+    """Data parallel without torch DDP: the strategy averages gradients itself.
+
+    At setup rank 0's parameters and buffers are broadcast, so ranks seeded differently still start identical.
+    Gradients are averaged once per optimizer step, before gradient clipping and ``on_before_optimizer_step``; with
+    ``bucketing="overlap"`` the communication runs during backward. Non-final micro-batches of
+    ``accumulate_grad_batches`` send nothing. Manual optimization, several optimizers and precision plugins work.
+
+    Args:
+        **kwargs: the fields of :class:`~lightning_sync.config.AllReduceConfig` (``bucketing``, ``bucket_cap_mb``,
+            ``compression``, ...) and Lightning's own strategy arguments.
+    """
+
+    config_class = AllReduceConfig
+    strategy_name = "sync_allreduce"
+    config: AllReduceConfig
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.synchronizer: Optional[GradientSynchronizer] = None
+        self._synced = False
+
+    @override
+    def configure_ddp(self) -> None:
+        """Keeps the module unwrapped: broadcasts rank 0's state and builds the gradient synchronizer.
+
+        Guarantees: afterwards every rank holds rank 0's parameters and buffers, and each parameter with
+        ``requires_grad`` belongs to exactly one bucket.
+        """
+        assert self.model is not None and self.meter is not None
+        with torch.no_grad():
+            for tensor in [*self.model.parameters(), *self.model.buffers()]:
+                self.meter.broadcast(tensor.data, src=0)
+        cfg = self.config
+        self.synchronizer = GradientSynchronizer(
+            list(self.model.parameters()),
+            compressor=cfg.build_compressor(cfg.compression),
+            meter=self.meter,
+            bucketing=cfg.bucketing,
+            bucket_cap_mb=cfg.bucket_cap_mb,
+            first_bucket_mb=cfg.first_bucket_mb,
+            find_unused_parameters=cfg.find_unused_parameters,
+        )
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Opens a sync round before each backward that is not inside :meth:`block_backward_sync`."""
+        if self.synchronizer is not None:
+            self.synchronizer.start_round()
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Nothing: DDP's bookkeeping does not apply, and syncing happens once per optimizer step."""
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-final micro-batches of gradient accumulation: backward only accumulates locally."""
+        if self.synchronizer is None:
+            yield
+            return
+        with self.synchronizer.no_sync():
+            yield
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[pl.LightningModule, nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Finishes the gradient sync right after the closure's backward, before clipping and the step.
+
+        Guarantees: ``on_before_optimizer_step``, gradient clipping, the grad scaler's unscale and the optimizer all
+        see the averaged gradients.
+        """
+
+        def _closure_then_sync() -> Any:
+            result = closure()
+            self._finish_sync()
+            return result
+
+        return super().optimizer_step(optimizer, _closure_then_sync, model, **kwargs)
+
+    def _finish_sync(self) -> None:
+        self._synced = self.synchronizer is not None and self.synchronizer.finish()
+
+    @override
+    def on_sync_step_end(self) -> None:
+        """Advances the compressor's step count, once per sync (a second optimizer on the same round adds none)."""
+        if self._synced:
+            self.synchronizer.compressor.advance()
+            self._synced = False
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Broadcasts rank 0's buffers before the forward (as DDP's ``broadcast_buffers``), then runs the step."""
+        if self.config.broadcast_buffers and self.meter is not None and self.model is not None:
+            with torch.no_grad():
+                for buffer in self.model.buffers():
+                    self.meter.broadcast(buffer.data, src=0)
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def sync_state_dict(self) -> dict[str, Any]:
+        """Adds the compressor's memory (residuals, low-rank factors) to the base state."""
+        state = super().sync_state_dict()
+        if self.synchronizer is not None:
+            state["compressor"] = self.synchronizer.compressor.state_dict()
+        return state
+
+    @override
+    def load_sync_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores the compressor's memory saved by :meth:`sync_state_dict`."""
+        super().load_sync_state_dict(state)
+        if self.synchronizer is not None and "compressor" in state:
+            self.synchronizer.compressor.load_state_dict(state["compressor"])
+
+    @override
+    def teardown(self) -> None:
+        """Removes the gradient hooks, then tears down as Lightning's DDP does."""
+        if self.synchronizer is not None:
+            self.synchronizer.remove_hooks()
+            self.synchronizer = None
+        super().teardown()
