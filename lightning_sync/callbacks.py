@@ -17,11 +17,12 @@ class SyncReport(pl.Callback):
 
     The step time of a batch is the wall time from ``on_train_batch_start`` to ``on_train_batch_end`` on rank 0
     (forward, backward, sync and optimizer step; data loading excluded). The first ``warmup_steps`` batches are
-    left out of the median. Bytes per step divide the meter's totals by the optimizer steps taken; strategies without
-    a lightning_sync meter (e.g. Lightning's own ``"ddp"``) report none.
+    left out of the median. Bytes per step divide what the meter counted during training (setup traffic
+    excluded) by the optimizer steps taken; strategies without a lightning_sync meter (e.g. Lightning's own
+    ``"ddp"``) report none.
 
     Args:
-        path: where to write the summary JSON after fit/test (``None``: don't write).
+        path: where to write the summary JSON after fit/test (``None``: don't write); an existing file is updated.
         warmup_steps: batches left out of the step-time median.
     """
 
@@ -31,6 +32,12 @@ class SyncReport(pl.Callback):
         self.step_seconds: list[float] = []
         self.summary: dict[str, Any] = {}
         self._started = 0.0
+        self._comm_at_start: Any = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        meter = getattr(trainer.strategy, "meter", None)
+        self._comm_at_start = meter.total if meter is not None else None
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
@@ -53,8 +60,8 @@ class SyncReport(pl.Callback):
             step_time_ms=1000 * statistics.median(timed) if timed else None,
         )
         meter = getattr(trainer.strategy, "meter", None)
-        if meter is not None:
-            total = meter.total
+        if meter is not None and self._comm_at_start is not None:
+            total = meter.total - self._comm_at_start  # training only: setup broadcasts are not a step's
             self.summary.update(
                 bytes_sent_per_step=total.bytes_sent / steps,
                 bytes_recv_per_step=total.bytes_recv / steps,
@@ -69,5 +76,10 @@ class SyncReport(pl.Callback):
         self._write(trainer)
 
     def _write(self, trainer: pl.Trainer) -> None:
-        if self.path is not None and trainer.is_global_zero:
-            Path(self.path).write_text(json.dumps(self.summary, indent=2, sort_keys=True))
+        """Merges into the file: with fork/spawn, fit and test run in different processes, each with its part."""
+        if self.path is None or not trainer.is_global_zero:
+            return
+        path = Path(self.path)
+        merged = json.loads(path.read_text()) if path.is_file() else {}
+        merged.update(self.summary)
+        path.write_text(json.dumps(merged, indent=2, sort_keys=True))

@@ -9,6 +9,7 @@ any rank starts.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -97,8 +98,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             trainer.test(model, datamodule=datamodule, verbose=False)
     finally:
         _end_job(trainer, launch_env)
+    if not trainer.is_global_zero:
+        return {}
+    # With fork/spawn the callbacks ran in the ranks, not here: the file rank 0 wrote is the record.
     report = next(cb for cb in trainer.callbacks if isinstance(cb, SyncReport))
-    return report.summary if trainer.is_global_zero else {}
+    path = Path(report.path)
+    return json.loads(path.read_text()) if path.is_file() else report.summary
 
 
 def _end_job(trainer: Any, launch_env: dict[str, str | None]) -> None:
