@@ -5,7 +5,7 @@ same Hydra config as ``lightning_sync.train`` (2 CPU ranks, same seed and epochs
 mode, test accuracy, median step time and bytes sent per rank per optimizer step. Results also go to
 ``<out>/results.json`` and ``<out>/results.md``; each case's run folder holds its metrics.csv and config.
 
-    python -m lightning_sync.compare                     # all cases, 10 epochs
+    python -m lightning_sync.compare                     # all cases, 30 epochs
     python -m lightning_sync.compare --epochs 3 --cases ddp,allreduce
     python -m lightning_sync.compare --smoke             # a few steps each (CI)
 """
@@ -79,7 +79,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=10, help="training epochs per case")
+    parser.add_argument("--epochs", type=int, default=30, help="training epochs per case")
     parser.add_argument("--cases", default="", help="comma-separated subset of: " + ", ".join(CASES))
     parser.add_argument("--out", default="outputs/compare", help="folder for the runs and the results table")
     parser.add_argument("--smoke", action="store_true", help="4 training batches per case (for CI)")

@@ -201,12 +201,14 @@ class GradientSynchronizer:
                 bucket.filled.add(id(p))
             bucket.ready = len(bucket.params)
 
-    def _globally_used(self) -> Optional[torch.Tensor]:
+    def _globally_used(self, local_used: list[bool]) -> Optional[list[bool]]:
+        """Which parameters any rank used (only with ``find_unused_parameters``); issued after every bucket, so
+        all ranks see the same sequence of collectives."""
         if not self.find_unused_parameters:
             return None
-        used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.float32)
+        used = torch.tensor(local_used, dtype=torch.float32)
         self.meter.all_reduce(used, group=self.group)
-        return used > 0
+        return (used > 0).tolist()
 
     def finish(self) -> bool:
         """Completes the round: launches every bucket not yet launched, waits for all, writes averages to ``.grad``.
@@ -216,7 +218,7 @@ class GradientSynchronizer:
         """
         if not self._round_active:
             return False
-        used = self._globally_used()
+        local_used = [p.grad is not None for p in self.params]
         self._fill_missing()
         if self.bucketing == "naive":
             for bucket in self.buckets:
@@ -224,6 +226,7 @@ class GradientSynchronizer:
                 bucket.future.wait()
         else:
             self._launch_ready()
+        used = self._globally_used(local_used)
         for bucket in self.buckets:
             assert bucket.future is not None
             bucket.future.wait()
@@ -234,7 +237,7 @@ class GradientSynchronizer:
                 else:
                     p.grad.copy_(bucket.slot(i))
         if used is not None:
-            for p, u in zip(self.params, used.tolist()):
+            for p, u in zip(self.params, used):
                 if not u:
                     p.grad = None
         self._reset_round()
