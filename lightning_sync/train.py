@@ -1,10 +1,10 @@
 """The Hydra app: ``python -m lightning_sync.train strategy=<mode> model=<model> ...`` (or ``lightning-sync-train``).
 
 It composes ``conf/``, instantiates the data, the model and the strategy (its own config group, passed to
-``lightning.Trainer``), fits, tests, and writes to the run folder: ``metrics.csv`` (every logged metric, including
-``comm/*`` per optimizer step), ``config.yaml`` (the resolved config) and ``summary.json`` (test metrics, median
-step time, bytes per step). A user's config mistake ends with one line naming the field and a non-zero exit, before
-any rank starts.
+``lightning.Trainer``), fits, tests, and writes to the run folder: ``metrics.csv`` (every metric logged in
+training, including ``comm/*`` per optimizer step), ``test/metrics.csv``, ``config.yaml`` (the resolved config) and
+``summary.json`` (test metrics, median step time, bytes per step). A user's config mistake ends with one line
+naming the field and a non-zero exit, before any rank starts.
 """
 
 from __future__ import annotations
@@ -95,6 +95,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     try:
         trainer.fit(model, datamodule=datamodule)
         if cfg.get("test", True):
+            # Test metrics go to test/metrics.csv: with fork/spawn the test runs in new processes whose CSV writer
+            # would otherwise start metrics.csv afresh and erase the training curve.
+            from lightning.pytorch.loggers import CSVLogger
+
+            trainer.loggers = [CSVLogger(save_dir=trainer.logger.save_dir, name="", version="test")]
             trainer.test(model, datamodule=datamodule, verbose=False)
     finally:
         _end_job(trainer, launch_env)
@@ -144,8 +149,57 @@ def _summary_line(summary: dict[str, Any]) -> str:
     return "summary: " + " ".join(parts)
 
 
+# Flags that add config directories: with them, group options may come from elsewhere, so Hydra checks them.
+_SEARCH_PATH_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp")
+
+
+def _check_group_choices(argv: list[str]) -> None:
+    """Rejects a command-line choice of a config group option that has no file, in one line.
+
+    Hydra's own message for ``strategy=nope`` lists every option and its search path (a dozen lines and growing);
+    this one names the field, the value and what is allowed, like a :class:`ConfigError`. Anything it cannot judge
+    (globs, interpolations, extra search paths) is left to Hydra.
+
+    Raises:
+        ConfigError: for a plain or comma-swept choice that is not a file of the group.
+    """
+    if any(arg.split("=", 1)[0] in _SEARCH_PATH_FLAGS or "hydra.searchpath" in arg for arg in argv):
+        return
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    conf = Path(CONFIG_DIR)
+    groups = {d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in conf.iterdir() if d.is_dir()}
+    parser = OverridesParser.create()
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            override = parser.parse_override(arg)
+            value = override.value()
+        except Exception:  # noqa: BLE001 - not ours to judge; Hydra reports it
+            continue
+        options = groups.get(override.key_or_group)
+        if options is None or not options or override.is_delete():
+            continue
+        if isinstance(value, ChoiceSweep):
+            candidates = list(value.list)
+        else:
+            candidates = [value]
+        for candidate in candidates:
+            if isinstance(candidate, str) and "${" not in candidate and candidate not in options:
+                raise ConfigError(
+                    f"{override.key_or_group}={candidate!r} is not allowed; choose one of: {', '.join(options)}"
+                )
+
+
 def main() -> None:
     """Console-script entry point (``lightning-sync-train``)."""
+    try:
+        _check_group_choices(sys.argv[1:])
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     _hydra_main()
 
 
