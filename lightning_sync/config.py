@@ -12,8 +12,9 @@ import math
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Iterable, Optional, TypeVar
 
+from lightning_sync.comm.compression import COMPRESSORS, build_compressor
+
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
-COMPRESSORS = ("none", "fp16", "bf16", "topk", "powersgd")
 BUCKETINGS = ("overlap", "flat", "naive")
 
 
@@ -120,8 +121,6 @@ class CompressionKnobs:
 
     def build_compressor(self, name: str) -> Any:
         """A fresh :class:`~lightning_sync.comm.compression.Compressor` for ``name`` with these settings."""
-        from lightning_sync.comm.compression import build_compressor
-
         return build_compressor(
             name,
             topk_density=self.topk_density,
@@ -186,3 +185,136 @@ class AllReduceConfig(CompressionKnobs, _StrategyConfig):
 def field_defaults(cls: type) -> dict[str, Any]:
     """``{field: default}`` of a config dataclass (used to check that the YAML files match the dataclasses)."""
     return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+
+PERIODIC_MODES = ("gradient", "local_sgd", "diloco")
+
+
+def normalize_module_policy(field: str, value: Any) -> Optional[dict[str, int]]:
+    """``module_sync_every`` as a plain ``{pattern: period}`` dict (``None`` when unset).
+
+    Accepts a mapping ``{pattern: period}``, or a list whose items are ``{pattern: period}`` one-entry mappings,
+    ``{"pattern": p, "every": n}`` mappings or ``[pattern, period]`` pairs (OmegaConf containers work as well).
+    Patterns are non-empty strings, periods integers ``>= 1``, and a pattern may appear only once.
+    """
+    if value is None:
+        return None
+    from collections.abc import Mapping, Sequence
+
+    pairs: list[tuple[Any, Any]] = []
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        for item in value:
+            if isinstance(item, Mapping) and set(item.keys()) == {"pattern", "every"}:
+                pairs.append((item["pattern"], item["every"]))
+            elif isinstance(item, Mapping) and len(item) == 1:
+                pairs.extend(item.items())
+            elif isinstance(item, Sequence) and not isinstance(item, (str, bytes)) and len(item) == 2:
+                pairs.append((item[0], item[1]))
+            else:
+                raise ConfigError(
+                    f"{field} item {item!r} is not allowed; each item must be {{pattern: period}}, "
+                    "{pattern: ..., every: ...} or [pattern, period]"
+                )
+    else:
+        raise ConfigError(
+            f"{field}={value!r} is not allowed; it must be null, a mapping {{pattern: period}} or a list of "
+            "[pattern, period] pairs"
+        )
+    if not pairs:
+        raise ConfigError(f"{field}={value!r} is not allowed; give at least one pattern (or null for none)")
+    policy: dict[str, int] = {}
+    for pattern, period in pairs:
+        if not isinstance(pattern, str) or not pattern:
+            raise ConfigError(f"{field} pattern {pattern!r} is not allowed; it must be a non-empty string")
+        if pattern in policy:
+            raise ConfigError(f"{field} pattern {pattern!r} is not allowed; it appears twice")
+        check_range(f"{field}[{pattern!r}]", period, low=1, integer=True)
+        policy[pattern] = int(period)
+    return policy
+
+
+@dataclass
+class PeriodicConfig(CompressionKnobs, _StrategyConfig):
+    """The ``periodic`` strategy: gradient accumulation across ranks, local SGD or DiLoCo, synced every N steps."""
+
+    mode: str = "local_sgd"
+    """``gradient``: accumulate local gradients for ``sync_every`` micro-batches, then one bucketed all-reduce and
+    an optimizer step (= DDP with ``accumulate_grad_batches * sync_every``); ``local_sgd``: every rank steps alone
+    and parameters and buffers are averaged every ``sync_every`` steps; ``diloco``: every ``sync_every`` steps an
+    outer optimizer applies the averaged pseudo-gradient to the global copy, which every replica then loads."""
+    sync_every: Any = 8
+    """Period: micro-batches per sync (``gradient``) or optimizer steps per sync (``local_sgd``/``diloco``); an
+    integer >= 1, or ``auto`` (``local_sgd``/``diloco``) to adapt it to ``target_comm_fraction``."""
+    warmup_steps: int = 0
+    """``local_sgd``/``diloco``: optimizer steps with gradients all-reduced every step (as DDP) before the first
+    local step (post-local SGD)."""
+    average_optimizer_state: bool = False
+    """``local_sgd``/``diloco``: also average the floating optimizer state (momentum, Adam moments) at each sync."""
+    outer_lr: float = 0.7
+    """``diloco``: learning rate of the outer SGD."""
+    outer_momentum: float = 0.9
+    """``diloco``: momentum of the outer SGD, in [0, 1)."""
+    outer_nesterov: bool = True
+    """``diloco``: Nesterov momentum for the outer SGD (ignored when ``outer_momentum`` is 0)."""
+    target_comm_fraction: float = 0.1
+    """``sync_every: auto``: the share of time to spend communicating, in (0, 1]."""
+    min_sync_every: int = 1
+    """``sync_every: auto``: smallest period (also the starting period)."""
+    max_sync_every: int = 64
+    """``sync_every: auto``: largest period."""
+    module_sync_every: Any = None
+    """``local_sgd``/``diloco``: per-module periods, ``{glob pattern: period}`` matched (fnmatch, case-sensitive)
+    against the LightningModule's full parameter names, e.g. ``{"backbone.*": 1, "head.*": 8}``. Parameters matched
+    by no pattern use ``sync_every``; a pattern matching no parameter, or a parameter matched twice, is an error."""
+    compression: str = "none"
+    """Compressor of every sync payload (gradients, parameter deltas, pseudo-gradients): ``none``, ``fp16``,
+    ``bf16``, ``topk`` or ``powersgd``."""
+    bucketing: str = "overlap"
+    """Gradient all-reduce (``gradient`` mode and warmup): ``overlap``, ``flat`` or ``naive``."""
+    bucket_cap_mb: float = 25.0
+    """Bucket size in MiB (gradient buckets and parameter-averaging buckets)."""
+    first_bucket_mb: float = 1.0
+    """Size of the first gradient bucket in MiB (``overlap``)."""
+    find_unused_parameters: bool = False
+    """Gradient all-reduce: all-reduce a used-mask so a parameter no rank used keeps ``grad=None``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_choice("strategy.mode", self.mode, PERIODIC_MODES)
+        if isinstance(self.sync_every, str):
+            if self.sync_every != "auto":
+                raise ConfigError(
+                    f"strategy.sync_every={self.sync_every!r} is not allowed; it must be an integer >= 1 or 'auto'"
+                )
+        elif isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int):
+            raise ConfigError(
+                f"strategy.sync_every={self.sync_every!r} is not allowed; it must be an integer >= 1 or 'auto'"
+            )
+        else:
+            check_range("strategy.sync_every", self.sync_every, low=1, integer=True)
+        check_range("strategy.warmup_steps", self.warmup_steps, low=0, integer=True)
+        check_range("strategy.outer_lr", self.outer_lr, low=0, low_open=True)
+        check_range("strategy.outer_momentum", self.outer_momentum, low=0)
+        if self.outer_momentum >= 1:
+            raise ConfigError(f"strategy.outer_momentum={self.outer_momentum!r} is not allowed; it must be in [0, 1)")
+        check_range("strategy.target_comm_fraction", self.target_comm_fraction, low=0, high=1, low_open=True)
+        check_range("strategy.min_sync_every", self.min_sync_every, low=1, integer=True)
+        check_range("strategy.max_sync_every", self.max_sync_every, low=self.min_sync_every, integer=True)
+        self.module_sync_every = normalize_module_policy("strategy.module_sync_every", self.module_sync_every)
+        self._check_compression("strategy.compression", self.compression)
+        check_choice("strategy.bucketing", self.bucketing, BUCKETINGS)
+        check_range("strategy.bucket_cap_mb", self.bucket_cap_mb, low=0, low_open=True)
+        check_range("strategy.first_bucket_mb", self.first_bucket_mb, low=0, low_open=True)
+        if self.mode == "gradient":
+            for name, bad, why in (
+                ("sync_every", self.sync_every == "auto", "an adaptive period would change the effective batch size"),
+                ("warmup_steps", self.warmup_steps != 0, "gradient accumulation has no local steps to warm up"),
+                ("module_sync_every", self.module_sync_every is not None, "gradients are synced as one model"),
+            ):
+                if bad:
+                    raise ConfigError(
+                        f"strategy.{name}={getattr(self, name)!r} is not allowed with strategy.mode='gradient' "
+                        f"({why}); it is for local_sgd and diloco"
+                    )

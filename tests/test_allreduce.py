@@ -240,3 +240,17 @@ def test_bad_config_is_rejected_before_launch(kwargs, field):
     with pytest.raises(ConfigError) as info:
         AllReduceStrategy(**kwargs)
     assert field in str(info.value), str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_fp16_mixed_with_grad_scaler_equals_ddp(tmp_path):
+    """fp16 autocast with a CPU GradScaler (Lightning would turn "16-mixed" into bf16 on CPU, so pass the plugin)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def plugin() -> MixedPrecision:
+        return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))
+
+    ref = _fit("ddp_fork", tmp_path / "ddp.pt", plugins=[plugin()], max_steps=10, gradient_clip_val=0.05)
+    ours = _fit(_ours(), tmp_path / "ours.pt", plugins=[plugin()], max_steps=10, gradient_clip_val=0.05)
+    diff = (ours["params"] - ref["params"]).abs().max().item()
+    assert diff <= 1e-6, diff

@@ -1,0 +1,33 @@
+# Developer and CI entry points. `make test` = `make setup` + the test suite; .ci/run calls `make test`.
+#
+# torch is pinned and installed first: this machine has the CPU wheel of torch 2.13.0 on disk, while an unpinned
+# torch (or one pulled in by another package) would download a multi-GB CUDA build.
+
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH := torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup test clean-venv
+
+setup: $(VENV)/.installed
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstalls when pyproject.toml changes. setuptools>=70.1 builds wheels without the `wheel` package; both are
+# needed for the wheel test's `pip wheel --no-build-isolation` (a venv's bundled setuptools is older).
+$(VENV)/.installed: $(PY) pyproject.toml
+	$(PIP) install --upgrade 'setuptools>=70.1' wheel
+	$(PIP) install $(TORCH)
+	$(PIP) install $(TORCH) -e '.[test]'
+	touch $@
+
+# pytest's exit status goes through unchanged (5, "no tests ran", fails the target like any other).
+test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)
