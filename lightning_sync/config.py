@@ -173,6 +173,8 @@ class AllReduceConfig(CompressionKnobs, _StrategyConfig):
     such a parameter gets a zero gradient. Parameters unused on some ranks never hang either way."""
     broadcast_buffers: bool = True
     """Broadcast rank 0's buffers (e.g. BatchNorm statistics) before every training step, as DDP does."""
+    gradient_as_bucket_view: bool = True
+    """After the sync, each ``.grad`` is a view into its bucket (no copy back); the next step's sync overwrites it."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

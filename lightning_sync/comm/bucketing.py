@@ -57,6 +57,12 @@ class _Bucket:
         return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view(p.shape)
 
 
+def _copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, skipped when ``src`` already is ``dst`` (a gradient that is a bucket view)."""
+    if src.data_ptr() != dst.data_ptr():
+        dst.copy_(src)
+
+
 def plan_buckets(
     params: Sequence[torch.nn.Parameter], bucket_cap_bytes: float, first_bucket_bytes: float
 ) -> list[list[int]]:
@@ -94,6 +100,9 @@ class GradientSynchronizer:
         bucket_cap_mb: bucket size for ``overlap``.
         first_bucket_mb: size of the first bucket for ``overlap``.
         find_unused_parameters: all-reduce a used-mask so that parameters no rank used keep ``grad=None``.
+        gradient_as_bucket_view: after a round, make each ``.grad`` a view into its bucket instead of copying the
+            average out (saves one copy of all gradients per step; the next round overwrites those views, so keep a
+            clone if you need a gradient beyond the optimizer step).
         group: the process group (``None``: default).
     """
 
@@ -106,6 +115,7 @@ class GradientSynchronizer:
         bucket_cap_mb: float = 25.0,
         first_bucket_mb: float = 1.0,
         find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = True,
         group: Optional[ProcessGroup] = None,
     ) -> None:
         if bucketing not in ("overlap", "flat", "naive"):
@@ -115,6 +125,7 @@ class GradientSynchronizer:
         self.meter = meter
         self.bucketing = bucketing
         self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         self.group = group
         self.sync_enabled = True
         self._round_active = False
@@ -168,7 +179,7 @@ class GradientSynchronizer:
         bucket, i = self._where[id(param)]
         if id(param) in bucket.filled or bucket.future is not None:
             return  # already counted this round (a second backward before finish adds to .grad only)
-        bucket.slot(i).copy_(param.grad)
+        _copy_unless_same(bucket.slot(i), param.grad)
         bucket.filled.add(id(param))
         bucket.ready += 1
         self._launch_ready()
@@ -197,7 +208,7 @@ class GradientSynchronizer:
                 if p.grad is None:
                     bucket.slot(i).zero_()
                 else:
-                    bucket.slot(i).copy_(p.grad)
+                    _copy_unless_same(bucket.slot(i), p.grad)
                 bucket.filled.add(id(p))
             bucket.ready = len(bucket.params)
 
@@ -232,7 +243,9 @@ class GradientSynchronizer:
             bucket.future.wait()
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
-                if p.grad is None:
+                if self.gradient_as_bucket_view:
+                    p.grad = bucket.slot(i)
+                elif p.grad is None:
                     p.grad = bucket.slot(i).clone()
                 else:
                     p.grad.copy_(bucket.slot(i))

@@ -58,6 +58,7 @@ class AllReduceStrategy(SyncStrategyBase):
             bucket_cap_mb=cfg.bucket_cap_mb,
             first_bucket_mb=cfg.first_bucket_mb,
             find_unused_parameters=cfg.find_unused_parameters,
+            gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         )
 
     @override
