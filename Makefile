@@ -1,4 +1,5 @@
-# Developer and CI entry points. `make test` = `make setup` + the test suite; .ci/run calls `make test`.
+# Developer and CI entry points. `make test` = `make setup` + the test suite (.ci/run calls `make test`);
+# `make compare` = `make setup` + the main job (every sync mode on the digits, one table in outputs/compare/).
 #
 # torch is pinned and installed first: this machine has the CPU wheel of torch 2.13.0 on disk, while an unpinned
 # torch (or one pulled in by another package) would download a multi-GB CUDA build.
@@ -9,8 +10,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
+COMPARE_ARGS ?=
 
-.PHONY: setup test clean-venv
+.PHONY: setup test compare clean-venv
 
 setup: $(VENV)/.installed
 
@@ -25,9 +27,12 @@ $(VENV)/.installed: $(PY) pyproject.toml
 	$(PIP) install $(TORCH) -e '.[test]'
 	touch $@
 
-# pytest's exit status goes through unchanged (5, "no tests ran", fails the target like any other).
+# Any non-zero pytest exit, 5 ("no tests ran") included, fails the target and so `make` and .ci/run (nothing masks it).
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+compare: setup
+	OMP_NUM_THREADS=1 $(PY) -m lightning_sync.compare $(COMPARE_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
