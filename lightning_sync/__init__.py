@@ -8,6 +8,7 @@ from lightning_sync.comm.meter import CommMeter, CommStats
 from lightning_sync.config import ConfigError
 from lightning_sync.strategies.allreduce import AllReduceStrategy
 from lightning_sync.strategies.ddp import DDPSyncStrategy
+from lightning_sync.strategies.periodic import PeriodicSyncStrategy
 
 __version__ = "0.1.0"
 
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 STRATEGIES = {
     "sync_ddp": (DDPSyncStrategy, "torch DDP with metered comm hooks that also run on CPU/gloo"),
     "sync_allreduce": (AllReduceStrategy, "hand-written bucketed all-reduce overlapped with backward, no DDP wrapper"),
+    "sync_periodic": (PeriodicSyncStrategy, "sync every N steps: cross-rank gradient accumulation, local SGD, DiLoCo"),
 }
 
 
@@ -28,4 +30,12 @@ def _register_strategies() -> None:
 
 _register_strategies()
 
-__all__ = ["AllReduceStrategy", "CommMeter", "CommStats", "ConfigError", "DDPSyncStrategy", "STRATEGIES"]
+__all__ = [
+    "AllReduceStrategy",
+    "CommMeter",
+    "CommStats",
+    "ConfigError",
+    "DDPSyncStrategy",
+    "PeriodicSyncStrategy",
+    "STRATEGIES",
+]

@@ -35,6 +35,12 @@ class SyncReport(pl.Callback):
         self._comm_at_start: Any = None
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A new fit starts a new summary: a file left by an earlier run in the same folder is removed."""
+        if self.path is not None and trainer.is_global_zero:
+            Path(self.path).unlink(missing_ok=True)
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         meter = getattr(trainer.strategy, "meter", None)
         self._comm_at_start = meter.total if meter is not None else None

@@ -118,7 +118,9 @@ def _end_job(trainer: Any, launch_env: dict[str, str | None]) -> None:
     launcher = getattr(trainer.strategy, "launcher", None)
     wait_children = getattr(launcher, "wait_children", None)
     if wait_children is not None:
-        wait_children(timeout=trainer.strategy.config.timeout_s)
+        failed = wait_children(timeout=trainer.strategy.config.timeout_s)
+        if failed:
+            raise RuntimeError(f"rank processes exited with errors (local rank: exit code): {failed}")
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     for key, value in launch_env.items():

@@ -101,7 +101,14 @@ class _TimedWork:
 
                 self._work.wait(datetime.timedelta(seconds=timeout))
             self._book()
+        elif timeout is None:
+            self._future.wait()
         else:
+            deadline = time.monotonic() + timeout
+            while not self._future.done():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"collective not done after {timeout} s")
+                time.sleep(0.0005)
             self._future.wait()
         return True
 

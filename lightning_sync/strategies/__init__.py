@@ -3,5 +3,6 @@
 from lightning_sync.strategies._base import SyncStrategyBase
 from lightning_sync.strategies.allreduce import AllReduceStrategy
 from lightning_sync.strategies.ddp import DDPSyncStrategy
+from lightning_sync.strategies.periodic import PeriodicSyncStrategy
 
-__all__ = ["AllReduceStrategy", "SyncStrategyBase", "DDPSyncStrategy"]
+__all__ = ["AllReduceStrategy", "SyncStrategyBase", "DDPSyncStrategy", "PeriodicSyncStrategy"]

@@ -94,7 +94,14 @@ class HydraJobSubprocessLauncher(_SubprocessScriptLauncher):
             command, cwd = hydra_job_command(local_rank)
             self.procs.append(subprocess.Popen(command, env=child_env, cwd=cwd))
 
-    def wait_children(self, timeout: Optional[float] = None) -> None:
-        """Waits for the children to exit (used between the jobs of a sweep so ports and cores are free again)."""
-        for proc in self.procs:
-            proc.wait(timeout=timeout)
+    def wait_children(self, timeout: Optional[float] = None) -> dict[int, int]:
+        """Waits for the children to exit (between the jobs of a sweep, so ports and cores are free again).
+
+        Returns:
+            ``{local_rank: exit_code}`` of the children that failed (empty when all exited with 0).
+
+        Raises:
+            subprocess.TimeoutExpired: a child still runs after ``timeout`` seconds.
+        """
+        codes = {local_rank: proc.wait(timeout=timeout) for local_rank, proc in enumerate(self.procs, start=1)}
+        return {rank: code for rank, code in codes.items() if code != 0}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional
 
 from torch.nn.parallel import DistributedDataParallel
@@ -10,6 +11,14 @@ from typing_extensions import override
 from lightning_sync.comm.ddp_hook import DDPHookState, compressed_allreduce_hook
 from lightning_sync.config import DDPConfig
 from lightning_sync.strategies._base import SyncStrategyBase
+
+
+# torch 2.13 renamed DDP's ``broadcast_buffers`` to ``forward_sync_buffers`` (and deprecated the old name).
+_BUFFER_SYNC_ARG = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else "broadcast_buffers"
+)
 
 
 class DDPSyncStrategy(SyncStrategyBase):
@@ -39,7 +48,7 @@ class DDPSyncStrategy(SyncStrategyBase):
             "find_unused_parameters": config.find_unused_parameters,
             "gradient_as_bucket_view": config.gradient_as_bucket_view,
             "static_graph": config.static_graph,
-            "broadcast_buffers": config.broadcast_buffers,
+            _BUFFER_SYNC_ARG: config.broadcast_buffers,
         }
 
     @override

@@ -1,0 +1,128 @@
+"""Choosing the sync period from measured compute and communication time (``sync_every: auto``).
+
+Nothing here knows of Lightning. With ``t_step`` seconds of compute per optimizer step and ``t_sync`` seconds of
+communication per sync, a period of ``P`` steps spends the fraction ``t_sync / (P * t_step + t_sync)`` of its time
+communicating. The smallest period that keeps this at or below ``target`` is
+
+    ``P = ceil(t_sync * (1 - target) / (target * t_step))``
+
+clamped to ``[min_every, max_every]`` (:func:`choose_period`). :class:`AdaptivePeriod` smooths the measurements
+with an exponential moving average before choosing, so one slow step does not swing the period.
+
+The decision must be identical on every rank, or ranks would sync at different steps and deadlock. So the ranks
+first agree on the inputs: :func:`agree_max` all-reduces the measured times with ``MAX`` (the slowest rank sets the
+pace of a synchronous collective anyway), and every rank then runs the same deterministic update on the same
+numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from lightning_sync.comm.meter import CommMeter
+
+
+def choose_period(
+    compute_seconds_per_step: float,
+    comm_seconds_per_sync: float,
+    target_comm_fraction: float,
+    min_every: int,
+    max_every: int,
+) -> int:
+    """The smallest period whose share of time spent communicating is at most ``target_comm_fraction``.
+
+    Args:
+        compute_seconds_per_step: seconds of computation per optimizer step (> 0; 0 means "unknown, go long").
+        comm_seconds_per_sync: seconds of communication per sync.
+        target_comm_fraction: in (0, 1].
+        min_every: smallest allowed period (>= 1).
+        max_every: largest allowed period (>= ``min_every``).
+    """
+    if not 0 < target_comm_fraction <= 1:
+        raise ValueError(f"target_comm_fraction={target_comm_fraction} must be in (0, 1]")
+    if not 1 <= min_every <= max_every:
+        raise ValueError(f"need 1 <= min_every ({min_every}) <= max_every ({max_every})")
+    comm = max(float(comm_seconds_per_sync), 0.0)
+    compute = max(float(compute_seconds_per_step), 0.0)
+    if comm == 0.0:
+        return min_every
+    if compute == 0.0:
+        return max_every
+    needed = comm * (1.0 - target_comm_fraction) / (target_comm_fraction * compute)
+    if not math.isfinite(needed) or needed >= max_every:
+        return max_every
+    # a tiny tolerance so that an exact fit (e.g. needed == 3.0000000000000004) is not pushed to the next integer
+    return int(min(max(math.ceil(needed - 1e-9), min_every), max_every))
+
+
+def comm_fraction(compute_seconds_per_step: float, comm_seconds_per_sync: float, period: int) -> float:
+    """The share of time spent communicating with this period."""
+    total = period * compute_seconds_per_step + comm_seconds_per_sync
+    return comm_seconds_per_sync / total if total > 0 else 0.0
+
+
+class AdaptivePeriod:
+    """Tracks smoothed compute and communication times and the period chosen from them.
+
+    Deterministic: the same sequence of :meth:`update` calls gives the same periods, so ranks that feed it agreed
+    numbers (see :func:`agree_max`) hold the same period.
+
+    Args:
+        target_comm_fraction: the share of time to spend communicating, in (0, 1].
+        min_every: smallest period; also the starting period.
+        max_every: largest period.
+        smoothing: weight of the newest measurement in the moving averages, in (0, 1] (1: no smoothing).
+    """
+
+    def __init__(self, target_comm_fraction: float, min_every: int, max_every: int, smoothing: float = 0.5) -> None:
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"smoothing={smoothing} must be in (0, 1]")
+        choose_period(1.0, 0.0, target_comm_fraction, min_every, max_every)  # validates the arguments
+        self.target_comm_fraction = float(target_comm_fraction)
+        self.min_every = int(min_every)
+        self.max_every = int(max_every)
+        self.smoothing = float(smoothing)
+        self.period = self.min_every
+        self.compute_seconds: Optional[float] = None
+        self.comm_seconds: Optional[float] = None
+        self.updates = 0
+
+    def _smooth(self, old: Optional[float], new: float) -> float:
+        return new if old is None else (1.0 - self.smoothing) * old + self.smoothing * new
+
+    def update(self, compute_seconds_per_step: float, comm_seconds_per_sync: float) -> int:
+        """Folds in one sync's measurements and returns the (possibly new) period."""
+        self.compute_seconds = self._smooth(self.compute_seconds, float(compute_seconds_per_step))
+        self.comm_seconds = self._smooth(self.comm_seconds, float(comm_seconds_per_sync))
+        self.updates += 1
+        self.period = choose_period(
+            self.compute_seconds, self.comm_seconds, self.target_comm_fraction, self.min_every, self.max_every
+        )
+        return self.period
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "period": self.period,
+            "compute_seconds": self.compute_seconds,
+            "comm_seconds": self.comm_seconds,
+            "updates": self.updates,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.period = int(state["period"])
+        self.compute_seconds = state["compute_seconds"]
+        self.comm_seconds = state["comm_seconds"]
+        self.updates = int(state["updates"])
+
+
+def agree_max(values: Sequence[float], meter: CommMeter, group: Optional[ProcessGroup] = None) -> list[float]:
+    """The element-wise maximum of ``values`` over the group (one small all-reduce through the meter)."""
+    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    if meter.world_size(group) > 1:
+        meter.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor.tolist()

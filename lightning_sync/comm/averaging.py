@@ -1,0 +1,337 @@
+"""Periodic model averaging: local SGD and DiLoCo's pseudo-gradient, plus buffers and optimizer state.
+
+Nothing here knows of Lightning. Every collective goes through a :class:`~lightning_sync.comm.meter.CommMeter`, and
+every parameter payload through a :class:`~lightning_sync.comm.compression.Compressor` on
+:class:`~lightning_sync.comm.compression.FlatBucket` s, so it is counted at its compressed size.
+
+:class:`ModelAverager` keeps, for a fixed list of parameters, the *global copy* ("anchor"): the parameters as they
+were right after the last sync, identical on every rank, stored in flat buckets. At a sync each rank computes its
+delta from the anchor, and the deltas (not the parameters) are averaged through the compressor:
+
+``average_`` (local SGD)
+    ``anchor += mean_r(local_r - anchor)``, then every replica loads the anchor. Without compression this is the
+    plain parameter average ``mean_r(local_r)`` up to rounding; with compression the compressor (and its error
+    feedback) sees small deltas instead of whole weights, which is what sparsifying or low-rank compression needs.
+``outer_step_`` (DiLoCo)
+    the pseudo-gradient ``mean_r(anchor - local_r)`` becomes ``anchor.grad`` and an outer optimizer (by default
+    Nesterov SGD) steps the anchor, which every replica then loads. With ``lr=1`` and no momentum it equals
+    ``average_``.
+
+Both return this rank's squared divergence ``||local_r - mean_r(local_r)||^2`` (the mean as the compressor
+estimated it), measured at sync time before the replicas are overwritten.
+
+Buffers (BatchNorm statistics) are averaged exactly by :func:`average_buffers` (torch's own ``PeriodicModelAverager``
+skips them); :func:`average_optimizer_state` averages the optimizer's per-parameter floating state (momentum, Adam
+moments). Both go uncompressed: they are small, and sparsifying running statistics or moments is meaningless.
+
+Per-module periods: :func:`validate_module_policy` matches ``{glob pattern: period}`` against a model's parameter
+names (:mod:`fnmatch`, case-sensitive, against the full dotted name such as ``net.4.weight``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from lightning_sync.comm.bucketing import plan_buckets
+from lightning_sync.comm.compression import Compressor, FlatBucket, NoCompression
+from lightning_sync.comm.meter import CommMeter
+from lightning_sync.config import ConfigError, normalize_module_policy
+
+_MB = 1024 * 1024
+POLICY_FIELD = "strategy.module_sync_every"
+
+
+# ------------------------------------------------------------------------------------------------ per-module policy
+def match_module_policy(
+    names: Iterable[str], policy: Mapping[str, int], field: str = POLICY_FIELD, what: str = "parameter"
+) -> dict[str, str]:
+    """Assigns each name to the one pattern of ``policy`` that matches it (fnmatch, case-sensitive).
+
+    Returns:
+        ``{name: pattern}`` for every name matched by a pattern (names matched by none are left out).
+
+    Raises:
+        ConfigError: a name matched by two patterns.
+    """
+    assigned: dict[str, str] = {}
+    for name in names:
+        hits = [pattern for pattern in policy if fnmatch.fnmatchcase(name, pattern)]
+        if len(hits) > 1:
+            raise ConfigError(
+                f"{field}: {what} {name!r} is matched by {len(hits)} patterns ({', '.join(repr(h) for h in hits)}); "
+                "each parameter may match at most one pattern"
+            )
+        if hits:
+            assigned[name] = hits[0]
+    return assigned
+
+
+def validate_module_policy(
+    model: Union[nn.Module, Iterable[str]], policy: Any, field: str = POLICY_FIELD
+) -> dict[str, int]:
+    """Checks a ``module_sync_every`` policy against a model before training (can run before any rank starts).
+
+    Args:
+        model: the LightningModule (or any module), or an iterable of its parameter names.
+        policy: ``{pattern: period}`` or a list form accepted by
+            :func:`~lightning_sync.config.normalize_module_policy`; ``None`` means no policy.
+
+    Returns:
+        ``{parameter name: period}`` for every parameter a pattern matches (the others use ``sync_every``).
+
+    Raises:
+        ConfigError: a bad policy, a pattern that matches no parameter, or a parameter matched by two patterns.
+    """
+    normalized = normalize_module_policy(field, policy)
+    if normalized is None:
+        return {}
+    if isinstance(model, nn.Module):
+        names = [name for name, _ in model.named_parameters()]
+    else:
+        names = list(model)
+    assigned = match_module_policy(names, normalized, field)
+    used = set(assigned.values())
+    for pattern in normalized:
+        if pattern not in used:
+            shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+            raise ConfigError(
+                f"{field}: pattern {pattern!r} matches no parameter; patterns are fnmatch globs on full parameter "
+                f"names such as {shown}"
+            )
+    return {name: normalized[pattern] for name, pattern in assigned.items()}
+
+
+# ------------------------------------------------------------------------------------------------ small helpers
+def _pack(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        out[offset : offset + n].copy_(t.detach().reshape(-1))
+        offset += n
+    return out
+
+
+def _unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+
+def _source_rank(group: Optional[ProcessGroup]) -> int:
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def average_tensors_(tensors: Sequence[torch.Tensor], meter: CommMeter, group: Optional[ProcessGroup] = None) -> None:
+    """Replaces floating ``tensors`` (same list on every rank) by their exact mean over the group, packed per dtype.
+
+    Non-floating tensors are broadcast from the group's first rank instead (integers have no exact mean; counters
+    such as ``num_batches_tracked`` are equal on all ranks anyway).
+    """
+    if meter.world_size(group) == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.is_floating_point() or t.is_complex():
+            by_dtype.setdefault(t.dtype, []).append(t)
+        else:
+            meter.broadcast(t.data, src=_source_rank(group), group=group)
+    averager = NoCompression()
+    pending = []
+    for index, (dtype, group_tensors) in enumerate(by_dtype.items()):
+        numel = sum(t.numel() for t in group_tensors)
+        if numel == 0:
+            continue
+        flat = _pack(group_tensors, torch.empty(numel, dtype=dtype, device=group_tensors[0].device))
+        bucket = FlatBucket(index=index, buffer=flat, shapes=[t.shape for t in group_tensors])
+        pending.append((group_tensors, flat, averager.average(bucket, meter, group)))
+    for group_tensors, flat, future in pending:
+        future.wait()
+        _unpack(flat, group_tensors)
+
+
+def average_buffers(buffers: Sequence[torch.Tensor], meter: CommMeter, group: Optional[ProcessGroup] = None) -> None:
+    """Averages a module's buffers (e.g. BatchNorm running statistics) exactly over the group, in place."""
+    average_tensors_(list(buffers), meter, group)
+
+
+def optimizer_state_tensors(
+    optimizers: Iterable[torch.optim.Optimizer], params: Iterable[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The floating per-parameter state tensors (shaped like their parameter) of ``params``, in a fixed order.
+
+    Scalar state such as Adam's ``step`` is left out: it is equal on every rank, and averaging it could round it.
+    """
+    params = list(params)
+    out: list[torch.Tensor] = []
+    for optimizer in optimizers:
+        for p in params:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            for key in sorted(state, key=str):
+                value = state[key]
+                if torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape:
+                    out.append(value)
+    return out
+
+
+def average_optimizer_state(
+    optimizers: Iterable[torch.optim.Optimizer],
+    params: Iterable[torch.Tensor],
+    meter: CommMeter,
+    group: Optional[ProcessGroup] = None,
+) -> int:
+    """Averages the floating per-parameter optimizer state of ``params`` over the group (exact mean, in place).
+
+    The ranks first agree on the number of state entries (one 16-byte all-reduce): a rank whose optimizer never saw
+    a gradient for some parameter has less state, and a flat all-reduce of different sizes would hang.
+
+    Returns:
+        The number of tensors averaged.
+
+    Raises:
+        RuntimeError: the ranks hold different amounts of optimizer state.
+    """
+    tensors = optimizer_state_tensors(optimizers, params)
+    if meter.world_size(group) == 1:
+        return len(tensors)
+    numel = sum(t.numel() for t in tensors)
+    sizes = torch.tensor([numel, -numel], dtype=torch.int64)
+    meter.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
+    if int(sizes[0]) != numel or int(-sizes[1]) != numel:
+        raise RuntimeError(
+            f"average_optimizer_state: ranks hold different optimizer state sizes (this rank {numel}, "
+            f"max {int(sizes[0])}, min {int(-sizes[1])}); a parameter got a gradient on some ranks only"
+        )
+    average_tensors_(tensors, meter, group)
+    return len(tensors)
+
+
+# ------------------------------------------------------------------------------------------------ model averager
+class ModelAverager:
+    """The global copy of a fixed list of parameters, and the two ways of syncing replicas to it.
+
+    Args:
+        params: the parameters (every rank must pass the same list, identical at construction).
+        compressor: averages the delta buckets (its memory is keyed by bucket index, so give each averager its
+            own compressor).
+        meter: counts the traffic.
+        bucket_cap_mb: size of the flat buckets the deltas travel in.
+        group: the process group (``None``: default).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        compressor: Compressor,
+        meter: CommMeter,
+        bucket_cap_mb: float = 25.0,
+        group: Optional[ProcessGroup] = None,
+    ) -> None:
+        self.params = list(params)
+        self.compressor = compressor
+        self.meter = meter
+        self.group = group
+        plans = plan_buckets(self.params, bucket_cap_mb * _MB, bucket_cap_mb * _MB) if self.params else []
+        self._bucket_params = [[self.params[i] for i in plan] for plan in plans]
+        self.anchors: list[torch.Tensor] = []
+        self._deltas: list[torch.Tensor] = []
+        for bucket_params in self._bucket_params:
+            numel = sum(p.numel() for p in bucket_params)
+            like = bucket_params[0]
+            self.anchors.append(torch.zeros(numel, dtype=like.dtype, device=like.device))
+            self._deltas.append(torch.zeros(numel, dtype=like.dtype, device=like.device))
+        self.reset_anchor_()
+
+    @property
+    def numel(self) -> int:
+        return sum(a.numel() for a in self.anchors)
+
+    def reset_anchor_(self) -> None:
+        """Makes the current parameters the global copy (call when all replicas are identical)."""
+        for anchor, bucket_params in zip(self.anchors, self._bucket_params):
+            _pack(bucket_params, anchor)
+
+    def _average_deltas(self, sign: float) -> float:
+        """Fills each delta bucket with ``sign * (local - anchor)``, averages it; returns the squared divergence."""
+        launched = []
+        for index, (anchor, delta, bucket_params) in enumerate(zip(self.anchors, self._deltas, self._bucket_params)):
+            _pack(bucket_params, delta)
+            delta.sub_(anchor)
+            if sign < 0:
+                delta.neg_()
+            mine = delta.clone()
+            bucket = FlatBucket(index=index, buffer=delta, shapes=[p.shape for p in bucket_params])
+            launched.append((mine, self.compressor.average(bucket, self.meter, self.group)))
+        divergence_sq = 0.0
+        for (mine, future), delta in zip(launched, self._deltas):
+            future.wait()
+            divergence_sq += float((mine - delta).double().pow(2).sum())
+        self.compressor.advance()
+        return divergence_sq
+
+    def average_(self) -> float:
+        """Local SGD: every replica becomes ``anchor + mean(local - anchor)``, which is the new anchor.
+
+        Returns:
+            This rank's squared divergence from the average, ``||local - average||^2``.
+        """
+        divergence_sq = self._average_deltas(+1.0)
+        for anchor, delta, bucket_params in zip(self.anchors, self._deltas, self._bucket_params):
+            anchor.add_(delta)
+            _unpack(anchor, bucket_params)
+        return divergence_sq
+
+    def outer_step_(self, outer_optimizer: torch.optim.Optimizer) -> float:
+        """DiLoCo: ``anchor.grad = mean(anchor - local)``, one outer optimizer step, every replica loads the anchor.
+
+        Args:
+            outer_optimizer: an optimizer over :attr:`anchors` (see :func:`make_outer_optimizer`).
+
+        Returns:
+            This rank's squared divergence from the average, ``||local - average||^2``.
+        """
+        divergence_sq = self._average_deltas(-1.0)
+        for anchor, delta in zip(self.anchors, self._deltas):
+            anchor.grad = delta
+        outer_optimizer.step()
+        for anchor, bucket_params in zip(self.anchors, self._bucket_params):
+            anchor.grad = None
+            _unpack(anchor, bucket_params)
+        return divergence_sq
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global copy and the compressor's memory (cloned)."""
+        return {"anchors": [a.clone() for a in self.anchors], "compressor": self.compressor.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        anchors = state["anchors"]
+        if [a.numel() for a in anchors] != [a.numel() for a in self.anchors]:
+            raise ValueError("ModelAverager: saved global copy has a different bucket layout than this model")
+        for anchor, saved in zip(self.anchors, anchors):
+            anchor.copy_(saved)
+        self.compressor.load_state_dict(state["compressor"])
+
+
+def make_outer_optimizer(
+    averager: ModelAverager, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True
+) -> torch.optim.SGD:
+    """DiLoCo's outer optimizer over an averager's global copy (Nesterov only when ``momentum > 0``)."""
+    params = averager.anchors or [torch.zeros(0)]  # SGD refuses an empty list; a 0-size tensor never changes
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=bool(nesterov and momentum > 0))
+
+
+def divergence_norm(squared: Iterable[float]) -> float:
+    """Combines per-group squared divergences into one norm."""
+    return math.sqrt(sum(squared))
