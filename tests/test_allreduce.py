@@ -65,6 +65,7 @@ def _fit(strategy: Any, out: Path, model: type[pl.LightningModule] = DigitsClass
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        log_every_n_steps=1,
     )
     kwargs.update(trainer_kwargs)
     trainer = pl.Trainer(strategy=strategy, callbacks=[_Collect(out)], **kwargs)

@@ -90,6 +90,7 @@ def _fit(strategy: Any, out: Path, **trainer_kwargs: Any) -> tuple[dict, DigitsC
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        log_every_n_steps=1,
         callbacks=[Recorder(out)],
         **trainer_kwargs,
     )
@@ -191,6 +192,7 @@ def test_registry_name_trains_two_ranks(tmp_path):
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        log_every_n_steps=1,
         callbacks=[Recorder(out)],
     )
     strategy = trainer.strategy

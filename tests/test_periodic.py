@@ -88,7 +88,7 @@ def fit(
         pl.seed_everything(0, verbose=False)
         model = DigitsClassifier()
     recorder = Recorder(tmp_path / f"{name}.json")
-    kwargs = dict(max_epochs=1, num_sanity_val_steps=0, limit_val_batches=0)
+    kwargs = dict(max_epochs=1, num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1)
     kwargs.update(trainer_kwargs)
     trainer = pl.Trainer(
         accelerator="cpu",

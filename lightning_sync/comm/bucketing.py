@@ -47,14 +47,19 @@ class _Bucket:
     ready: int = 0
     future: Optional[torch.futures.Future] = None
     filled: set[int] = field(default_factory=set)  # ids of params whose gradient is in the buffer this round
+    slots: list[torch.Tensor] = field(default_factory=list)  # one view of ``buffer`` per parameter, made once
+
+    def __post_init__(self) -> None:
+        self.slots = [
+            self.buffer[offset : offset + p.numel()].view(p.shape) for p, offset in zip(self.params, self.offsets)
+        ]
 
     @property
     def shapes(self) -> list[torch.Size]:
         return [p.shape for p in self.params]
 
     def slot(self, i: int) -> torch.Tensor:
-        p = self.params[i]
-        return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view(p.shape)
+        return self.slots[i]
 
 
 def _copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
