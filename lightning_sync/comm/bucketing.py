@@ -62,10 +62,12 @@ class _Bucket:
         return self.slots[i]
 
 
-def _copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``, skipped when ``src`` already is ``dst`` (a gradient that is a bucket view)."""
-    if src.data_ptr() != dst.data_ptr():
-        dst.copy_(src)
+def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
+    """``dst = src * scale`` in one pass (in place when ``src`` already is ``dst``, a gradient that is a bucket view)."""
+    if src.data_ptr() == dst.data_ptr():
+        dst.mul_(scale)
+    else:
+        torch.mul(src, scale, out=dst)
 
 
 def plan_buckets(
@@ -132,6 +134,8 @@ class GradientSynchronizer:
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.group = group
+        # Gradients are divided by the world size while being copied into their bucket (one pass, not two).
+        self._scale = 1.0 / meter.world_size(group)
         self.sync_enabled = True
         self._round_active = False
         self._next_launch = 0
@@ -184,7 +188,7 @@ class GradientSynchronizer:
         bucket, i = self._where[id(param)]
         if id(param) in bucket.filled or bucket.future is not None:
             return  # already counted this round (a second backward before finish adds to .grad only)
-        _copy_unless_same(bucket.slot(i), param.grad)
+        _scaled_copy(bucket.slot(i), param.grad, self._scale)
         bucket.filled.add(id(param))
         bucket.ready += 1
         self._launch_ready()
@@ -198,7 +202,7 @@ class GradientSynchronizer:
             self._next_launch += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        flat = FlatBucket(index=bucket.index, buffer=bucket.buffer, shapes=bucket.shapes)
+        flat = FlatBucket(index=bucket.index, buffer=bucket.buffer, shapes=bucket.shapes, divided=True)
         bucket.future = self.compressor.average(flat, self.meter, self.group)
 
     # ------------------------------------------------------------------ finish
@@ -213,7 +217,7 @@ class GradientSynchronizer:
                 if p.grad is None:
                     bucket.slot(i).zero_()
                 else:
-                    _copy_unless_same(bucket.slot(i), p.grad)
+                    _scaled_copy(bucket.slot(i), p.grad, self._scale)
                 bucket.filled.add(id(p))
             bucket.ready = len(bucket.params)
 

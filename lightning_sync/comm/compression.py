@@ -33,11 +33,18 @@ class FlatBucket:
             keyed by it.
         buffer: the contiguous 1-D buffer.
         shapes: the shapes of the tensors laid out in ``buffer``, in order, with no gaps.
+        divided: the owner already divided ``buffer`` by the world size (fused into its copy into the bucket), so
+            a sum over ranks is the mean and the compressor must not divide again.
     """
 
     index: int
     buffer: torch.Tensor
     shapes: list[torch.Size]
+    divided: bool = False
+
+    def scale(self, n: int) -> float:
+        """The factor that turns a sum over ``n`` ranks of this bucket's payload into a mean (1 if ``divided``)."""
+        return 1.0 if self.divided else 1.0 / n
 
     def views(self) -> list[torch.Tensor]:
         """The tensors of the bucket, as views into ``buffer`` with their own shapes."""
@@ -102,7 +109,8 @@ class NoCompression(Compressor):
         buffer = bucket.buffer
         if n == 1:
             return _completed(buffer)
-        buffer.div_(n)
+        if not bucket.divided:
+            buffer.div_(n)
         work = meter.all_reduce(buffer, group=group, async_op=True)
         return work.get_future().then(lambda _: buffer)
 
@@ -119,7 +127,9 @@ class CastCompression(Compressor):
         buffer = bucket.buffer
         if n == 1:
             return _completed(buffer)
-        wire = buffer.to(self.wire_dtype).div_(n)
+        wire = buffer.to(self.wire_dtype)
+        if not bucket.divided:
+            wire.div_(n)
         work = meter.all_reduce(wire, group=group, async_op=True)
 
         def _decode(_: torch.futures.Future) -> torch.Tensor:
@@ -216,7 +226,8 @@ class TopKCompression(Compressor):
             all_indices = per_rank[:, 1, :].reshape(-1).to(torch.int64)
             dense = torch.zeros(numel, dtype=torch.float32, device=payload.device)
             dense.index_add_(0, all_indices, all_values)
-            dense.div_(n)
+            if not bucket.divided:
+                dense.div_(n)
             buffer.copy_(dense.view_as(buffer))
             return buffer
 
@@ -365,7 +376,7 @@ class PowerSGDCompression(Compressor):
         rest: Optional[torch.Tensor] = None
         rest_fut: Optional[torch.futures.Future] = None
         if plain and sum(views[i].numel() for i in plain) > 0:
-            rest = torch.cat([views[i].reshape(-1) for i in plain]).div_(world)
+            rest = torch.cat([views[i].reshape(-1) for i in plain]).mul_(bucket.scale(world))
             rest_fut = meter.all_reduce(rest, group=group, async_op=True).get_future()
 
         # Matrices (plus residuals), and P = M @ Q for all of them packed into one buffer.
@@ -405,7 +416,7 @@ class PowerSGDCompression(Compressor):
                     views[i].copy_(rest[offset : offset + numel].view_as(views[i]))
                     offset += numel
             if q_flat is not None:
-                q_flat.div_(world)
+                q_flat.mul_(bucket.scale(world))
                 new_q, new_res, offset = [], [], 0
                 for i, mat, p in zip(compressed, mats, ps):
                     numel = mat.shape[1] * self.rank
