@@ -65,6 +65,9 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
         strategy = hydra.utils.instantiate(cfg.strategy)
         datamodule = hydra.utils.instantiate(cfg.data)
         model = hydra.utils.instantiate(cfg.model)
+        validate_model = getattr(strategy, "validate_model", None)
+        if validate_model is not None:  # e.g. per-module sync patterns against the real parameter names
+            validate_model(model)
     except Exception as exc:  # noqa: BLE001 - re-raised unless it is a config mistake
         error = _config_error(exc)
         if error is None:

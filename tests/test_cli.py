@@ -76,6 +76,10 @@ BAD_INPUTS = [
     ("strategy.comm_hook=zzz", "strategy.comm_hook='zzz'"),
     ("trainer.devices=0", "trainer.devices=0"),
     ("strategy.bucket_cap_mb=-1", "strategy.bucket_cap_mb=-1"),
+    # several overrides, separated by spaces
+    ("strategy=allreduce strategy.compression=zip", "strategy.compression='zip'"),
+    ("strategy=periodic strategy.sync_every=0", "strategy.sync_every=0"),
+    ("strategy=periodic strategy.mode=local_sgd strategy.module_sync_every=[['nope.*',8]]", "'nope.*'"),
 ]
 
 
@@ -90,7 +94,7 @@ def cli_runs(tmp_path_factory) -> dict[str, _Run]:
                             f"hydra.sweep.dir={root / 'sweep' / 'sweep'}"),
     }
     for i, (override, _) in enumerate(BAD_INPUTS):
-        runs[f"bad{i}"] = _Run.start(root / f"bad{i}", override, "experiment=smoke",
+        runs[f"bad{i}"] = _Run.start(root / f"bad{i}", *override.split(" "), "experiment=smoke",
                                      f"hydra.run.dir={root / f'bad{i}' / 'run'}")
     yield runs
     for run in runs.values():
