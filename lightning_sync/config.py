@@ -156,32 +156,56 @@ class DDPConfig(CompressionKnobs, _StrategyConfig):
 
 
 @dataclass
-class AllReduceConfig(CompressionKnobs, _StrategyConfig):
-    """The ``allreduce`` strategy: no DDP wrapper; gradients bucketed and all-reduced by hand."""
+class GradientSyncKnobs(CompressionKnobs):
+    """Settings of the hand-written gradient all-reduce (:class:`~lightning_sync.comm.bucketing.GradientSynchronizer`)."""
 
+    compression: str = "none"
+    """Gradient compressor: ``none``, ``fp16``, ``bf16``, ``topk`` or ``powersgd``."""
     bucketing: str = "overlap"
     """``overlap``: buckets launched during backward as their last gradient lands; ``flat``: one buffer after
     backward; ``naive``: the textbook per-parameter all-reduce loop (kept for comparison)."""
     bucket_cap_mb: float = 25.0
-    """Bucket size in MiB (``overlap``)."""
+    """Bucket size in MiB."""
     first_bucket_mb: float = 1.0
     """Size of the first bucket in MiB, small so that communication starts early in backward (``overlap``)."""
-    compression: str = "none"
-    """Gradient compressor: ``none``, ``fp16``, ``bf16``, ``topk`` or ``powersgd``."""
     find_unused_parameters: bool = False
     """All-reduce a used-mask each step so that a parameter no rank used keeps ``grad=None`` (as DDP); without it
     such a parameter gets a zero gradient. Parameters unused on some ranks never hang either way."""
-    broadcast_buffers: bool = True
-    """Broadcast rank 0's buffers (e.g. BatchNorm statistics) before every training step, as DDP does."""
     gradient_as_bucket_view: bool = True
     """After the sync, each ``.grad`` is a view into its bucket (no copy back); the next step's sync overwrites it."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def _check_gradient_sync(self) -> None:
+        self._check_compression("strategy.compression", self.compression)
         check_choice("strategy.bucketing", self.bucketing, BUCKETINGS)
         check_range("strategy.bucket_cap_mb", self.bucket_cap_mb, low=0, low_open=True)
         check_range("strategy.first_bucket_mb", self.first_bucket_mb, low=0, low_open=True)
-        self._check_compression("strategy.compression", self.compression)
+
+    def build_synchronizer(self, params: Any, meter: Any) -> Any:
+        """A :class:`~lightning_sync.comm.bucketing.GradientSynchronizer` over ``params`` with these settings."""
+        from lightning_sync.comm.bucketing import GradientSynchronizer
+
+        return GradientSynchronizer(
+            list(params),
+            compressor=self.build_compressor(self.compression),
+            meter=meter,
+            bucketing=self.bucketing,
+            bucket_cap_mb=self.bucket_cap_mb,
+            first_bucket_mb=self.first_bucket_mb,
+            find_unused_parameters=self.find_unused_parameters,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+        )
+
+
+@dataclass
+class AllReduceConfig(GradientSyncKnobs, _StrategyConfig):
+    """The ``allreduce`` strategy: no DDP wrapper; gradients bucketed and all-reduced by hand."""
+
+    broadcast_buffers: bool = True
+    """Broadcast rank 0's buffers (e.g. BatchNorm statistics) before every training step, as DDP does."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_gradient_sync()
 
 
 def field_defaults(cls: type) -> dict[str, Any]:
@@ -238,8 +262,13 @@ def normalize_module_policy(field: str, value: Any) -> Optional[dict[str, int]]:
 
 
 @dataclass
-class PeriodicConfig(CompressionKnobs, _StrategyConfig):
-    """The ``periodic`` strategy: gradient accumulation across ranks, local SGD or DiLoCo, synced every N steps."""
+class PeriodicConfig(GradientSyncKnobs, _StrategyConfig):
+    """The ``periodic`` strategy: gradient accumulation across ranks, local SGD or DiLoCo, synced every N steps.
+
+    ``compression`` applies to every sync payload (gradients, parameter deltas, pseudo-gradients); the bucketing
+    knobs apply to the gradient all-reduce (``gradient`` mode and warmup), and ``bucket_cap_mb`` to parameter
+    averaging as well.
+    """
 
     mode: str = "local_sgd"
     """``gradient``: accumulate local gradients for ``sync_every`` micro-batches, then one bucketed all-reduce and
@@ -270,18 +299,6 @@ class PeriodicConfig(CompressionKnobs, _StrategyConfig):
     """``local_sgd``/``diloco``: per-module periods, ``{glob pattern: period}`` matched (fnmatch, case-sensitive)
     against the LightningModule's full parameter names, e.g. ``{"backbone.*": 1, "head.*": 8}``. Parameters matched
     by no pattern use ``sync_every``; a pattern matching no parameter, or a parameter matched twice, is an error."""
-    compression: str = "none"
-    """Compressor of every sync payload (gradients, parameter deltas, pseudo-gradients): ``none``, ``fp16``,
-    ``bf16``, ``topk`` or ``powersgd``."""
-    bucketing: str = "overlap"
-    """Gradient all-reduce (``gradient`` mode and warmup): ``overlap``, ``flat`` or ``naive``."""
-    bucket_cap_mb: float = 25.0
-    """Bucket size in MiB (gradient buckets and parameter-averaging buckets)."""
-    first_bucket_mb: float = 1.0
-    """Size of the first gradient bucket in MiB (``overlap``)."""
-    find_unused_parameters: bool = False
-    """Gradient all-reduce: all-reduce a used-mask so a parameter no rank used keeps ``grad=None``."""
-
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("strategy.mode", self.mode, PERIODIC_MODES)
@@ -305,10 +322,7 @@ class PeriodicConfig(CompressionKnobs, _StrategyConfig):
         check_range("strategy.min_sync_every", self.min_sync_every, low=1, integer=True)
         check_range("strategy.max_sync_every", self.max_sync_every, low=self.min_sync_every, integer=True)
         self.module_sync_every = normalize_module_policy("strategy.module_sync_every", self.module_sync_every)
-        self._check_compression("strategy.compression", self.compression)
-        check_choice("strategy.bucketing", self.bucketing, BUCKETINGS)
-        check_range("strategy.bucket_cap_mb", self.bucket_cap_mb, low=0, low_open=True)
-        check_range("strategy.first_bucket_mb", self.first_bucket_mb, low=0, low_open=True)
+        self._check_gradient_sync()
         if self.mode == "gradient":
             for name, bad, why in (
                 ("sync_every", self.sync_every == "auto", "an adaptive period would change the effective batch size"),

@@ -97,28 +97,14 @@ class Compressor(ABC):
         self.steps = int(state["steps"])
 
 
-class NoCompression(Compressor):
-    """Plain fp32 (or whatever the buffer's dtype is) ring all-reduce, then divide by the world size."""
-
-    name = "none"
-
-    def average(
-        self, bucket: FlatBucket, meter: CommMeter, group: Optional[ProcessGroup] = None
-    ) -> torch.futures.Future:
-        n = meter.world_size(group)
-        buffer = bucket.buffer
-        if n == 1:
-            return _completed(buffer)
-        if not bucket.divided:
-            buffer.div_(n)
-        work = meter.all_reduce(buffer, group=group, async_op=True)
-        return work.get_future().then(lambda _: buffer)
-
-
 class CastCompression(Compressor):
-    """Casts to a 16-bit dtype for the all-reduce and back afterwards: half the bytes of fp32."""
+    """Ring all-reduce of the bucket, cast to ``wire_dtype`` for the wire (``None``: sent as it is), then the mean.
 
-    wire_dtype: ClassVar[torch.dtype]
+    The payload is divided by the world size before the sum (unless the owner already did), which also keeps a
+    16-bit sum in range.
+    """
+
+    wire_dtype: ClassVar[Optional[torch.dtype]] = None
 
     def average(
         self, bucket: FlatBucket, meter: CommMeter, group: Optional[ProcessGroup] = None
@@ -127,16 +113,23 @@ class CastCompression(Compressor):
         buffer = bucket.buffer
         if n == 1:
             return _completed(buffer)
-        wire = buffer.to(self.wire_dtype)
+        wire = buffer if self.wire_dtype is None else buffer.to(self.wire_dtype)
         if not bucket.divided:
             wire.div_(n)
         work = meter.all_reduce(wire, group=group, async_op=True)
 
         def _decode(_: torch.futures.Future) -> torch.Tensor:
-            buffer.copy_(wire)
+            if wire is not buffer:
+                buffer.copy_(wire)
             return buffer
 
         return work.get_future().then(_decode)
+
+
+class NoCompression(CastCompression):
+    """Plain all-reduce in the buffer's own dtype (fp32 for fp32 gradients): the exact mean."""
+
+    name = "none"
 
 
 class FP16Compression(CastCompression):

@@ -19,6 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_sync.comm.compression import Compressor
 from lightning_sync.comm.consistency import ReplicaMismatchError, replica_fingerprint_spread
 from lightning_sync.comm.meter import CommMeter
 from lightning_sync.config import _StrategyConfig
@@ -176,13 +177,24 @@ class SyncStrategyBase(DDPStrategy):
         return spread
 
     # ------------------------------------------------------------------ checkpoint
+    def _active_compressor(self) -> Optional[Compressor]:
+        """The compressor whose memory belongs in checkpoints (``None``: none yet, or the mode has none)."""
+        return None
+
     def sync_state_dict(self) -> dict[str, Any]:
-        """This rank's sync state (compressor memory, outer optimizers, counters) for an exact resume."""
-        return {"sync_steps": self._sync_steps}
+        """This rank's sync state (counters, compressor memory; subclasses add e.g. outer optimizers)."""
+        state: dict[str, Any] = {"sync_steps": self._sync_steps}
+        compressor = self._active_compressor()
+        if compressor is not None:
+            state["compressor"] = compressor.state_dict()
+        return state
 
     def load_sync_state_dict(self, state: dict[str, Any]) -> None:
         """Restores what :meth:`sync_state_dict` returned on this rank."""
         self._sync_steps = int(state["sync_steps"])
+        compressor = self._active_compressor()
+        if compressor is not None and "compressor" in state:
+            compressor.load_state_dict(state["compressor"])
 
     @override
     def save_checkpoint(

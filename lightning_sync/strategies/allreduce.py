@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sync.comm.bucketing import GradientSynchronizer
+from lightning_sync.comm.compression import Compressor
 from lightning_sync.config import AllReduceConfig
 from lightning_sync.strategies._base import SyncStrategyBase
 
@@ -45,21 +46,15 @@ class AllReduceStrategy(SyncStrategyBase):
         Guarantees: afterwards every rank holds rank 0's parameters and buffers, and each parameter with
         ``requires_grad`` belongs to exactly one bucket.
         """
+        self._broadcast_rank0_state()
+        self.synchronizer = self.config.build_synchronizer(self.model.parameters(), self.meter)
+
+    def _broadcast_rank0_state(self) -> None:
+        """Every rank takes rank 0's parameters and buffers (ranks seeded differently start identical)."""
         assert self.model is not None and self.meter is not None
         with torch.no_grad():
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
                 self.meter.broadcast(tensor.data, src=0)
-        cfg = self.config
-        self.synchronizer = GradientSynchronizer(
-            list(self.model.parameters()),
-            compressor=cfg.build_compressor(cfg.compression),
-            meter=self.meter,
-            bucketing=cfg.bucketing,
-            bucket_cap_mb=cfg.bucket_cap_mb,
-            first_bucket_mb=cfg.first_bucket_mb,
-            find_unused_parameters=cfg.find_unused_parameters,
-            gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-        )
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -122,19 +117,8 @@ class AllReduceStrategy(SyncStrategyBase):
         return super().training_step(*args, **kwargs)
 
     @override
-    def sync_state_dict(self) -> dict[str, Any]:
-        """Adds the compressor's memory (residuals, low-rank factors) to the base state."""
-        state = super().sync_state_dict()
-        if self.synchronizer is not None:
-            state["compressor"] = self.synchronizer.compressor.state_dict()
-        return state
-
-    @override
-    def load_sync_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores the compressor's memory saved by :meth:`sync_state_dict`."""
-        super().load_sync_state_dict(state)
-        if self.synchronizer is not None and "compressor" in state:
-            self.synchronizer.compressor.load_state_dict(state["compressor"])
+    def _active_compressor(self) -> Optional[Compressor]:
+        return None if self.synchronizer is None else self.synchronizer.compressor
 
     @override
     def teardown(self) -> None:

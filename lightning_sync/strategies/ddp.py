@@ -8,6 +8,7 @@ from typing import Any, Optional
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_sync.comm.compression import Compressor
 from lightning_sync.comm.ddp_hook import DDPHookState, compressed_allreduce_hook
 from lightning_sync.config import DDPConfig
 from lightning_sync.strategies._base import SyncStrategyBase
@@ -70,16 +71,5 @@ class DDPSyncStrategy(SyncStrategyBase):
             self.hook_state.compressor.advance()
 
     @override
-    def sync_state_dict(self) -> dict[str, Any]:
-        """Adds the compressor's memory to the base state."""
-        state = super().sync_state_dict()
-        if self.hook_state is not None:
-            state["compressor"] = self.hook_state.compressor.state_dict()
-        return state
-
-    @override
-    def load_sync_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores the compressor's memory saved by :meth:`sync_state_dict`."""
-        super().load_sync_state_dict(state)
-        if self.hook_state is not None and "compressor" in state:
-            self.hook_state.compressor.load_state_dict(state["compressor"])
+    def _active_compressor(self) -> Optional[Compressor]:
+        return None if self.hook_state is None else self.hook_state.compressor

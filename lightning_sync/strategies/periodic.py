@@ -29,7 +29,6 @@ from lightning_sync.comm.averaging import (
     match_module_policy,
     validate_module_policy,
 )
-from lightning_sync.comm.bucketing import GradientSynchronizer
 from lightning_sync.comm.consistency import ReplicaMismatchError, replica_fingerprint_spread
 from lightning_sync.config import ConfigError, PeriodicConfig
 from lightning_sync.strategies.allreduce import AllReduceStrategy
@@ -195,23 +194,11 @@ class PeriodicSyncStrategy(AllReduceStrategy):
             ConfigError: ``module_sync_every`` has a pattern that matches no parameter, or a parameter matched by
                 two patterns.
         """
-        assert self.model is not None and self.meter is not None
-        with torch.no_grad():
-            for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                self.meter.broadcast(tensor.data, src=0)
+        self._broadcast_rank0_state()
         cfg = self.config
         self._all_buffers = list(self.model.buffers())
         if cfg.mode == "gradient" or cfg.warmup_steps > 0:
-            # Built here rather than by AllReduceStrategy.configure_ddp: PeriodicConfig has its own knobs.
-            self.synchronizer = GradientSynchronizer(
-                list(self.model.parameters()),
-                compressor=cfg.build_compressor(cfg.compression),
-                meter=self.meter,
-                bucketing=cfg.bucketing,
-                bucket_cap_mb=cfg.bucket_cap_mb,
-                first_bucket_mb=cfg.first_bucket_mb,
-                find_unused_parameters=cfg.find_unused_parameters,
-            )
+            self.synchronizer = cfg.build_synchronizer(self.model.parameters(), self.meter)
         if cfg.mode != "gradient":
             self.groups = self._build_groups(self.model)
 
