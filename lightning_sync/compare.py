@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=2))
     (out / "results.md").write_text(table + "\n")
-    print(f"\nDigits classifier, 2 CPU ranks (gloo), {args.epochs if not args.smoke else 'smoke'} epochs, seed {args.seed}")
+    epochs = "smoke" if args.smoke else args.epochs
+    print(f"\nDigits classifier, 2 CPU ranks (gloo), {epochs} epochs, seed {args.seed}")
     print(table)
 
 

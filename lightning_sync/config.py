@@ -37,7 +37,8 @@ def check_range(
     integer: bool = False,
 ) -> None:
     """Checks ``low <= value <= high`` (``low < value`` when ``low_open``) and, optionally, that it is an integer."""
-    bad_type = isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int))
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    bad_type = not number or (integer and not isinstance(value, int))
     if bad_type or (isinstance(value, float) and not math.isfinite(value)):
         kind = "an integer" if integer else "a number"
         raise ConfigError(f"{field}={value!r} is not allowed; it must be {kind}")
@@ -157,7 +158,8 @@ class DDPConfig(CompressionKnobs, _StrategyConfig):
 
 @dataclass
 class GradientSyncKnobs(CompressionKnobs):
-    """Settings of the hand-written gradient all-reduce (:class:`~lightning_sync.comm.bucketing.GradientSynchronizer`)."""
+    """Settings of the hand-written gradient all-reduce (:class:`lightning_sync.comm.bucketing.GradientSynchronizer`).
+    """
 
     compression: str = "none"
     """Gradient compressor: ``none``, ``fp16``, ``bf16``, ``topk`` or ``powersgd``."""

@@ -53,7 +53,11 @@ class _Collect(pl.Callback):
 
 
 def _fit(strategy: Any, out: Path, model: type[pl.LightningModule] = DigitsClassifier, **trainer_kwargs: Any) -> dict:
-    """Seeds, builds ``model`` (a class: every run starts from the same weights), fits 2 ranks, returns rank 0's record."""
+    """Seeds, builds ``model`` (a class, so every run starts from the same weights), fits 2 ranks.
+
+    Returns:
+        What rank 0 recorded.
+    """
     pl.seed_everything(7, verbose=False)
     model = model()
     kwargs: dict[str, Any] = dict(

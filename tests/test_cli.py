@@ -38,7 +38,7 @@ def _train_cmd(*args: str) -> list[str]:
 
 @dataclass
 class _Run:
-    """One ``python -m lightning_sync.train`` started in ``root/cwd``; stdout and stderr go to files (no pipe to fill)."""
+    """One ``python -m lightning_sync.train`` started in ``root/cwd``; stdout and stderr go to files (no pipe fills)."""
 
     root: Path
     proc: subprocess.Popen
@@ -154,7 +154,9 @@ assert os.path.realpath(train.CONFIG_DIR).startswith(site + os.sep), train.CONFI
 with initialize_config_dir(config_dir=train.CONFIG_DIR, version_base="1.3"):
     cfg = compose(config_name="config", overrides=["experiment=smoke", "strategy.comm_hook=fp16"])
 conf = train.CONFIG_DIR
-files = sorted(os.path.relpath(os.path.join(d, f), conf) for d, _, fs in os.walk(conf) for f in fs if f.endswith(".yaml"))
+files = sorted(
+    os.path.relpath(os.path.join(d, f), conf) for d, _, fs in os.walk(conf) for f in fs if f.endswith(".yaml")
+)
 print(json.dumps({"config_dir": train.CONFIG_DIR, "files": files, "target": cfg.strategy._target_,
                   "comm_hook": cfg.strategy.comm_hook, "limit_train_batches": cfg.trainer.limit_train_batches}))
 """

@@ -82,7 +82,8 @@ def test_strategy_yaml_matches_its_dataclass(path):
     config_class = target.config_class
     assert issubclass(config_class, _StrategyConfig)
     names = {f.name for f in fields(config_class)}
-    assert set(yaml) == names, f"only in YAML: {set(yaml) - names}; only in {config_class.__name__}: {names - set(yaml)}"
+    only_yaml, only_class = set(yaml) - names, names - set(yaml)
+    assert set(yaml) == names, f"only in YAML: {only_yaml}; only in {config_class.__name__}: {only_class}"
     defaults = field_defaults(config_class)
     assert set(defaults) == names  # every knob has a default
     differ = {k: (yaml[k], defaults[k]) for k in names if yaml[k] != defaults[k]}

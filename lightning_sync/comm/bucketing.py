@@ -63,7 +63,7 @@ class _Bucket:
 
 
 def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
-    """``dst = src * scale`` in one pass (in place when ``src`` already is ``dst``, a gradient that is a bucket view)."""
+    """``dst = src * scale`` in one pass; in place when ``src`` already is ``dst`` (a grad that is a bucket view)."""
     if src.data_ptr() == dst.data_ptr():
         dst.mul_(scale)
     else:
