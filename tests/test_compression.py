@@ -331,3 +331,28 @@ def test_build_compressor_names_and_errors() -> None:
     for bad in (lambda: TopKCompression(0.0), lambda: TopKCompression(1.5), lambda: PowerSGDCompression(0)):
         with pytest.raises(AssertionError):
             bad()
+
+
+def _divided_matches_undivided(rank: int, world_size: int) -> None:
+    """A bucket the owner already divided by the world size gives the same means and memory, step after step."""
+    from lightning_sync.comm.compression import FlatBucket, PowerSGDCompression, TopKCompression
+    from lightning_sync.comm.meter import CommMeter
+
+    meter = CommMeter()
+    for make in (lambda: PowerSGDCompression(rank=2), lambda: TopKCompression(density=0.1)):
+        plain, divided = make(), make()
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(4):
+            grad = torch.randn(32 * 24, generator=gen)
+            a = FlatBucket(index=0, buffer=grad.clone(), shapes=[torch.Size([32, 24])])
+            b = FlatBucket(index=0, buffer=grad / world_size, shapes=[torch.Size([32, 24])], divided=True)
+            out_a = plain.average(a, meter).wait()
+            out_b = divided.average(b, meter).wait()
+            torch.testing.assert_close(out_b, out_a, rtol=1e-4, atol=1e-5)
+            plain.advance()
+            divided.advance()
+
+
+@pytest.mark.timeout(60)
+def test_divided_buckets_give_the_same_mean_and_error_feedback():
+    run_ranks(_divided_matches_undivided)

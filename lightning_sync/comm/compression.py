@@ -410,6 +410,7 @@ class PowerSGDCompression(Compressor):
                     offset += numel
             if q_flat is not None:
                 q_flat.mul_(bucket.scale(world))
+                residual_share = 1.0 / world if bucket.divided else 1.0
                 new_q, new_res, offset = [], [], 0
                 for i, mat, p in zip(compressed, mats, ps):
                     numel = mat.shape[1] * self.rank
@@ -418,7 +419,9 @@ class PowerSGDCompression(Compressor):
                     approx = p @ q.t()
                     views[i].copy_(approx.view_as(views[i]))
                     new_q.append(q.clone())
-                    new_res.append(mat.sub_(approx) if self.error_feedback else None)
+                    # ``mat`` is this rank's share: the full gradient, or gradient / world when ``divided``;
+                    # the residual is what the mean's approximation left out of it, in the same units.
+                    new_res.append(mat.sub_(approx, alpha=residual_share) if self.error_feedback else None)
                 mem.q = new_q if self.warm_start else []
                 mem.residuals = new_res if self.error_feedback else []
             return buffer
