@@ -11,8 +11,9 @@ PIP := $(PY) -m pip
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 COMPARE_ARGS ?=
+BENCH_ARGS ?=
 
-.PHONY: setup test compare clean-venv
+.PHONY: setup test compare bench notebook clean-venv
 
 setup: $(VENV)/.installed
 
@@ -33,6 +34,13 @@ test: setup
 
 compare: setup
 	OMP_NUM_THREADS=1 $(PY) -m lightning_sync.compare $(COMPARE_ARGS)
+
+# Step time of the modes side by side (alternating), against Lightning's ddp and the no-communication floor.
+bench: setup
+	OMP_NUM_THREADS=1 $(PY) benchmarks/step_time.py $(BENCH_ARGS)
+
+notebook: setup
+	OMP_NUM_THREADS=1 $(PY) notebooks/compare_sync_modes.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -496,7 +496,8 @@ def test_adaptive_period_grows_under_slow_communication(tmp_path, monkeypatch):
             self.periods.append(period)
 
         def on_train_end(self, trainer, pl_module) -> None:
-            assert float(trainer.callback_metrics["sync/period"]) == self.periods[-1]
+            # the last logged period is the one in force now (a sync in the last step may have changed it)
+            assert float(trainer.callback_metrics["sync/period"]) == trainer.strategy.period
             assert self.periods[0] == 1
             # 100 ms per sync against at most tens of ms of compute per step: 10 % needs a period of 16 or more
             assert max(self.periods) >= 8 and self.periods[-1] > 1, self.periods
