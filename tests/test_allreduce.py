@@ -16,8 +16,7 @@ from torch import nn
 from lightning_sync import AllReduceStrategy, ConfigError
 from lightning_sync.data import DigitsDataModule
 from lightning_sync.models import DigitsClassifier
-
-WORLD = 2
+from lightning_utils import make_trainer
 
 
 def _flat(module: nn.Module) -> torch.Tensor:
@@ -60,19 +59,7 @@ def _fit(strategy: Any, out: Path, model: type[pl.LightningModule] = DigitsClass
     """
     pl.seed_everything(7, verbose=False)
     model = model()
-    kwargs: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=WORLD,
-        max_steps=20,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=1,
-    )
-    kwargs.update(trainer_kwargs)
-    trainer = pl.Trainer(strategy=strategy, callbacks=[_Collect(out)], **kwargs)
+    trainer = make_trainer(strategy, callbacks=[_Collect(out)], **{"max_steps": 20, **trainer_kwargs})
     trainer.fit(model, datamodule=DigitsDataModule(batch_size=16))
     return torch.load(out)
 

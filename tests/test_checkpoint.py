@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_sync import AllReduceStrategy
 from lightning_sync.data import DigitsDataModule
 from lightning_sync.models import DigitsClassifier
+from lightning_utils import make_trainer
 
 
 class _SaveParams(pl.Callback):
@@ -38,16 +39,11 @@ class _SaveParams(pl.Callback):
 def _fit(make_strategy: Callable[[], Any], tmp: Path, name: str, epochs: int, ckpt: Path | None = None) -> Path:
     pl.seed_everything(3, verbose=False)
     out = tmp / f"{name}.pt"
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=make_strategy(),
+    trainer = make_trainer(
+        make_strategy(),
         max_epochs=epochs,
         limit_train_batches=4,
-        limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
         callbacks=[_SaveParams(out), ModelCheckpoint(dirpath=tmp / name, save_last=True, save_top_k=0)],
     )
     trainer.fit(DigitsClassifier(), datamodule=DigitsDataModule(batch_size=16), ckpt_path=ckpt)

@@ -18,10 +18,10 @@ import lightning_sync
 from lightning_sync import DDPSyncStrategy
 from lightning_sync.data import DigitsDataModule
 from lightning_sync.models import DigitsClassifier
+from lightning_utils import WORLD, make_trainer
 
 SEED = 1234
 BATCHES = 10
-WORLD = 2
 
 
 def _flat_params(module: torch.nn.Module) -> torch.Tensor:
@@ -79,18 +79,10 @@ class Recorder(pl.Callback):
 def _fit(strategy: Any, out: Path, **trainer_kwargs: Any) -> tuple[dict, DigitsClassifier]:
     pl.seed_everything(SEED, workers=True, verbose=False)
     model = DigitsClassifier()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy,
+    trainer = make_trainer(
+        strategy,
         max_epochs=1,
         limit_train_batches=BATCHES,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=1,
         callbacks=[Recorder(out)],
         **trainer_kwargs,
     )
@@ -181,18 +173,10 @@ def test_registry_name_trains_two_ranks(tmp_path):
     """
     pl.seed_everything(SEED, workers=True, verbose=False)
     out = tmp_path / "registry.pt"
-    trainer = pl.Trainer(
-        strategy="sync_ddp",
-        accelerator="cpu",
-        devices=WORLD,
+    trainer = make_trainer(
+        "sync_ddp",
         max_epochs=1,
         limit_train_batches=BATCHES,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=1,
         callbacks=[Recorder(out)],
     )
     strategy = trainer.strategy

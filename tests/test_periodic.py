@@ -33,9 +33,9 @@ from lightning_sync.config import PeriodicConfig
 from lightning_sync.data import DigitsDataModule
 from lightning_sync.models import DigitsClassifier
 from dist_utils import run_ranks
+from lightning_utils import WORLD, make_trainer
 
 TIMEOUT = pytest.mark.timeout(120)
-WORLD = 2
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
@@ -88,19 +88,9 @@ def fit(
         pl.seed_everything(0, verbose=False)
         model = DigitsClassifier()
     recorder = Recorder(tmp_path / f"{name}.json")
-    kwargs = dict(max_epochs=1, num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1)
+    kwargs = dict(max_epochs=1, num_sanity_val_steps=0)
     kwargs.update(trainer_kwargs)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[recorder, *callbacks],
-        **kwargs,
-    )
+    trainer = make_trainer(strategy, callbacks=[recorder, *callbacks], **kwargs)
     datamodule = datamodule or DigitsDataModule(batch_size=32)
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     record = json.loads(Path(recorder.path).read_text())
