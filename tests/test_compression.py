@@ -356,3 +356,24 @@ def _divided_matches_undivided(rank: int, world_size: int) -> None:
 @pytest.mark.timeout(60)
 def test_divided_buckets_give_the_same_mean_and_error_feedback():
     run_ranks(_divided_matches_undivided)
+
+
+def _chunked_ranks(rank: int, world_size: int) -> None:
+    """A payload over 2 x min_chunk_mb goes as two concurrent all-reduces with the same bytes and the same mean."""
+    from lightning_sync.comm.compression import FlatBucket, NoCompression
+    from lightning_sync.comm.meter import CommMeter
+
+    meter = CommMeter()
+    numel = 300_000  # 1.2 MB of fp32: two chunks of 0.6 MB at min_chunk_mb=0.5
+    grad = torch.arange(numel, dtype=torch.float32) * (rank + 1)
+    out = NoCompression(parallel_chunks=2, min_chunk_mb=0.5).average(
+        FlatBucket(index=0, buffer=grad.clone(), shapes=[torch.Size([numel])]), meter
+    ).wait()
+    torch.testing.assert_close(out, torch.arange(numel, dtype=torch.float32) * 1.5)
+    assert meter.total.calls == 2
+    assert meter.total.bytes_sent == ring_all_reduce_bytes(numel * 4, world_size)
+
+
+@pytest.mark.timeout(60)
+def test_large_payload_is_sent_as_concurrent_chunks():
+    run_ranks(_chunked_ranks)

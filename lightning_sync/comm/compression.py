@@ -101,10 +101,27 @@ class CastCompression(Compressor):
     """Ring all-reduce of the bucket, cast to ``wire_dtype`` for the wire (``None``: sent as it is), then the mean.
 
     The payload is divided by the world size before the sum (unless the owner already did), which also keeps a
-    16-bit sum in range.
+    16-bit sum in range. A payload of at least ``2 * min_chunk_mb`` is sent as ``parallel_chunks`` all-reduces of
+    contiguous slices, launched together: gloo runs concurrent collectives on separate worker threads (two by
+    default), so a large transfer uses more than one core while the rank waits for it. The bytes are the same.
+
+    Args:
+        parallel_chunks: the most slices one payload is split into (1: never split).
+        min_chunk_mb: the smallest slice, in MiB.
     """
 
     wire_dtype: ClassVar[Optional[torch.dtype]] = None
+
+    def __init__(self, parallel_chunks: int = 2, min_chunk_mb: float = 1.0) -> None:
+        super().__init__()
+        assert parallel_chunks >= 1 and min_chunk_mb > 0
+        self.parallel_chunks = int(parallel_chunks)
+        self.min_chunk_bytes = min_chunk_mb * 1024 * 1024
+
+    def _slices(self, wire: torch.Tensor) -> list[torch.Tensor]:
+        nbytes = wire.numel() * wire.element_size()
+        chunks = max(1, min(self.parallel_chunks, int(nbytes // self.min_chunk_bytes)))
+        return list(wire.chunk(chunks)) if chunks > 1 else [wire]
 
     def average(
         self, bucket: FlatBucket, meter: CommMeter, group: Optional[ProcessGroup] = None
@@ -116,14 +133,17 @@ class CastCompression(Compressor):
         wire = buffer if self.wire_dtype is None else buffer.to(self.wire_dtype)
         if not bucket.divided:
             wire.div_(n)
-        work = meter.all_reduce(wire, group=group, async_op=True)
+        futures = [meter.all_reduce(part, group=group, async_op=True).get_future() for part in self._slices(wire)]
+        done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
 
         def _decode(_: torch.futures.Future) -> torch.Tensor:
+            for fut in futures:
+                fut.value()  # re-raises the error of a failed collective
             if wire is not buffer:
                 buffer.copy_(wire)
             return buffer
 
-        return work.get_future().then(_decode)
+        return done.then(_decode)
 
 
 class NoCompression(CastCompression):
