@@ -49,6 +49,11 @@ def available_cases() -> dict[str, list[str]]:
     return {k: v for k, v in CASES.items() if v[0].split("=", 1)[1] in names}
 
 
+def case_dir_name(case: str) -> str:
+    """A folder name for a case name (``periodic:diloco/8`` -> ``periodic_diloco_8``)."""
+    return case.replace("/", "_").replace(":", "_").replace("%", "pct")
+
+
 def run_case(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     """Composes the config with ``overrides`` and trains it in this process (ranks are forked)."""
     from hydra import compose, initialize_config_dir
@@ -104,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     rows = []
     for name, overrides in cases.items():
-        summary = run_case(overrides + common, out / name.replace("/", "_").replace(":", "_").replace("%", "pct"))
+        summary = run_case(overrides + common, out / case_dir_name(name))
         rows.append({"mode": name, "overrides": overrides, **summary})
         print(f"done: {name}", file=sys.stderr, flush=True)
     table = format_table(rows)

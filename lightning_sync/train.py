@@ -13,7 +13,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -138,10 +138,15 @@ def _hydra_main(cfg: DictConfig) -> None:
     try:
         summary = run(cfg)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        _exit_config_error(exc)
     if summary.get("optimizer_steps") is not None:
         print(_summary_line(summary))
+
+
+def _exit_config_error(exc: ConfigError) -> NoReturn:
+    """A user's config mistake: one line on stderr, exit code 2, no traceback."""
+    print(f"error: {exc}", file=sys.stderr)
+    sys.exit(2)
 
 
 def _summary_line(summary: dict[str, Any]) -> str:
@@ -203,8 +208,7 @@ def main() -> None:
     try:
         _check_group_choices(sys.argv[1:])
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        _exit_config_error(exc)
     _hydra_main()
 
 

@@ -34,7 +34,7 @@ import csv
 import warnings
 from pathlib import Path
 
-from lightning_sync.compare import available_cases, format_table, run_case
+from lightning_sync.compare import available_cases, case_dir_name, format_table, run_case
 
 warnings.filterwarnings("ignore")
 smoke_overrides = ["+trainer.limit_train_batches=4", "+trainer.limit_val_batches=1"] if SMOKE else []
@@ -46,7 +46,7 @@ common = ["strategy.start_method=fork", f"trainer.max_epochs={EPOCHS}", *smoke_o
 # %%
 rows = []
 for name, overrides in available_cases().items():
-    run_dir = Path(OUT, "digits", name.replace("/", "_").replace(":", "_").replace("%", "pct"))
+    run_dir = Path(OUT, "digits", case_dir_name(name))
     rows.append({"mode": name, "run_dir": str(run_dir), **run_case(overrides + common, run_dir)})
 print(format_table(rows))
 

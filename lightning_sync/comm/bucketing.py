@@ -44,7 +44,6 @@ class _Bucket:
     params: list[torch.nn.Parameter]
     buffer: torch.Tensor
     offsets: list[int]
-    ready: int = 0
     future: Optional[torch.futures.Future] = None
     filled: set[int] = field(default_factory=set)  # ids of params whose gradient is in the buffer this round
     slots: list[torch.Tensor] = field(default_factory=list)  # one view of ``buffer`` per parameter, made once
@@ -58,8 +57,10 @@ class _Bucket:
     def shapes(self) -> list[torch.Size]:
         return [p.shape for p in self.params]
 
-    def slot(self, i: int) -> torch.Tensor:
-        return self.slots[i]
+    @property
+    def full(self) -> bool:
+        """Every parameter's gradient of this round is in the buffer."""
+        return len(self.filled) == len(self.params)
 
 
 def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
@@ -177,10 +178,6 @@ class GradientSynchronizer:
         if self.sync_enabled:
             self._round_active = True
 
-    @property
-    def round_active(self) -> bool:
-        return self._round_active
-
     # ------------------------------------------------------------------ overlap
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         if not (self.sync_enabled and self._round_active):
@@ -188,15 +185,14 @@ class GradientSynchronizer:
         bucket, i = self._where[id(param)]
         if id(param) in bucket.filled or bucket.future is not None:
             return  # already counted this round (a second backward before finish adds to .grad only)
-        _scaled_copy(bucket.slot(i), param.grad, self._scale)
+        _scaled_copy(bucket.slots[i], param.grad, self._scale)
         bucket.filled.add(id(param))
-        bucket.ready += 1
         self._launch_ready()
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets):
             bucket = self.buckets[self._next_launch]
-            if bucket.ready < len(bucket.params):
+            if not bucket.full:
                 return
             self._launch(bucket)
             self._next_launch += 1
@@ -215,11 +211,10 @@ class GradientSynchronizer:
                 if id(p) in bucket.filled:
                     continue
                 if p.grad is None:
-                    bucket.slot(i).zero_()
+                    bucket.slots[i].zero_()
                 else:
-                    _scaled_copy(bucket.slot(i), p.grad, self._scale)
+                    _scaled_copy(bucket.slots[i], p.grad, self._scale)
                 bucket.filled.add(id(p))
-            bucket.ready = len(bucket.params)
 
     def _globally_used(self, local_used: list[bool]) -> Optional[list[bool]]:
         """Which parameters any rank used (only with ``find_unused_parameters``); issued after every bucket, so
@@ -253,11 +248,11 @@ class GradientSynchronizer:
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 if self.gradient_as_bucket_view:
-                    p.grad = bucket.slot(i)
+                    p.grad = bucket.slots[i]
                 elif p.grad is None:
-                    p.grad = bucket.slot(i).clone()
+                    p.grad = bucket.slots[i].clone()
                 else:
-                    p.grad.copy_(bucket.slot(i))
+                    p.grad.copy_(bucket.slots[i])
         if used is not None:
             for p, u in zip(self.params, used):
                 if not u:
@@ -267,7 +262,6 @@ class GradientSynchronizer:
 
     def _reset_round(self) -> None:
         for bucket in self.buckets:
-            bucket.ready = 0
             bucket.future = None
             bucket.filled.clear()
         self._next_launch = 0

@@ -51,9 +51,13 @@ class AllReduceStrategy(SyncStrategyBase):
 
     def _broadcast_rank0_state(self) -> None:
         """Every rank takes rank 0's parameters and buffers (ranks seeded differently start identical)."""
-        assert self.model is not None and self.meter is not None
+        assert self.model is not None
+        self._broadcast_from_rank0([*self.model.parameters(), *self.model.buffers()])
+
+    def _broadcast_from_rank0(self, tensors: Any) -> None:
+        assert self.meter is not None
         with torch.no_grad():
-            for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            for tensor in tensors:
                 self.meter.broadcast(tensor.data, src=0)
 
     @override
@@ -111,9 +115,7 @@ class AllReduceStrategy(SyncStrategyBase):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Broadcasts rank 0's buffers before the forward (as DDP's ``broadcast_buffers``), then runs the step."""
         if self.config.broadcast_buffers and self.meter is not None and self.model is not None:
-            with torch.no_grad():
-                for buffer in self.model.buffers():
-                    self.meter.broadcast(buffer.data, src=0)
+            self._broadcast_from_rank0(self.model.buffers())
         return super().training_step(*args, **kwargs)
 
     @override
