@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
 import lightning_sync
@@ -49,7 +50,9 @@ def _cases() -> dict[str, Callable[[], Any]]:
     fork = {"start_method": "fork"}
     return {
         "lightning_ddp": lambda: "ddp_fork",
+        "lightning_ddp_view": lambda: DDPStrategy(start_method="fork", gradient_as_bucket_view=True),
         "sync_ddp": lambda: lightning_sync.DDPSyncStrategy(**fork),
+        "allreduce": lambda: lightning_sync.AllReduceStrategy(**fork),
         "allreduce_overlap": lambda: lightning_sync.AllReduceStrategy(bucketing="overlap", **fork),
         "allreduce_flat": lambda: lightning_sync.AllReduceStrategy(bucketing="flat", **fork),
         "allreduce_naive": lambda: lightning_sync.AllReduceStrategy(bucketing="naive", **fork),
@@ -108,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         cases = {k: cases[k] for k in args.cases.split(",")}
     times: dict[str, list[float]] = {name: [] for name in cases}
     bytes_per_step: dict[str, float | None] = {}
+    launch_points: dict[str, list[str]] = {name: [] for name in cases}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for name, make in cases.items():
@@ -116,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
                 summary = run_case(make, args, out)
                 times[name].append(summary["step_time_ms"])
                 bytes_per_step[name] = summary.get("bytes_sent_per_step")
+                if "launch_point" in summary:
+                    launch_points[name].append(summary["launch_point"])
                 print(f"round {r} {name}: {summary['step_time_ms']:.2f} ms/step", file=sys.stderr, flush=True)
     med = {name: statistics.median(v) for name, v in times.items()}
     ref = med.get("lightning_ddp")
@@ -129,7 +135,9 @@ def main(argv: list[str] | None = None) -> None:
         b = bytes_per_step.get(name)
         b_txt = f"{b:,.0f}" if b is not None else "-"
         runs = " ".join(f"{t:.1f}" for t in times[name])
-        print(f"{name:<24}{med[name]:>9.2f}{vs_ddp:>8}{vs_floor:>10}{b_txt:>13}  {runs}")
+        points = launch_points[name]
+        launch = f"  launched after backward in {points.count('after_backward')}/{len(points)}" if points else ""
+        print(f"{name:<24}{med[name]:>9.2f}{vs_ddp:>8}{vs_floor:>10}{b_txt:>13}  {runs}{launch}")
 
 
 if __name__ == "__main__":

@@ -65,6 +65,9 @@ class SyncReport(pl.Callback):
             batches=len(self.step_seconds),
             step_time_ms=1000 * statistics.median(timed) if timed else None,
         )
+        synchronizer = getattr(trainer.strategy, "synchronizer", None)
+        if synchronizer is not None:
+            self.summary["launch_point"] = synchronizer.launch_point
         meter = getattr(trainer.strategy, "meter", None)
         if meter is not None and self._comm_at_start is not None:
             total = meter.total - self._comm_at_start  # training only: setup broadcasts are not a step's

@@ -12,10 +12,10 @@ import math
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Iterable, Optional, TypeVar
 
+from lightning_sync.comm.bucketing import BUCKETINGS
 from lightning_sync.comm.compression import COMPRESSORS, build_compressor
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
-BUCKETINGS = ("overlap", "flat", "naive")
 
 
 class ConfigError(ValueError):
@@ -163,13 +163,16 @@ class GradientSyncKnobs(CompressionKnobs):
 
     compression: str = "none"
     """Gradient compressor: ``none``, ``fp16``, ``bf16``, ``topk`` or ``powersgd``."""
-    bucketing: str = "overlap"
-    """``overlap``: buckets launched during backward as their last gradient lands; ``flat``: one buffer after
-    backward; ``naive``: the textbook per-parameter all-reduce loop (kept for comparison)."""
+    bucketing: str = "auto"
+    """``auto``: the ``overlap`` buckets, launched during backward or right after it, whichever the first sync
+    rounds measure faster on this machine (all ranks agree); ``overlap``: buckets launched during backward as their
+    last gradient lands; ``flat``: one buffer after backward; ``naive``: the textbook per-parameter all-reduce loop
+    (kept for comparison)."""
     bucket_cap_mb: float = 25.0
     """Bucket size in MiB."""
     first_bucket_mb: float = 1.0
-    """Size of the first bucket in MiB, small so that communication starts early in backward (``overlap``)."""
+    """Size of the first bucket in MiB, small so that communication starts early in backward (``overlap``,
+    ``auto``)."""
     find_unused_parameters: bool = False
     """All-reduce a used-mask each step so that a parameter no rank used keeps ``grad=None`` (as DDP); without it
     such a parameter gets a zero gradient. Parameters unused on some ranks never hang either way."""

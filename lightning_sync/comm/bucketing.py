@@ -16,6 +16,16 @@ by :meth:`GradientSynchronizer.finish`:
     One buffer per dtype, packed and averaged after backward.
 ``naive``
     One blocking average per parameter after backward (the textbook loop; kept to compare against).
+``auto``
+    The buckets of ``overlap``, launched either during backward or right after it, whichever this machine runs
+    faster. Overlap pays off when communication runs on its own hardware (a GPU's copy engines, a slow network
+    that leaves the CPU idle); on a CPU backend with few cores, gloo's transfers compete with backward for the
+    same cores and memory bandwidth, and launching after backward is faster. ``auto`` times both on the first
+    sync rounds (see :class:`LaunchTuner`) and keeps the faster one, agreed by all ranks.
+
+After backward, each bucket is packed with one ``torch.cat`` and launched before the next one is packed, so packing
+overlaps the previous bucket's transfer. Every path divides by the world size with the same operation, so
+``overlap``, ``flat`` and ``auto`` give bit-identical averages.
 
 Parameters without a gradient on this rank (unused or conditionally used) take part with zeros, so no rank waits for
 a bucket that never fills. With ``find_unused_parameters=True`` the ranks also all-reduce a used-mask, and a
@@ -25,6 +35,8 @@ parameter that no rank used keeps ``grad=None`` (as torch DDP does); otherwise i
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
@@ -36,6 +48,7 @@ from lightning_sync.comm.compression import Compressor, FlatBucket
 from lightning_sync.comm.meter import CommMeter
 
 _MB = 1024 * 1024
+BUCKETINGS = ("auto", "overlap", "flat", "naive")
 
 
 @dataclass
@@ -63,12 +76,80 @@ class _Bucket:
         return len(self.filled) == len(self.params)
 
 
-def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
-    """``dst = src * scale`` in one pass; in place when ``src`` already is ``dst`` (a grad that is a bucket view)."""
+def _divided_copy(dst: torch.Tensor, src: torch.Tensor, divisor: int) -> None:
+    """``dst = src / divisor`` in one pass; in place when ``src`` already is ``dst`` (a grad that is a bucket view)."""
     if src.data_ptr() == dst.data_ptr():
-        dst.mul_(scale)
+        dst.div_(divisor)
     else:
-        torch.mul(src, scale, out=dst)
+        torch.div(src, divisor, out=dst)
+
+
+def _pack(bucket: _Bucket, grads: list[Optional[torch.Tensor]]) -> None:
+    """Writes ``grads`` (``None``: zeros) into ``bucket.buffer`` back to back, undivided.
+
+    All present, contiguous and not already in place: one ``torch.cat`` (one kernel for the whole bucket instead of
+    a copy per tensor). Otherwise tensor by tensor, skipping gradients that already are their slot.
+    """
+    if all(g is not None and g.is_contiguous() and g.data_ptr() != slot.data_ptr() for g, slot in zip(grads, bucket.slots)):
+        torch.cat([g.view(-1) for g in grads], out=bucket.buffer)
+        return
+    for slot, g in zip(bucket.slots, grads):
+        if g is None:
+            slot.zero_()
+        elif g.data_ptr() != slot.data_ptr():
+            slot.copy_(g)
+
+
+class LaunchTuner:
+    """Chooses, by measurement, whether buckets launch during backward or right after it.
+
+    The first ``warmup_rounds`` sync rounds are not timed (allocator and gloo warm-up). The next
+    ``2 * trial_rounds`` alternate the two launch points, timing each from the start of backward to the end of the
+    sync (what overlap changes: a slower backward against a longer wait). Then every rank contributes its median
+    per launch point to one all-reduce, and all ranks keep the launch point with the smaller sum, so they decide
+    alike.
+
+    Args:
+        warmup_rounds: rounds left out before the trials.
+        trial_rounds: timed rounds per launch point.
+    """
+
+    def __init__(self, warmup_rounds: int = 2, trial_rounds: int = 5) -> None:
+        assert warmup_rounds >= 0 and trial_rounds >= 1
+        self.warmup_rounds = warmup_rounds
+        self.trial_rounds = trial_rounds
+        self.rounds = 0
+        self.times: dict[bool, list[float]] = {False: [], True: []}
+        self.after_backward: Optional[bool] = None  # the decision, once made
+        self.medians_ms: dict[str, float] = {}
+
+    @property
+    def deciding(self) -> bool:
+        return self.after_backward is None
+
+    def next_after_backward(self) -> bool:
+        """Where the coming round launches: decided, or the trial's alternation (during backward first)."""
+        if self.after_backward is not None:
+            return self.after_backward
+        return max(self.rounds - self.warmup_rounds, 0) % 2 == 1
+
+    def record(self, after_backward: bool, seconds: float) -> bool:
+        """Books one round's time; returns whether the trials are complete (time to :meth:`decide`)."""
+        if self.rounds >= self.warmup_rounds:
+            self.times[after_backward].append(seconds)
+        self.rounds += 1
+        return all(len(v) >= self.trial_rounds for v in self.times.values())
+
+    def decide(self, meter: CommMeter, group: Optional[ProcessGroup]) -> bool:
+        """Sums the ranks' medians (one small all-reduce) and fixes the launch point; returns it."""
+        medians = torch.tensor([statistics.median(self.times[False]), statistics.median(self.times[True])],
+                               dtype=torch.float64)
+        meter.all_reduce(medians, group=group)
+        n = meter.world_size(group)
+        during, after = (1e3 * medians / n).tolist()
+        self.medians_ms = {"during_backward": during, "after_backward": after}
+        self.after_backward = after < during
+        return self.after_backward
 
 
 def plan_buckets(
@@ -104,7 +185,7 @@ class GradientSynchronizer:
         params: the parameters to sync (those with ``requires_grad``); every rank must pass the same list.
         compressor: averages each bucket (``NoCompression`` for an exact mean).
         meter: counts the traffic.
-        bucketing: ``overlap``, ``flat`` or ``naive`` (see the module docstring).
+        bucketing: ``overlap``, ``flat``, ``naive`` or ``auto`` (see the module docstring).
         bucket_cap_mb: bucket size for ``overlap``.
         first_bucket_mb: size of the first bucket for ``overlap``.
         find_unused_parameters: all-reduce a used-mask so that parameters no rank used keep ``grad=None``.
@@ -112,6 +193,7 @@ class GradientSynchronizer:
             average out (saves one copy of all gradients per step; the next round overwrites those views, so keep a
             clone if you need a gradient beyond the optimizer step).
         group: the process group (``None``: default).
+        tuner: how ``auto`` measures (``None``: a :class:`LaunchTuner` with its defaults).
     """
 
     def __init__(
@@ -125,9 +207,10 @@ class GradientSynchronizer:
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
         group: Optional[ProcessGroup] = None,
+        tuner: Optional[LaunchTuner] = None,
     ) -> None:
-        if bucketing not in ("overlap", "flat", "naive"):
-            raise ValueError(f"bucketing={bucketing!r} is not one of overlap, flat, naive")
+        if bucketing not in BUCKETINGS:
+            raise ValueError(f"bucketing={bucketing!r} is not one of {', '.join(BUCKETINGS)}")
         self.params = [p for p in params if p.requires_grad]
         self.compressor = compressor
         self.meter = meter
@@ -135,14 +218,17 @@ class GradientSynchronizer:
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.group = group
-        # Gradients are divided by the world size while being copied into their bucket (one pass, not two).
-        self._scale = 1.0 / meter.world_size(group)
+        self._world = meter.world_size(group)
+        self.tuner = (tuner or LaunchTuner()) if bucketing == "auto" and self._world > 1 else None
+        # Whether this round's buckets launch after backward (flat, naive, and auto when it so decides or tries).
+        self.after_backward = bucketing in ("flat", "naive")
+        self._round_started = 0.0
         self.sync_enabled = True
         self._round_active = False
         self._next_launch = 0
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         ordered = list(reversed(self.params))  # backward visits layers last to first
-        if bucketing == "overlap":
+        if bucketing in ("overlap", "auto"):
             plans = plan_buckets(ordered, bucket_cap_mb * _MB, first_bucket_mb * _MB)
         elif bucketing == "flat":
             plans = plan_buckets(ordered, math.inf, math.inf)
@@ -150,7 +236,7 @@ class GradientSynchronizer:
             plans = [[i] for i in range(len(ordered))]
         self.buckets = [self._make_bucket(k, [ordered[i] for i in plan]) for k, plan in enumerate(plans)]
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        if bucketing == "overlap":
+        if bucketing in ("overlap", "auto"):
             for p in self.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
@@ -176,16 +262,24 @@ class GradientSynchronizer:
     def start_round(self) -> None:
         """Marks that a backward pass whose gradients must be synced is about to run (call on every rank)."""
         if self.sync_enabled:
+            if self.tuner is not None and not self._round_active:
+                self.after_backward = self.tuner.next_after_backward()
+                self._round_started = time.perf_counter()
             self._round_active = True
+
+    @property
+    def launch_point(self) -> str:
+        """``during_backward`` or ``after_backward``: where buckets launch now (``auto``: tried or decided)."""
+        return "after_backward" if self.after_backward else "during_backward"
 
     # ------------------------------------------------------------------ overlap
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if not (self.sync_enabled and self._round_active):
+        if not (self.sync_enabled and self._round_active) or self.after_backward:
             return
         bucket, i = self._where[id(param)]
         if id(param) in bucket.filled or bucket.future is not None:
             return  # already counted this round (a second backward before finish adds to .grad only)
-        _scaled_copy(bucket.slots[i], param.grad, self._scale)
+        _divided_copy(bucket.slots[i], param.grad, self._world)
         bucket.filled.add(id(param))
         self._launch_ready()
 
@@ -202,19 +296,31 @@ class GradientSynchronizer:
         bucket.future = self.compressor.average(flat, self.meter, self.group)
 
     # ------------------------------------------------------------------ finish
-    def _fill_missing(self) -> None:
-        """Copies this round's gradients into every bucket slot not yet filled (zeros where there is none)."""
-        for bucket in self.buckets:
-            if bucket.future is not None:
-                continue
+    def _complete(self, bucket: _Bucket) -> None:
+        """Writes this round's gradients not yet in ``bucket`` into it (zeros where there is none), divided."""
+        if not bucket.filled:
+            _pack(bucket, [p.grad for p in bucket.params])
+            bucket.buffer.div_(self._world)
+        else:
             for i, p in enumerate(bucket.params):
                 if id(p) in bucket.filled:
                     continue
                 if p.grad is None:
                     bucket.slots[i].zero_()
                 else:
-                    _scaled_copy(bucket.slots[i], p.grad, self._scale)
-                bucket.filled.add(id(p))
+                    _divided_copy(bucket.slots[i], p.grad, self._world)
+        bucket.filled.update(id(p) for p in bucket.params)
+
+    def _launch_rest(self) -> None:
+        """Completes and launches, in index order, every bucket not launched yet; each bucket is launched before the
+        next is packed, so packing overlaps the transfers already in flight."""
+        for bucket in self.buckets[self._next_launch :]:
+            if bucket.future is None:
+                self._complete(bucket)
+                self._launch(bucket)
+                if self.bucketing == "naive":
+                    bucket.future.wait()
+        self._next_launch = len(self.buckets)
 
     def _globally_used(self, local_used: list[bool]) -> Optional[list[bool]]:
         """Which parameters any rank used (only with ``find_unused_parameters``); issued after every bucket, so
@@ -233,14 +339,8 @@ class GradientSynchronizer:
         """
         if not self._round_active:
             return False
-        local_used = [p.grad is not None for p in self.params]
-        self._fill_missing()
-        if self.bucketing == "naive":
-            for bucket in self.buckets:
-                self._launch(bucket)
-                bucket.future.wait()
-        else:
-            self._launch_ready()
+        local_used = [p.grad is not None for p in self.params] if self.find_unused_parameters else []
+        self._launch_rest()
         used = self._globally_used(local_used)
         for bucket in self.buckets:
             assert bucket.future is not None
@@ -257,6 +357,11 @@ class GradientSynchronizer:
             for p, u in zip(self.params, used):
                 if not u:
                     p.grad = None
+        if self.tuner is not None and self.tuner.deciding:
+            if self.tuner.record(self.after_backward, time.perf_counter() - self._round_started):
+                self.after_backward = self.tuner.decide(self.meter, self.group)
+                if self.after_backward:
+                    self.remove_hooks()  # nothing for them to do any more
         self._reset_round()
         return True
 

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_sync.comm.bucketing import GradientSynchronizer
@@ -22,7 +23,8 @@ class AllReduceStrategy(SyncStrategyBase):
 
     At setup rank 0's parameters and buffers are broadcast, so ranks seeded differently still start identical.
     Gradients are averaged once per optimizer step, before gradient clipping and ``on_before_optimizer_step``; with
-    ``bucketing="overlap"`` the communication runs during backward. Non-final micro-batches of
+    ``bucketing="overlap"`` the communication runs during backward, and with ``"auto"`` (the default) during or
+    right after backward, whichever the first sync rounds measure faster. Non-final micro-batches of
     ``accumulate_grad_batches`` send nothing. Manual optimization, several optimizers and precision plugins work.
 
     Args:
@@ -102,7 +104,13 @@ class AllReduceStrategy(SyncStrategyBase):
         return super().optimizer_step(optimizer, _closure_then_sync, model, **kwargs)
 
     def _finish_sync(self) -> None:
+        tuner = None if self.synchronizer is None else self.synchronizer.tuner
+        was_deciding = tuner is not None and tuner.deciding
         self._synced = self.synchronizer is not None and self.synchronizer.finish()
+        if was_deciding and not tuner.deciding:
+            times = ", ".join(f"{k.replace('_', ' ')} {v:.2f} ms" for k, v in tuner.medians_ms.items())
+            rank_zero_info(f"lightning_sync: bucketing=auto launches buckets {self.synchronizer.launch_point.replace('_', ' ')}"
+                           f" (median sync round, mean over ranks: {times})")
 
     @override
     def on_sync_step_end(self) -> None:

@@ -1,0 +1,154 @@
+"""GradientSynchronizer on its own (plain torch.distributed, no Lightning): layouts, launch points, the auto tuner."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from dist_utils import run_ranks
+from lightning_sync.comm.bucketing import BUCKETINGS, GradientSynchronizer, LaunchTuner, plan_buckets
+from lightning_sync.comm.compression import NoCompression
+from lightning_sync.comm.meter import CommMeter
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def _local_grads(model: nn.Module, rank: int, step: int) -> list[torch.Tensor]:
+    torch.manual_seed(1000 * step + rank)
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    model.zero_grad(set_to_none=True)
+    ((model(x) - y) ** 2).mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_plan_buckets_caps_first_bucket_and_dtype():
+    params = [nn.Parameter(torch.zeros(n)) for n in (10, 10, 10, 10)] + [nn.Parameter(torch.zeros(10, dtype=torch.float64))]
+    # 40 bytes per fp32 tensor: first bucket closes at >= 40 bytes, the others at >= 80 bytes; dtypes never mix.
+    assert plan_buckets(params, bucket_cap_bytes=80, first_bucket_bytes=40) == [[0], [1, 2], [3], [4]]
+
+
+def _all_bucketings_agree(rank: int, world: int) -> None:
+    results = {}
+    for bucketing in BUCKETINGS:
+        model = _mlp()
+        tuner = LaunchTuner(warmup_rounds=0, trial_rounds=1)
+        sync = GradientSynchronizer(list(model.parameters()), NoCompression(), CommMeter(), bucketing=bucketing,
+                                    bucket_cap_mb=400 / 2**20, first_bucket_mb=100 / 2**20, tuner=tuner)
+        grads = []
+        for step in range(4):
+            sync.start_round()
+            local = _local_grads(model, rank, step)
+            # what every rank computes locally, gathered to check the mean
+            stacked = [torch.zeros_like(g).repeat(world, *([1] * g.dim())) for g in local]
+            for g, out in zip(local, stacked):
+                torch.distributed.all_gather_into_tensor(out, g.unsqueeze(0).contiguous())
+            assert sync.finish()
+            got = [p.grad.clone() for p in model.parameters()]
+            for g, out in zip(got, stacked):
+                torch.testing.assert_close(g, out.mean(0), rtol=1e-6, atol=1e-7)
+            grads.append(got)
+        if bucketing == "auto":
+            assert not tuner.deciding, "two rounds of trials should have decided the launch point"
+        results[bucketing] = grads
+    # Same bucket layout, either launch point: the same bits (gloo's ring sums a chunk in an order that depends on
+    # where it sits in the buffer, so other layouts may differ in the last bit on 3 ranks; they matched the mean).
+    for step, (a, b) in enumerate(zip(results["auto"], results["overlap"])):
+        for ga, gb in zip(a, b):
+            assert torch.equal(ga, gb), f"auto differs from overlap at step {step}: the divide is not shared"
+
+
+def test_every_bucketing_gives_the_same_bits_and_the_mean():
+    """Every bucketing averages; auto (trying both launch points, then deciding) gives overlap's very bits."""
+    run_ranks(_all_bucketings_agree, world_size=3, timeout=120)  # 3: x / 3 and x * (1/3) differ in the last bit
+
+
+def _missing_and_in_place_grads(rank: int, world: int) -> None:
+    model = _mlp()
+    params = list(model.parameters())
+    sync = GradientSynchronizer(params, NoCompression(), CommMeter(), bucketing="flat")
+    # Step 1: rank 1 has no gradient for the last layer: it takes part with zeros.
+    sync.start_round()
+    _local_grads(model, rank, 0)
+    if rank == 1:
+        params[-1].grad = None
+        params[-2].grad = None
+    expected_last = torch.zeros_like(params[-1])
+    if rank == 0:
+        expected_last = params[-1].grad.clone()
+    torch.distributed.all_reduce(expected_last)
+    sync.finish()
+    torch.testing.assert_close(params[-1].grad, expected_last / world)
+    # Step 2: .grad are bucket views and are zeroed in place (set_to_none=False): backward accumulates straight into
+    # the bucket, and the pack step must not copy a slot onto itself.
+    model.zero_grad(set_to_none=False)
+    for p in params:
+        bucket, i = sync._where[id(p)]
+        assert p.grad.data_ptr() == bucket.slots[i].data_ptr(), "after a sync each .grad is its bucket slot"
+    torch.manual_seed(7 + rank)
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    sync.start_round()
+    ((model(x) - y) ** 2).mean().backward()
+    local = [p.grad.clone() for p in params]
+    summed = [g.clone() for g in local]
+    for g in summed:
+        torch.distributed.all_reduce(g)
+    sync.finish()
+    for p, s in zip(params, summed):
+        torch.testing.assert_close(p.grad, s / world, rtol=1e-6, atol=1e-7)
+
+
+def test_missing_gradients_and_gradients_already_in_the_bucket():
+    run_ranks(_missing_and_in_place_grads)
+
+
+def _tuner_agrees(rank: int, world: int) -> None:
+    tuner = LaunchTuner(warmup_rounds=1, trial_rounds=2)
+    assert tuner.next_after_backward() is False  # warm-up round: during backward
+    assert not tuner.record(False, 99.0)  # not timed
+    # Rank 0 finds after-backward faster by 1 ms, rank 1 finds it slower by 3 ms: the sum decides, for both.
+    during, after = (0.010, 0.009) if rank == 0 else (0.010, 0.013)
+    expected_order = [False, True, False, True]
+    for i, choice in enumerate(expected_order):
+        assert tuner.next_after_backward() is choice
+        done = tuner.record(choice, during if not choice else after)
+        assert done is (i == len(expected_order) - 1)
+    assert tuner.decide(CommMeter(), None) is False
+    assert tuner.next_after_backward() is False
+    assert tuner.medians_ms == pytest.approx({"during_backward": 10.0, "after_backward": 11.0})
+
+
+def test_tuner_decision_is_the_same_on_every_rank():
+    run_ranks(_tuner_agrees)
+
+
+def _auto_picks_what_is_faster(rank: int, world: int, slow_after: bool) -> None:
+    model = _mlp()
+    tuner = LaunchTuner(warmup_rounds=1, trial_rounds=3)
+    sync = GradientSynchronizer(list(model.parameters()), NoCompression(), CommMeter(), bucketing="auto",
+                                bucket_cap_mb=400 / 2**20, first_bucket_mb=100 / 2**20, tuner=tuner)
+    launch_rest = sync._launch_rest
+
+    def _slowed() -> None:  # a launch point that costs 20 ms more than the other, on every rank
+        if sync.after_backward == slow_after:
+            time.sleep(0.02)
+        launch_rest()
+
+    sync._launch_rest = _slowed
+    for step in range(10):
+        sync.start_round()
+        _local_grads(model, rank, step)
+        sync.finish()
+    assert not tuner.deciding
+    assert sync.launch_point == ("during_backward" if slow_after else "after_backward")
+    assert bool(sync._hooks) is (not sync.after_backward), "hooks are dropped once launching after backward"
+
+
+@pytest.mark.parametrize("slow_after", [True, False])
+def test_auto_keeps_the_faster_launch_point(slow_after):
+    run_ranks(_auto_picks_what_is_faster, slow_after, timeout=120)
