@@ -87,9 +87,9 @@ def _missing_and_in_place_grads(rank: int, world: int) -> None:
     # Step 2: .grad are bucket views and are zeroed in place (set_to_none=False): backward accumulates straight into
     # the bucket, and the pack step must not copy a slot onto itself.
     model.zero_grad(set_to_none=False)
+    slots = {id(p): slot for bucket in sync.buckets for p, slot in zip(bucket.params, bucket.slots)}
     for p in params:
-        bucket, i = sync._where[id(p)]
-        assert p.grad.data_ptr() == bucket.slots[i].data_ptr(), "after a sync each .grad is its bucket slot"
+        assert p.grad.data_ptr() == slots[id(p)].data_ptr(), "after a sync each .grad is its bucket slot"
     torch.manual_seed(7 + rank)
     x, y = torch.randn(4, 8), torch.randn(4, 2)
     sync.start_round()

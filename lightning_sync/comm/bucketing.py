@@ -8,8 +8,8 @@ by :meth:`GradientSynchronizer.finish`:
 ``overlap``
     Parameters are packed, in reverse registration order (the order backward usually produces gradients), into
     buckets of ``bucket_cap_mb`` (the first bucket ``first_bucket_mb``, so communication starts early). A
-    post-accumulate-grad hook copies each gradient into its bucket slot; when a bucket is full it is launched
-    asynchronously. Buckets launch strictly in index order, so every rank issues the same sequence of collectives
+    post-accumulate-grad hook marks each gradient final; when a bucket's last one is, the bucket is packed and
+    launched asynchronously. Buckets launch strictly in index order, so every rank issues the same sequence of collectives
     even when gradients arrive in a different order. :meth:`finish` launches what is left, waits for all, and
     writes the averages back to ``.grad``.
 ``flat``
@@ -58,7 +58,7 @@ class _Bucket:
     buffer: torch.Tensor
     offsets: list[int]
     future: Optional[torch.futures.Future] = None
-    filled: set[int] = field(default_factory=set)  # ids of params whose gradient is in the buffer this round
+    ready: set[int] = field(default_factory=set)  # ids of params whose gradient of this round is final
     slots: list[torch.Tensor] = field(default_factory=list)  # one view of ``buffer`` per parameter, made once
 
     def __post_init__(self) -> None:
@@ -72,16 +72,8 @@ class _Bucket:
 
     @property
     def full(self) -> bool:
-        """Every parameter's gradient of this round is in the buffer."""
-        return len(self.filled) == len(self.params)
-
-
-def _divided_copy(dst: torch.Tensor, src: torch.Tensor, divisor: int) -> None:
-    """``dst = src / divisor`` in one pass; in place when ``src`` already is ``dst`` (a grad that is a bucket view)."""
-    if src.data_ptr() == dst.data_ptr():
-        dst.div_(divisor)
-    else:
-        torch.div(src, divisor, out=dst)
+        """Every parameter's gradient of this round is final: the bucket can be packed and launched."""
+        return len(self.ready) == len(self.params)
 
 
 def _pack(bucket: _Bucket, grads: list[Optional[torch.Tensor]]) -> None:
@@ -114,7 +106,7 @@ class LaunchTuner:
         trial_rounds: timed rounds per launch point.
     """
 
-    def __init__(self, warmup_rounds: int = 2, trial_rounds: int = 5) -> None:
+    def __init__(self, warmup_rounds: int = 3, trial_rounds: int = 8) -> None:
         assert warmup_rounds >= 0 and trial_rounds >= 1
         self.warmup_rounds = warmup_rounds
         self.trial_rounds = trial_rounds
@@ -235,7 +227,7 @@ class GradientSynchronizer:
         else:
             plans = [[i] for i in range(len(ordered))]
         self.buckets = [self._make_bucket(k, [ordered[i] for i in plan]) for k, plan in enumerate(plans)]
-        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._where = {id(p): b for b in self.buckets for p in b.params}
         if bucketing in ("overlap", "auto"):
             for p in self.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -276,48 +268,35 @@ class GradientSynchronizer:
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         if not (self.sync_enabled and self._round_active) or self.after_backward:
             return
-        bucket, i = self._where[id(param)]
-        if id(param) in bucket.filled or bucket.future is not None:
+        bucket = self._where[id(param)]
+        if id(param) in bucket.ready or bucket.future is not None:
             return  # already counted this round (a second backward before finish adds to .grad only)
-        _divided_copy(bucket.slots[i], param.grad, self._world)
-        bucket.filled.add(id(param))
-        self._launch_ready()
+        bucket.ready.add(id(param))
+        if bucket.full:
+            self._launch_ready()
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets):
             bucket = self.buckets[self._next_launch]
             if not bucket.full:
                 return
-            self._launch(bucket)
+            self._pack_and_launch(bucket)
             self._next_launch += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
+    # ------------------------------------------------------------------ finish
+    def _pack_and_launch(self, bucket: _Bucket) -> None:
+        """Packs this round's gradients into ``bucket`` (zeros where there is none), divides, and launches it."""
+        _pack(bucket, [p.grad for p in bucket.params])
+        bucket.buffer.div_(self._world)
         flat = FlatBucket(index=bucket.index, buffer=bucket.buffer, shapes=bucket.shapes, divided=True)
         bucket.future = self.compressor.average(flat, self.meter, self.group)
-
-    # ------------------------------------------------------------------ finish
-    def _complete(self, bucket: _Bucket) -> None:
-        """Writes this round's gradients not yet in ``bucket`` into it (zeros where there is none), divided."""
-        if not bucket.filled:
-            _pack(bucket, [p.grad for p in bucket.params])
-            bucket.buffer.div_(self._world)
-        else:
-            for i, p in enumerate(bucket.params):
-                if id(p) in bucket.filled:
-                    continue
-                if p.grad is None:
-                    bucket.slots[i].zero_()
-                else:
-                    _divided_copy(bucket.slots[i], p.grad, self._world)
-        bucket.filled.update(id(p) for p in bucket.params)
 
     def _launch_rest(self) -> None:
         """Completes and launches, in index order, every bucket not launched yet; each bucket is launched before the
         next is packed, so packing overlaps the transfers already in flight."""
         for bucket in self.buckets[self._next_launch :]:
             if bucket.future is None:
-                self._complete(bucket)
-                self._launch(bucket)
+                self._pack_and_launch(bucket)
                 if self.bucketing == "naive":
                     bucket.future.wait()
         self._next_launch = len(self.buckets)
@@ -368,7 +347,7 @@ class GradientSynchronizer:
     def _reset_round(self) -> None:
         for bucket in self.buckets:
             bucket.future = None
-            bucket.filled.clear()
+            bucket.ready.clear()
         self._next_launch = 0
         self._round_active = False
 
