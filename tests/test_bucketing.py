@@ -123,13 +123,31 @@ def _tuner_agrees(rank: int, world: int) -> None:
     assert tuner.medians_ms == pytest.approx({"during_backward": 10.0, "after_backward": 11.0})
 
 
+@pytest.mark.parametrize("prior", [True, False])
+@pytest.mark.parametrize(("during", "after", "expected"), [(10.0, 9.8, None), (9.8, 10.0, None), (10.0, 9.0, True), (9.0, 10.0, False)])
+def test_tuner_margin_and_prior(during, after, expected, prior):
+    """A lead under the margin (3%) is noise: the prior decides; a larger lead wins whatever the prior."""
+    tuner = LaunchTuner(warmup_rounds=0, trial_rounds=1, margin=0.03, prefer_after_backward=prior)
+    tuner.record(False, during)
+    assert tuner.record(True, after)
+
+    class _Meter:  # one rank: the sums are the local medians
+        def all_reduce(self, tensor, group=None):
+            return None
+
+        def world_size(self, group=None):
+            return 1
+
+    assert tuner.decide(_Meter(), None) is (prior if expected is None else expected)
+
+
 def test_tuner_decision_is_the_same_on_every_rank():
     run_ranks(_tuner_agrees)
 
 
 def _auto_picks_what_is_faster(rank: int, world: int, slow_after: bool) -> None:
     model = _mlp()
-    tuner = LaunchTuner(warmup_rounds=1, trial_rounds=3)
+    tuner = LaunchTuner(warmup_rounds=1, trial_rounds=3, prefer_after_backward=slow_after)  # prior: the slow one
     sync = GradientSynchronizer(list(model.parameters()), NoCompression(), CommMeter(), bucketing="auto",
                                 bucket_cap_mb=400 / 2**20, first_bucket_mb=100 / 2**20, tuner=tuner)
     launch_rest = sync._launch_rest

@@ -21,7 +21,8 @@ by :meth:`GradientSynchronizer.finish`:
     faster. Overlap pays off when communication runs on its own hardware (a GPU's copy engines, a slow network
     that leaves the CPU idle); on a CPU backend with few cores, gloo's transfers compete with backward for the
     same cores and memory bandwidth, and launching after backward is faster. ``auto`` times both on the first
-    sync rounds (see :class:`LaunchTuner`) and keeps the faster one, agreed by all ranks.
+    sync rounds (see :class:`LaunchTuner`) and keeps the clearly faster one, agreed by all ranks; a close call goes
+    to the device's prior (after backward on CPU, during backward on GPU).
 
 After backward, each bucket is packed with one ``torch.cat`` and launched before the next one is packed, so packing
 overlaps the previous bucket's transfer. Every path divides by the world size with the same operation, so
@@ -96,20 +97,33 @@ class LaunchTuner:
     """Chooses, by measurement, whether buckets launch during backward or right after it.
 
     The first ``warmup_rounds`` sync rounds are not timed (allocator and gloo warm-up). The next
-    ``2 * trial_rounds`` alternate the two launch points, timing each from the start of backward to the end of the
-    sync (what overlap changes: a slower backward against a longer wait). Then every rank contributes its median
-    per launch point to one all-reduce, and all ranks keep the launch point with the smaller sum, so they decide
-    alike.
+    ``2 * trial_rounds`` alternate the two launch points, timing each round's whole period, from the start of its
+    backward to the start of the next round's backward: overlap trades a slower backward (and whatever else the
+    transfers slow down) against a shorter wait, so only the whole step shows which wins. Then every rank
+    contributes its median per launch point to one all-reduce, and all ranks decide alike on the sums: a launch
+    point that is faster by more than ``margin`` wins; a closer call, within the noise of a shared machine, goes to
+    the ``prefer_after_backward`` prior.
 
     Args:
         warmup_rounds: rounds left out before the trials.
         trial_rounds: timed rounds per launch point.
+        margin: the relative lead a launch point needs to overrule the prior.
+        prefer_after_backward: the prior (``None``: :class:`GradientSynchronizer` sets it from the device: after
+            backward for CPU tensors, whose transfers run on the cores backward uses; during backward otherwise).
     """
 
-    def __init__(self, warmup_rounds: int = 3, trial_rounds: int = 8) -> None:
-        assert warmup_rounds >= 0 and trial_rounds >= 1
+    def __init__(
+        self,
+        warmup_rounds: int = 3,
+        trial_rounds: int = 8,
+        margin: float = 0.03,
+        prefer_after_backward: Optional[bool] = None,
+    ) -> None:
+        assert warmup_rounds >= 0 and trial_rounds >= 1 and margin >= 0
         self.warmup_rounds = warmup_rounds
         self.trial_rounds = trial_rounds
+        self.margin = margin
+        self.prefer_after_backward = prefer_after_backward
         self.rounds = 0
         self.times: dict[bool, list[float]] = {False: [], True: []}
         self.after_backward: Optional[bool] = None  # the decision, once made
@@ -140,7 +154,12 @@ class LaunchTuner:
         n = meter.world_size(group)
         during, after = (1e3 * medians / n).tolist()
         self.medians_ms = {"during_backward": during, "after_backward": after}
-        self.after_backward = after < during
+        if after < (1.0 - self.margin) * during:
+            self.after_backward = True
+        elif during < (1.0 - self.margin) * after:
+            self.after_backward = False
+        else:
+            self.after_backward = bool(self.prefer_after_backward)
         return self.after_backward
 
 
@@ -212,9 +231,11 @@ class GradientSynchronizer:
         self.group = group
         self._world = meter.world_size(group)
         self.tuner = (tuner or LaunchTuner()) if bucketing == "auto" and self._world > 1 else None
+        if self.tuner is not None and self.tuner.prefer_after_backward is None and self.params:
+            self.tuner.prefer_after_backward = self.params[0].device.type == "cpu"
         # Whether this round's buckets launch after backward (flat, naive, and auto when it so decides or tries).
         self.after_backward = bucketing in ("flat", "naive")
-        self._round_started = 0.0
+        self._round_started: Optional[float] = None
         self.sync_enabled = True
         self._round_active = False
         self._next_launch = 0
@@ -255,9 +276,20 @@ class GradientSynchronizer:
         """Marks that a backward pass whose gradients must be synced is about to run (call on every rank)."""
         if self.sync_enabled:
             if self.tuner is not None and not self._round_active:
-                self.after_backward = self.tuner.next_after_backward()
-                self._round_started = time.perf_counter()
+                self._tune(time.perf_counter())
             self._round_active = True
+
+    def _tune(self, now: float) -> None:
+        """``auto``, at the start of a round: books the previous round's whole period (its backward and sync, and
+        all up to this backward: what launching during backward can slow down reaches past the sync), decides once
+        the trials are complete, and sets this round's launch point."""
+        assert self.tuner is not None
+        if self.tuner.deciding and self._round_started is not None:
+            if self.tuner.record(self.after_backward, now - self._round_started):
+                if self.tuner.decide(self.meter, self.group):
+                    self.remove_hooks()  # launching after backward: nothing left for them to do
+        self.after_backward = self.tuner.next_after_backward()
+        self._round_started = now if self.tuner.deciding else None
 
     @property
     def launch_point(self) -> str:
@@ -336,11 +368,6 @@ class GradientSynchronizer:
             for p, u in zip(self.params, used):
                 if not u:
                     p.grad = None
-        if self.tuner is not None and self.tuner.deciding:
-            if self.tuner.record(self.after_backward, time.perf_counter() - self._round_started):
-                self.after_backward = self.tuner.decide(self.meter, self.group)
-                if self.after_backward:
-                    self.remove_hooks()  # nothing for them to do any more
         self._reset_round()
         return True
 

@@ -64,9 +64,18 @@ class AllReduceStrategy(SyncStrategyBase):
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        """Opens a sync round before each backward that is not inside :meth:`block_backward_sync`."""
-        if self.synchronizer is not None:
-            self.synchronizer.start_round()
+        """Opens a sync round before each backward that is not inside :meth:`block_backward_sync`; with
+        ``bucketing="auto"``, says on rank 0 where buckets launch once the ranks have decided."""
+        if self.synchronizer is None:
+            return
+        tuner = self.synchronizer.tuner
+        was_deciding = tuner is not None and tuner.deciding
+        self.synchronizer.start_round()
+        if was_deciding and not tuner.deciding:
+            times = ", ".join(f"{k.replace('_', ' ')} {v:.2f} ms" for k, v in tuner.medians_ms.items())
+            point = self.synchronizer.launch_point.replace("_", " ")
+            rank_zero_info(f"lightning_sync: bucketing=auto launches buckets {point} (median step, mean over ranks: "
+                           f"{times})")
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
@@ -104,13 +113,7 @@ class AllReduceStrategy(SyncStrategyBase):
         return super().optimizer_step(optimizer, _closure_then_sync, model, **kwargs)
 
     def _finish_sync(self) -> None:
-        tuner = None if self.synchronizer is None else self.synchronizer.tuner
-        was_deciding = tuner is not None and tuner.deciding
         self._synced = self.synchronizer is not None and self.synchronizer.finish()
-        if was_deciding and not tuner.deciding:
-            times = ", ".join(f"{k.replace('_', ' ')} {v:.2f} ms" for k, v in tuner.medians_ms.items())
-            rank_zero_info(f"lightning_sync: bucketing=auto launches buckets {self.synchronizer.launch_point.replace('_', ' ')}"
-                           f" (median sync round, mean over ranks: {times})")
 
     @override
     def on_sync_step_end(self) -> None:
