@@ -17,16 +17,19 @@ by :meth:`GradientSynchronizer.finish`:
 ``naive``
     One blocking average per parameter after backward (the textbook loop; kept to compare against).
 ``auto``
-    The buckets of ``overlap``, launched either during backward or right after it, whichever this machine runs
-    faster. Overlap pays off when communication runs on its own hardware (a GPU's copy engines, a slow network
+    The buckets of ``overlap`` launched during backward, or, after backward, the whole buffer at once (as
+    ``flat`` sends it; bucket by bucket with a compressor that keeps per-bucket memory), whichever this machine
+    runs faster. Overlap pays off when communication runs on its own hardware (a GPU's copy engines, a slow network
     that leaves the CPU idle); on a CPU backend with few cores, gloo's transfers compete with backward for the
     same cores and memory bandwidth, and launching after backward is faster. ``auto`` times both on the first
     sync rounds (see :class:`LaunchTuner`) and keeps the clearly faster one, agreed by all ranks; a close call goes
-    to the device's prior (after backward on CPU, during backward on GPU).
+    to the device's prior (after backward on CPU, during backward on GPU). The decision is in
+    :meth:`GradientSynchronizer.state_dict`, so a resumed run keeps it. Like ``cudnn.benchmark``, the choice rests
+    on timing: on 3 or more ranks the two launch points may differ in the last bit of a sum (gloo's ring adds in an
+    order that depends on the layout); pick a fixed bucketing where two runs must match bit for bit.
 
-After backward, each bucket is packed with one ``torch.cat`` and launched before the next one is packed, so packing
-overlaps the previous bucket's transfer. Every path divides by the world size with the same operation, so
-``overlap``, ``flat`` and ``auto`` give bit-identical averages.
+Each bucket is packed with one ``torch.cat`` when it launches, then divided by the world size in place; all paths
+share that divide, so on 2 ranks (where a sum does not depend on order) every bucketing gives the same bits.
 
 Parameters without a gradient on this rank (unused or conditionally used) take part with zeros, so no rank waits for
 a bucket that never fills. With ``find_unused_parameters=True`` the ranks also all-reduce a used-mask, and a
@@ -40,7 +43,7 @@ import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch.distributed import ProcessGroup
@@ -61,6 +64,7 @@ class _Bucket:
     future: Optional[torch.futures.Future] = None
     ready: set[int] = field(default_factory=set)  # ids of params whose gradient of this round is final
     slots: list[torch.Tensor] = field(default_factory=list)  # one view of ``buffer`` per parameter, made once
+    members: list[_Bucket] = field(default_factory=list)  # for a run: its buckets, whose buffers tile ``buffer``
 
     def __post_init__(self) -> None:
         self.slots = [
@@ -75,6 +79,14 @@ class _Bucket:
     def full(self) -> bool:
         """Every parameter's gradient of this round is final: the bucket can be packed and launched."""
         return len(self.ready) == len(self.params)
+
+
+def _offsets(params: list[torch.nn.Parameter]) -> list[int]:
+    out, total = [], 0
+    for p in params:
+        out.append(total)
+        total += p.numel()
+    return out
 
 
 def _pack(bucket: _Bucket, grads: list[Optional[torch.Tensor]]) -> None:
@@ -128,6 +140,17 @@ class LaunchTuner:
         self.times: dict[bool, list[float]] = {False: [], True: []}
         self.after_backward: Optional[bool] = None  # the decision, once made
         self.medians_ms: dict[str, float] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The trials so far and the decision (so a resumed run keeps its launch point instead of re-tuning)."""
+        return {"rounds": self.rounds, "times": {k: list(v) for k, v in self.times.items()},
+                "after_backward": self.after_backward, "medians_ms": dict(self.medians_ms)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rounds = int(state["rounds"])
+        self.times = {bool(k): list(v) for k, v in state["times"].items()}
+        self.after_backward = state["after_backward"]
+        self.medians_ms = dict(state["medians_ms"])
 
     @property
     def deciding(self) -> bool:
@@ -247,20 +270,40 @@ class GradientSynchronizer:
             plans = plan_buckets(ordered, math.inf, math.inf)
         else:
             plans = [[i] for i in range(len(ordered))]
-        self.buckets = [self._make_bucket(k, [ordered[i] for i in plan]) for k, plan in enumerate(plans)]
+        self.buckets, self._runs = self._make_buckets([[ordered[i] for i in plan] for plan in plans])
         self._where = {id(p): b for b in self.buckets for p in b.params}
         if bucketing in ("overlap", "auto"):
             for p in self.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     @staticmethod
-    def _make_bucket(index: int, params: list[torch.nn.Parameter]) -> _Bucket:
-        offsets, total = [], 0
-        for p in params:
-            offsets.append(total)
-            total += p.numel()
-        buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
-        return _Bucket(index=index, params=params, buffer=buffer, offsets=offsets)
+    def _make_buckets(plans: list[list[torch.nn.Parameter]]) -> tuple[list[_Bucket], list[_Bucket]]:
+        """The buckets, and *runs*: maximal sequences of consecutive buckets of one dtype and device, each run one
+        buffer of which its buckets' buffers are consecutive slices. A run can be packed and averaged as one payload
+        (after backward), and its buckets one by one (during backward)."""
+        groups: list[list[list[torch.nn.Parameter]]] = []
+        for plan in plans:
+            head = groups[-1][0][0] if groups else None
+            if head is not None and head.dtype == plan[0].dtype and head.device == plan[0].device:
+                groups[-1].append(plan)
+            else:
+                groups.append([plan])
+        buckets: list[_Bucket] = []
+        runs: list[_Bucket] = []
+        for group in groups:
+            everything = [p for plan in group for p in plan]
+            run = _Bucket(index=len(buckets), params=everything, buffer=torch.zeros(
+                sum(p.numel() for p in everything), dtype=everything[0].dtype, device=everything[0].device
+            ), offsets=_offsets(everything))
+            start = 0
+            for plan in group:
+                numel = sum(p.numel() for p in plan)
+                buckets.append(_Bucket(index=len(buckets), params=plan, buffer=run.buffer[start : start + numel],
+                                       offsets=_offsets(plan)))
+                start += numel
+            run.members = buckets[len(buckets) - len(group) :]
+            runs.append(run)
+        return buckets, runs
 
     # ------------------------------------------------------------------ round control
     @contextmanager
@@ -290,6 +333,20 @@ class GradientSynchronizer:
                     self.remove_hooks()  # launching after backward: nothing left for them to do
         self.after_backward = self.tuner.next_after_backward()
         self._round_started = now if self.tuner.deciding else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to go on exactly as this one would: ``auto``'s trials and decision."""
+        return {} if self.tuner is None else {"tuner": self.tuner.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.tuner is None or "tuner" not in state:
+            return
+        self.tuner.load_state_dict(state["tuner"])
+        self._round_started = None  # the interrupted round's period is lost, not booked
+        if not self.tuner.deciding:
+            self.after_backward = self.tuner.after_backward
+            if self.after_backward:
+                self.remove_hooks()
 
     @property
     def launch_point(self) -> str:
@@ -326,6 +383,13 @@ class GradientSynchronizer:
     def _launch_rest(self) -> None:
         """Completes and launches, in index order, every bucket not launched yet; each bucket is launched before the
         next is packed, so packing overlaps the transfers already in flight."""
+        if self._next_launch == 0 and self.bucketing == "auto" and not self.compressor.keeps_bucket_state:
+            # Nothing launched during backward: each run goes as one payload, as flat would send it.
+            for run in self._runs:
+                self._pack_and_launch(run)
+                for bucket in run.members:
+                    bucket.future = run.future
+                run.future = None
         for bucket in self.buckets[self._next_launch :]:
             if bucket.future is None:
                 self._pack_and_launch(bucket)

@@ -130,6 +130,20 @@ class AllReduceStrategy(SyncStrategyBase):
         return super().training_step(*args, **kwargs)
 
     @override
+    def sync_state_dict(self) -> dict[str, Any]:
+        """Adds the synchronizer's state (``bucketing="auto"``: its trials and decision) to the base state."""
+        state = super().sync_state_dict()
+        if self.synchronizer is not None:
+            state["synchronizer"] = self.synchronizer.state_dict()
+        return state
+
+    @override
+    def load_sync_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_sync_state_dict(state)
+        if self.synchronizer is not None and "synchronizer" in state:
+            self.synchronizer.load_state_dict(state["synchronizer"])
+
+    @override
     def _active_compressor(self) -> Optional[Compressor]:
         return None if self.synchronizer is None else self.synchronizer.compressor
 

@@ -1,0 +1,198 @@
+"""Where should buckets launch, during backward or after it? Loopback against an emulated slow network.
+
+Two ranks train the same MLP with torch DDP and with :class:`~lightning_sync.comm.bucketing.GradientSynchronizer`
+launching buckets during backward (``overlap``), after it (``flat``) and as ``auto`` decides; modes alternate within
+one run and the figure is the median step time over rounds (rank 0). ``--rate`` picks the network:
+
+* ``loopback``: both ranks on 127.0.0.1. Gloo's transfers are CPU work on the cores backward uses.
+* a tc rate such as ``1gbit``: each rank in its own network namespace, joined by veth pairs to a bridge in a third
+  namespace, with a ``tbf`` rate limit on both ends of every link (so incast is limited as on a real switch).
+  The link, not the CPU, bounds the transfer, and the CPU is idle while it waits.
+
+Needs root for the namespaces; it touches only namespaces it creates (prefix ``lsnb``) and removes them on exit.
+Traffic goes only to their own addresses (10.77.0.0/24).
+
+    python benchmarks/netns_launch_point.py --rate loopback
+    python benchmarks/netns_launch_point.py --rate 1gbit
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+PREFIX = "lsnb"
+MODES = ("ddp", "overlap", "flat", "auto")
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+def _burst_bytes(rate: str) -> int:
+    """tbf burst: at least 32 KiB and 2 ms of traffic (network notes: 96% of the nominal rate)."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for suffix, scale in units.items():
+        if rate.endswith(suffix):
+            bits_per_s = float(rate[: -len(suffix)]) * scale
+            return max(32 * 1024, int(bits_per_s / 8 * 0.002))
+    raise SystemExit(f"error: --rate {rate!r} is not 'loopback' or a tc rate such as 100mbit, 1gbit")
+
+
+@contextmanager
+def namespaces(world_size: int, rate: str) -> Iterator[list[tuple[str, str, str]]]:
+    """Hosts ``lsnbh<i>`` (interface ``lsnbv<i>``, 10.77.0.<i+1>) on a bridge in ``lsnbsw``; tbf on both ends."""
+    switch = f"{PREFIX}sw"
+    hosts = [(f"{PREFIX}h{i}", f"{PREFIX}v{i}", f"10.77.0.{i + 1}") for i in range(world_size)]
+    burst = str(_burst_bytes(rate))
+    made: list[str] = []
+    try:
+        for ns in [switch, *(h[0] for h in hosts)]:
+            _ip("netns", "add", ns)
+            made.append(ns)
+        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", switch, "link", "set", "br0", "up")
+        for i, (ns, dev, addr) in enumerate(hosts):
+            port = f"{PREFIX}p{i}"
+            _ip("link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port, "netns", switch)
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", switch, "link", "set", port, "master", "br0")
+            _ip("-n", switch, "link", "set", port, "up")
+            for where, link in ((ns, dev), (switch, port)):
+                subprocess.run(["tc", "-n", where, "qdisc", "add", "dev", link, "root", "tbf", "rate", rate,
+                                "burst", burst, "latency", "50ms"], check=True, capture_output=True, timeout=30)
+        yield hosts
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        if not subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.strip():
+            subprocess.run(["umount", "/run/netns"], capture_output=True)
+            subprocess.run(["rmdir", "/run/netns"], capture_output=True)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment): alternates the modes."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from lightning_sync.comm.bucketing import GradientSynchronizer
+    from lightning_sync.comm.compression import NoCompression
+    from lightning_sync.comm.meter import CommMeter
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    x, y = torch.randn(args.batch_size, args.width), torch.randn(args.batch_size, 1)
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    decisions: list[dict] = []
+    for _ in range(args.rounds):
+        for mode in MODES:
+            torch.manual_seed(0)
+            layers: list[nn.Module] = []
+            for _ in range(args.depth):
+                layers += [nn.Linear(args.width, args.width), nn.ReLU()]
+            model = nn.Sequential(*layers, nn.Linear(args.width, 1))
+            net, sync = model, None
+            if mode == "ddp":
+                net = nn.parallel.DistributedDataParallel(model)
+            else:
+                sync = GradientSynchronizer(list(model.parameters()), NoCompression(), CommMeter(), bucketing=mode)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            steps = []
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                opt.zero_grad()
+                if sync is not None:
+                    sync.start_round()
+                ((net(x) - y) ** 2).mean().backward()
+                if sync is not None:
+                    sync.finish()
+                opt.step()
+                steps.append(time.perf_counter() - start)
+            times[mode].append(1e3 * statistics.median(steps[args.warmup :]))
+            if mode == "auto":
+                decisions.append({"launch_point": sync.launch_point, **sync.tuner.medians_ms})
+    if rank == 0:
+        print(json.dumps({"times": times, "auto": decisions}), flush=True)
+    dist.destroy_process_group()
+
+
+def _launch(args: argparse.Namespace, hosts: list[tuple[str, str, str]] | None) -> dict:
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_PORT="29611", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    cmd = [sys.executable, __file__, "--worker", *sys.argv[1:]]
+    procs = []
+    for rank in range(2):
+        rank_env = dict(env, RANK=str(rank))
+        if hosts is None:
+            rank_env["MASTER_ADDR"] = "127.0.0.1"
+            prefix: list[str] = []
+        else:
+            rank_env.update(MASTER_ADDR=hosts[0][2], GLOO_SOCKET_IFNAME=hosts[rank][1])
+            prefix = ["ip", "netns", "exec", hosts[rank][0]]
+        procs.append(subprocess.Popen([*prefix, *cmd], env=rank_env, stdout=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=args.timeout)[0] for p in procs]
+    finally:
+        for p in procs:  # a rank past the timeout must not keep a namespace alive
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    bad = [p.returncode for p in procs if p.returncode != 0]
+    if bad:
+        raise SystemExit(f"error: ranks exited with {bad}")
+    return json.loads(outs[0].strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate", default="1gbit", help="'loopback', or a tc rate for the emulated links")
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--depth", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=512, help="per rank (512: backward about as long as a "
+                        "1 Gbit all-reduce of the 10.5 MB of gradients)")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=20, help="steps left out (auto tunes on its first 19)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds the ranks may take")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.rate == "loopback":
+        result = _launch(args, None)
+    else:
+        _burst_bytes(args.rate)  # a bad rate fails here, before any namespace exists
+        if os.geteuid() != 0:
+            raise SystemExit("error: --rate other than loopback needs root (ip netns, tc)")
+        with namespaces(2, args.rate) as hosts:
+            result = _launch(args, hosts)
+    med = {m: statistics.median(v) for m, v in result["times"].items()}
+    print(f"MLP {args.depth} x {args.width}, batch {args.batch_size}/rank, 2 ranks gloo, network {args.rate}, "
+          f"median of {args.rounds} alternating rounds ({args.steps} steps, {args.warmup} warm-up)")
+    for mode, value in med.items():
+        runs = " ".join(f"{t:.1f}" for t in result["times"][mode])
+        print(f"{mode:<10}{value:9.2f} ms/step {value / med['ddp']:6.2f}x ddp   {runs}")
+    for d in result["auto"]:
+        print(f"auto chose {d['launch_point']}: step median during backward {d['during_backward']:.1f} ms, "
+              f"after backward {d['after_backward']:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
