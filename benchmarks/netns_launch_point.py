@@ -109,9 +109,10 @@ def worker(args: argparse.Namespace) -> None:
             model = nn.Sequential(*layers, nn.Linear(args.width, 1))
             net, sync = model, None
             if mode == "ddp":
-                net = nn.parallel.DistributedDataParallel(model)
+                net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
             else:
-                sync = GradientSynchronizer(list(model.parameters()), NoCompression(), CommMeter(), bucketing=mode)
+                sync = GradientSynchronizer(list(model.parameters()), NoCompression(), CommMeter(), bucketing=mode,
+                                            bucket_cap_mb=args.bucket_cap_mb)
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
             steps = []
             for _ in range(args.steps):
@@ -166,6 +167,8 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=512, help="per rank (512: backward about as long as a "
                         "1 Gbit all-reduce of the 10.5 MB of gradients)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=2.0, help="for DDP and ours (2: five buckets of the "
+                        "10.5 MB, so that launching during backward has something to overlap)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=20, help="steps left out (auto tunes on its first 19)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -185,6 +188,7 @@ def main() -> None:
             result = _launch(args, hosts)
     med = {m: statistics.median(v) for m, v in result["times"].items()}
     print(f"MLP {args.depth} x {args.width}, batch {args.batch_size}/rank, 2 ranks gloo, network {args.rate}, "
+          f"buckets of {args.bucket_cap_mb} MB, "
           f"median of {args.rounds} alternating rounds ({args.steps} steps, {args.warmup} warm-up)")
     for mode, value in med.items():
         runs = " ".join(f"{t:.1f}" for t in result["times"][mode])

@@ -128,7 +128,7 @@ class LaunchTuner:
         self,
         warmup_rounds: int = 3,
         trial_rounds: int = 8,
-        margin: float = 0.03,
+        margin: float = 0.10,
         prefer_after_backward: Optional[bool] = None,
     ) -> None:
         assert warmup_rounds >= 0 and trial_rounds >= 1 and margin >= 0
