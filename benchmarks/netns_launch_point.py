@@ -5,12 +5,11 @@ launching buckets during backward (``overlap``), after it (``flat``) and as ``au
 one run and the figure is the median step time over rounds (rank 0). ``--rate`` picks the network:
 
 * ``loopback``: both ranks on 127.0.0.1. Gloo's transfers are CPU work on the cores backward uses.
-* a tc rate such as ``1gbit``: each rank in its own network namespace, joined by veth pairs to a bridge in a third
-  namespace, with a ``tbf`` rate limit on both ends of every link (so incast is limited as on a real switch).
-  The link, not the CPU, bounds the transfer, and the CPU is idle while it waits.
+* a tc rate such as ``1gbit``: each rank in its own network namespace (:func:`lightning_sync.netns.emulated_hosts`),
+  with a ``tbf`` rate limit on both ends of every link. The link, not the CPU, bounds the transfer, and the CPU is
+  idle while it waits.
 
 Needs root for the namespaces; it touches only namespaces it creates (prefix ``lsnb``) and removes them on exit.
-Traffic goes only to their own addresses (10.77.0.0/24).
 
     python benchmarks/netns_launch_point.py --rate loopback
     python benchmarks/netns_launch_point.py --rate 1gbit
@@ -28,59 +27,13 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
-PREFIX = "lsnb"
+from lightning_sync.netns import burst_bytes, emulated_hosts
+
+
+
 MODES = ("ddp", "overlap", "flat", "auto")
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-def _burst_bytes(rate: str) -> int:
-    """tbf burst: at least 32 KiB and 2 ms of traffic (network notes: 96% of the nominal rate)."""
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-    for suffix, scale in units.items():
-        if rate.endswith(suffix):
-            bits_per_s = float(rate[: -len(suffix)]) * scale
-            return max(32 * 1024, int(bits_per_s / 8 * 0.002))
-    raise SystemExit(f"error: --rate {rate!r} is not 'loopback' or a tc rate such as 100mbit, 1gbit")
-
-
-@contextmanager
-def namespaces(world_size: int, rate: str) -> Iterator[list[tuple[str, str, str]]]:
-    """Hosts ``lsnbh<i>`` (interface ``lsnbv<i>``, 10.77.0.<i+1>) on a bridge in ``lsnbsw``; tbf on both ends."""
-    switch = f"{PREFIX}sw"
-    hosts = [(f"{PREFIX}h{i}", f"{PREFIX}v{i}", f"10.77.0.{i + 1}") for i in range(world_size)]
-    burst = str(_burst_bytes(rate))
-    made: list[str] = []
-    try:
-        for ns in [switch, *(h[0] for h in hosts)]:
-            _ip("netns", "add", ns)
-            made.append(ns)
-        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", switch, "link", "set", "br0", "up")
-        for i, (ns, dev, addr) in enumerate(hosts):
-            port = f"{PREFIX}p{i}"
-            _ip("link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port, "netns", switch)
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", switch, "link", "set", port, "master", "br0")
-            _ip("-n", switch, "link", "set", port, "up")
-            for where, link in ((ns, dev), (switch, port)):
-                subprocess.run(["tc", "-n", where, "qdisc", "add", "dev", link, "root", "tbf", "rate", rate,
-                                "burst", burst, "latency", "50ms"], check=True, capture_output=True, timeout=30)
-        yield hosts
-    finally:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        if not subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.strip():
-            subprocess.run(["umount", "/run/netns"], capture_output=True)
-            subprocess.run(["rmdir", "/run/netns"], capture_output=True)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -133,7 +86,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _launch(args: argparse.Namespace, hosts: list[tuple[str, str, str]] | None) -> dict:
+def _launch(args: argparse.Namespace, hosts: list | None) -> dict:
     env = dict(os.environ, WORLD_SIZE="2", MASTER_PORT="29611", OMP_NUM_THREADS="1",
                PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     cmd = [sys.executable, __file__, "--worker", *sys.argv[1:]]
@@ -144,8 +97,8 @@ def _launch(args: argparse.Namespace, hosts: list[tuple[str, str, str]] | None) 
             rank_env["MASTER_ADDR"] = "127.0.0.1"
             prefix: list[str] = []
         else:
-            rank_env.update(MASTER_ADDR=hosts[0][2], GLOO_SOCKET_IFNAME=hosts[rank][1])
-            prefix = ["ip", "netns", "exec", hosts[rank][0]]
+            rank_env.update(MASTER_ADDR=hosts[0].address, GLOO_SOCKET_IFNAME=hosts[rank].interface)
+            prefix = ["ip", "netns", "exec", hosts[rank].namespace]
         procs.append(subprocess.Popen([*prefix, *cmd], env=rank_env, stdout=subprocess.PIPE, text=True))
     try:
         outs = [p.communicate(timeout=args.timeout)[0] for p in procs]
@@ -181,10 +134,13 @@ def main() -> None:
     if args.rate == "loopback":
         result = _launch(args, None)
     else:
-        _burst_bytes(args.rate)  # a bad rate fails here, before any namespace exists
+        try:
+            burst_bytes(args.rate)  # a bad rate fails here, before any namespace exists
+        except ValueError as err:
+            raise SystemExit(f"error: --rate: {err}; or 'loopback'") from None
         if os.geteuid() != 0:
             raise SystemExit("error: --rate other than loopback needs root (ip netns, tc)")
-        with namespaces(2, args.rate) as hosts:
+        with emulated_hosts(2, args.rate, prefix="lsnb") as hosts:
             result = _launch(args, hosts)
     med = {m: statistics.median(v) for m, v in result["times"].items()}
     print(f"MLP {args.depth} x {args.width}, batch {args.batch_size}/rank, 2 ranks gloo, network {args.rate}, "
