@@ -66,7 +66,8 @@ def main(rounds: int = 5, steps: int = 20) -> None:
             for h in handles:
                 h.remove()
     base = statistics.median(times["no hooks"])
-    print(f"forward+backward(+packing) of a 40 x 256 MLP ({len(params)} tensors), median of {rounds} alternating rounds")
+    print(f"forward+backward(+packing) of a 40 x 256 MLP ({len(params)} tensors), "
+          f"median of {rounds} alternating rounds")
     for mode, values in times.items():
         med = statistics.median(values)
         print(f"{mode:<19} {med:7.2f} ms  (+{med - base:5.2f} ms, {1e3 * (med - base) / len(params):5.1f} us/tensor)")

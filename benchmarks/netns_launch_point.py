@@ -22,6 +22,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import datetime
 import json
 import statistics
 import subprocess
@@ -30,8 +31,6 @@ import time
 from pathlib import Path
 
 from lightning_sync.netns import burst_bytes, emulated_hosts
-
-
 
 MODES = ("ddp", "overlap", "flat", "auto")
 
@@ -47,7 +46,7 @@ def worker(args: argparse.Namespace) -> None:
     from lightning_sync.comm.meter import CommMeter
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank()
     torch.manual_seed(rank)
     x, y = torch.randn(args.batch_size, args.width), torch.randn(args.batch_size, 1)
@@ -95,11 +94,11 @@ def _launch(args: argparse.Namespace, hosts: list | None) -> dict:
         rank_env = dict(env, RANK=str(rank))
         if hosts is None:
             rank_env["MASTER_ADDR"] = "127.0.0.1"
-            prefix: list[str] = []
+            argv = cmd
         else:
             rank_env.update(MASTER_ADDR=hosts[0].address, GLOO_SOCKET_IFNAME=hosts[rank].interface)
-            prefix = ["ip", "netns", "exec", hosts[rank].namespace]
-        procs.append(subprocess.Popen([*prefix, *cmd], env=rank_env, stdout=subprocess.PIPE, text=True))
+            argv = hosts[rank].command(cmd)
+        procs.append(subprocess.Popen(argv, env=rank_env, stdout=subprocess.PIPE, text=True))
     try:
         outs = [p.communicate(timeout=args.timeout)[0] for p in procs]
     finally:

@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depth", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warmup", type=int, default=20, help="batches left out (bucketing=auto tunes on its first 19 syncs)")
+    parser.add_argument("--warmup", type=int, default=20,
+                        help="batches left out (bucketing=auto tunes on its first 19 syncs)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cases", default="", help="comma-separated subset (default: all)")
     args = parser.parse_args(argv)

@@ -12,7 +12,7 @@ import math
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Iterable, Optional, TypeVar
 
-from lightning_sync.comm.bucketing import BUCKETINGS
+from lightning_sync.comm.bucketing import BUCKETINGS, GradientSynchronizer
 from lightning_sync.comm.compression import COMPRESSORS, build_compressor
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -185,10 +185,8 @@ class GradientSyncKnobs(CompressionKnobs):
         check_range("strategy.bucket_cap_mb", self.bucket_cap_mb, low=0, low_open=True)
         check_range("strategy.first_bucket_mb", self.first_bucket_mb, low=0, low_open=True)
 
-    def build_synchronizer(self, params: Any, meter: Any) -> Any:
+    def build_synchronizer(self, params: Any, meter: Any) -> GradientSynchronizer:
         """A :class:`~lightning_sync.comm.bucketing.GradientSynchronizer` over ``params`` with these settings."""
-        from lightning_sync.comm.bucketing import GradientSynchronizer
-
         return GradientSynchronizer(
             list(params),
             compressor=self.build_compressor(self.compression),

@@ -28,7 +28,7 @@ def _local_grads(model: nn.Module, rank: int, step: int) -> list[torch.Tensor]:
 
 
 def test_plan_buckets_caps_first_bucket_and_dtype():
-    params = [nn.Parameter(torch.zeros(n)) for n in (10, 10, 10, 10)] + [nn.Parameter(torch.zeros(10, dtype=torch.float64))]
+    params = [nn.Parameter(torch.zeros(10)) for _ in range(4)] + [nn.Parameter(torch.zeros(10, dtype=torch.float64))]
     # 40 bytes per fp32 tensor: first bucket closes at >= 40 bytes, the others at >= 80 bytes; dtypes never mix.
     assert plan_buckets(params, bucket_cap_bytes=80, first_bucket_bytes=40) == [[0], [1, 2], [3], [4]]
 
@@ -129,7 +129,9 @@ def _tuner_agrees(rank: int, world: int) -> None:
 
 
 @pytest.mark.parametrize("prior", [True, False])
-@pytest.mark.parametrize(("during", "after", "expected"), [(10.0, 9.8, None), (9.8, 10.0, None), (10.0, 9.0, True), (9.0, 10.0, False)])
+@pytest.mark.parametrize(
+    ("during", "after", "expected"), [(10.0, 9.8, None), (9.8, 10.0, None), (10.0, 9.0, True), (9.0, 10.0, False)]
+)
 def test_tuner_margin_and_prior(during, after, expected, prior):
     """A lead under the margin (3%) is noise: the prior decides; a larger lead wins whatever the prior."""
     tuner = LaunchTuner(warmup_rounds=0, trial_rounds=1, margin=0.03, prefer_after_backward=prior)

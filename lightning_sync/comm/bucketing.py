@@ -9,9 +9,9 @@ by :meth:`GradientSynchronizer.finish`:
     Parameters are packed, in reverse registration order (the order backward usually produces gradients), into
     buckets of ``bucket_cap_mb`` (the first bucket ``first_bucket_mb``, so communication starts early). A
     post-accumulate-grad hook marks each gradient final; when a bucket's last one is, the bucket is packed and
-    launched asynchronously. Buckets launch strictly in index order, so every rank issues the same sequence of collectives
-    even when gradients arrive in a different order. :meth:`finish` launches what is left, waits for all, and
-    writes the averages back to ``.grad``.
+    launched asynchronously. Buckets launch strictly in index order, so every rank issues the same sequence of
+    collectives even when gradients arrive in a different order. :meth:`finish` launches what is left, waits for
+    all, and writes the averages back to ``.grad``.
 ``flat``
     One buffer per dtype, packed and averaged after backward.
 ``naive``
@@ -59,17 +59,13 @@ BUCKETINGS = ("auto", "overlap", "flat", "naive")
 class _Bucket:
     index: int
     params: list[torch.nn.Parameter]
-    buffer: torch.Tensor
-    offsets: list[int]
+    buffer: torch.Tensor  # the parameters' gradients back to back, in ``params`` order
     future: Optional[torch.futures.Future] = None
     ready: set[int] = field(default_factory=set)  # ids of params whose gradient of this round is final
     slots: list[torch.Tensor] = field(default_factory=list)  # one view of ``buffer`` per parameter, made once
-    members: list[_Bucket] = field(default_factory=list)  # for a run: its buckets, whose buffers tile ``buffer``
 
     def __post_init__(self) -> None:
-        self.slots = [
-            self.buffer[offset : offset + p.numel()].view(p.shape) for p, offset in zip(self.params, self.offsets)
-        ]
+        self.slots = [view.view(p.shape) for p, view in zip(self.params, self.buffer.split(_numels(self.params)))]
 
     @property
     def shapes(self) -> list[torch.Size]:
@@ -81,12 +77,8 @@ class _Bucket:
         return len(self.ready) == len(self.params)
 
 
-def _offsets(params: list[torch.nn.Parameter]) -> list[int]:
-    out, total = [], 0
-    for p in params:
-        out.append(total)
-        total += p.numel()
-    return out
+def _numels(params: list[torch.nn.Parameter]) -> list[int]:
+    return [p.numel() for p in params]
 
 
 def _pack(bucket: _Bucket, grads: list[Optional[torch.Tensor]]) -> None:
@@ -95,7 +87,8 @@ def _pack(bucket: _Bucket, grads: list[Optional[torch.Tensor]]) -> None:
     All present, contiguous and not already in place: one ``torch.cat`` (one kernel for the whole bucket instead of
     a copy per tensor). Otherwise tensor by tensor, skipping gradients that already are their slot.
     """
-    if all(g is not None and g.is_contiguous() and g.data_ptr() != slot.data_ptr() for g, slot in zip(grads, bucket.slots)):
+    if all(g is not None and g.is_contiguous() and g.data_ptr() != slot.data_ptr()
+           for g, slot in zip(grads, bucket.slots)):
         torch.cat([g.view(-1) for g in grads], out=bucket.buffer)
         return
     for slot, g in zip(bucket.slots, grads):
@@ -277,10 +270,13 @@ class GradientSynchronizer:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     @staticmethod
-    def _make_buckets(plans: list[list[torch.nn.Parameter]]) -> tuple[list[_Bucket], list[_Bucket]]:
-        """The buckets, and *runs*: maximal sequences of consecutive buckets of one dtype and device, each run one
-        buffer of which its buckets' buffers are consecutive slices. A run can be packed and averaged as one payload
-        (after backward), and its buckets one by one (during backward)."""
+    def _make_buckets(
+        plans: list[list[torch.nn.Parameter]],
+    ) -> tuple[list[_Bucket], list[tuple[_Bucket, list[_Bucket]]]]:
+        """The buckets, and *runs*: maximal sequences of consecutive buckets of one dtype and device. A run is one
+        buffer (returned as a bucket over all its parameters, with its member buckets) whose members' buffers are
+        consecutive slices of it, so it can be packed and averaged as one payload (after backward), or its members
+        one by one (during backward)."""
         groups: list[list[list[torch.nn.Parameter]]] = []
         for plan in plans:
             head = groups[-1][0][0] if groups else None
@@ -289,20 +285,16 @@ class GradientSynchronizer:
             else:
                 groups.append([plan])
         buckets: list[_Bucket] = []
-        runs: list[_Bucket] = []
+        runs: list[tuple[_Bucket, list[_Bucket]]] = []
         for group in groups:
             everything = [p for plan in group for p in plan]
-            run = _Bucket(index=len(buckets), params=everything, buffer=torch.zeros(
-                sum(p.numel() for p in everything), dtype=everything[0].dtype, device=everything[0].device
-            ), offsets=_offsets(everything))
-            start = 0
-            for plan in group:
-                numel = sum(p.numel() for p in plan)
-                buckets.append(_Bucket(index=len(buckets), params=plan, buffer=run.buffer[start : start + numel],
-                                       offsets=_offsets(plan)))
-                start += numel
-            run.members = buckets[len(buckets) - len(group) :]
-            runs.append(run)
+            buffer = torch.zeros(sum(_numels(everything)), dtype=everything[0].dtype, device=everything[0].device)
+            run = _Bucket(index=len(buckets), params=everything, buffer=buffer)
+            slices = buffer.split([sum(_numels(plan)) for plan in group])
+            members = [_Bucket(index=len(buckets) + k, params=plan, buffer=part)
+                       for k, (plan, part) in enumerate(zip(group, slices))]
+            buckets += members
+            runs.append((run, members))
         return buckets, runs
 
     # ------------------------------------------------------------------ round control
@@ -385,9 +377,9 @@ class GradientSynchronizer:
         next is packed, so packing overlaps the transfers already in flight."""
         if self._next_launch == 0 and self.bucketing == "auto" and not self.compressor.keeps_bucket_state:
             # Nothing launched during backward: each run goes as one payload, as flat would send it.
-            for run in self._runs:
+            for run, members in self._runs:
                 self._pack_and_launch(run)
-                for bucket in run.members:
+                for bucket in members:
                     bucket.future = run.future
                 run.future = None
         for bucket in self.buckets[self._next_launch :]:

@@ -139,6 +139,7 @@ class AllReduceStrategy(SyncStrategyBase):
 
     @override
     def load_sync_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores the base state and the synchronizer's (a decided ``auto`` keeps its launch point, no re-tuning)."""
         super().load_sync_state_dict(state)
         if self.synchronizer is not None and "synchronizer" in state:
             self.synchronizer.load_state_dict(state["synchronizer"])
