@@ -5,27 +5,23 @@ Importing the package registers the strategies with Lightning's ``StrategyRegist
 """
 
 from lightning_sync.comm.meter import CommMeter, CommStats
-from lightning_sync.config import ConfigError
+from lightning_sync.errors import ConfigError
 from lightning_sync.strategies.allreduce import AllReduceStrategy
 from lightning_sync.strategies.ddp import DDPSyncStrategy
 from lightning_sync.strategies.periodic import PeriodicSyncStrategy
 
 __version__ = "0.1.0"
 
-# registry name -> (class, description)
-STRATEGIES = {
-    "sync_ddp": (DDPSyncStrategy, "torch DDP with metered comm hooks that also run on CPU/gloo"),
-    "sync_allreduce": (AllReduceStrategy, "hand-written bucketed all-reduce overlapped with backward, no DDP wrapper"),
-    "sync_periodic": (PeriodicSyncStrategy, "sync every N steps: cross-rank gradient accumulation, local SGD, DiLoCo"),
-}
+# registry name -> class (each class carries its name; its docstring's first line is the description)
+STRATEGIES = {cls.strategy_name: cls for cls in (DDPSyncStrategy, AllReduceStrategy, PeriodicSyncStrategy)}
 
 
 def _register_strategies() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    for name, (cls, description) in STRATEGIES.items():
+    for name, cls in STRATEGIES.items():
         if name not in StrategyRegistry:
-            StrategyRegistry.register(name, cls, description=description)
+            StrategyRegistry.register(name, cls, description=cls.description())
 
 
 _register_strategies()

@@ -1,66 +1,33 @@
-"""Structured configs: one dataclass per strategy, validated the moment it is built.
+"""Structured configs: one plain dataclass per strategy; each field is a knob, documented where it is defined.
 
-A strategy's knobs are the fields of its config dataclass, and each field is documented here, where it is defined.
-Hydra's YAML files in ``conf/strategy/`` set the same names. Validation runs in ``__post_init__``, so a bad value
-fails in the launching process, before any rank starts, with a :class:`ConfigError` that names the field, the value
-and what is allowed.
+This module is a leaf: it imports nothing from :mod:`lightning_sync.comm` (the strategies build the comm objects
+from these configs). The dataclasses are also the Hydra schema of the ``strategy/`` group
+(:mod:`lightning_sync.conf_store`), so a knob's default lives here only and ``conf/strategy/*.yaml`` holds just what
+differs. ``python -c "import lightning_sync.config as c; help(c.AllReduceConfig)"`` lists every knob.
+
+Validation is split by ownership, and each check runs once, in the launching process, before any rank starts:
+``__post_init__`` checks the knobs that belong to the strategy (start method, timeouts, modes and how they
+combine); the knobs that belong to an algorithm (a compressor's density or rank, the bucketing, the averager's
+period, warmup and adaptive bounds) are checked by that algorithm's constructor, which the strategy's constructor
+calls. Either way a bad value raises :class:`~lightning_sync.errors.ConfigError` naming the field, the value and
+what is allowed.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import MISSING, dataclass, fields
-from typing import Any, Iterable, Optional, TypeVar
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
-from lightning_sync.comm.bucketing import BUCKETINGS, GradientSynchronizer
-from lightning_sync.comm.compression import COMPRESSORS, build_compressor
+from lightning_sync.errors import ConfigError, check_choice, check_range
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+PERIODIC_MODES = ("gradient", "local_sgd", "diloco")
 
-
-class ConfigError(ValueError):
-    """A user's configuration mistake: one line naming the field, the value and what is allowed."""
-
-
-def check_choice(field: str, value: Any, allowed: Iterable[str]) -> None:
-    allowed = tuple(allowed)
-    if value not in allowed:
-        raise ConfigError(f"{field}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
-
-
-def check_range(
-    field: str,
-    value: Any,
-    low: Optional[float] = None,
-    high: Optional[float] = None,
-    low_open: bool = False,
-    integer: bool = False,
-) -> None:
-    """Checks ``low <= value <= high`` (``low < value`` when ``low_open``) and, optionally, that it is an integer."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    bad_type = not number or (integer and not isinstance(value, int))
-    if bad_type or (isinstance(value, float) and not math.isfinite(value)):
-        kind = "an integer" if integer else "a number"
-        raise ConfigError(f"{field}={value!r} is not allowed; it must be {kind}")
-    lower_ok = low is None or (value > low if low_open else value >= low)
-    upper_ok = high is None or value <= high
-    if not (lower_ok and upper_ok):
-        lo = "" if low is None else f"{'(' if low_open else '['}{low}"
-        hi = "" if high is None else f"{high}]"
-        if low is not None and high is None:
-            allowed = f"> {low}" if low_open else f">= {low}"
-        elif low is None:
-            allowed = f"<= {high}"
-        else:
-            allowed = f"in {lo}, {hi}"
-        raise ConfigError(f"{field}={value!r} is not allowed; it must be {allowed}")
-
-
-_C = TypeVar("_C", bound="_StrategyConfig")
+_C = TypeVar("_C", bound="StrategyConfig")
 
 
 @dataclass
-class _StrategyConfig:
+class StrategyConfig:
     """Knobs every lightning_sync strategy has."""
 
     start_method: str = "popen"
@@ -73,30 +40,23 @@ class _StrategyConfig:
     """Every this many optimizer steps, check that all replicas hold identical parameters (0: never)."""
 
     def __post_init__(self) -> None:
-        check_choice("strategy.start_method", self.start_method, START_METHODS)
-        check_range("strategy.timeout_s", self.timeout_s, low=0, low_open=True)
-        check_range("strategy.check_consistency_every", self.check_consistency_every, low=0, integer=True)
+        check_choice("start_method", self.start_method, START_METHODS)
+        check_range("timeout_s", self.timeout_s, low=0, low_open=True)
+        check_range("check_consistency_every", self.check_consistency_every, low=0, integer=True)
 
     @classmethod
-    def split_kwargs(cls: type[_C], kwargs: dict[str, Any], passthrough: Iterable[str] = ()) -> tuple[_C, dict]:
-        """Builds the config from the keys of ``kwargs`` that are its fields.
-
-        Returns:
-            The validated config, and the remaining keys, which must all be in ``passthrough``.
+    def with_knobs(cls: type[_C], config: _C | None, knobs: dict[str, Any]) -> _C:
+        """``config`` (default: the class's defaults) with ``knobs`` set, validated.
 
         Raises:
-            ConfigError: for a key that is neither a field nor in ``passthrough``.
+            ConfigError: a knob that is not a field, or a bad value.
         """
         names = {f.name for f in fields(cls)}
-        passthrough = set(passthrough)
-        unknown = sorted(set(kwargs) - names - passthrough)
+        unknown = sorted(set(knobs) - names)
         if unknown:
-            raise ConfigError(
-                f"strategy.{unknown[0]} is not a knob of {cls.__name__}; known knobs: {', '.join(sorted(names))}"
-            )
-        mine = {k: v for k, v in kwargs.items() if k in names}
-        rest = {k: v for k, v in kwargs.items() if k not in names}
-        return cls(**mine), rest
+            raise ConfigError(f"{unknown[0]} is not a knob of {cls.__name__}; known knobs: {', '.join(sorted(names))}")
+        base = {f.name: getattr(config, f.name) for f in fields(cls)} if config is not None else {}
+        return cls(**{**base, **knobs})
 
 
 @dataclass
@@ -114,26 +74,13 @@ class CompressionKnobs:
     powersgd_warm_start: bool = True
     """``powersgd``: reuse last step's Q factor as the starting point of the power iteration."""
 
-    def _check_compression(self, field: str, name: str) -> None:
-        check_choice(field, name, COMPRESSORS)
-        check_range("strategy.topk_density", self.topk_density, low=0, high=1, low_open=True)
-        check_range("strategy.powersgd_rank", self.powersgd_rank, low=1, integer=True)
-        check_range("strategy.powersgd_start_iter", self.powersgd_start_iter, low=0, integer=True)
-
-    def build_compressor(self, name: str) -> Any:
-        """A fresh :class:`~lightning_sync.comm.compression.Compressor` for ``name`` with these settings."""
-        return build_compressor(
-            name,
-            topk_density=self.topk_density,
-            error_feedback=self.error_feedback,
-            powersgd_rank=self.powersgd_rank,
-            powersgd_start_iter=self.powersgd_start_iter,
-            powersgd_warm_start=self.powersgd_warm_start,
-        )
+    def compressor_options(self) -> dict[str, Any]:
+        """These settings as keyword arguments of :func:`lightning_sync.comm.compression.build_compressor`."""
+        return {f.name: getattr(self, f.name) for f in fields(CompressionKnobs)}
 
 
 @dataclass
-class DDPConfig(CompressionKnobs, _StrategyConfig):
+class DDPConfig(CompressionKnobs, StrategyConfig):
     """The ``ddp`` strategy: torch DistributedDataParallel, with comm hooks that also run on CPU/gloo."""
 
     comm_hook: str = "none"
@@ -152,8 +99,7 @@ class DDPConfig(CompressionKnobs, _StrategyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._check_compression("strategy.comm_hook", self.comm_hook)
-        check_range("strategy.bucket_cap_mb", self.bucket_cap_mb, low=0, low_open=True)
+        check_range("bucket_cap_mb", self.bucket_cap_mb, low=0, low_open=True)
 
 
 @dataclass
@@ -179,93 +125,18 @@ class GradientSyncKnobs(CompressionKnobs):
     gradient_as_bucket_view: bool = True
     """After the sync, each ``.grad`` is a view into its bucket (no copy back); the next step's sync overwrites it."""
 
-    def _check_gradient_sync(self) -> None:
-        self._check_compression("strategy.compression", self.compression)
-        check_choice("strategy.bucketing", self.bucketing, BUCKETINGS)
-        check_range("strategy.bucket_cap_mb", self.bucket_cap_mb, low=0, low_open=True)
-        check_range("strategy.first_bucket_mb", self.first_bucket_mb, low=0, low_open=True)
-
-    def build_synchronizer(self, params: Any, meter: Any) -> GradientSynchronizer:
-        """A :class:`~lightning_sync.comm.bucketing.GradientSynchronizer` over ``params`` with these settings."""
-        return GradientSynchronizer(
-            list(params),
-            compressor=self.build_compressor(self.compression),
-            meter=meter,
-            bucketing=self.bucketing,
-            bucket_cap_mb=self.bucket_cap_mb,
-            first_bucket_mb=self.first_bucket_mb,
-            find_unused_parameters=self.find_unused_parameters,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
-        )
-
 
 @dataclass
-class AllReduceConfig(GradientSyncKnobs, _StrategyConfig):
+class AllReduceConfig(GradientSyncKnobs, StrategyConfig):
     """The ``allreduce`` strategy: no DDP wrapper; gradients bucketed and all-reduced by hand."""
 
     broadcast_buffers: bool = True
     """Broadcast rank 0's buffers (e.g. BatchNorm statistics) before every training step, as DDP does."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._check_gradient_sync()
-
-
-def field_defaults(cls: type) -> dict[str, Any]:
-    """``{field: default}`` of a config dataclass (used to check that the YAML files match the dataclasses)."""
-    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
-
-
-PERIODIC_MODES = ("gradient", "local_sgd", "diloco")
-
-
-def normalize_module_policy(field: str, value: Any) -> Optional[dict[str, int]]:
-    """``module_sync_every`` as a plain ``{pattern: period}`` dict (``None`` when unset).
-
-    Accepts a mapping ``{pattern: period}``, or a list whose items are ``{pattern: period}`` one-entry mappings,
-    ``{"pattern": p, "every": n}`` mappings or ``[pattern, period]`` pairs (OmegaConf containers work as well).
-    Patterns are non-empty strings, periods integers ``>= 1``, and a pattern may appear only once.
-    """
-    if value is None:
-        return None
-    from collections.abc import Mapping, Sequence
-
-    pairs: list[tuple[Any, Any]] = []
-    if isinstance(value, Mapping):
-        pairs = list(value.items())
-    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        for item in value:
-            if isinstance(item, Mapping) and set(item.keys()) == {"pattern", "every"}:
-                pairs.append((item["pattern"], item["every"]))
-            elif isinstance(item, Mapping) and len(item) == 1:
-                pairs.extend(item.items())
-            elif isinstance(item, Sequence) and not isinstance(item, (str, bytes)) and len(item) == 2:
-                pairs.append((item[0], item[1]))
-            else:
-                raise ConfigError(
-                    f"{field} item {item!r} is not allowed; each item must be {{pattern: period}}, "
-                    "{pattern: ..., every: ...} or [pattern, period]"
-                )
-    else:
-        raise ConfigError(
-            f"{field}={value!r} is not allowed; it must be null, a mapping {{pattern: period}} or a list of "
-            "[pattern, period] pairs"
-        )
-    if not pairs:
-        raise ConfigError(f"{field}={value!r} is not allowed; give at least one pattern (or null for none)")
-    policy: dict[str, int] = {}
-    for pattern, period in pairs:
-        if not isinstance(pattern, str) or not pattern:
-            raise ConfigError(f"{field} pattern {pattern!r} is not allowed; it must be a non-empty string")
-        if pattern in policy:
-            raise ConfigError(f"{field} pattern {pattern!r} is not allowed; it appears twice")
-        check_range(f"{field}[{pattern!r}]", period, low=1, integer=True)
-        policy[pattern] = int(period)
-    return policy
 
 
 @dataclass
-class PeriodicConfig(GradientSyncKnobs, _StrategyConfig):
+class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
     """The ``periodic`` strategy: gradient accumulation across ranks, local SGD or DiLoCo, synced every N steps.
 
     ``compression`` applies to every sync payload (gradients, parameter deltas, pseudo-gradients); the bucketing
@@ -304,36 +175,21 @@ class PeriodicConfig(GradientSyncKnobs, _StrategyConfig):
     by no pattern use ``sync_every``; a pattern matching no parameter, or a parameter matched twice, is an error."""
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_choice("strategy.mode", self.mode, PERIODIC_MODES)
-        if isinstance(self.sync_every, str):
-            if self.sync_every != "auto":
-                raise ConfigError(
-                    f"strategy.sync_every={self.sync_every!r} is not allowed; it must be an integer >= 1 or 'auto'"
-                )
-        elif isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int):
+        check_choice("mode", self.mode, PERIODIC_MODES)
+        if self.mode != "gradient":
+            return  # the averager checks its own schedule (PeriodicAverager)
+        if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int):
             raise ConfigError(
-                f"strategy.sync_every={self.sync_every!r} is not allowed; it must be an integer >= 1 or 'auto'"
+                f"sync_every={self.sync_every!r} is not allowed with mode='gradient' (an adaptive period would "
+                "change the effective batch size); it must be an integer >= 1"
             )
-        else:
-            check_range("strategy.sync_every", self.sync_every, low=1, integer=True)
-        check_range("strategy.warmup_steps", self.warmup_steps, low=0, integer=True)
-        check_range("strategy.outer_lr", self.outer_lr, low=0, low_open=True)
-        check_range("strategy.outer_momentum", self.outer_momentum, low=0)
-        if self.outer_momentum >= 1:
-            raise ConfigError(f"strategy.outer_momentum={self.outer_momentum!r} is not allowed; it must be in [0, 1)")
-        check_range("strategy.target_comm_fraction", self.target_comm_fraction, low=0, high=1, low_open=True)
-        check_range("strategy.min_sync_every", self.min_sync_every, low=1, integer=True)
-        check_range("strategy.max_sync_every", self.max_sync_every, low=self.min_sync_every, integer=True)
-        self.module_sync_every = normalize_module_policy("strategy.module_sync_every", self.module_sync_every)
-        self._check_gradient_sync()
-        if self.mode == "gradient":
-            for name, bad, why in (
-                ("sync_every", self.sync_every == "auto", "an adaptive period would change the effective batch size"),
-                ("warmup_steps", self.warmup_steps != 0, "gradient accumulation has no local steps to warm up"),
-                ("module_sync_every", self.module_sync_every is not None, "gradients are synced as one model"),
-            ):
-                if bad:
-                    raise ConfigError(
-                        f"strategy.{name}={getattr(self, name)!r} is not allowed with strategy.mode='gradient' "
-                        f"({why}); it is for local_sgd and diloco"
-                    )
+        check_range("sync_every", self.sync_every, low=1, integer=True)
+        for name, bad, why in (
+            ("warmup_steps", self.warmup_steps != 0, "gradient accumulation has no local steps to warm up"),
+            ("module_sync_every", self.module_sync_every is not None, "gradients are synced as one model"),
+        ):
+            if bad:
+                raise ConfigError(
+                    f"{name}={getattr(self, name)!r} is not allowed with mode='gradient' ({why}); it is for "
+                    "local_sgd and diloco"
+                )

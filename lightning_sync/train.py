@@ -19,7 +19,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_sync  # noqa: F401  (registers the strategies)
-from lightning_sync.config import ConfigError, check_range
+from lightning_sync.conf_store import register_strategy_schemas
+from lightning_sync.errors import ConfigError, check_range
 
 
 def _config_dir() -> str:
@@ -32,6 +33,7 @@ def _config_dir() -> str:
 
 
 CONFIG_DIR = _config_dir()
+register_strategy_schemas()  # conf/strategy/*.yaml start from these
 # Environment variables Lightning's popen launcher sets in the parent; cleared between the jobs of a sweep.
 _LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 

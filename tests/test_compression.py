@@ -21,6 +21,7 @@ from lightning_sync.comm.compression import (
     build_compressor,
 )
 from lightning_sync.comm.meter import CommMeter, ring_all_reduce_bytes
+from lightning_sync.errors import ConfigError
 from dist_utils import run_ranks
 
 
@@ -325,11 +326,13 @@ def test_build_compressor_names_and_errors() -> None:
     psgd = build_compressor("powersgd", powersgd_rank=2, powersgd_start_iter=5, powersgd_warm_start=False)
     assert isinstance(psgd, PowerSGDCompression)
     assert (psgd.rank, psgd.start_iter, psgd.warm_start) == (2, 5, False)
-    with pytest.raises(ValueError, match="'zstd'") as info:
+    with pytest.raises(ConfigError, match="compression='zstd' is not allowed") as info:
         build_compressor("zstd")
     assert all(n in str(info.value) for n in COMPRESSORS)
-    for bad in (lambda: TopKCompression(0.0), lambda: TopKCompression(1.5), lambda: PowerSGDCompression(0)):
-        with pytest.raises(AssertionError):
+    for bad, named in ((lambda: TopKCompression(0.0), "topk_density=0.0"), (lambda: TopKCompression(1.5), "topk_density"),
+                       (lambda: PowerSGDCompression(0), "powersgd_rank=0"),
+                       (lambda: build_compressor("powersgd", powersgd_start_iter=-1), "powersgd_start_iter=-1")):
+        with pytest.raises(ConfigError, match=named):
             bad()
 
 

@@ -1,11 +1,13 @@
-"""Every file in conf/ composes and instantiates; strategy YAMLs match their dataclasses; bad values are ConfigErrors.
+"""Every file in conf/ composes and instantiates; strategy YAMLs start from their dataclass schema; bad values are
+ConfigErrors; the package's import graph keeps comm/ free of Lightning and config a leaf.
 
 The files are found on disk, so a new group option or experiment is covered without touching this test.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
+import ast
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 import hydra
@@ -14,7 +16,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import lightning_sync
-from lightning_sync.config import ConfigError, _StrategyConfig, field_defaults
+from lightning_sync.config import StrategyConfig
+from lightning_sync.errors import ConfigError
 from lightning_sync.train import CONFIG_DIR, build
 
 CONF = Path(CONFIG_DIR)
@@ -76,25 +79,62 @@ def test_each_option_composes_and_instantiates(group, option):
 
 
 @pytest.mark.parametrize("path", STRATEGY_FILES, ids=[p.stem for p in STRATEGY_FILES])
-def test_strategy_yaml_matches_its_dataclass(path):
+def test_strategy_yaml_starts_from_its_schema(path):
+    """A knob's default lives in its dataclass only: the YAML names the schema and sets nothing the schema has."""
     yaml = OmegaConf.to_container(OmegaConf.load(path))
-    target = hydra.utils.get_class(yaml.pop("_target_"))
+    assert yaml.pop("defaults") == [f"/schema/strategy/{path.stem}@_here_", "_self_"]
+    composed = OmegaConf.to_container(_compose(f"strategy={path.stem}").strategy)
+    target = hydra.utils.get_class(composed.pop("_target_"))
     config_class = target.config_class
-    assert issubclass(config_class, _StrategyConfig)
-    names = {f.name for f in fields(config_class)}
-    only_yaml, only_class = set(yaml) - names, names - set(yaml)
-    assert set(yaml) == names, f"only in YAML: {only_yaml}; only in {config_class.__name__}: {only_class}"
-    defaults = field_defaults(config_class)
-    assert set(defaults) == names  # every knob has a default
-    differ = {k: (yaml[k], defaults[k]) for k in names if yaml[k] != defaults[k]}
-    assert not differ, f"YAML value, dataclass default: {differ}"
+    assert issubclass(config_class, StrategyConfig)
+    assert target.strategy_name == f"sync_{path.stem}"
+    defaults = {f.name: f.default for f in fields(config_class)}
+    assert MISSING not in defaults.values()  # every knob has a default
+    assert not set(yaml) - set(defaults), f"YAML keys that are not knobs: {set(yaml) - set(defaults)}"
+    assert composed == {**defaults, **yaml}
 
 
 def test_every_registered_strategy_has_a_yaml():
-    targets = {OmegaConf.load(p)._target_ for p in STRATEGY_FILES}
-    classes = {hydra.utils.get_class(t) for t in targets}
-    for name, (cls, _) in lightning_sync.STRATEGIES.items():
-        assert cls in classes, f"{name}: {cls.__name__} has no conf/strategy/*.yaml"
+    for name, cls in lightning_sync.STRATEGIES.items():
+        assert name == cls.strategy_name and cls.description()
+        mode = name.removeprefix("sync_")
+        assert (CONF / "strategy" / f"{mode}.yaml").is_file(), f"{name}: no conf/strategy/{mode}.yaml"
+        assert hydra.utils.get_class(_compose(f"strategy={mode}").strategy._target_) is cls
+
+
+def _imports(path: Path) -> set[str]:
+    """The modules ``path`` imports (absolute names; relative imports are resolved against the package)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_import_graph_comm_is_lightning_free_and_config_is_a_leaf():
+    package = Path(lightning_sync.__file__).parent
+    comm = sorted((package / "comm").glob("*.py"))
+    assert comm
+    for path in comm:
+        for name in _imports(path):
+            assert not name.startswith(("lightning", "pytorch_lightning")) or name.startswith("lightning_sync"), (
+                f"{path.name} imports {name}"
+            )
+            assert name != "lightning_sync.config", f"{path.name} imports lightning_sync.config"
+            assert not name.startswith("lightning_sync.strategies"), f"{path.name} imports {name}"
+    config_imports = {n for n in _imports(package / "config.py") if n.startswith("lightning_sync")}
+    assert config_imports <= {"lightning_sync.errors"}, config_imports
+    assert {n for n in _imports(package / "errors.py") if n.startswith("lightning_sync")} == set()
+
+
+def test_no_private_lightning_api_outside_the_launcher():
+    package = Path(lightning_sync.__file__).parent
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        for private in ("_logger_connector", "_current_fx_name", "._trainer"):
+            assert private not in text, f"{path.relative_to(package)} uses {private}"
 
 
 @pytest.mark.parametrize(
@@ -104,12 +144,15 @@ def test_every_registered_strategy_has_a_yaml():
         ("strategy.bucket_cap_mb=-1", "strategy.bucket_cap_mb", "-1"),
         ("trainer.devices=0", "trainer.devices", "0"),
         ("strategy.start_method=thread", "strategy.start_method", "'thread'"),
-        ("strategy.powersgd_rank=0", "strategy.powersgd_rank", "0"),
+        ("strategy.comm_hook=powersgd strategy.powersgd_rank=0", "strategy.powersgd_rank", "0"),
+        ("strategy=allreduce strategy.compression=topk strategy.topk_density=0", "strategy.topk_density", "0"),
+        ("strategy=allreduce strategy.bucketing=zz", "strategy.bucketing", "'zz'"),
+        ("strategy=periodic strategy.sync_every=auto strategy.target_comm_fraction=2", "strategy.target_comm_fraction", "2"),
         ("trainer.devices=two", "trainer.devices", "'two'"),
     ],
 )
 def test_bad_values_raise_config_error(override, field, value, tmp_path):
-    cfg = _compose(override, f"+run_dir={tmp_path}")
+    cfg = _compose(*override.split(), f"+run_dir={tmp_path}")
     with pytest.raises(ConfigError) as info:
         build(cfg)
     message = str(info.value)

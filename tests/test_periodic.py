@@ -20,13 +20,8 @@ from torch import nn
 
 from lightning_sync import ConfigError, DDPSyncStrategy, PeriodicSyncStrategy
 from lightning_sync.comm.adaptive import AdaptivePeriod, agree_max, choose_period, comm_fraction
-from lightning_sync.comm.averaging import (
-    ModelAverager,
-    average_buffers,
-    average_optimizer_state,
-    make_outer_optimizer,
-    validate_module_policy,
-)
+from lightning_sync.comm.averaging import ModelAverager, average_buffers, average_optimizer_state, make_outer_optimizer
+from lightning_sync.comm.periodic import PeriodicAverager, validate_module_policy
 from lightning_sync.comm.compression import NoCompression
 from lightning_sync.comm.meter import CommMeter, ring_all_reduce_bytes
 from lightning_sync.config import PeriodicConfig
@@ -159,22 +154,39 @@ def test_gradient_mode_sends_one_sync_every_th_of_ddp_bytes_per_micro_batch(tmp_
     assert rec["bytes"] / rec["batches"] == pytest.approx(ddp_per_batch / sync_every)
 
 
+class ManualDigits(DigitsClassifier):
+    """The digits classifier with manual optimization (one optimizer step per batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+
+
 @TIMEOUT
-def test_gradient_mode_rejects_manual_optimization(tmp_path):
-    class Manual(DigitsClassifier):
-        def __init__(self) -> None:
-            super().__init__()
-            self.automatic_optimization = False
+def test_gradient_mode_rejects_manual_optimization_with_a_period(tmp_path):
+    with pytest.raises(Exception, match=r"sync_every=2 is not allowed with mode='gradient' and manual optimization"):
+        fit(periodic(mode="gradient", sync_every=2), tmp_path, "manual", model=ManualDigits(), limit_train_batches=2)
 
-        def training_step(self, batch, batch_idx):
-            loss = super().training_step(batch, batch_idx)
-            opt = self.optimizers()
-            opt.zero_grad()
-            self.manual_backward(loss)
-            opt.step()
 
-    with pytest.raises(Exception, match="manual optimization"):
-        fit(periodic(mode="gradient", sync_every=2), tmp_path, "manual", model=Manual(), limit_train_batches=2)
+@TIMEOUT
+def test_gradient_mode_every_step_with_manual_optimization_equals_ddp(tmp_path):
+    """``sync_every=1`` is plain all-reduce, so manual optimization works and matches Lightning DDP."""
+    common = dict(max_epochs=1, limit_train_batches=6)
+    pl.seed_everything(0, verbose=False)
+    ddp_model, ddp = fit("ddp_fork", tmp_path, "ddp", model=ManualDigits(), **common)
+    pl.seed_everything(0, verbose=False)
+    model, rec = fit(periodic(mode="gradient", sync_every=1), tmp_path, "periodic", model=ManualDigits(),
+                     callbacks=(ReplicasIdentical(),), **common)
+    assert rec["steps"] == ddp["steps"] == 6
+    assert max_diff(model, ddp_model) < 1e-6
+    assert rec["bytes"] == pytest.approx(6 * 4 * digits_params(model) * 2 * (WORLD - 1) / WORLD)
 
 
 # ------------------------------------------------------------------------------------------------ local SGD
@@ -379,8 +391,8 @@ def test_unmatched_pattern_fails_at_setup(tmp_path):
         ({"mode": "gradient", "module_sync_every": {"a": 1}}, r"strategy\.module_sync_every=.* not allowed with"),
         ({"module_sync_every": {"net.*": 0}}, r"strategy\.module_sync_every\['net\.\*'\]=0 is not allowed"),
         ({"module_sync_every": "net.*"}, r"strategy\.module_sync_every='net\.\*' is not allowed"),
-        ({"min_sync_every": 4, "max_sync_every": 2}, r"strategy\.max_sync_every=2 is not allowed; it must be >= 4"),
-        ({"target_comm_fraction": 0.0}, r"strategy\.target_comm_fraction=0\.0 is not allowed"),
+        ({"sync_every": "auto", "min_sync_every": 4, "max_sync_every": 2}, r"strategy\.max_sync_every=2 is not allowed; it must be >= 4"),
+        ({"sync_every": "auto", "target_comm_fraction": 0.0}, r"strategy\.target_comm_fraction=0\.0 is not allowed"),
         ({"outer_momentum": 1.0}, r"strategy\.outer_momentum=1\.0 is not allowed"),
         ({"compression": "zip"}, r"strategy\.compression='zip' is not allowed"),
         ({"sync_evry": 2}, r"strategy\.sync_evry is not a knob of PeriodicConfig"),
@@ -392,8 +404,8 @@ def test_bad_input_is_a_config_error_at_construction(kwargs, message):
 
 
 def test_config_accepts_auto_and_list_policy():
-    cfg = PeriodicConfig(sync_every="auto", module_sync_every=[["net.4.*", 8], {"net.0.*": 2}])
-    assert cfg.module_sync_every == {"net.4.*": 8, "net.0.*": 2}
+    strategy = PeriodicSyncStrategy(PeriodicConfig(sync_every="auto", module_sync_every=[["net.4.*", 8], {"net.0.*": 2}]))
+    assert strategy.averager.policy == {"net.4.*": 8, "net.0.*": 2}
     strategy = PeriodicSyncStrategy(sync_every="auto", min_sync_every=2, max_sync_every=9)
     assert strategy.period == 2
 
@@ -404,14 +416,7 @@ def test_registered_and_hydra_target():
     import lightning_sync
 
     assert "sync_periodic" in StrategyRegistry
-    assert lightning_sync.STRATEGIES["sync_periodic"][0] is PeriodicSyncStrategy
-    import yaml
-
-    conf = yaml.safe_load((Path(__file__).parents[1] / "conf" / "strategy" / "periodic.yaml").read_text())
-    assert conf.pop("_target_") == "lightning_sync.PeriodicSyncStrategy"
-    from lightning_sync.config import field_defaults
-
-    assert conf == field_defaults(PeriodicConfig)
+    assert lightning_sync.STRATEGIES["sync_periodic"] is PeriodicSyncStrategy
 
 
 # ------------------------------------------------------------------------------------------------ adaptive period
@@ -429,10 +434,14 @@ def test_choose_period():
         assert comm_fraction(compute, comm, period) <= target + 1e-12
         if period > 1:
             assert comm_fraction(compute, comm, period - 1) > target  # and it is the smallest such period
-    with pytest.raises(ValueError):
-        choose_period(0.01, 0.01, 0.0, 1, 4)
-    with pytest.raises(ValueError):
-        choose_period(0.01, 0.01, 0.1, 5, 4)
+    with pytest.raises(ConfigError, match="target_comm_fraction=0.0"):
+        AdaptivePeriod(0.0, 1, 4)
+    with pytest.raises(ConfigError, match="max_sync_every=4 is not allowed; it must be >= 5"):
+        AdaptivePeriod(0.1, 5, 4)
+    with pytest.raises(ConfigError, match="sync_every=0"):
+        PeriodicAverager(sync_every=0)
+    with pytest.raises(ConfigError, match="warmup_steps=-1"):
+        PeriodicAverager(warmup_steps=-1)
 
 
 def test_adaptive_period_smooths_and_is_deterministic():
@@ -623,10 +632,10 @@ def test_diloco_sync_state_round_trips(tmp_path):
 
             strategy = trainer.strategy
             state = copy.deepcopy(strategy.sync_state_dict())
-            saved = state["periodic"]["groups"][0]
+            saved = state["averager"]["groups"][0]
             momentum = [s["momentum_buffer"] for s in saved["outer"]["state"].values()]
             assert momentum and all(float(m.abs().sum()) > 0 for m in momentum)
-            group = strategy.groups[0]
+            group = strategy.averager.groups[0]
             for s in group.outer.state.values():
                 s["momentum_buffer"].zero_()
             for a in group.averager.anchors:
@@ -638,7 +647,7 @@ def test_diloco_sync_state_round_trips(tmp_path):
             for a, m in zip(group.averager.anchors, saved["averager"]["anchors"]):
                 assert torch.equal(a, m)
             assert group.since_sync == saved["since_sync"]
-            assert strategy.sync_state_dict()["periodic"]["local_steps"] == 8
+            assert strategy.sync_state_dict()["averager"]["steps"] == 8
 
     fit(periodic(mode="diloco", sync_every=4), tmp_path, "diloco", callbacks=(Check(),), limit_train_batches=8)
 

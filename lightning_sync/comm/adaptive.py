@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.tuning import ADAPTIVE_SMOOTHING, ROUNDING_SLACK
+from lightning_sync.errors import check_range
 
 
 def choose_period(
@@ -42,11 +44,9 @@ def choose_period(
         target_comm_fraction: in (0, 1].
         min_every: smallest allowed period (>= 1).
         max_every: largest allowed period (>= ``min_every``).
+
+    The bounds are not checked here: :class:`AdaptivePeriod`, which owns them, checks them once.
     """
-    if not 0 < target_comm_fraction <= 1:
-        raise ValueError(f"target_comm_fraction={target_comm_fraction} must be in (0, 1]")
-    if not 1 <= min_every <= max_every:
-        raise ValueError(f"need 1 <= min_every ({min_every}) <= max_every ({max_every})")
     comm = max(float(comm_seconds_per_sync), 0.0)
     compute = max(float(compute_seconds_per_step), 0.0)
     if comm == 0.0:
@@ -56,8 +56,8 @@ def choose_period(
     needed = comm * (1.0 - target_comm_fraction) / (target_comm_fraction * compute)
     if not math.isfinite(needed) or needed >= max_every:
         return max_every
-    # a tiny tolerance so that an exact fit (e.g. needed == 3.0000000000000004) is not pushed to the next integer
-    return int(min(max(math.ceil(needed - 1e-9), min_every), max_every))
+    # an exact fit (e.g. needed == 3.0000000000000004) is not pushed to the next integer
+    return int(min(max(math.ceil(needed - ROUNDING_SLACK), min_every), max_every))
 
 
 def comm_fraction(compute_seconds_per_step: float, comm_seconds_per_sync: float, period: int) -> float:
@@ -74,15 +74,22 @@ class AdaptivePeriod:
 
     Args:
         target_comm_fraction: the share of time to spend communicating, in (0, 1].
-        min_every: smallest period; also the starting period.
-        max_every: largest period.
+        min_every: smallest period; also the starting period (>= 1).
+        max_every: largest period (>= ``min_every``).
         smoothing: weight of the newest measurement in the moving averages, in (0, 1] (1: no smoothing).
+
+    Raises:
+        ConfigError: an argument out of range (named by its knob: ``target_comm_fraction``, ``min_sync_every``,
+            ``max_sync_every``).
     """
 
-    def __init__(self, target_comm_fraction: float, min_every: int, max_every: int, smoothing: float = 0.5) -> None:
-        if not 0 < smoothing <= 1:
-            raise ValueError(f"smoothing={smoothing} must be in (0, 1]")
-        choose_period(1.0, 0.0, target_comm_fraction, min_every, max_every)  # validates the arguments
+    def __init__(
+        self, target_comm_fraction: float, min_every: int, max_every: int, smoothing: float = ADAPTIVE_SMOOTHING
+    ) -> None:
+        check_range("target_comm_fraction", target_comm_fraction, low=0, high=1, low_open=True)
+        check_range("min_sync_every", min_every, low=1, integer=True)
+        check_range("max_sync_every", max_every, low=min_every, integer=True)
+        check_range("smoothing", smoothing, low=0, high=1, low_open=True)
         self.target_comm_fraction = float(target_comm_fraction)
         self.min_every = int(min_every)
         self.max_every = int(max_every)

@@ -24,89 +24,22 @@ Buffers (BatchNorm statistics) are averaged exactly by :func:`average_buffers` (
 skips them); :func:`average_optimizer_state` averages the optimizer's per-parameter floating state (momentum, Adam
 moments). Both go uncompressed: they are small, and sparsifying running statistics or moments is meaningless.
 
-Per-module periods: :func:`validate_module_policy` matches ``{glob pattern: period}`` against a model's parameter
-names (:mod:`fnmatch`, case-sensitive, against the full dotted name such as ``net.4.weight``).
+When to call which, for which parameters, is :class:`~lightning_sync.comm.periodic.PeriodicAverager`'s business.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import math
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Optional, Union
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed import ProcessGroup
 
 from lightning_sync.comm.bucketing import plan_buckets
 from lightning_sync.comm.compression import Compressor, FlatBucket, NoCompression
 from lightning_sync.comm.meter import CommMeter
-from lightning_sync.config import ConfigError, normalize_module_policy
-
-_MB = 1024 * 1024
-POLICY_FIELD = "strategy.module_sync_every"
-
-
-# ------------------------------------------------------------------------------------------------ per-module policy
-def match_module_policy(
-    names: Iterable[str], policy: Mapping[str, int], field: str = POLICY_FIELD, what: str = "parameter"
-) -> dict[str, str]:
-    """Assigns each name to the one pattern of ``policy`` that matches it (fnmatch, case-sensitive).
-
-    Returns:
-        ``{name: pattern}`` for every name matched by a pattern (names matched by none are left out).
-
-    Raises:
-        ConfigError: a name matched by two patterns.
-    """
-    assigned: dict[str, str] = {}
-    for name in names:
-        hits = [pattern for pattern in policy if fnmatch.fnmatchcase(name, pattern)]
-        if len(hits) > 1:
-            raise ConfigError(
-                f"{field}: {what} {name!r} is matched by {len(hits)} patterns ({', '.join(repr(h) for h in hits)}); "
-                "each parameter may match at most one pattern"
-            )
-        if hits:
-            assigned[name] = hits[0]
-    return assigned
-
-
-def validate_module_policy(
-    model: Union[nn.Module, Iterable[str]], policy: Any, field: str = POLICY_FIELD
-) -> dict[str, int]:
-    """Checks a ``module_sync_every`` policy against a model before training (can run before any rank starts).
-
-    Args:
-        model: the LightningModule (or any module), or an iterable of its parameter names.
-        policy: ``{pattern: period}`` or a list form accepted by
-            :func:`~lightning_sync.config.normalize_module_policy`; ``None`` means no policy.
-
-    Returns:
-        ``{parameter name: period}`` for every parameter a pattern matches (the others use ``sync_every``).
-
-    Raises:
-        ConfigError: a bad policy, a pattern that matches no parameter, or a parameter matched by two patterns.
-    """
-    normalized = normalize_module_policy(field, policy)
-    if normalized is None:
-        return {}
-    if isinstance(model, nn.Module):
-        names = [name for name, _ in model.named_parameters()]
-    else:
-        names = list(model)
-    assigned = match_module_policy(names, normalized, field)
-    used = set(assigned.values())
-    for pattern in normalized:
-        if pattern not in used:
-            shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-            raise ConfigError(
-                f"{field}: pattern {pattern!r} matches no parameter; patterns are fnmatch globs on full parameter "
-                f"names such as {shown}"
-            )
-    return {name: normalized[pattern] for name, pattern in assigned.items()}
+from lightning_sync.comm.tuning import MIB
 
 
 # ------------------------------------------------------------------------------------------------ small helpers
@@ -243,7 +176,7 @@ class ModelAverager:
         self.compressor = compressor
         self.meter = meter
         self.group = group
-        plans = plan_buckets(self.params, bucket_cap_mb * _MB, bucket_cap_mb * _MB) if self.params else []
+        plans = plan_buckets(self.params, bucket_cap_mb * MIB, bucket_cap_mb * MIB) if self.params else []
         self._bucket_params = [[self.params[i] for i in plan] for plan in plans]
         self.anchors: list[torch.Tensor] = []
         self._deltas: list[torch.Tensor] = []
@@ -253,10 +186,6 @@ class ModelAverager:
             self.anchors.append(torch.zeros(numel, dtype=like.dtype, device=like.device))
             self._deltas.append(torch.zeros(numel, dtype=like.dtype, device=like.device))
         self.reset_anchor_()
-
-    @property
-    def numel(self) -> int:
-        return sum(a.numel() for a in self.anchors)
 
     def reset_anchor_(self) -> None:
         """Makes the current parameters the global copy (call when all replicas are identical)."""
@@ -330,8 +259,3 @@ def make_outer_optimizer(
     """DiLoCo's outer optimizer over an averager's global copy (Nesterov only when ``momentum > 0``)."""
     params = averager.anchors or [torch.zeros(0)]  # SGD refuses an empty list; a 0-size tensor never changes
     return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=bool(nesterov and momentum > 0))
-
-
-def divergence_norm(squared: Iterable[float]) -> float:
-    """Combines per-group squared divergences into one norm."""
-    return math.sqrt(sum(squared))

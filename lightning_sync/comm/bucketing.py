@@ -50,8 +50,9 @@ from torch.distributed import ProcessGroup
 
 from lightning_sync.comm.compression import Compressor, FlatBucket
 from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.tuning import LAUNCH_MARGIN, LAUNCH_TRIAL_ROUNDS, LAUNCH_WARMUP_ROUNDS, MIB
+from lightning_sync.errors import check_choice, check_range
 
-_MB = 1024 * 1024
 BUCKETINGS = ("auto", "overlap", "flat", "naive")
 
 
@@ -119,9 +120,9 @@ class LaunchTuner:
 
     def __init__(
         self,
-        warmup_rounds: int = 3,
-        trial_rounds: int = 8,
-        margin: float = 0.10,
+        warmup_rounds: int = LAUNCH_WARMUP_ROUNDS,
+        trial_rounds: int = LAUNCH_TRIAL_ROUNDS,
+        margin: float = LAUNCH_MARGIN,
         prefer_after_backward: Optional[bool] = None,
     ) -> None:
         assert warmup_rounds >= 0 and trial_rounds >= 1 and margin >= 0
@@ -236,8 +237,7 @@ class GradientSynchronizer:
         group: Optional[ProcessGroup] = None,
         tuner: Optional[LaunchTuner] = None,
     ) -> None:
-        if bucketing not in BUCKETINGS:
-            raise ValueError(f"bucketing={bucketing!r} is not one of {', '.join(BUCKETINGS)}")
+        self.check_settings(bucketing, bucket_cap_mb, first_bucket_mb)
         self.params = [p for p in params if p.requires_grad]
         self.compressor = compressor
         self.meter = meter
@@ -258,7 +258,7 @@ class GradientSynchronizer:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         ordered = list(reversed(self.params))  # backward visits layers last to first
         if bucketing in ("overlap", "auto"):
-            plans = plan_buckets(ordered, bucket_cap_mb * _MB, first_bucket_mb * _MB)
+            plans = plan_buckets(ordered, bucket_cap_mb * MIB, first_bucket_mb * MIB)
         elif bucketing == "flat":
             plans = plan_buckets(ordered, math.inf, math.inf)
         else:
@@ -268,6 +268,17 @@ class GradientSynchronizer:
         if bucketing in ("overlap", "auto"):
             for p in self.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    @staticmethod
+    def check_settings(bucketing: str, bucket_cap_mb: float, first_bucket_mb: float) -> None:
+        """Checks the bucketing knobs (the constructor does; call it alone to fail before any process starts).
+
+        Raises:
+            ConfigError: naming ``bucketing``, ``bucket_cap_mb`` or ``first_bucket_mb``.
+        """
+        check_choice("bucketing", bucketing, BUCKETINGS)
+        check_range("bucket_cap_mb", bucket_cap_mb, low=0, low_open=True)
+        check_range("first_bucket_mb", first_bucket_mb, low=0, low_open=True)
 
     @staticmethod
     def _make_buckets(

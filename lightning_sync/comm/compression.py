@@ -3,7 +3,7 @@
 A :class:`Compressor` averages one :class:`FlatBucket` over a process group. It owns the encoding, the collectives
 (issued through a :class:`~lightning_sync.comm.meter.CommMeter`, so the meter sees the compressed payload) and the
 decoding, and writes the mean back into the bucket's buffer in place. The same objects serve the DDP comm hook,
-the bucketed all-reduce, periodic averaging and the parameter server.
+the bucketed all-reduce and periodic averaging.
 
 Compressors with memory (error-feedback residuals, PowerSGD's warm-start factors) keep it per bucket index; it is
 part of :meth:`Compressor.state_dict`, so it goes into checkpoints.
@@ -13,15 +13,18 @@ Nothing here knows of Lightning.
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 from torch.distributed import ProcessGroup
 
 from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.tuning import MIB, MIN_CHUNK_MB, PARALLEL_CHUNKS, ROUNDING_SLACK
+from lightning_sync.errors import check_choice, check_range
 
 
 @dataclass
@@ -115,11 +118,12 @@ class CastCompression(Compressor):
 
     wire_dtype: ClassVar[Optional[torch.dtype]] = None
 
-    def __init__(self, parallel_chunks: int = 2, min_chunk_mb: float = 1.0) -> None:
+    def __init__(self, parallel_chunks: int = PARALLEL_CHUNKS, min_chunk_mb: float = MIN_CHUNK_MB) -> None:
         super().__init__()
-        assert parallel_chunks >= 1 and min_chunk_mb > 0
+        check_range("parallel_chunks", parallel_chunks, low=1, integer=True)
+        check_range("min_chunk_mb", min_chunk_mb, low=0, low_open=True)
         self.parallel_chunks = int(parallel_chunks)
-        self.min_chunk_bytes = min_chunk_mb * 1024 * 1024
+        self.min_chunk_bytes = min_chunk_mb * MIB
 
     def _slices(self, wire: torch.Tensor) -> list[torch.Tensor]:
         nbytes = wire.numel() * wire.element_size()
@@ -196,14 +200,14 @@ class TopKCompression(Compressor):
 
     def __init__(self, density: float, error_feedback: bool = True) -> None:
         super().__init__()
-        assert 0.0 < density <= 1.0, f"TopKCompression: density must be in (0, 1], got {density}"
+        check_range("topk_density", density, low=0, high=1, low_open=True)
         self.density = float(density)
         self.error_feedback = bool(error_feedback)
         self.residuals: dict[int, torch.Tensor] = {}
 
     def num_selected(self, numel: int) -> int:
-        """``k = max(1, ceil(density * numel))``, capped at ``numel`` (float noise below 1e-9 is ignored)."""
-        return min(numel, max(1, math.ceil(self.density * numel - 1e-9)))
+        """``k = max(1, ceil(density * numel))``, capped at ``numel`` (float noise is ignored)."""
+        return min(numel, max(1, math.ceil(self.density * numel - ROUNDING_SLACK)))
 
     def average(
         self, bucket: FlatBucket, meter: CommMeter, group: Optional[ProcessGroup] = None
@@ -327,10 +331,8 @@ class PowerSGDCompression(Compressor):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        assert int(rank) == rank and rank >= 1, f"PowerSGDCompression: rank must be an integer >= 1, got {rank}"
-        assert int(start_iter) == start_iter and start_iter >= 0, (
-            f"PowerSGDCompression: start_iter must be an integer >= 0, got {start_iter}"
-        )
+        check_range("powersgd_rank", rank, low=1, integer=True)
+        check_range("powersgd_start_iter", start_iter, low=0, integer=True)
         self.rank = int(rank)
         self.start_iter = int(start_iter)
         self.error_feedback = bool(error_feedback)
@@ -501,18 +503,18 @@ def build_compressor(
     powersgd_rank: int = 4,
     powersgd_start_iter: int = 0,
     powersgd_warm_start: bool = True,
+    field: str = "compression",
 ) -> Compressor:
     """A fresh compressor by name (one of :data:`COMPRESSORS`); options not used by that compressor are ignored.
 
+    Args:
+        field: the knob that chose ``name``, for the error message.
+
     Raises:
-        ValueError: ``name`` is not one of :data:`COMPRESSORS`.
+        ConfigError: ``name`` is not one of :data:`COMPRESSORS`, or an option of the chosen compressor is out of
+            range.
     """
-    if name == "none":
-        return NoCompression()
-    if name == "fp16":
-        return FP16Compression()
-    if name == "bf16":
-        return BF16Compression()
+    check_choice(field, name, COMPRESSORS)
     if name == "topk":
         return TopKCompression(topk_density, error_feedback=error_feedback)
     if name == "powersgd":
@@ -522,4 +524,14 @@ def build_compressor(
             error_feedback=error_feedback,
             warm_start=powersgd_warm_start,
         )
-    raise ValueError(f"unknown compressor {name!r}; expected one of {', '.join(COMPRESSORS)}")
+    return {"none": NoCompression, "fp16": FP16Compression, "bf16": BF16Compression}[name]()
+
+
+def compressor_factory(name: str, **options: Any) -> Callable[[], Compressor]:
+    """A function that builds fresh, identically configured compressors; checks ``name`` and ``options`` now.
+
+    Use it where a component needs one compressor per bucket group but the knobs should fail early (for example in
+    a strategy's constructor, before any process starts).
+    """
+    build_compressor(name, **options)
+    return functools.partial(build_compressor, name, **options)

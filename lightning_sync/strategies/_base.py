@@ -1,85 +1,117 @@
-"""What every lightning_sync strategy shares: config, launcher, meter logging, consistency checks, checkpoint state.
+"""What every lightning_sync strategy shares: config, launcher, meter, metrics, consistency checks, checkpoint state.
 
 Each sync mode subclasses :class:`SyncStrategyBase`, which is a Lightning ``DDPStrategy`` and so inherits process
 group setup, sampler injection, launchers and teardown. The algorithms live in :mod:`lightning_sync.comm`; this
-class only connects them to the Lightning lifecycle.
+class only connects them to the Lightning lifecycle, through Lightning's public API. The one deliberate private
+dependency, Lightning's ``popen`` launcher (and the ``_configure_launcher`` hook that picks it), is confined to
+:mod:`lightning_sync.strategies._launcher`.
 """
 
 from __future__ import annotations
 
+import inspect
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_sync.callbacks import SyncMetricsLogger
 from lightning_sync.comm.compression import Compressor
 from lightning_sync.comm.consistency import ReplicaMismatchError, replica_fingerprint_spread
 from lightning_sync.comm.meter import CommMeter
-from lightning_sync.config import _StrategyConfig
-from lightning_sync.strategies._launcher import HydraJobSubprocessLauncher
+from lightning_sync.config import StrategyConfig
+from lightning_sync.errors import ConfigError
+from lightning_sync.strategies._launcher import configure_launcher
 
-# Constructor arguments of Lightning's DDPStrategy that our strategies pass through untouched.
-_LIGHTNING_ARGS = (
-    "accelerator",
-    "parallel_devices",
-    "cluster_environment",
-    "checkpoint_io",
-    "precision_plugin",
-    "process_group_backend",
-)
 _CHECKPOINT_KEY = "lightning_sync"
+
+
+def knobs_for(component: Callable[..., Any], config: StrategyConfig) -> dict[str, Any]:
+    """The fields of ``config`` that ``component`` (a comm class or function) takes as arguments of the same name."""
+    return {name: getattr(config, name) for name in inspect.signature(component).parameters if hasattr(config, name)}
 
 
 class SyncStrategyBase(DDPStrategy):
     """Base of the lightning_sync strategies.
 
     Args:
-        **kwargs: the knobs of the strategy's config dataclass (``config_class``), plus Lightning's own
-            ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``
-            and ``process_group_backend``. Anything else is a :class:`~lightning_sync.config.ConfigError`.
+        config: the strategy's config dataclass (``config_class``); ``None`` for its defaults.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            process_group_backend: Lightning's own, as for ``DDPStrategy``.
+        **knobs: fields of ``config_class``, overriding ``config``'s.
+
+    Raises:
+        ConfigError: an unknown knob or a bad value, named ``strategy.<knob>`` (raised here, in the launching
+            process, before any rank starts).
 
     Attributes:
         config: the validated config.
         meter: the communication meter (made in :meth:`setup_environment`, once the process group exists).
     """
 
-    config_class: ClassVar[type[_StrategyConfig]] = _StrategyConfig
-    strategy_name: ClassVar[str] = "sync"
+    config_class: ClassVar[type[StrategyConfig]] = StrategyConfig
+    strategy_name: ClassVar[str] = ""
+    """The name registered with Lightning's ``StrategyRegistry``."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        config, lightning_args = self.config_class.split_kwargs(kwargs, passthrough=_LIGHTNING_ARGS)
+    @classmethod
+    def description(cls) -> str:
+        """One line for the registry: the first line of the class docstring."""
+        return (cls.__doc__ or cls.__name__).strip().splitlines()[0]
+
+    def __init__(
+        self,
+        config: Optional[StrategyConfig] = None,
+        *,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        **knobs: Any,
+    ) -> None:
+        try:
+            self.config = self.config_class.with_knobs(config, knobs)
+            self._check_algorithm_knobs()
+        except ConfigError as error:
+            raise error.under("strategy") from None
         super().__init__(
-            start_method=config.start_method,
-            timeout=timedelta(seconds=config.timeout_s),
-            **lightning_args,
-            **self._ddp_kwargs(config),
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            start_method=self.config.start_method,
+            timeout=timedelta(seconds=self.config.timeout_s),
+            **self._torch_ddp_kwargs(),
         )
-        self.config = config
         self.meter: Optional[CommMeter] = None
         self._sync_steps = 0
-        self._comm_steps_unlogged = 0
+        self._steps_unlogged = 0
         self._pending_sync_state: Optional[dict[str, Any]] = None
 
-    def _ddp_kwargs(self, config: Any) -> dict[str, Any]:
+    def _check_algorithm_knobs(self) -> None:
+        """Checks the knobs that the mode's algorithms own, by building what can be built before launch."""
+
+    def _torch_ddp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for torch's ``DistributedDataParallel`` (only the ``ddp`` mode wraps)."""
         return {}
 
     # ------------------------------------------------------------------ launch and setup
     @override
     def _configure_launcher(self) -> None:
-        """Uses a Hydra-aware ``popen`` launcher; other start methods are Lightning's."""
-        if self._start_method == "popen":
-            assert self.cluster_environment is not None
-            self._launcher = HydraJobSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            super()._configure_launcher()
+        """Lightning's launcher for the start method, Hydra-aware for ``popen`` (see ``_launcher``)."""
+        configure_launcher(self, super()._configure_launcher)
 
     @override
     def setup_environment(self) -> None:
@@ -88,18 +120,22 @@ class SyncStrategyBase(DDPStrategy):
         With ``fork``, the child is first pinned to one OpenMP thread: a forked child deadlocks in libgomp when the
         parent had run a multi-threaded op.
         """
-        if self._start_method == "fork":
+        if self.config.start_method == "fork":
             torch.set_num_threads(1)
         super().setup_environment()
         self.meter = CommMeter()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """Sets up the model and optimizers, then restores sync state from a checkpoint being resumed, if any."""
+        """Sets up the model and optimizers, restores sync state from a checkpoint being resumed, and adds the
+        :class:`~lightning_sync.callbacks.SyncMetricsLogger` callback (first, so that the other callbacks' batch-end
+        hooks see this step's ``comm/*`` and ``sync/*``)."""
         super().setup(trainer)
         if self._pending_sync_state is not None:
             self.load_sync_state_dict(self._pending_sync_state)
             self._pending_sync_state = None
+        if not any(isinstance(cb, SyncMetricsLogger) for cb in trainer.callbacks):
+            trainer.callbacks.insert(0, SyncMetricsLogger())  # first: other callbacks see this step's metrics
 
     @override
     def on_train_start(self) -> None:
@@ -107,7 +143,7 @@ class SyncStrategyBase(DDPStrategy):
         super().on_train_start()
         if self.meter is not None:
             self.meter.step()
-            self._comm_steps_unlogged = 0
+            self._steps_unlogged = 0
 
     # ------------------------------------------------------------------ optimizer step
     @override
@@ -118,58 +154,54 @@ class SyncStrategyBase(DDPStrategy):
         model: Optional[Union[pl.LightningModule, nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        """Runs the step, then books and logs the step's communication and checks replicas if asked to."""
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._end_sync_step()
-        return output
-
-    def _end_sync_step(self) -> None:
+        """Runs the step (its closure wrapped by :meth:`_closure_with_sync`), then the mode's end-of-step work, and
+        checks replicas if asked to."""
+        output = super().optimizer_step(optimizer, self._closure_with_sync(closure), model, **kwargs)
         self._sync_steps += 1
+        self._steps_unlogged += 1
         self.on_sync_step_end()
         every = self.config.check_consistency_every
         if every and self._sync_steps % every == 0:
             self.check_replicas()
-        self._log_comm()
+        return output
+
+    def _closure_with_sync(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """The closure to step with (forward, backward); a mode that syncs gradients finishes the sync in it."""
+        return closure
 
     def on_sync_step_end(self) -> None:
         """Called after every optimizer step that the strategy took; subclasses advance their compressors here."""
 
-    def _log_comm(self) -> None:
-        """Logs ``comm/*`` as the mean per optimizer step since the last time the logger wrote.
+    # ------------------------------------------------------------------ metrics
+    def step_metrics(self, write: bool) -> dict[str, float]:
+        """The metrics to log after a training batch (called by :class:`~lightning_sync.callbacks.SyncMetricsLogger`).
 
-        Lightning writes on-step metrics only every ``log_every_n_steps`` steps, and each ``self.log`` call costs
-        about a millisecond per key, so the strategy logs only on the steps that will be written (every step with
-        ``log_every_n_steps=1``). The meter itself counts every step either way.
+        Args:
+            write: whether the logger writes this step. Only then are ``comm/*`` returned, as the mean per
+                optimizer step since the last write (each logged key costs Lightning about a millisecond).
         """
-        if self.meter is None:
-            return
-        self._comm_steps_unlogged += 1
-        module = self.lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        if trainer is None or module._current_fx_name is None:
-            return
-        connector = getattr(trainer, "_logger_connector", None)
-        if connector is not None and not connector.should_update_logs:
-            return
-        stats = self.meter.step()
-        steps, self._comm_steps_unlogged = self._comm_steps_unlogged, 0
-        metrics = {k: v / steps for k, v in stats.as_metrics().items()}
-        module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+        if not write or self.meter is None or self._steps_unlogged == 0:
+            return {}
+        steps, self._steps_unlogged = self._steps_unlogged, 0
+        return {key: value / steps for key, value in self.meter.step().as_metrics().items()}
 
     # ------------------------------------------------------------------ replica consistency
+    def tensors_to_check(self) -> list[torch.Tensor]:
+        """What must be identical on every rank after the current step (default: every floating state tensor)."""
+        assert self.lightning_module is not None
+        state = self.lightning_module.state_dict().values()
+        return [t for t in state if torch.is_tensor(t) and t.is_floating_point()]
+
     def check_replicas(self, atol: float = 0.0) -> float:
-        """Checks that every rank holds the same parameters and buffers.
+        """Checks that every rank holds the same :meth:`tensors_to_check`.
 
         Returns:
-            The spread of the replicas' fingerprints (0.0 when they are bitwise identical).
+            The spread of the replicas' fingerprints (0.0 when they are bitwise identical, or nothing to check).
 
         Raises:
             ReplicaMismatchError: when the spread exceeds ``atol``.
         """
-        module = self.lightning_module
-        assert module is not None
-        tensors = [t for t in module.state_dict().values() if torch.is_tensor(t) and t.is_floating_point()]
-        spread = replica_fingerprint_spread(tensors)
+        spread = replica_fingerprint_spread(self.tensors_to_check())
         if spread > atol:
             raise ReplicaMismatchError(
                 f"replicas differ after {self._sync_steps} sync steps: fingerprint spread {spread:.3e} > {atol}"
@@ -182,7 +214,7 @@ class SyncStrategyBase(DDPStrategy):
         return None
 
     def sync_state_dict(self) -> dict[str, Any]:
-        """This rank's sync state (counters, compressor memory; subclasses add e.g. outer optimizers)."""
+        """This rank's sync state (counters, compressor memory; subclasses add e.g. the averager's)."""
         state: dict[str, Any] = {"sync_steps": self._sync_steps}
         compressor = self._active_compressor()
         if compressor is not None:
@@ -198,7 +230,7 @@ class SyncStrategyBase(DDPStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+        self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
     ) -> None:
         """Adds every rank's sync state to the checkpoint (gathered to rank 0, which writes the file)."""
         state = self.sync_state_dict()
@@ -211,7 +243,7 @@ class SyncStrategyBase(DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Loads the checkpoint and keeps this rank's sync state to restore once the strategy is set up."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False)
         saved = checkpoint.get(_CHECKPOINT_KEY)

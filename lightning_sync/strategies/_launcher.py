@@ -1,5 +1,10 @@
 """A ``popen`` launcher that re-runs a Hydra job, not the whole command line.
 
+This module is the one place where lightning_sync relies on Lightning internals, on purpose: the launcher class
+``_SubprocessScriptLauncher`` and the strategy's ``_configure_launcher`` hook with its ``_start_method`` and
+``_launcher`` attributes (Lightning has no public way to choose a launcher). Tested with the ``lightning`` range
+pinned in ``pyproject.toml``.
+
 Lightning's subprocess launcher starts ranks 1..n-1 by re-running ``sys.argv``. Under ``hydra -m`` that re-runs the
 whole sweep inside every child, and each child also writes a new output folder. This launcher starts each child on
 exactly the job the parent is running: the job's own overrides, no ``-m``, and the job's output folder as the run
@@ -11,7 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
@@ -105,3 +110,19 @@ class HydraJobSubprocessLauncher(_SubprocessScriptLauncher):
         """
         codes = {local_rank: proc.wait(timeout=timeout) for local_rank, proc in enumerate(self.procs, start=1)}
         return {rank: code for rank, code in codes.items() if code != 0}
+
+
+def configure_launcher(strategy: Any, lightning_default: Callable[[], None]) -> None:
+    """Sets ``strategy``'s launcher: :class:`HydraJobSubprocessLauncher` for ``popen``, else Lightning's own.
+
+    Args:
+        strategy: a Lightning ``DDPStrategy``, before launch.
+        lightning_default: the strategy's inherited ``_configure_launcher`` (used for the other start methods).
+    """
+    if strategy._start_method != "popen":
+        lightning_default()
+        return
+    assert strategy.cluster_environment is not None
+    strategy._launcher = HydraJobSubprocessLauncher(
+        strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
+    )

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Generator, Optional, Union
+from typing import Any, Callable, Generator, Optional
 
-import lightning.pytorch as pl
 import torch
-from torch import Tensor, nn
-from torch.optim import Optimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_sync.comm.bucketing import GradientSynchronizer
-from lightning_sync.comm.compression import Compressor
-from lightning_sync.config import AllReduceConfig
-from lightning_sync.strategies._base import SyncStrategyBase
+from lightning_sync.comm.compression import Compressor, compressor_factory
+from lightning_sync.config import AllReduceConfig, GradientSyncKnobs
+from lightning_sync.strategies._base import SyncStrategyBase, knobs_for
 
 
 class AllReduceStrategy(SyncStrategyBase):
@@ -28,18 +26,34 @@ class AllReduceStrategy(SyncStrategyBase):
     ``accumulate_grad_batches`` send nothing. Manual optimization, several optimizers and precision plugins work.
 
     Args:
-        **kwargs: the fields of :class:`~lightning_sync.config.AllReduceConfig` (``bucketing``, ``bucket_cap_mb``,
-            ``compression``, ...) and Lightning's own strategy arguments.
+        config: an :class:`~lightning_sync.config.AllReduceConfig` (``None``: its defaults).
+        **kwargs: its fields (``bucketing``, ``bucket_cap_mb``, ``compression``, ...), overriding ``config``'s, and
+            Lightning's own strategy arguments (see :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
     """
 
     config_class = AllReduceConfig
     strategy_name = "sync_allreduce"
-    config: AllReduceConfig
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, config: Optional[AllReduceConfig] = None, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
         self.synchronizer: Optional[GradientSynchronizer] = None
         self._synced = False
+
+    @override
+    def _check_algorithm_knobs(self) -> None:
+        cfg: GradientSyncKnobs = self.config
+        GradientSynchronizer.check_settings(cfg.bucketing, cfg.bucket_cap_mb, cfg.first_bucket_mb)
+        self._new_compressor = compressor_factory(cfg.compression, **cfg.compressor_options())
+
+    @property
+    def _syncs_gradients(self) -> bool:
+        """Whether the coming optimizer step all-reduces gradients (always, here)."""
+        return True
+
+    @property
+    def _broadcasts_buffers(self) -> bool:
+        """Whether rank 0's buffers are broadcast before every training step."""
+        return self.config.broadcast_buffers
 
     @override
     def configure_ddp(self) -> None:
@@ -49,7 +63,16 @@ class AllReduceStrategy(SyncStrategyBase):
         ``requires_grad`` belongs to exactly one bucket.
         """
         self._broadcast_rank0_state()
-        self.synchronizer = self.config.build_synchronizer(self.model.parameters(), self.meter)
+        self.synchronizer = self._build_synchronizer()
+
+    def _build_synchronizer(self) -> GradientSynchronizer:
+        assert self.model is not None and self.meter is not None
+        return GradientSynchronizer(
+            list(self.model.parameters()),
+            compressor=self._new_compressor(),
+            meter=self.meter,
+            **knobs_for(GradientSynchronizer, self.config),
+        )
 
     def _broadcast_rank0_state(self) -> None:
         """Every rank takes rank 0's parameters and buffers (ranks seeded differently start identical)."""
@@ -64,9 +87,9 @@ class AllReduceStrategy(SyncStrategyBase):
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        """Opens a sync round before each backward that is not inside :meth:`block_backward_sync`; with
-        ``bucketing="auto"``, says on rank 0 where buckets launch once the ranks have decided."""
-        if self.synchronizer is None:
+        """Opens a sync round before each backward that is not inside :meth:`block_backward_sync` (and whose step
+        syncs gradients); with ``bucketing="auto"``, says on rank 0 where buckets launch once the ranks decided."""
+        if self.synchronizer is None or not self._syncs_gradients:
             return
         tuner = self.synchronizer.tuner
         was_deciding = tuner is not None and tuner.deciding
@@ -92,13 +115,7 @@ class AllReduceStrategy(SyncStrategyBase):
             yield
 
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional[Union[pl.LightningModule, nn.Module]] = None,
-        **kwargs: Any,
-    ) -> Any:
+    def _closure_with_sync(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """Finishes the gradient sync right after the closure's backward, before clipping and the step.
 
         Guarantees: ``on_before_optimizer_step``, gradient clipping, the grad scaler's unscale and the optimizer all
@@ -110,7 +127,7 @@ class AllReduceStrategy(SyncStrategyBase):
             self._finish_sync()
             return result
 
-        return super().optimizer_step(optimizer, _closure_then_sync, model, **kwargs)
+        return _closure_then_sync
 
     def _finish_sync(self) -> None:
         self._synced = self.synchronizer is not None and self.synchronizer.finish()
@@ -125,7 +142,7 @@ class AllReduceStrategy(SyncStrategyBase):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Broadcasts rank 0's buffers before the forward (as DDP's ``broadcast_buffers``), then runs the step."""
-        if self.config.broadcast_buffers and self.meter is not None and self.model is not None:
+        if self._broadcasts_buffers and self.meter is not None and self.model is not None:
             self._broadcast_from_rank0(self.model.buffers())
         return super().training_step(*args, **kwargs)
 

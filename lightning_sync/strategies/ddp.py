@@ -8,11 +8,10 @@ from typing import Any, Optional
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_sync.comm.compression import Compressor
+from lightning_sync.comm.compression import Compressor, compressor_factory
 from lightning_sync.comm.ddp_hook import DDPHookState, compressed_allreduce_hook
 from lightning_sync.config import DDPConfig
 from lightning_sync.strategies._base import SyncStrategyBase
-
 
 # torch 2.13 renamed DDP's ``broadcast_buffers`` to ``forward_sync_buffers`` (and deprecated the old name).
 _BUFFER_SYNC_ARG = (
@@ -30,27 +29,34 @@ class DDPSyncStrategy(SyncStrategyBase):
     reports bytes the same way.
 
     Args:
-        **kwargs: the fields of :class:`~lightning_sync.config.DDPConfig` (``comm_hook``, ``bucket_cap_mb``,
-            ``find_unused_parameters``, ``powersgd_rank``, ...) and Lightning's own strategy arguments.
+        config: a :class:`~lightning_sync.config.DDPConfig` (``None``: its defaults).
+        **kwargs: its fields (``comm_hook``, ``bucket_cap_mb``, ...), overriding ``config``'s, and Lightning's own
+            strategy arguments (see :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
     """
 
     config_class = DDPConfig
     strategy_name = "sync_ddp"
-    config: DDPConfig
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, config: Optional[DDPConfig] = None, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
         self.hook_state: Optional[DDPHookState] = None
 
     @override
-    def _ddp_kwargs(self, config: DDPConfig) -> dict[str, Any]:
+    def _torch_ddp_kwargs(self) -> dict[str, Any]:
+        cfg = self.config
         return {
-            "bucket_cap_mb": config.bucket_cap_mb,
-            "find_unused_parameters": config.find_unused_parameters,
-            "gradient_as_bucket_view": config.gradient_as_bucket_view,
-            "static_graph": config.static_graph,
-            _BUFFER_SYNC_ARG: config.broadcast_buffers,
+            "bucket_cap_mb": cfg.bucket_cap_mb,
+            "find_unused_parameters": cfg.find_unused_parameters,
+            "gradient_as_bucket_view": cfg.gradient_as_bucket_view,
+            "static_graph": cfg.static_graph,
+            _BUFFER_SYNC_ARG: cfg.broadcast_buffers,
         }
+
+    @override
+    def _check_algorithm_knobs(self) -> None:
+        self._new_compressor = compressor_factory(
+            self.config.comm_hook, field="comm_hook", **self.config.compressor_options()
+        )
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -61,7 +67,7 @@ class DDPSyncStrategy(SyncStrategyBase):
         """
         assert isinstance(self.model, DistributedDataParallel)
         assert self.meter is not None
-        self.hook_state = DDPHookState(compressor=self.config.build_compressor(self.config.comm_hook), meter=self.meter)
+        self.hook_state = DDPHookState(compressor=self._new_compressor(), meter=self.meter)
         self.model.register_comm_hook(self.hook_state, compressed_allreduce_hook)
 
     @override

@@ -1,0 +1,434 @@
+"""Local SGD and DiLoCo: a periodic averager that owns its schedule (period, warmup, groups, adaptive period).
+
+Nothing here knows of Lightning. As torch's ``PeriodicModelAverager`` does, :class:`PeriodicAverager` takes its
+schedule at construction and checks it there, so a bad value fails before any process starts. Its owner (a
+Lightning strategy, or a plain training loop) then only reports what happened:
+
+* :meth:`PeriodicAverager.setup` once the process group exists: splits the model's parameters and buffers into
+  sync groups (``module_sync_every`` patterns, plus the default group ``"*"``) and takes their global copy;
+* :attr:`PeriodicAverager.in_warmup` before each optimizer step: whether that step's gradients must be all-reduced
+  (post-local SGD's warmup) instead of staying local;
+* :meth:`PeriodicAverager.step` after each optimizer step: averages the buffers after a warmup step, or syncs the
+  groups that are due;
+* :meth:`PeriodicAverager.finish` at the end of training: syncs every group with unsynced steps.
+
+A *step* is one optimizer step. Group parameters travel as deltas from the global copy through the compressor
+(:class:`~lightning_sync.comm.averaging.ModelAverager`); buffers and optimizer state are averaged exactly.
+
+``sync_every="auto"``: after each sync of the default group the ranks agree (MAX over ranks) on the measured compute
+seconds per step and that sync's communication seconds, and :class:`~lightning_sync.comm.adaptive.AdaptivePeriod`
+picks the next period, identically everywhere.
+
+Per-module periods: ``module_sync_every`` is ``{glob pattern: period}``; patterns are :mod:`fnmatch` globs
+(case-sensitive, ``*`` also crosses dots) on full parameter names such as ``net.4.weight``. A buffer joins the group
+whose pattern matches its name. A pattern matching no parameter, or a parameter matched twice, is a ConfigError.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from lightning_sync.comm.adaptive import AdaptivePeriod, agree_max
+from lightning_sync.comm.averaging import (
+    ModelAverager,
+    average_buffers,
+    average_optimizer_state,
+    make_outer_optimizer,
+)
+from lightning_sync.comm.compression import Compressor, NoCompression
+from lightning_sync.comm.meter import CommMeter
+from lightning_sync.errors import ConfigError, check_range
+
+DEFAULT_GROUP = "*"
+POLICY_FIELD = "module_sync_every"
+
+
+# ------------------------------------------------------------------------------------------------ per-module policy
+def normalize_module_policy(value: Any, field: str = POLICY_FIELD) -> Optional[dict[str, int]]:
+    """``module_sync_every`` as a plain ``{pattern: period}`` dict (``None`` when unset).
+
+    Accepts a mapping ``{pattern: period}``, or a list whose items are ``{pattern: period}`` one-entry mappings,
+    ``{"pattern": p, "every": n}`` mappings or ``[pattern, period]`` pairs (OmegaConf containers work as well).
+    Patterns are non-empty strings, periods integers ``>= 1``, and a pattern may appear only once.
+    """
+    if value is None:
+        return None
+    pairs: list[tuple[Any, Any]] = []
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        for item in value:
+            if isinstance(item, Mapping) and set(item.keys()) == {"pattern", "every"}:
+                pairs.append((item["pattern"], item["every"]))
+            elif isinstance(item, Mapping) and len(item) == 1:
+                pairs.extend(item.items())
+            elif isinstance(item, Sequence) and not isinstance(item, (str, bytes)) and len(item) == 2:
+                pairs.append((item[0], item[1]))
+            else:
+                raise ConfigError(
+                    f"{field} item {item!r} is not allowed; each item must be {{pattern: period}}, "
+                    "{pattern: ..., every: ...} or [pattern, period]"
+                )
+    else:
+        raise ConfigError(
+            f"{field}={value!r} is not allowed; it must be null, a mapping {{pattern: period}} or a list of "
+            "[pattern, period] pairs"
+        )
+    if not pairs:
+        raise ConfigError(f"{field}={value!r} is not allowed; give at least one pattern (or null for none)")
+    policy: dict[str, int] = {}
+    for pattern, period in pairs:
+        if not isinstance(pattern, str) or not pattern:
+            raise ConfigError(f"{field} pattern {pattern!r} is not allowed; it must be a non-empty string")
+        if pattern in policy:
+            raise ConfigError(f"{field} pattern {pattern!r} is not allowed; it appears twice")
+        check_range(f"{field}[{pattern!r}]", period, low=1, integer=True)
+        policy[pattern] = int(period)
+    return policy
+
+
+def match_module_policy(
+    names: Iterable[str], policy: Mapping[str, int], field: str = POLICY_FIELD, what: str = "parameter"
+) -> dict[str, str]:
+    """Assigns each name to the one pattern of ``policy`` that matches it (fnmatch, case-sensitive).
+
+    Returns:
+        ``{name: pattern}`` for every name matched by a pattern (names matched by none are left out).
+
+    Raises:
+        ConfigError: a name matched by two patterns.
+    """
+    assigned: dict[str, str] = {}
+    for name in names:
+        hits = [pattern for pattern in policy if fnmatch.fnmatchcase(name, pattern)]
+        if len(hits) > 1:
+            raise ConfigError(
+                f"{field}: {what} {name!r} is matched by {len(hits)} patterns ({', '.join(repr(h) for h in hits)}); "
+                "each parameter may match at most one pattern"
+            )
+        if hits:
+            assigned[name] = hits[0]
+    return assigned
+
+
+def validate_module_policy(
+    model: Union[nn.Module, Iterable[str]], policy: Any, field: str = POLICY_FIELD
+) -> dict[str, int]:
+    """Checks a ``module_sync_every`` policy against a model before training (can run before any rank starts).
+
+    Args:
+        model: the model, or an iterable of its parameter names.
+        policy: ``{pattern: period}`` or a list form accepted by :func:`normalize_module_policy`; ``None``: none.
+
+    Returns:
+        ``{parameter name: period}`` for every parameter a pattern matches (the others use ``sync_every``).
+
+    Raises:
+        ConfigError: a bad policy, a pattern that matches no parameter, or a parameter matched by two patterns.
+    """
+    normalized = normalize_module_policy(policy, field)
+    if normalized is None:
+        return {}
+    names = [name for name, _ in model.named_parameters()] if isinstance(model, nn.Module) else list(model)
+    assigned = match_module_policy(names, normalized, field)
+    for pattern in set(normalized) - set(assigned.values()):
+        shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+        raise ConfigError(
+            f"{field}: pattern {pattern!r} matches no parameter; patterns are fnmatch globs on full parameter "
+            f"names such as {shown}"
+        )
+    return {name: normalized[pattern] for name, pattern in assigned.items()}
+
+
+# ------------------------------------------------------------------------------------------------ the averager
+@dataclass
+class SyncGroup:
+    """Parameters (and buffers) synced together, with their own period and global copy.
+
+    Attributes:
+        label: the ``module_sync_every`` pattern, or ``"*"`` for the parameters no pattern matches.
+        period: a fixed period, or ``None`` for the default group (which follows ``sync_every``, maybe adaptive).
+        params: the parameters (those with ``requires_grad``).
+        buffers: the module buffers synced with this group.
+        averager: the global copy and the averaging.
+        outer: DiLoCo's outer optimizer over ``averager.anchors`` (``None`` for local SGD).
+        since_sync: optimizer steps since this group was last synced.
+        syncs: how many times this group was synced.
+    """
+
+    label: str
+    period: Optional[int]
+    params: list[nn.Parameter]
+    buffers: list[torch.Tensor]
+    averager: ModelAverager
+    outer: Optional[torch.optim.Optimizer] = None
+    since_sync: int = 0
+    syncs: int = 0
+
+
+class PeriodicAverager:
+    """Averages replicas every ``sync_every`` optimizer steps: local SGD, or DiLoCo with ``outer=True``.
+
+    Args:
+        sync_every: optimizer steps per sync, an integer ``>= 1``, or ``"auto"`` to adapt it to
+            ``target_comm_fraction``.
+        warmup_steps: optimizer steps whose gradients the owner all-reduces (as DDP) before the local phase.
+        outer: DiLoCo: the averaged pseudo-gradient ``global - local`` goes through an outer SGD on the global copy
+            (``outer_lr``, ``outer_momentum``, ``outer_nesterov``); otherwise local SGD's plain average.
+        outer_lr: the outer SGD's learning rate (> 0).
+        outer_momentum: the outer SGD's momentum, in [0, 1).
+        outer_nesterov: Nesterov momentum for the outer SGD (ignored when ``outer_momentum`` is 0).
+        module_sync_every: per-module periods, ``{glob pattern: period}`` (see the module docstring).
+        average_optimizer_state: also average the floating optimizer state (momentum, Adam moments) at each sync.
+        target_comm_fraction: ``sync_every="auto"``: the share of time to spend communicating, in (0, 1].
+        min_sync_every: ``sync_every="auto"``: the smallest (and first) period.
+        max_sync_every: ``sync_every="auto"``: the largest period.
+        new_compressor: makes each group's compressor (each keeps its own memory); default: exact averages.
+        bucket_cap_mb: size of the flat buckets the deltas travel in.
+
+    Raises:
+        ConfigError: an argument out of range, named as the knob of the same name.
+    """
+
+    def __init__(
+        self,
+        sync_every: Union[int, str] = 8,
+        warmup_steps: int = 0,
+        outer: bool = False,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        outer_nesterov: bool = True,
+        module_sync_every: Any = None,
+        average_optimizer_state: bool = False,
+        target_comm_fraction: float = 0.1,
+        min_sync_every: int = 1,
+        max_sync_every: int = 64,
+        new_compressor: Callable[[], Compressor] = NoCompression,
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        if sync_every != "auto":
+            if isinstance(sync_every, bool) or not isinstance(sync_every, int):
+                raise ConfigError(f"sync_every={sync_every!r} is not allowed; it must be an integer >= 1 or 'auto'")
+            check_range("sync_every", sync_every, low=1, integer=True)
+        check_range("warmup_steps", warmup_steps, low=0, integer=True)
+        check_range("outer_lr", outer_lr, low=0, low_open=True)
+        check_range("outer_momentum", outer_momentum, low=0, high=1, high_open=True)
+        check_range("bucket_cap_mb", bucket_cap_mb, low=0, low_open=True)
+        self.adaptive = (
+            AdaptivePeriod(target_comm_fraction, min_sync_every, max_sync_every) if sync_every == "auto" else None
+        )
+        self.sync_every = sync_every
+        self.warmup_steps = int(warmup_steps)
+        self.outer = bool(outer)
+        self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
+        self.outer_nesterov = bool(outer_nesterov)
+        self.policy = normalize_module_policy(module_sync_every) or {}
+        self.average_optimizer_state = bool(average_optimizer_state)
+        self.new_compressor = new_compressor
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.groups: list[SyncGroup] = []
+        self.steps = 0
+        self.last_synced: list[SyncGroup] = []
+        self.last_divergence: Optional[float] = None
+        self.meter: Optional[CommMeter] = None
+        self.group: Optional[ProcessGroup] = None
+        self._all_params: list[torch.Tensor] = []
+        self._all_buffers: list[torch.Tensor] = []
+        self._warmup_step_done = False
+        self._step_started: Optional[float] = None
+        self._step_comm_start = 0.0
+        self._compute_seconds = 0.0
+        self._compute_steps = 0
+
+    # ------------------------------------------------------------------ schedule
+    @property
+    def period(self) -> int:
+        """The current period of the default group."""
+        return self.adaptive.period if self.adaptive is not None else int(self.sync_every)
+
+    @property
+    def in_warmup(self) -> bool:
+        """Whether the coming optimizer step is a warmup step (its gradients are all-reduced by the owner)."""
+        return self.steps < self.warmup_steps
+
+    def _period_of(self, group: SyncGroup) -> int:
+        return self.period if group.period is None else group.period
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(
+        self,
+        named_parameters: Iterable[tuple[str, nn.Parameter]],
+        named_buffers: Iterable[tuple[str, torch.Tensor]],
+        meter: CommMeter,
+        group: Optional[ProcessGroup] = None,
+    ) -> None:
+        """Builds the sync groups and takes the global copy (call on every rank, with identical replicas).
+
+        Raises:
+            ConfigError: a ``module_sync_every`` pattern matches no parameter, or a parameter matches two.
+        """
+        named = list(named_parameters)
+        named_buffers = list(named_buffers)
+        validate_module_policy([name for name, _ in named], self.policy or None)
+        param_pattern = match_module_policy([name for name, _ in named], self.policy)
+        buffer_pattern = match_module_policy([name for name, _ in named_buffers], self.policy, what="buffer")
+        self.meter, self.group = meter, group
+        self._all_params = [p for _, p in named if p.requires_grad]
+        self._all_buffers = [b for _, b in named_buffers]
+        self.groups = []
+        for label, period in [(DEFAULT_GROUP, None), *self.policy.items()]:
+            params = [p for n, p in named if p.requires_grad and param_pattern.get(n, DEFAULT_GROUP) == label]
+            buffers = [b for n, b in named_buffers if buffer_pattern.get(n, DEFAULT_GROUP) == label]
+            averager = ModelAverager(params, self.new_compressor(), meter, self.bucket_cap_mb, group)
+            outer = None
+            if self.outer and averager.anchors:
+                outer = make_outer_optimizer(averager, self.outer_lr, self.outer_momentum, self.outer_nesterov)
+            self.groups.append(SyncGroup(label, period, params, buffers, averager, outer))
+
+    def start_step(self) -> None:
+        """Marks the start of an optimizer step's compute (for ``sync_every="auto"``; a no-op while one runs)."""
+        if self._step_started is None and self.meter is not None:
+            self._step_started = time.perf_counter()
+            self._step_comm_start = self.meter.total.seconds
+
+    def step(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[SyncGroup]:
+        """Call after every optimizer step, on every rank: syncs what is due.
+
+        After a warmup step (gradients were all-reduced) the buffers are averaged, and after the last one every
+        group's global copy is reset to the (identical) replicas. After a local step every group whose period is
+        up is synced.
+
+        Args:
+            optimizers: the optimizers whose state ``average_optimizer_state`` averages.
+
+        Returns:
+            The groups synced now (empty after a warmup step or when none was due).
+        """
+        self._measure_compute()
+        self._warmup_step_done = self.in_warmup
+        self.steps += 1
+        self.last_synced, self.last_divergence = [], None
+        if self._warmup_step_done:
+            average_buffers(self._all_buffers, self._require_meter(), self.group)
+            if self.steps == self.warmup_steps:
+                for group in self.groups:
+                    group.averager.reset_anchor_()
+                    group.since_sync = 0
+            return []
+        for group in self.groups:
+            group.since_sync += 1
+        due = [group for group in self.groups if group.since_sync >= self._period_of(group)]
+        if due:
+            self.sync_groups(due, optimizers)
+        return due
+
+    def finish(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[SyncGroup]:
+        """Syncs every group with unsynced local steps, so all ranks end with the common model (every rank)."""
+        pending = [group for group in self.groups if group.since_sync > 0] if self.steps > self.warmup_steps else []
+        if pending:
+            self.sync_groups(pending, optimizers)
+        return pending
+
+    def sync_groups(self, groups: Sequence[SyncGroup], optimizers: Sequence[torch.optim.Optimizer] = ()) -> float:
+        """Syncs ``groups`` now (every rank must call it with the same groups, in the same order).
+
+        Returns:
+            This rank's divergence ``||params - average||`` over the groups' parameters, at sync time.
+        """
+        meter = self._require_meter()
+        comm_start = meter.total.seconds
+        squared = 0.0
+        for group in groups:
+            if self.outer:
+                squared += group.averager.outer_step_(group.outer) if group.outer is not None else 0.0
+            else:
+                squared += group.averager.average_()
+            group.since_sync = 0
+            group.syncs += 1
+        buffers = [b for group in groups for b in group.buffers]
+        if buffers:
+            average_buffers(buffers, meter, self.group)
+        if self.average_optimizer_state:
+            average_optimizer_state(optimizers, [p for group in groups for p in group.params], meter, self.group)
+        self.last_synced = list(groups)
+        self.last_divergence = math.sqrt(squared)
+        if self.adaptive is not None and any(group.label == DEFAULT_GROUP for group in groups):
+            self._adapt(meter.total.seconds - comm_start)
+        return self.last_divergence
+
+    def synced_tensors(self) -> list[torch.Tensor]:
+        """What must be identical on every rank right after the last :meth:`step`: everything after a warmup
+        step, the synced groups' parameters and floating buffers after a sync, nothing after a local step."""
+        if self._warmup_step_done:
+            return self._all_params + [b for b in self._all_buffers if b.is_floating_point()]
+        return [p for group in self.last_synced for p in group.params] + [
+            b for group in self.last_synced for b in group.buffers if b.is_floating_point()
+        ]
+
+    # ------------------------------------------------------------------ adaptive period
+    def _measure_compute(self) -> None:
+        if self._step_started is None or self.meter is None:
+            return
+        comm = self.meter.total.seconds - self._step_comm_start
+        self._compute_seconds += max(time.perf_counter() - self._step_started - comm, 0.0)
+        self._compute_steps += 1
+        self._step_started = None
+
+    def _adapt(self, comm_seconds: float) -> None:
+        """Chooses the next period from the slowest rank's measurements (identical on every rank)."""
+        assert self.adaptive is not None
+        compute = self._compute_seconds / self._compute_steps if self._compute_steps else 0.0
+        compute, comm = agree_max([compute, comm_seconds], self._require_meter(), self.group)
+        self.adaptive.update(compute, comm)
+        self._compute_seconds, self._compute_steps = 0.0, 0
+
+    def _require_meter(self) -> CommMeter:
+        if self.meter is None:
+            raise RuntimeError("PeriodicAverager.setup() must run before the first step")
+        return self.meter
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Step counts, each group's global copy, compressor memory and outer optimizer, and the adaptive period."""
+        return {
+            "steps": self.steps,
+            "groups": [
+                {
+                    "label": group.label,
+                    "since_sync": group.since_sync,
+                    "syncs": group.syncs,
+                    "averager": group.averager.state_dict(),
+                    "outer": copy.deepcopy(group.outer.state_dict()) if group.outer is not None else None,
+                }
+                for group in self.groups
+            ],
+            "adaptive": self.adaptive.state_dict() if self.adaptive is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict` (after :meth:`setup`; the groups must have the same labels and sizes)."""
+        self.steps = int(state["steps"])
+        if self.adaptive is not None and state.get("adaptive") is not None:
+            self.adaptive.load_state_dict(state["adaptive"])
+        labels = [saved["label"] for saved in state["groups"]]
+        if labels != [group.label for group in self.groups]:
+            raise ValueError(
+                f"checkpoint has sync groups {labels}, this run has {[g.label for g in self.groups]}; resume with "
+                "the same module_sync_every"
+            )
+        for group, saved in zip(self.groups, state["groups"]):
+            group.since_sync = int(saved["since_sync"])
+            group.syncs = int(saved["syncs"])
+            group.averager.load_state_dict(saved["averager"])
+            if group.outer is not None and saved["outer"] is not None:
+                group.outer.load_state_dict(saved["outer"])

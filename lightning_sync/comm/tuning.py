@@ -1,0 +1,28 @@
+"""Every number in :mod:`lightning_sync.comm` that was chosen by measurement or convention, named once.
+
+Change one here and every algorithm that uses it follows. Each comment says where the number came from.
+"""
+
+MIB = 1024 * 1024
+"""Bytes in a MiB: every ``*_mb`` knob is in MiB."""
+
+ROUNDING_SLACK = 1e-9
+"""Float noise ignored before a ``ceil`` (``ceil(3.0000000000000004)`` must stay 3): top-k's ``k`` and the adaptive
+period."""
+
+LAUNCH_WARMUP_ROUNDS = 3
+"""``bucketing=auto``: sync rounds left out before the trials (allocator and gloo warm-up)."""
+LAUNCH_TRIAL_ROUNDS = 8
+"""``bucketing=auto``: timed rounds per launch point."""
+LAUNCH_MARGIN = 0.10
+"""``bucketing=auto``: the relative lead a launch point needs to overrule the device prior. Lightning-level trials
+swing by 5-8% on a shared 2-core VM; with 3% a noisy trial picked the slower launch point in 1-2 runs of 6."""
+
+PARALLEL_CHUNKS = 2
+"""Uncompressed and cast all-reduces: a large payload goes as this many concurrent slices (gloo runs concurrent
+collectives on two worker threads by default): 58.9 -> 54.6 ms/step on the 40x256 MLP."""
+MIN_CHUNK_MB = 1.0
+"""The smallest such slice, in MiB."""
+
+ADAPTIVE_SMOOTHING = 0.5
+"""``sync_every=auto``: weight of the newest measurement in the moving averages of compute and comm time."""

@@ -1,0 +1,55 @@
+"""The error a user's configuration mistake raises, and the two checks that raise it.
+
+A leaf module: :mod:`lightning_sync.config` and :mod:`lightning_sync.comm` both import it, and it imports neither.
+A message starts with the field it blames, so a caller that knows where the field lives can name it in full
+(:meth:`ConfigError.under` turns ``topk_density=0 ...`` into ``strategy.topk_density=0 ...``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional
+
+
+class ConfigError(ValueError):
+    """A user's configuration mistake: one line naming the field, the value and what is allowed."""
+
+    def under(self, group: str) -> ConfigError:
+        """The same error with the field named inside ``group`` (``group.field=...``)."""
+        return ConfigError(f"{group}.{self}")
+
+
+def check_choice(field: str, value: Any, allowed: Iterable[str]) -> None:
+    """Raises ConfigError unless ``value`` is one of ``allowed``."""
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ConfigError(f"{field}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
+
+
+def check_range(
+    field: str,
+    value: Any,
+    low: Optional[float] = None,
+    high: Optional[float] = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    integer: bool = False,
+) -> None:
+    """Raises ConfigError unless ``value`` is a number (an integer if ``integer``) within the bounds.
+
+    The bounds are inclusive unless ``low_open``/``high_open``; ``None`` means unbounded.
+    """
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or (integer and not isinstance(value, int)) or (isinstance(value, float) and not math.isfinite(value)):
+        raise ConfigError(f"{field}={value!r} is not allowed; it must be {'an integer' if integer else 'a number'}")
+    lower_ok = low is None or (value > low if low_open else value >= low)
+    upper_ok = high is None or (value < high if high_open else value <= high)
+    if lower_ok and upper_ok:
+        return
+    if high is None:
+        allowed = f"{'>' if low_open else '>='} {low}"
+    elif low is None:
+        allowed = f"{'<' if high_open else '<='} {high}"
+    else:
+        allowed = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    raise ConfigError(f"{field}={value!r} is not allowed; it must be {allowed}")
