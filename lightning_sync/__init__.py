@@ -9,11 +9,15 @@ from lightning_sync.errors import ConfigError
 from lightning_sync.strategies.allreduce import AllReduceStrategy
 from lightning_sync.strategies.ddp import DDPSyncStrategy
 from lightning_sync.strategies.periodic import PeriodicSyncStrategy
+from lightning_sync.strategies.ps import ParameterServerStrategy
 
 __version__ = "0.1.0"
 
 # registry name -> class (each class carries its name; its docstring's first line is the description)
-STRATEGIES = {cls.strategy_name: cls for cls in (DDPSyncStrategy, AllReduceStrategy, PeriodicSyncStrategy)}
+STRATEGIES = {
+    cls.strategy_name: cls
+    for cls in (DDPSyncStrategy, AllReduceStrategy, PeriodicSyncStrategy, ParameterServerStrategy)
+}
 
 
 def _register_strategies() -> None:
@@ -21,7 +25,7 @@ def _register_strategies() -> None:
 
     for name, cls in STRATEGIES.items():
         if name not in StrategyRegistry:
-            StrategyRegistry.register(name, cls, description=cls.description())
+            StrategyRegistry.register(name, cls, description=cls.__doc__.strip().splitlines()[0])
 
 
 _register_strategies()
@@ -32,6 +36,7 @@ __all__ = [
     "CommStats",
     "ConfigError",
     "DDPSyncStrategy",
+    "ParameterServerStrategy",
     "PeriodicSyncStrategy",
     "STRATEGIES",
 ]

@@ -15,8 +15,9 @@ what is allowed.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 from lightning_sync.errors import ConfigError, check_choice, check_range
 
@@ -57,6 +58,10 @@ class StrategyConfig:
             raise ConfigError(f"{unknown[0]} is not a knob of {cls.__name__}; known knobs: {', '.join(sorted(names))}")
         base = {f.name: getattr(config, f.name) for f in fields(cls)} if config is not None else {}
         return cls(**{**base, **knobs})
+
+    def arguments_for(self, component: Callable[..., Any]) -> dict[str, Any]:
+        """The knobs that ``component`` (e.g. a comm class) takes as keyword arguments of the same name."""
+        return {name: getattr(self, name) for name in inspect.signature(component).parameters if hasattr(self, name)}
 
 
 @dataclass
@@ -193,3 +198,44 @@ class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
                     f"{name}={getattr(self, name)!r} is not allowed with mode='gradient' ({why}); it is for "
                     "local_sgd and diloco"
                 )
+
+
+PS_MODES = ("sync", "async", "ssp")
+PS_PLACEMENTS = ("dedicated", "colocated")
+
+
+@dataclass
+class ParameterServerConfig(StrategyConfig):
+    """The ``ps`` strategy: workers push gradients to parameter servers, which step and send parameters back."""
+
+    mode: str = "sync"
+    """``sync``: every step, each server averages one gradient from every worker, steps once, and every worker pulls
+    (= DDP with plain SGD); ``async``: each push is applied as it arrives and its worker gets the result at once;
+    ``ssp``: as async, but no worker runs more than ``max_staleness`` steps ahead of the slowest."""
+    max_staleness: int = 2
+    """``ssp``: how many steps the fastest worker may lead the slowest (0: lockstep)."""
+    num_servers: int = 1
+    """Servers the parameters are sharded over, balanced by bytes (whole tensors per server)."""
+    placement: str = "dedicated"
+    """``dedicated``: the strategy starts ``num_servers`` server processes on node 0, watches them and stops them;
+    ``colocated``: each of the first ``num_servers`` worker ranks also runs one server, in a thread."""
+    compression: str = "none"
+    """How pushed gradients travel: ``none``, ``fp16``, ``bf16`` or ``topk`` (with ``topk_density`` and
+    ``error_feedback``). Parameters come back uncompressed."""
+    topk_density: float = 0.01
+    """``topk``: share of each shard's gradient entries sent per push, in (0, 1]."""
+    error_feedback: bool = True
+    """``topk``: keep what was not sent on the worker and add it to the next push."""
+    slow_worker: int = -1
+    """For experiments: the worker rank to slow down (-1: none)."""
+    slowdown: float = 1.0
+    """For experiments: ``slow_worker`` sleeps so that its steps take this many times as long (>= 1)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_choice("mode", self.mode, PS_MODES)
+        check_range("max_staleness", self.max_staleness, low=0, integer=True)
+        check_range("num_servers", self.num_servers, low=1, integer=True)
+        check_choice("placement", self.placement, PS_PLACEMENTS)
+        check_range("slow_worker", self.slow_worker, low=-1, integer=True)
+        check_range("slowdown", self.slowdown, low=1)

@@ -40,7 +40,8 @@ def check_range(
     The bounds are inclusive unless ``low_open``/``high_open``; ``None`` means unbounded.
     """
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not number or (integer and not isinstance(value, int)) or (isinstance(value, float) and not math.isfinite(value)):
+    infinite = isinstance(value, float) and not math.isfinite(value)
+    if not number or (integer and not isinstance(value, int)) or infinite:
         raise ConfigError(f"{field}={value!r} is not allowed; it must be {'an integer' if integer else 'a number'}")
     lower_ok = low is None or (value > low if low_open else value >= low)
     upper_ok = high is None or (value < high if high_open else value <= high)

@@ -9,9 +9,9 @@ naming the field and a non-zero exit, before any rank starts.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -55,12 +55,15 @@ def _validate_trainer(cfg: DictConfig) -> None:
     check_range("trainer.num_nodes", cfg.trainer.get("num_nodes", 1), low=1, integer=True)
 
 
-def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
-    """Instantiates (datamodule, model, trainer) from a composed config; raises ConfigError for a bad value."""
-    import lightning.pytorch as pl
-    from lightning.pytorch.loggers import CSVLogger
+def build(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> tuple[Any, Any, Any]:
+    """Instantiates (datamodule, model, trainer) from a composed config; raises ConfigError for a bad value.
 
-    from lightning_sync.callbacks import SyncReport
+    Args:
+        cfg: the composed config.
+        callbacks: more callbacks for the Trainer, after the run's own; a
+            :class:`~lightning_sync._console.ProgressReport` among them replaces the default one.
+    """
+    import lightning.pytorch as pl
 
     _validate_trainer(cfg)
     try:
@@ -75,57 +78,158 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
         if error is None:
             raise
         raise error from None
-    run_dir = Path(cfg.get("run_dir") or hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    run_dir = _run_dir(cfg)
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    trainer = pl.Trainer(
-        **trainer_kwargs,
-        strategy=strategy,
-        logger=CSVLogger(save_dir=str(run_dir), name="", version=""),
-        callbacks=[SyncReport(path=str(run_dir / "summary.json"))],
-    )
+    loggers = _make_loggers(cfg, run_dir)
+    trainer_callbacks = _make_callbacks(cfg, run_dir, trainer_kwargs, list(callbacks))
+    trainer = pl.Trainer(**trainer_kwargs, strategy=strategy, logger=loggers or False, callbacks=trainer_callbacks)
     return datamodule, model, trainer
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
-    """Fits (and tests) one configuration; returns the run's summary on global rank 0 (``{}`` on other ranks)."""
-    import lightning.pytorch as pl
+def _run_dir(cfg: DictConfig) -> Path:
+    """The run folder: ``cfg.run_dir`` if set (the compare job), else Hydra's output folder of this job."""
+    return Path(cfg.get("run_dir") or hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
 
-    from lightning_sync.callbacks import SyncReport
+
+def _make_loggers(cfg: DictConfig, run_dir: Path) -> list[Any]:
+    """The ``logger/`` group's loggers (each entry with a ``_target_``); a ``save_dir`` of null is the run folder.
+
+    Args:
+        cfg: the composed config (``cfg.logger`` missing or null: no logger).
+        run_dir: the run folder.
+
+    Raises:
+        ConfigError: ``logger=tensorboard`` without ``tensorboard`` or ``tensorboardX`` installed (said before any
+            rank starts, with what to install).
+    """
+    from importlib.util import find_spec
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    loggers = []
+    for name, conf in (cfg.get("logger") or {}).items():
+        if not isinstance(conf, DictConfig) or "_target_" not in conf:
+            continue
+        target = hydra.utils.get_class(conf._target_)
+        if issubclass(target, TensorBoardLogger) and not (find_spec("tensorboard") or find_spec("tensorboardX")):
+            raise ConfigError(
+                f"logger.{name} ({conf._target_}) needs TensorBoard, which is not installed: "
+                "pip install tensorboard (or use logger=csv)"
+            )
+        extra = {"save_dir": str(run_dir)} if conf.get("save_dir") is None else {}
+        loggers.append(hydra.utils.instantiate(conf, **extra))
+    return loggers
+
+
+def _make_callbacks(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, Any], extra: list[Any]) -> list[Any]:
+    """The run's own callbacks, then ``extra``, then the ``callbacks/`` group's; settles progress and checkpointing.
+
+    Sets ``trainer_kwargs["enable_progress_bar"]`` (null: a bar when stderr is a terminal; without a bar, one plain
+    line per epoch) and ``enable_checkpointing`` (null: on when a ``ModelCheckpoint`` is configured; false drops the
+    configured ones). A ``ModelCheckpoint`` whose ``dirpath`` is null writes to ``<run folder>/checkpoints``.
+
+    Args:
+        cfg: the composed config (``cfg.callbacks``: name -> callback config).
+        run_dir: the run folder.
+        trainer_kwargs: the Trainer's arguments, updated in place.
+        extra: callbacks from the caller (see :func:`build`).
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_sync._console import ProgressReport
+    from lightning_sync.callbacks import DivergenceGuard, SyncReport
+
+    summary = str(run_dir / "summary.json")
+    # SyncReport first: the guard's per-batch exchange comes after the batch has been timed.
+    made: list[Any] = [SyncReport(path=summary), DivergenceGuard(path=summary, run_name=str(run_dir))]
+    if trainer_kwargs.get("enable_progress_bar") is None:
+        trainer_kwargs["enable_progress_bar"] = sys.stderr.isatty()
+    if not trainer_kwargs["enable_progress_bar"] and not any(isinstance(cb, ProgressReport) for cb in extra):
+        made.append(ProgressReport(bar=False))
+    made += extra
+    for conf in (cfg.get("callbacks") or {}).values():
+        if not isinstance(conf, DictConfig) or "_target_" not in conf:
+            continue
+        target = hydra.utils.get_class(conf._target_)
+        if issubclass(target, ModelCheckpoint):
+            if trainer_kwargs.get("enable_checkpointing") is False:
+                continue
+            if conf.get("dirpath") is None:
+                made.append(hydra.utils.instantiate(conf, dirpath=str(run_dir / "checkpoints")))
+                continue
+        made.append(hydra.utils.instantiate(conf))
+    if trainer_kwargs.get("enable_checkpointing") is None:
+        trainer_kwargs["enable_checkpointing"] = any(isinstance(cb, ModelCheckpoint) for cb in made)
+    return made
+
+
+def run(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+    """Fits (and tests) one configuration; returns the run's summary on global rank 0 (``{}`` on other ranks).
+
+    ``cfg.ckpt_path`` (if set) resumes the fit from that checkpoint. A run whose training loss diverged (see
+    :class:`~lightning_sync.callbacks.DivergenceGuard`) is not tested; its summary says ``"diverged": true``.
+
+    Args:
+        cfg: the composed config.
+        callbacks: more callbacks for the Trainer (see :func:`build`).
+    """
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_sync.callbacks import DivergenceGuard, SyncReport, read_summary
 
     launch_env = {k: os.environ.get(k) for k in _LAUNCH_ENV}
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule, model, trainer = build(cfg)
+    datamodule, model, trainer = build(cfg, callbacks)
+    run_dir = _run_dir(cfg)
     if trainer.is_global_zero:
-        Path(trainer.logger.save_dir, "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    report = next(cb for cb in trainer.callbacks if isinstance(cb, SyncReport))
+    guard = next(cb for cb in trainer.callbacks if isinstance(cb, DivergenceGuard))
     try:
-        trainer.fit(model, datamodule=datamodule)
-        if cfg.get("test", True):
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        # Every rank's guard agreed. With fork/spawn the guards ran in the ranks, and the file rank 0 wrote is the
+        # record (read only where no guard ran: a popen rank 1 could catch rank 0 half-way through writing it).
+        diverged = guard.diverged_at_step is not None
+        if not guard.checked_batches and trainer.is_global_zero:
+            diverged = read_summary(report.path).get("diverged", False)
+        if cfg.get("test", True) and not diverged:
             # Test metrics go to test/metrics.csv: with fork/spawn the test runs in new processes whose CSV writer
             # would otherwise start metrics.csv afresh and erase the training curve.
-            from lightning.pytorch.loggers import CSVLogger
-
-            trainer.loggers = [CSVLogger(save_dir=trainer.logger.save_dir, name="", version="test")]
+            others = [lg for lg in trainer.loggers if not isinstance(lg, CSVLogger)]
+            trainer.loggers = [*others, CSVLogger(save_dir=str(run_dir), name="", version="test")]
             trainer.test(model, datamodule=datamodule, verbose=False)
-    finally:
-        _end_job(trainer, launch_env)
+    except BaseException:
+        _end_job(trainer, launch_env, failed=True)
+        raise
+    _end_job(trainer, launch_env)
     if not trainer.is_global_zero:
         return {}
     # With fork/spawn the callbacks ran in the ranks, not here: the file rank 0 wrote is the record.
-    report = next(cb for cb in trainer.callbacks if isinstance(cb, SyncReport))
-    path = Path(report.path)
-    return json.loads(path.read_text()) if path.is_file() else report.summary
+    return read_summary(report.path) or report.summary
 
 
-def _end_job(trainer: Any, launch_env: dict[str, str | None]) -> None:
-    """Leaves the process as it was before the job, so the next job of a sweep launches its own ranks."""
+def _end_job(trainer: Any, launch_env: dict[str, str | None], failed: bool = False) -> None:
+    """Leaves the process as it was before the job, so the next job of a sweep launches its own ranks.
+
+    After a failure in this rank, the ``popen`` children are killed at once (SIGKILL: a frozen child would never
+    act on SIGTERM), so none outlives the job; otherwise they get ``timeout_s`` to finish.
+    """
+    import signal
+
     import torch.distributed as dist
 
     launcher = getattr(trainer.strategy, "launcher", None)
     wait_children = getattr(launcher, "wait_children", None)
     if wait_children is not None:
-        failed = wait_children(timeout=trainer.strategy.config.timeout_s)
         if failed:
-            raise RuntimeError(f"rank processes exited with errors (local rank: exit code): {failed}")
+            for rank, code in launcher.exited_children().items():  # the likely cause of this rank's error
+                cause = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                print(f"error: rank {rank} (local) was lost first: {cause}", file=sys.stderr)
+            launcher.kill(signal.SIGKILL)
+        lost = wait_children(timeout=trainer.strategy.config.timeout_s)
+        if lost and not failed:
+            raise RuntimeError(f"rank processes exited with errors (local rank: exit code): {lost}")
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     for key, value in launch_env.items():

@@ -250,3 +250,82 @@ def test_bad_input_fails_fast_with_one_line(cli_runs, index):
     assert "summary:" not in out
     assert not (run.root / "run" / "metrics.csv").exists()
     assert not any((run.root / "cwd").iterdir())
+
+
+@pytest.fixture(scope="module")
+def late_runs(tmp_path_factory) -> dict[str, _Run]:
+    """The runs of the tests below, started together when the first of them asks (after the runs above)."""
+    from importlib.util import find_spec
+
+    root = tmp_path_factory.mktemp("cli_late")
+    runs = {
+        "first": _Run.start(root / "first", "strategy=ddp", "experiment=smoke", "trainer.limit_train_batches=2",
+                            f"hydra.run.dir={root / 'first' / 'run'}"),
+        # the README's DiLoCo line at 30 epochs, on the model's default inner SGD
+        "diloco": _Run.start(root / "diloco", "strategy=periodic", "strategy.mode=diloco", "strategy.sync_every=8",
+                             "trainer.max_epochs=30", f"hydra.run.dir={root / 'diloco' / 'run'}"),
+    }
+    if not (find_spec("tensorboard") or find_spec("tensorboardX")):
+        runs["tensorboard"] = _Run.start(root / "tensorboard", "logger=tensorboard", "experiment=smoke",
+                                         f"hydra.run.dir={root / 'tensorboard' / 'run'}")
+    yield runs
+    for run in runs.values():
+        run.kill()
+
+
+@pytest.mark.timeout(600)
+def test_resume_from_last_checkpoint(late_runs):
+    """Two steps, then a second run resumed from ``checkpoints/last.ckpt`` (``ckpt_path=``) trains two more."""
+    first = late_runs["first"]
+    code, _, err = first.wait(timeout=240)
+    assert code == 0, err[-4000:]
+    ckpt = first.root / "run" / "checkpoints" / "last.ckpt"
+    assert ckpt.is_file(), sorted(p.name for p in (first.root / "run").rglob("*"))
+    assert json.loads((first.root / "run" / "summary.json").read_text())["optimizer_steps"] == 2
+    # stderr is a file, not a terminal: one plain progress line per epoch, no bar
+    assert "epoch 1/1 step 2 | train/loss" in err and "\r" not in err, err[-3000:]
+    resumed = _Run.start(first.root.parent / "resumed", "strategy=ddp", "experiment=smoke", "trainer.max_epochs=2",
+                         "trainer.limit_train_batches=2", f"ckpt_path={ckpt}", "callbacks=early_stopping",
+                         f"hydra.run.dir={first.root.parent / 'resumed' / 'run'}")
+    try:
+        code, _, err = resumed.wait(timeout=240)
+    finally:
+        resumed.kill()
+    assert code == 0, err[-4000:]
+    folder = resumed.root / "run"
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["optimizer_steps"] == 4 and summary["batches"] == 2, summary  # steps 3 and 4 only
+    assert summary["diverged"] is False and "test/acc" in summary["test"], summary
+    with open(folder / "metrics.csv", newline="") as f:
+        steps = sorted({int(r["step"]) for r in csv.DictReader(f) if r.get("comm/bytes_sent")})
+    assert steps == [2, 3], steps
+    assert (folder / "checkpoints" / "last.ckpt").is_file() and (folder / "test" / "metrics.csv").is_file()
+    assert "epoch 2/2 step 4 |" in err, err[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_tensorboard_logger_without_tensorboard_fails_fast(late_runs):
+    if "tensorboard" not in late_runs:
+        pytest.skip("TensorBoard is installed here")
+    run = late_runs["tensorboard"]
+    code, out, err = run.wait(timeout=240)
+    assert code == 2, (out, err)
+    assert "pip install tensorboard" in err and "Traceback" not in err, err
+    assert 0 < len(err.strip().splitlines()) < 15, err
+    assert "Initializing distributed" not in out + err and not (run.root / "run" / "metrics.csv").exists()
+
+
+@pytest.mark.timeout(600)
+def test_readme_diloco_example_at_30_epochs_is_reported_diverged(late_runs):
+    """Outer Nesterov momentum 0.9 over the default inner SGD (momentum 0.9) unlearns the digits (its loss climbs
+    back to ln 10, with no nan): the run says so, stops, and records no test accuracy."""
+    run = late_runs["diloco"]
+    code, out, err = run.wait(timeout=500)
+    assert code == 0, err[-4000:]
+    folder = run.root / "run"
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["diverged"] is True and summary["diverged_reason"] == "collapsed", summary
+    assert summary["optimizer_steps"] < 540 and "test" not in summary, summary
+    assert f"DIVERGED (collapsed): run {folder}, step {summary['diverged_at_step']} " in err, err[-3000:]
+    assert not (folder / "test").exists()  # neither rank tested
+    assert sum(line.startswith("summary:") for line in out.splitlines()) == 1, out

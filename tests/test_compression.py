@@ -329,7 +329,8 @@ def test_build_compressor_names_and_errors() -> None:
     with pytest.raises(ConfigError, match="compression='zstd' is not allowed") as info:
         build_compressor("zstd")
     assert all(n in str(info.value) for n in COMPRESSORS)
-    for bad, named in ((lambda: TopKCompression(0.0), "topk_density=0.0"), (lambda: TopKCompression(1.5), "topk_density"),
+    for bad, named in ((lambda: TopKCompression(0.0), "topk_density=0.0"),
+                       (lambda: TopKCompression(1.5), "topk_density"),
                        (lambda: PowerSGDCompression(0), "powersgd_rank=0"),
                        (lambda: build_compressor("powersgd", powersgd_start_iter=-1), "powersgd_start_iter=-1")):
         with pytest.raises(ConfigError, match=named):

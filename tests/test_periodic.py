@@ -391,7 +391,10 @@ def test_unmatched_pattern_fails_at_setup(tmp_path):
         ({"mode": "gradient", "module_sync_every": {"a": 1}}, r"strategy\.module_sync_every=.* not allowed with"),
         ({"module_sync_every": {"net.*": 0}}, r"strategy\.module_sync_every\['net\.\*'\]=0 is not allowed"),
         ({"module_sync_every": "net.*"}, r"strategy\.module_sync_every='net\.\*' is not allowed"),
-        ({"sync_every": "auto", "min_sync_every": 4, "max_sync_every": 2}, r"strategy\.max_sync_every=2 is not allowed; it must be >= 4"),
+        (
+            {"sync_every": "auto", "min_sync_every": 4, "max_sync_every": 2},
+            r"strategy\.max_sync_every=2 is not allowed; it must be >= 4",
+        ),
         ({"sync_every": "auto", "target_comm_fraction": 0.0}, r"strategy\.target_comm_fraction=0\.0 is not allowed"),
         ({"outer_momentum": 1.0}, r"strategy\.outer_momentum=1\.0 is not allowed"),
         ({"compression": "zip"}, r"strategy\.compression='zip' is not allowed"),
@@ -404,7 +407,8 @@ def test_bad_input_is_a_config_error_at_construction(kwargs, message):
 
 
 def test_config_accepts_auto_and_list_policy():
-    strategy = PeriodicSyncStrategy(PeriodicConfig(sync_every="auto", module_sync_every=[["net.4.*", 8], {"net.0.*": 2}]))
+    config = PeriodicConfig(sync_every="auto", module_sync_every=[["net.4.*", 8], {"net.0.*": 2}])
+    strategy = PeriodicSyncStrategy(config)
     assert strategy.averager.policy == {"net.4.*": 8, "net.0.*": 2}
     strategy = PeriodicSyncStrategy(sync_every="auto", min_sync_every=2, max_sync_every=9)
     assert strategy.period == 2

@@ -118,6 +118,10 @@ class _TimedWork:
             raise RuntimeError("this work handle has no future; call wait()")
         return self._future
 
+    def source_rank(self) -> int:
+        """The group rank that a completed receive from any source (``CommMeter.recv_from(..., None)``) came from."""
+        return int(self._work._source_rank())
+
 
 class CommMeter:
     """Issues collectives through torch.distributed and counts what each one puts on the wire.
@@ -226,3 +230,29 @@ class CommMeter:
         group = group if group is not None else self.group
         nbytes = float(tensor.numel() * tensor.element_size())
         return self._run(0.0, nbytes, True, lambda: dist.irecv(tensor, src=src, group=group))
+
+    # Point-to-point on a group object called directly. ``send``/``recv`` above take global ranks and go through
+    # c10d's group registry, which rejects a group built outside it (``ProcessGroupGloo(store, rank, size)``, as the
+    # parameter server does so that one process can hold several members of the same group).
+    def send_to(self, tensor: torch.Tensor, group_dst: int, group: Any = None, tag: int = 0) -> _TimedWork:
+        """Asynchronous send of ``tensor`` to rank ``group_dst`` of ``group`` (its own rank, not a global one).
+
+        Counted as ``S`` bytes sent when launched. ``tensor`` must stay untouched until the work is waited for.
+        """
+        group = group if group is not None else self.group
+        nbytes = float(tensor.numel() * tensor.element_size())
+        return self._run(nbytes, 0.0, True, lambda: group.send([tensor], int(group_dst), int(tag)))
+
+    def recv_from(
+        self, tensor: torch.Tensor, group_src: Optional[int], group: Any = None, tag: int = 0
+    ) -> _TimedWork:
+        """Asynchronous receive into ``tensor`` from rank ``group_src`` of ``group``, or from any rank if ``None``.
+
+        Counted as ``S`` bytes received when launched. After a receive from any rank completes,
+        :meth:`_TimedWork.source_rank` names the sender.
+        """
+        group = group if group is not None else self.group
+        nbytes = float(tensor.numel() * tensor.element_size())
+        if group_src is None:
+            return self._run(0.0, nbytes, True, lambda: group.recv_anysource([tensor], int(tag)))
+        return self._run(0.0, nbytes, True, lambda: group.recv([tensor], int(group_src), int(tag)))

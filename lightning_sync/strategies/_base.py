@@ -9,7 +9,6 @@ dependency, Lightning's ``popen`` launcher (and the ``_configure_launcher`` hook
 
 from __future__ import annotations
 
-import inspect
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional, Union
@@ -35,11 +34,6 @@ from lightning_sync.strategies._launcher import configure_launcher
 _CHECKPOINT_KEY = "lightning_sync"
 
 
-def knobs_for(component: Callable[..., Any], config: StrategyConfig) -> dict[str, Any]:
-    """The fields of ``config`` that ``component`` (a comm class or function) takes as arguments of the same name."""
-    return {name: getattr(config, name) for name in inspect.signature(component).parameters if hasattr(config, name)}
-
-
 class SyncStrategyBase(DDPStrategy):
     """Base of the lightning_sync strategies.
 
@@ -60,12 +54,7 @@ class SyncStrategyBase(DDPStrategy):
 
     config_class: ClassVar[type[StrategyConfig]] = StrategyConfig
     strategy_name: ClassVar[str] = ""
-    """The name registered with Lightning's ``StrategyRegistry``."""
-
-    @classmethod
-    def description(cls) -> str:
-        """One line for the registry: the first line of the class docstring."""
-        return (cls.__doc__ or cls.__name__).strip().splitlines()[0]
+    """The name registered with Lightning's ``StrategyRegistry`` (the first docstring line is its description)."""
 
     def __init__(
         self,
@@ -85,16 +74,10 @@ class SyncStrategyBase(DDPStrategy):
         except ConfigError as error:
             raise error.under("strategy") from None
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            start_method=self.config.start_method,
-            timeout=timedelta(seconds=self.config.timeout_s),
-            **self._torch_ddp_kwargs(),
-        )
+            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            process_group_backend=process_group_backend, start_method=self.config.start_method,
+            timeout=timedelta(seconds=self.config.timeout_s), **self._torch_ddp_kwargs(),
+        )  # fmt: skip
         self.meter: Optional[CommMeter] = None
         self._sync_steps = 0
         self._steps_unlogged = 0
@@ -154,9 +137,10 @@ class SyncStrategyBase(DDPStrategy):
         model: Optional[Union[pl.LightningModule, nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        """Runs the step (its closure wrapped by :meth:`_closure_with_sync`), then the mode's end-of-step work, and
-        checks replicas if asked to."""
-        output = super().optimizer_step(optimizer, self._closure_with_sync(closure), model, **kwargs)
+        """Runs the step (on :meth:`_optimizer_to_step`, the closure wrapped by :meth:`_closure_with_sync`), then the
+        mode's end-of-step work, and checks replicas if asked to."""
+        stepping = self._optimizer_to_step(optimizer)
+        output = super().optimizer_step(stepping, self._closure_with_sync(closure), model, **kwargs)
         self._sync_steps += 1
         self._steps_unlogged += 1
         self.on_sync_step_end()
@@ -164,6 +148,10 @@ class SyncStrategyBase(DDPStrategy):
         if every and self._sync_steps % every == 0:
             self.check_replicas()
         return output
+
+    def _optimizer_to_step(self, optimizer: Optimizer) -> Any:
+        """What Lightning's step calls ``step(closure)`` on: the optimizer, or a mode's stand-in for it."""
+        return optimizer
 
     def _closure_with_sync(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """The closure to step with (forward, backward); a mode that syncs gradients finishes the sync in it."""
@@ -233,14 +221,17 @@ class SyncStrategyBase(DDPStrategy):
         self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
     ) -> None:
         """Adds every rank's sync state to the checkpoint (gathered to rank 0, which writes the file)."""
-        state = self.sync_state_dict()
-        if dist.is_available() and dist.is_initialized():
-            states: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(states, state)
-        else:
-            states = [state]
-        checkpoint[_CHECKPOINT_KEY] = {"strategy": self.strategy_name, "ranks": states}
+        checkpoint[_CHECKPOINT_KEY] = {"strategy": self.strategy_name, "ranks": self._gather_sync_states()}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _gather_sync_states(self) -> list[Any]:
+        """Every rank's :meth:`sync_state_dict`, in rank order (one all-gather)."""
+        state = self.sync_state_dict()
+        if not (dist.is_available() and dist.is_initialized()):
+            return [state]
+        states: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(states, state)
+        return states
 
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:

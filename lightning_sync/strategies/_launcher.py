@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from typing import Any, Callable, Optional, Sequence
 
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -99,18 +100,30 @@ class HydraJobSubprocessLauncher(_SubprocessScriptLauncher):
             command, cwd = hydra_job_command(local_rank)
             self.procs.append(subprocess.Popen(command, env=child_env, cwd=cwd))
 
+    def exited_children(self) -> dict[int, int]:
+        """``{local_rank: exit_code}`` of the children that have already exited with an error (now, no waiting)."""
+        codes = {local_rank: proc.poll() for local_rank, proc in enumerate(self.procs, start=1)}
+        return {rank: code for rank, code in codes.items() if code not in (None, 0)}
+
     def wait_children(self, timeout: Optional[float] = None) -> dict[int, int]:
         """Waits for the children to exit (between the jobs of a sweep, so ports and cores are free again).
 
+        Args:
+            timeout: seconds the children together may take; one still running then is killed (SIGKILL, which
+                also ends a stopped process) and reported with exit code ``-9``.
+
         Returns:
             ``{local_rank: exit_code}`` of the children that failed (empty when all exited with 0).
-
-        Raises:
-            subprocess.TimeoutExpired: a child still runs after ``timeout`` seconds.
         """
-        codes = {local_rank: proc.wait(timeout=timeout) for local_rank, proc in enumerate(self.procs, start=1)}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        codes = {}
+        for local_rank, proc in enumerate(self.procs, start=1):
+            try:
+                codes[local_rank] = proc.wait(timeout=None if deadline is None else max(deadline - time.monotonic(), 0))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[local_rank] = proc.wait()
         return {rank: code for rank, code in codes.items() if code != 0}
-
 
 def configure_launcher(strategy: Any, lightning_default: Callable[[], None]) -> None:
     """Sets ``strategy``'s launcher: :class:`HydraJobSubprocessLauncher` for ``popen``, else Lightning's own.

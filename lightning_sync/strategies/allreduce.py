@@ -13,7 +13,7 @@ from typing_extensions import override
 from lightning_sync.comm.bucketing import GradientSynchronizer
 from lightning_sync.comm.compression import Compressor, compressor_factory
 from lightning_sync.config import AllReduceConfig, GradientSyncKnobs
-from lightning_sync.strategies._base import SyncStrategyBase, knobs_for
+from lightning_sync.strategies._base import SyncStrategyBase
 
 
 class AllReduceStrategy(SyncStrategyBase):
@@ -71,7 +71,7 @@ class AllReduceStrategy(SyncStrategyBase):
             list(self.model.parameters()),
             compressor=self._new_compressor(),
             meter=self.meter,
-            **knobs_for(GradientSynchronizer, self.config),
+            **self.config.arguments_for(GradientSynchronizer),
         )
 
     def _broadcast_rank0_state(self) -> None:

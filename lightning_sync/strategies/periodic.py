@@ -15,7 +15,6 @@ from lightning_sync.comm.averaging import average_buffers
 from lightning_sync.comm.periodic import PeriodicAverager, validate_module_policy
 from lightning_sync.config import PeriodicConfig
 from lightning_sync.errors import ConfigError
-from lightning_sync.strategies._base import knobs_for
 from lightning_sync.strategies.allreduce import AllReduceStrategy
 
 
@@ -60,7 +59,7 @@ class PeriodicSyncStrategy(AllReduceStrategy):
         self.averager: Optional[PeriodicAverager] = None
         if cfg.mode != "gradient":
             self.averager = PeriodicAverager(
-                outer=cfg.mode == "diloco", new_compressor=self._new_compressor, **knobs_for(PeriodicAverager, cfg)
+                outer=cfg.mode == "diloco", new_compressor=self._new_compressor, **cfg.arguments_for(PeriodicAverager)
             )
 
     @property

@@ -1,0 +1,66 @@
+"""A real parameter server on torch.distributed point-to-point (c10d, gloo), with no Lightning in it.
+
+Parts, one module per concern:
+
+* :mod:`~lightning_sync.ps.group`: the PS process group (``W`` worker ranks, then ``k`` server ranks) built on a
+  store, metered, every wait bounded by ``timeout_s``;
+* :mod:`~lightning_sync.ps.sharding`: which server holds which parameter (balanced by bytes);
+* :mod:`~lightning_sync.ps.optim_spec`: the worker's optimizer as a picklable recipe, rebuilt per shard;
+* :mod:`~lightning_sync.ps.codec`: pushed-gradient encodings (``none``, ``fp16``, ``bf16``, ``topk``);
+* :mod:`~lightning_sync.ps.server`: the shard state and the server loop (``sync``, ``async``, ``ssp``; stop,
+  checkpoint, stats), also ``python -m lightning_sync.ps`` (a dedicated server);
+* :mod:`~lightning_sync.ps.client`: the worker's client (init, pull, push, stop, states, stats, close);
+* :mod:`~lightning_sync.ps.placement`: dedicated server processes or colocated server threads;
+* :mod:`~lightning_sync.ps.straggler`: slowing one worker down for experiments.
+"""
+
+from lightning_sync.ps.client import PSClient, PSReply, ServerStepOptimizer
+from lightning_sync.ps.codec import GradientCodec
+from lightning_sync.ps.errors import PSError, PSPeerLostError, PSServerError, PSTimeoutError
+from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, connect_store, describe, server_ps_rank
+from lightning_sync.ps.optim_spec import OptimizerSpec, build_shard_optimizer, current_lrs, optimizer_spec
+from lightning_sync.ps.placement import (
+    ColocatedServer,
+    ServerProcesses,
+    start_colocated_server,
+    start_server_processes,
+    start_servers,
+)
+from lightning_sync.ps.server import ParameterServer, ServerShard, run_server
+from lightning_sync.ps.settings import COMPRESSIONS, MODES, PSConfig
+from lightning_sync.ps.sharding import shard_by_bytes, shard_indices
+from lightning_sync.ps.straggler import Straggler
+
+__all__ = [
+    "COMPRESSIONS",
+    "ColocatedServer",
+    "DEFAULT_PREFIX",
+    "GradientCodec",
+    "MODES",
+    "OptimizerSpec",
+    "PSClient",
+    "PSConfig",
+    "PSError",
+    "PSGroup",
+    "PSPeerLostError",
+    "PSReply",
+    "PSServerError",
+    "PSTimeoutError",
+    "ParameterServer",
+    "ServerProcesses",
+    "ServerShard",
+    "ServerStepOptimizer",
+    "Straggler",
+    "build_shard_optimizer",
+    "connect_store",
+    "current_lrs",
+    "describe",
+    "optimizer_spec",
+    "run_server",
+    "server_ps_rank",
+    "shard_by_bytes",
+    "shard_indices",
+    "start_colocated_server",
+    "start_server_processes",
+    "start_servers",
+]

@@ -1,0 +1,131 @@
+"""Messages between worker clients and servers (private helper).
+
+Every message is a fixed-size int64 header, then (if the header's ``payload_nbytes`` > 0) one uint8 payload on its
+own tag. Gloo aborts the process when a receive buffer and the data sent differ in size, so payload sizes are only
+ever taken from the header that announces them.
+
+Request header (worker -> server, tag :data:`TAG_REQUEST`; the server waits on it from any worker):
+``[kind, worker, version, payload_nbytes, checksum, flags, 0...]``
+
+Reply header (server -> worker, tag :data:`TAG_REPLY`):
+``[kind, status, version, flags, payload_nbytes, bytes_recv, bytes_sent, staleness, stop_code, stop_worker, clock,
+min_clock]``
+"""
+
+from __future__ import annotations
+
+import io
+import zlib
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+HEADER_SLOTS = 12
+#: Size in bytes of every header on the wire.
+HEADER_BYTES = HEADER_SLOTS * 8
+
+TAG_REQUEST = 101
+TAG_REQUEST_DATA = 102
+TAG_REPLY = 103
+TAG_REPLY_DATA = 104
+
+FLAG_STOP = 1  # reply: training is over
+FLAG_NOT_APPLIED = 2  # reply to a push: the gradient was not applied (the run had stopped)
+FLAG_STATS_HISTORY = 1  # STATS request: include the full staleness history
+
+
+class Kind(IntEnum):
+    INIT = 1
+    PULL = 2
+    PUSH = 3
+    STOP = 4
+    GET_STATE = 5
+    SET_STATE = 6
+    STATS = 7
+    BYE = 8
+
+
+class Status(IntEnum):
+    OK = 0
+    ERROR = 1
+
+
+class StopCode(IntEnum):
+    NONE = 0
+    MAX_UPDATES = 1
+    REQUESTED = 2
+
+
+@dataclass
+class Request:
+    kind: Kind
+    worker: int
+    version: int
+    payload_nbytes: int
+    checksum: int
+    flags: int
+
+    def header(self) -> torch.Tensor:
+        values = [int(self.kind), self.worker, self.version, self.payload_nbytes, self.checksum, self.flags]
+        return torch.tensor(values + [0] * (HEADER_SLOTS - len(values)), dtype=torch.int64)
+
+    @classmethod
+    def parse(cls, header: torch.Tensor) -> Request:
+        v = header.tolist()
+        return cls(Kind(v[0]), v[1], v[2], v[3], v[4], v[5])
+
+
+@dataclass
+class ReplyHeader:
+    kind: Kind
+    status: Status = Status.OK
+    version: int = 0
+    flags: int = 0
+    payload_nbytes: int = 0
+    bytes_recv: int = 0
+    bytes_sent: int = 0
+    staleness: int = -1
+    stop_code: StopCode = StopCode.NONE
+    stop_worker: int = -1
+    clock: int = 0
+    min_clock: int = 0
+
+    def header(self) -> torch.Tensor:
+        values = [
+            int(self.kind), int(self.status), self.version, self.flags, self.payload_nbytes, self.bytes_recv,
+            self.bytes_sent, self.staleness, int(self.stop_code), self.stop_worker, self.clock, self.min_clock,
+        ]  # fmt: skip
+        return torch.tensor(values, dtype=torch.int64)
+
+    @classmethod
+    def parse(cls, header: torch.Tensor) -> ReplyHeader:
+        v = header.tolist()
+        return cls(Kind(v[0]), Status(v[1]), *v[2:8], StopCode(v[8]), *v[9:12])
+
+
+def to_blob(obj: Any) -> torch.Tensor:
+    """``obj`` (plain values and tensors) serialized by ``torch.save`` into a uint8 tensor."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def from_blob(blob: torch.Tensor) -> Any:
+    """Inverse of :func:`to_blob`; only plain values and tensors are accepted (``weights_only``)."""
+    return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+
+
+def checksum(text: str) -> int:
+    """A stable 32-bit checksum of ``text``."""
+    return zlib.crc32(text.encode())
+
+
+def stop_reason(code: StopCode, worker: int, max_updates: Any = None) -> str:
+    """Human-readable reason of a stop."""
+    if code == StopCode.MAX_UPDATES:
+        return "max_updates reached" if max_updates is None else f"max_updates={max_updates} reached"
+    if code == StopCode.REQUESTED:
+        return f"worker {worker} requested stop"
+    return ""

@@ -1,0 +1,456 @@
+"""The worker side: push gradients to every server, receive fresh parameters into the model in place.
+
+Typical use on worker ``r`` of ``W`` (the adapter does this around Lightning's loop)::
+
+    group = PSGroup(store, r, W, k, timeout_s)              # rank r of the PS group
+    client = PSClient(group, params, optimizer_spec(optimizer, params), PSConfig(mode="ssp", max_staleness=2))
+    if r == 0:
+        client.init_servers()                               # servers start from worker 0's model
+    client.pull()                                           # every replica starts identical
+    for batch in data:
+        loss(batch).backward()
+        reply = client.push(current_lrs(optimizer))         # gradients out, new parameters in (in place)
+        if reply.stop:
+            break
+    client.close()                                          # goodbye to every server
+
+The client never calls ``optimizer.step()``: the servers hold the optimizer. Every request goes to all servers at
+once (all sends launched, then all replies awaited), and every wait is bounded by the group's ``timeout_s``; a lost
+or silent server raises :class:`~lightning_sync.ps.errors.PSTimeoutError` or
+:class:`~lightning_sync.ps.errors.PSPeerLostError` naming it (with the server's own last words when it left some).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from lightning_sync.ps._layout import ShardLayout, as_bytes
+from lightning_sync.ps._protocol import (
+    FLAG_NOT_APPLIED,
+    FLAG_STATS_HISTORY,
+    FLAG_STOP,
+    HEADER_BYTES,
+    HEADER_SLOTS,
+    TAG_REPLY,
+    TAG_REPLY_DATA,
+    TAG_REQUEST,
+    TAG_REQUEST_DATA,
+    Kind,
+    ReplyHeader,
+    Request,
+    Status,
+    StopCode,
+    checksum,
+    from_blob,
+    stop_reason,
+    to_blob,
+)
+from lightning_sync.ps.codec import GradientCodec
+from lightning_sync.ps.errors import PSError, PSPeerLostError, PSServerError
+from lightning_sync.ps.group import PSGroup
+from lightning_sync.ps.optim_spec import OptimizerSpec
+from lightning_sync.ps.settings import PSConfig
+from lightning_sync.ps.sharding import shard_by_bytes, shard_indices
+
+
+class ServerStepOptimizer:
+    """The worker's optimizer, with ``step`` replaced by a push: a drop-in for code that calls
+    ``optimizer.step(closure)`` (a training loop, or Lightning's precision plugins).
+
+    ``step(closure)`` runs the closure (forward, backward, and whatever the caller wraps in it, such as clipping),
+    then calls ``push(optimizer)``; the local optimizer never steps. Every other attribute is the optimizer's.
+
+    Args:
+        optimizer: the worker's optimizer (its ``param_groups`` carry the learning rates to push).
+        push: pushes the gradients, e.g. ``lambda opt: client.push(current_lrs(opt))``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, push: Callable[[torch.optim.Optimizer], Any]) -> None:
+        self._optimizer, self._push = optimizer, push
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        result = closure() if closure is not None else None
+        self._push(self._optimizer)
+        return result
+
+
+@dataclass(frozen=True)
+class PSReply:
+    """What the servers answered to a pull or a push (one entry per server where it is a tuple).
+
+    Attributes:
+        versions: each server's version (optimizer steps applied to its shard) when it replied.
+        stop: training is over (``max_updates`` reached or a worker asked to stop): stop pushing, then
+            :meth:`PSClient.close`.
+        stop_reason: why, e.g. ``"max_updates=100 reached"`` or ``"worker 1 requested stop"``; ``""`` if not
+            stopped.
+        applied: a push was applied by every server (``False`` for a pull, or a push that came after the stop).
+        staleness: per server, the staleness of this push (server version when applied minus the version it was
+            computed on; ``0`` in sync); ``-1`` for a pull.
+        clocks: per server, this worker's clock (its pushes applied by that server).
+        min_clocks: per server, the clock of the slowest live worker.
+        server_bytes_recv: per server, everything it received so far (its ingress, all workers), as of the reply.
+        server_bytes_sent: per server, everything it sent so far (its egress), as of the reply.
+    """
+
+    versions: tuple[int, ...]
+    stop: bool
+    stop_reason: str
+    applied: bool
+    staleness: tuple[int, ...]
+    clocks: tuple[int, ...]
+    min_clocks: tuple[int, ...]
+    server_bytes_recv: tuple[int, ...]
+    server_bytes_sent: tuple[int, ...]
+
+    @property
+    def version(self) -> int:
+        """The oldest server version (all equal in sync)."""
+        return min(self.versions)
+
+    @property
+    def stalest(self) -> int:
+        """The largest per-server staleness of this push (what to log as ``ps/staleness``); ``-1`` for a pull."""
+        return max(self.staleness)
+
+
+class PSClient:
+    """A worker's client of the parameter servers.
+
+    The parameters are sharded over the servers by :func:`~lightning_sync.ps.sharding.shard_by_bytes` (the same
+    split on every worker, so the models must be identical in shapes and dtypes).
+
+    Args:
+        group: this worker's member of the PS group (a worker rank).
+        params: the ordered parameters the servers train (the model's tensors, updated in place by every reply).
+        spec: the optimizer recipe, :func:`~lightning_sync.ps.optim_spec.optimizer_spec` of the same ``params``.
+        config: the run's settings (identical on every worker).
+
+    Raises:
+        ValueError: ``group`` is a server's member, ``params`` is empty, a parameter is not floating point,
+            ``spec`` describes another number of parameters, or there are more servers than parameter tensors.
+    """
+
+    def __init__(self, group: PSGroup, params: Sequence[torch.Tensor], spec: OptimizerSpec, config: PSConfig) -> None:
+        if group.is_server:
+            raise ValueError(f"{group.name()} is a server; PSClient needs a worker's member of the group")
+        params = list(params)
+        if not params:
+            raise ValueError("params is empty; the parameter server needs at least one parameter")
+        bad = [i for i, p in enumerate(params) if not p.is_floating_point()]
+        if bad:
+            raise ValueError(f"params{bad} are not floating point; only floating-point parameters can be trained")
+        if len(spec.group_of) != len(params):
+            raise ValueError(f"spec describes {len(spec.group_of)} parameters, params has {len(params)}")
+        self.group = group
+        self.worker = group.ps_rank
+        self.params = params
+        self.spec = spec
+        self.config = config
+        self.num_servers = group.num_servers
+        self.owner = shard_by_bytes([p.numel() * p.element_size() for p in params], self.num_servers)
+        self.indices = [shard_indices(self.owner, i) for i in range(self.num_servers)]
+        self.layouts = [ShardLayout.of([params[j] for j in idx]) for idx in self.indices]
+        self.codec = GradientCodec.from_config(config)
+        settings = repr(sorted(config.as_dict().items())) + f"|{spec.optimizer_class}|{spec.num_groups}"
+        self.checksums = [
+            checksum(f"{settings}|{idx}|{layout.signature()}") for idx, layout in zip(self.indices, self.layouts)
+        ]
+        self.versions = [-1] * self.num_servers
+        self.stopped = False
+        self.stop_reason = ""
+        self.last_reply: Optional[PSReply] = None
+        self._replies = [torch.empty(lay.nbytes, dtype=torch.uint8) for lay in self.layouts]
+        self._closed = False
+        self._broken: Optional[BaseException] = None
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def meter(self) -> Any:
+        """This worker's :class:`~lightning_sync.comm.meter.CommMeter`: every byte it exchanges with the servers."""
+        return self.group.meter
+
+    @property
+    def shard_nbytes(self) -> list[int]:
+        """Bytes of parameters each server holds."""
+        return [lay.nbytes for lay in self.layouts]
+
+    def push_nbytes(self, server: int) -> int:
+        """Exact bytes one push puts on the wire to ``server``: header, learning rates and encoded gradient."""
+        return HEADER_BYTES + 8 * self.spec.num_groups + self.codec.payload_nbytes(self.layouts[server])
+
+    # ---------------------------------------------------------------- requests
+    def init_servers(self, states: Optional[Sequence[dict[str, Any]]] = None) -> None:
+        """Sends each server its shard of this worker's parameters, the optimizer spec and the settings.
+
+        Called once, by worker 0, before training; pulls that other workers send earlier are answered right after.
+        With ``states`` (from :meth:`server_states` of a checkpoint), each server then loads its state, in the
+        same request, so no worker can pull the un-restored parameters.
+
+        Raises:
+            PSServerError: a server was already initialized, or refused the state.
+            ValueError: ``states`` does not have one entry per server.
+        """
+        if states is not None and len(states) != self.num_servers:
+            raise ValueError(f"states has {len(states)} entries, expected one per server ({self.num_servers})")
+        payloads = []
+        for i in range(self.num_servers):
+            payloads.append(
+                to_blob(
+                    {
+                        "config": self.config.as_dict(),
+                        "optimizer": self.spec.as_dict(),
+                        "indices": self.indices[i],
+                        "layout": self.layouts[i].as_dict(),
+                        "params": [self.params[j].detach().to("cpu").clone() for j in self.indices[i]],
+                        "checksum": self.checksums[i],
+                        "state": None if states is None else states[i],
+                    }
+                )
+            )
+        self._exchange(Kind.INIT, payloads)
+
+    def pull(self) -> PSReply:
+        """Copies every server's current parameters into ``params`` (in place) without pushing.
+
+        Guarantees: on return the model holds the servers' parameters at the returned versions. A pull sent before
+        worker 0's :meth:`init_servers` waits for it (up to the servers' ``connect_timeout_s``).
+        """
+        return self._to_reply(self._exchange(Kind.PULL), push=False)
+
+    def push(self, lrs: Sequence[float]) -> PSReply:
+        """Pushes the gradients (``p.grad``; ``None`` counts as zeros) and receives the new parameters in place.
+
+        Guarantees: on return the model holds the parameters the servers replied with (sync: the step that
+        averaged every worker's gradient; async: the step with this gradient, or newer; ssp: the same, possibly held
+        back until the slowest worker is within ``max_staleness``). If the run had stopped, the push was not
+        applied (``applied`` is ``False``) and the parameters are the final ones.
+
+        Args:
+            lrs: the worker's current learning rate of each param group (:func:`~lightning_sync.ps.optim_spec.
+                current_lrs`), written into the servers' param groups before they step.
+
+        Raises:
+            RuntimeError: no :meth:`pull` before the first push, or the client is closed.
+            ValueError: ``lrs`` does not have one value per param group.
+            PSServerError: a server refused the push (e.g. a sync push on an old version).
+        """
+        lrs = [float(lr) for lr in lrs]
+        if len(lrs) != self.spec.num_groups:
+            raise ValueError(f"lrs has {len(lrs)} values, the optimizer {self.spec.num_groups} param groups")
+        if min(self.versions) < 0:
+            raise RuntimeError("push() before the first pull(): pull the initial parameters first")
+        lr_bytes = as_bytes(torch.tensor(lrs, dtype=torch.float64))
+        payloads = []
+        for i in range(self.num_servers):
+            grads = [self.params[j].grad for j in self.indices[i]]
+            payloads.append(torch.cat([lr_bytes, self.codec.encode(i, self.layouts[i], grads)]))
+        return self._to_reply(self._exchange(Kind.PUSH, payloads), push=True)
+
+    def request_stop(self) -> PSReply:
+        """Ends the run for every worker (e.g. early stopping); they learn it at their next push or pull.
+
+        Guarantees: every server has stopped when this returns; no later push is applied.
+        """
+        reply = self._to_reply(self._exchange(Kind.STOP), push=False)
+        return reply
+
+    def server_states(self) -> list[dict[str, Any]]:
+        """Every server's shard state (parameters, optimizer state, version, worker clocks), for a checkpoint.
+
+        Called by one worker (worker 0) between steps. In sync mode, a state fetched after every worker's reply
+        to the same step resumes bit for bit.
+        """
+        return [from_blob(payload) for _, payload in self._exchange(Kind.GET_STATE)]
+
+    def load_server_states(self, states: Sequence[dict[str, Any]]) -> None:
+        """Loads one state per server (from :meth:`server_states`) into the running servers.
+
+        The caller makes sure no worker pulls in between (or uses ``init_servers(states)``, which cannot race).
+
+        Raises:
+            ValueError: ``states`` does not have one entry per server.
+            PSServerError: a server refused its state (another shard, pushes pending).
+        """
+        if len(states) != self.num_servers:
+            raise ValueError(f"states has {len(states)} entries, expected one per server ({self.num_servers})")
+        self._exchange(Kind.SET_STATE, [to_blob(s) for s in states])
+
+    def server_stats(self, history: bool = False) -> list[dict[str, Any]]:
+        """Each server's stats: version, worker clocks, staleness (last value and histogram per worker, every value
+        with ``history``), stop state, and its traffic (``bytes_recv``, ``bytes_sent``, ``calls``, ``seconds``)."""
+        flags = FLAG_STATS_HISTORY if history else 0
+        return [from_blob(payload) for _, payload in self._exchange(Kind.STATS, flags=flags)]
+
+    def close(self) -> None:
+        """Says goodbye to every server (they stop waiting for this worker) and leaves the group. Idempotent.
+
+        After a transport error the goodbye is skipped (the servers are gone or will time out) and only the group
+        is left.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._broken is None:
+                self._exchange(Kind.BYE, check_open=False)
+        finally:
+            self.group.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except PSError:
+                pass
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """The worker-side state to checkpoint: the codec's error-feedback residuals."""
+        return {"codec": self.codec.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`."""
+        self.codec.load_state_dict(state["codec"])
+
+    # ---------------------------------------------------------------- transport
+    def _exchange(
+        self,
+        kind: Kind,
+        payloads: Optional[Sequence[Optional[torch.Tensor]]] = None,
+        flags: int = 0,
+        check_open: bool = True,
+    ) -> list[tuple[ReplyHeader, Optional[torch.Tensor]]]:
+        if check_open and self._closed:
+            raise RuntimeError(f"{kind.name} on a closed PSClient")
+        if self._broken is not None:
+            raise RuntimeError(f"{kind.name} after an earlier error of this PSClient: {self._broken}")
+        try:
+            return self._exchange_once(kind, payloads, flags)
+        except PSServerError:
+            raise  # a refusal: the transport is fine, the client stays usable
+        except PSError as exc:
+            self._broken = exc
+            raise
+
+    def _exchange_once(
+        self, kind: Kind, payloads: Optional[Sequence[Optional[torch.Tensor]]], flags: int
+    ) -> list[tuple[ReplyHeader, Optional[torch.Tensor]]]:
+        group = self.group
+        ranks = [group.server_rank(i) for i in range(self.num_servers)]
+        headers = [torch.zeros(HEADER_SLOTS, dtype=torch.int64) for _ in ranks]
+        what = kind.name
+        peer = ranks[0]  # the server being dealt with when an error strikes
+        try:
+            reply_works = []
+            for i, rank in enumerate(ranks):
+                peer = rank
+                reply_works.append(group.recv(headers[i], rank, TAG_REPLY))
+            sends = []
+            for i, rank in enumerate(ranks):
+                peer = rank
+                payload = payloads[i] if payloads is not None else None
+                nbytes = 0 if payload is None else payload.numel()
+                request = Request(kind, self.worker, self.versions[i], nbytes, self.checksums[i], flags)
+                sends.append((i, group.send(request.header(), rank, TAG_REQUEST)))
+                if nbytes:
+                    sends.append((i, group.send(payload, rank, TAG_REQUEST_DATA)))
+            deadline = time.monotonic() + group.timeout_s
+            for i, work in sends:
+                peer = ranks[i]
+                group.wait(work, peer, f"it to take the {what}", receiving=False, timeout_s=_left(deadline))
+            deadline = time.monotonic() + self._reply_timeout(kind)
+            for i, work in enumerate(reply_works):
+                peer = ranks[i]
+                group.wait(work, peer, f"the reply to the {what}", receiving=True, timeout_s=_left(deadline))
+            replies = [ReplyHeader.parse(h) for h in headers]
+            data_works = []
+            buffers: list[Optional[torch.Tensor]] = []
+            for i, reply in enumerate(replies):
+                if reply.payload_nbytes <= 0:
+                    buffers.append(None)
+                    continue
+                peer = ranks[i]
+                usable = reply.status == Status.OK and reply.payload_nbytes == self._replies[i].numel()
+                buffer = self._replies[i] if usable else torch.empty(reply.payload_nbytes, dtype=torch.uint8)
+                buffers.append(buffer)
+                data_works.append((i, group.recv(buffer, peer, TAG_REPLY_DATA)))
+            for i, work in data_works:
+                peer = ranks[i]
+                group.wait(work, peer, f"the data of the reply to the {what}", receiving=True)
+        except PSError as exc:
+            report = self._report_of(peer, patience_s=0.5 if isinstance(exc, PSPeerLostError) else 0.0)
+            raise type(exc)(f"{exc}; {group.name(peer)} reported: {report}" if report else str(exc)) from exc
+        errors = [
+            f"{group.name(ranks[i])} refused the {what}: {bytes(buffers[i].tolist()).decode(errors='replace')}"
+            for i, reply in enumerate(replies)
+            if reply.status == Status.ERROR and buffers[i] is not None
+        ]
+        if errors:
+            raise PSServerError("; ".join(errors))
+        return list(zip(replies, buffers))
+
+    def _reply_timeout(self, kind: Kind) -> float:
+        """How long to wait for replies.
+
+        Before the servers hold parameters (INIT, first pulls) a reply may wait for worker 0's INIT:
+        ``connect_timeout_s``. Otherwise ``timeout_s`` plus a grace of a quarter of it (at most 5 s): a server that
+        gives up on a silent worker after ``timeout_s`` then closes its connections, and the waiting workers hear
+        its reason instead of timing out at the same moment.
+        """
+        if kind == Kind.INIT or (kind == Kind.PULL and min(self.versions) < 0):
+            return self.group.connect_timeout_s
+        return self.group.timeout_s + min(self.group.timeout_s / 4, 5.0)
+
+    def _report_of(self, ps_rank: int, patience_s: float) -> Optional[str]:
+        """The failure message a server left in the store (it may write it just after closing its connections)."""
+        deadline = time.monotonic() + patience_s
+        while True:
+            report = self.group.reported_failure(ps_rank)
+            if report or time.monotonic() > deadline:
+                return report
+            time.sleep(0.05)
+
+    def _to_reply(self, answers: list[tuple[ReplyHeader, Optional[torch.Tensor]]], push: bool) -> PSReply:
+        applied = push
+        stop_code, stop_worker = StopCode.NONE, -1
+        for i, (header, payload) in enumerate(answers):
+            if payload is not None and header.payload_nbytes == self.layouts[i].nbytes:
+                self.layouts[i].unpack_into(payload, [self.params[j] for j in self.indices[i]])
+            self.versions[i] = header.version
+            if header.flags & FLAG_NOT_APPLIED:
+                applied = False
+            if header.flags & FLAG_STOP and stop_code == StopCode.NONE:
+                stop_code, stop_worker = header.stop_code, header.stop_worker
+        if stop_code != StopCode.NONE:
+            self.stopped = True
+            self.stop_reason = stop_reason(stop_code, stop_worker, self.config.max_updates)
+        reply = PSReply(
+            versions=tuple(h.version for h, _ in answers),
+            stop=self.stopped,
+            stop_reason=self.stop_reason,
+            applied=applied,
+            staleness=tuple(h.staleness if push else -1 for h, _ in answers),
+            clocks=tuple(h.clock for h, _ in answers),
+            min_clocks=tuple(h.min_clock for h, _ in answers),
+            server_bytes_recv=tuple(h.bytes_recv for h, _ in answers),
+            server_bytes_sent=tuple(h.bytes_sent for h, _ in answers),
+        )
+        self.last_reply = reply
+        return reply
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.001)

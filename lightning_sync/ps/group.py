@@ -1,0 +1,235 @@
+"""The parameter-server process group: ``num_workers + num_servers`` members on a c10d store, point-to-point only.
+
+PS ranks ``0 .. W-1`` are the worker clients, ``W .. W+k-1`` the servers. Each member builds its own group object
+(``ProcessGroupGloo`` on a ``PrefixStore``), never the default process group, so one process can hold several
+members (a worker and its colocated server thread). Every byte goes through a :class:`CommMeter`; every wait is
+bounded by ``timeout_s`` and raises an error naming the peer.
+
+The transport is gloo: the server waits on all workers at once with ``recv_anysource`` and messages are matched by
+tag, which NCCL does not offer; tensors on the wire are CPU tensors (the client copies to and from the model's own
+device).
+
+A gloo wait that times out closes every connection of that member (gloo's own behaviour), so a timeout is always
+fatal to the member that hit it: it is reported, never retried.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_sync.comm.meter import CommMeter
+from lightning_sync.ps.errors import PSError, PSPeerLostError, PSTimeoutError
+
+#: Default store prefix of the PS group (a second group on the same store needs another prefix).
+DEFAULT_PREFIX = "lightning_sync/ps"
+
+
+def _seconds(value: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(value))
+
+
+def _check_timeout(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={value!r} must be a finite number of seconds > 0 (every wait is bounded)")
+    return float(value)
+
+
+def connect_store(host: str, port: int, *, is_host: bool, timeout_s: float = 60.0) -> dist.TCPStore:
+    """The run's ``TCPStore``: hosted by worker 0 (``is_host=True``), joined as a client by everyone else.
+
+    Args:
+        host: address of worker 0's machine.
+        port: TCP port of the store.
+        is_host: start the store server in this process.
+        timeout_s: how long store operations (the group rendezvous) may wait.
+
+    Raises:
+        ValueError: bad ``port`` or ``timeout_s``.
+    """
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+        raise ValueError(f"port={port!r} must be an integer in [0, 65535]")
+    timeout_s = _check_timeout("timeout_s", timeout_s)
+    return dist.TCPStore(host, port, None, bool(is_host), _seconds(timeout_s), wait_for_workers=False)
+
+
+def server_ps_rank(server: int, num_workers: int) -> int:
+    """PS rank of server ``server`` (``num_workers + server``)."""
+    return num_workers + server
+
+
+def describe(ps_rank: int, num_workers: int) -> str:
+    """``"worker 1 (ps rank 1)"`` or ``"server 0 (ps rank 2)"``."""
+    if ps_rank < num_workers:
+        return f"worker {ps_rank} (ps rank {ps_rank})"
+    return f"server {ps_rank - num_workers} (ps rank {ps_rank})"
+
+
+class PSGroup:
+    """One member's handle on the PS group.
+
+    Construction is the rendezvous: it returns once all ``num_workers + num_servers`` members have joined, or raises
+    after ``connect_timeout_s``.
+
+    Args:
+        store: the run's store (e.g. from :func:`connect_store`).
+        ps_rank: this member's rank, ``0 .. num_workers + num_servers - 1``.
+        num_workers: number of worker clients ``W >= 1``.
+        num_servers: number of servers ``k >= 1``.
+        timeout_s: bound of every send/receive wait after the rendezvous.
+        connect_timeout_s: bound of the rendezvous (members may start seconds apart); ``None``: ``max(timeout_s,
+            60)``.
+        prefix: store prefix of the group; distinct groups on one store need distinct prefixes.
+        meter: meter of this member's traffic; a new one if ``None``.
+
+    Raises:
+        ValueError: an argument is out of range.
+        PSTimeoutError: not every member joined within ``connect_timeout_s``.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        ps_rank: int,
+        num_workers: int,
+        num_servers: int,
+        timeout_s: float,
+        *,
+        connect_timeout_s: Optional[float] = None,
+        prefix: str = DEFAULT_PREFIX,
+        meter: Optional[CommMeter] = None,
+    ) -> None:
+        for name, value in (("num_workers", num_workers), ("num_servers", num_servers)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        size = num_workers + num_servers
+        if isinstance(ps_rank, bool) or not isinstance(ps_rank, int) or not 0 <= ps_rank < size:
+            raise ValueError(f"ps_rank={ps_rank!r} must be an integer in [0, {size - 1}] (num_workers + num_servers)")
+        self.timeout_s = _check_timeout("timeout_s", timeout_s)
+        if connect_timeout_s is None:
+            connect_timeout_s = max(self.timeout_s, 60.0)
+        self.connect_timeout_s = _check_timeout("connect_timeout_s", connect_timeout_s)
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"prefix={prefix!r} must be a non-empty string")
+        self.ps_rank = ps_rank
+        self.num_workers = num_workers
+        self.num_servers = num_servers
+        self.prefix = prefix
+        self.meter = meter if meter is not None else CommMeter()
+        self._reports = dist.PrefixStore(prefix + "/failures", store)
+        try:
+            self.pg: Any = dist.ProcessGroupGloo(
+                dist.PrefixStore(prefix + "/gloo", store), ps_rank, size, _seconds(self.connect_timeout_s)
+            )
+        except RuntimeError as exc:
+            raise PSTimeoutError(
+                f"{self.name()} could not join the PS group ({num_workers} workers + {num_servers} servers, prefix "
+                f"{prefix!r}) within {self.connect_timeout_s:.1f} s: {exc}"
+            ) from exc
+        self.meter.group = self.pg
+
+    # ---------------------------------------------------------------- identity
+    @property
+    def world_size(self) -> int:
+        return self.num_workers + self.num_servers
+
+    @property
+    def is_server(self) -> bool:
+        return self.ps_rank >= self.num_workers
+
+    def server_rank(self, server: int) -> int:
+        """PS rank of server ``server``."""
+        return server_ps_rank(server, self.num_workers)
+
+    def name(self, ps_rank: Optional[int] = None) -> str:
+        """How errors name a member (this one by default)."""
+        return describe(self.ps_rank if ps_rank is None else ps_rank, self.num_workers)
+
+    # ---------------------------------------------------------------- transport
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        """Launches a metered send of a CPU tensor to PS rank ``dst``; wait with :meth:`wait`.
+
+        Raises:
+            PSPeerLostError: the connection to ``dst`` is already closed (as the other errors of :meth:`wait`).
+        """
+        try:
+            return self.meter.send_to(tensor, dst, self._live_pg(), tag)
+        except RuntimeError as exc:
+            raise self._translate(exc, dst, "a send", False, 0.0) from exc
+
+    def recv(self, tensor: torch.Tensor, src: Optional[int], tag: int) -> Any:
+        """Launches a metered receive from PS rank ``src`` (any rank if ``None``); wait with :meth:`wait`.
+
+        Raises:
+            PSPeerLostError: the connection to ``src`` is already closed (as the other errors of :meth:`wait`).
+        """
+        try:
+            return self.meter.recv_from(tensor, src, self._live_pg(), tag)
+        except RuntimeError as exc:
+            raise self._translate(exc, src, "a receive", True, 0.0) from exc
+
+    def _live_pg(self) -> Any:
+        if self.pg is None:
+            raise PSError(f"{self.name()} has left the PS group (closed)")
+        return self.pg
+
+    def wait(
+        self, work: Any, peer: Optional[int], what: str, *, receiving: bool, timeout_s: Optional[float] = None
+    ) -> None:
+        """Waits for a send (``receiving=False``) or receive for at most ``timeout_s`` (default: the group's).
+
+        Raises:
+            PSTimeoutError: nothing happened in time (``peer`` named; any rank if ``peer`` is ``None``).
+            PSPeerLostError: the peer's connection closed.
+        """
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        started = time.monotonic()
+        try:
+            work.wait(timeout=timeout)
+        except (RuntimeError, TimeoutError) as exc:
+            raise self._translate(exc, peer, what, receiving, time.monotonic() - started) from exc
+
+    def _translate(self, exc: BaseException, peer: Optional[int], what: str, receiving: bool, waited: float) -> PSError:
+        text = str(exc)
+        who = "no member" if peer is None else self.name(peer)
+        if "Connection closed" in text or "closed by peer" in text or "Connection reset" in text:
+            return PSPeerLostError(f"{who} closed its connection to {self.name()} ({what}): its process is gone")
+        if "caused pair closure" in text:
+            return PSTimeoutError(f"{self.name()} cannot reach {who} ({what}): an earlier wait timed out")
+        if "imed out" in text or isinstance(exc, TimeoutError):
+            verb = "sent nothing" if receiving else "took nothing"
+            return PSTimeoutError(f"{who} {verb} for {waited:.1f} s ({self.name()} waiting for {what})")
+        return PSError(f"{self.name()} failed talking to {who} ({what}): {text}")
+
+    # ---------------------------------------------------------------- failure reports
+    def report_failure(self, message: str) -> None:
+        """Best effort: leaves ``message`` in the store so that peers can quote why this member stopped."""
+        try:
+            self._reports.set(str(self.ps_rank), message)
+        except Exception:  # noqa: BLE001 - the store may be gone with its host; the report is only a courtesy
+            pass
+
+    def reported_failure(self, ps_rank: int) -> Optional[str]:
+        """The message a member left with :meth:`report_failure`, if any (best effort, never blocks long)."""
+        try:
+            key = str(ps_rank)
+            if self._reports.check([key]):
+                return self._reports.get(key).decode(errors="replace")
+        except Exception:  # noqa: BLE001
+            pass
+        return None
+
+    def close(self) -> None:
+        """Drops this member's connections (pending operations of peers on them fail)."""
+        pg, self.pg = getattr(self, "pg", None), None
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: BLE001 - shutting down a broken group may raise; the group is dropped anyway
+                pass
+            del pg

@@ -1,0 +1,160 @@
+"""The worker's optimizer, described so that a server can rebuild it for its shard.
+
+A :class:`OptimizerSpec` holds the optimizer class (as an import path), each param group's hyperparameters (``lr``,
+``momentum``, ``weight_decay``, ``betas``, ...) and which group each parameter belongs to. It is made of plain values
+only, so it travels with ``torch.save``/``torch.load(weights_only=True)``.
+
+Learning-rate schedulers keep working: a scheduler changes ``lr`` in the worker's param groups, every push carries
+the pushing worker's current ``lr`` of each group (:func:`current_lrs`), and the server writes it into the matching
+groups of its shard optimizer before stepping. Other hyperparameters (momentum, betas, ...) are fixed at the values
+the spec was taken with.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """A picklable recipe of a worker's optimizer.
+
+    Attributes:
+        optimizer_class: ``"module:qualname"`` of the optimizer class (importable on the server).
+        groups: per param group, its hyperparameters (every key but ``params``).
+        group_of: per parameter of the ordered parameter list, the index of its param group.
+    """
+
+    optimizer_class: str
+    groups: tuple[dict[str, Any], ...]
+    group_of: tuple[int, ...]
+
+    @property
+    def num_groups(self) -> int:
+        """Number of param groups of the worker's optimizer."""
+        return len(self.groups)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain-value form (``torch.load(weights_only=True)`` can read it back)."""
+        return {
+            "optimizer_class": self.optimizer_class,
+            "groups": [dict(g) for g in self.groups],
+            "group_of": list(self.group_of),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OptimizerSpec:
+        """Inverse of :meth:`as_dict`."""
+        return cls(
+            optimizer_class=str(data["optimizer_class"]),
+            groups=tuple(dict(g) for g in data["groups"]),
+            group_of=tuple(int(g) for g in data["group_of"]),
+        )
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _import_class(path: str) -> type:
+    module_name, _, qualname = path.partition(":")
+    if not module_name or not qualname:
+        raise ValueError(f"optimizer_class={path!r} must look like 'package.module:ClassName'")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)):
+        raise ValueError(f"optimizer_class={path!r} is not a torch.optim.Optimizer subclass")
+    return obj
+
+
+def optimizer_spec(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> OptimizerSpec:
+    """Describes ``optimizer`` for the servers, with the group of every parameter of ``params``.
+
+    Guarantees: the spec lists the groups in the optimizer's order with their current hyperparameters (tensors
+    cloned), and ``group_of[i]`` is the group holding ``params[i]``.
+
+    Args:
+        optimizer: the worker's optimizer. Its class must be importable on the servers by module and name.
+        params: the ordered parameter list the parameter server trains; exactly the optimizer's parameters.
+
+    Raises:
+        ValueError: a parameter appears twice, is not in the optimizer, or the optimizer holds parameters that
+            ``params`` does not list.
+    """
+    params = list(params)
+    position: dict[int, int] = {}
+    for i, p in enumerate(params):
+        if id(p) in position:
+            raise ValueError(f"params[{i}] is the same tensor as params[{position[id(p)]}]; list each parameter once")
+        position[id(p)] = i
+    group_of = [-1] * len(params)
+    groups = []
+    extra = 0
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) in position:
+                group_of[position[id(p)]] = g
+            else:
+                extra += 1
+        groups.append(
+            {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k != "params"}
+        )
+    missing = [i for i, g in enumerate(group_of) if g < 0]
+    if missing:
+        raise ValueError(f"params{missing} are not in any param group of the {type(optimizer).__name__} optimizer")
+    if extra:
+        raise ValueError(
+            f"the {type(optimizer).__name__} optimizer holds {extra} parameter(s) that params does not list; "
+            "pass every parameter the optimizer trains"
+        )
+    return OptimizerSpec(_class_path(type(optimizer)), tuple(groups), tuple(group_of))
+
+
+def build_shard_optimizer(
+    spec: OptimizerSpec, params: Sequence[torch.Tensor], indices: Sequence[int]
+) -> tuple[torch.optim.Optimizer, list[int]]:
+    """Builds the optimizer of one server's shard.
+
+    Guarantees: each shard parameter lands in a group with the hyperparameters of its group on the worker; the shard
+    optimizer has one group per worker group that holds shard parameters, in the worker's group order, parameters in
+    ``indices`` order.
+
+    Args:
+        spec: from :func:`optimizer_spec`.
+        params: the shard's parameters (leaf tensors with ``requires_grad``), in the order of ``indices``.
+        indices: for each shard parameter, its index in the worker's ordered parameter list.
+
+    Returns:
+        The optimizer, and for each of its param groups the index of the worker group it mirrors (to apply pushed
+        learning rates).
+
+    Raises:
+        ValueError: ``params`` and ``indices`` differ in length, or an index is outside the spec.
+    """
+    if len(params) != len(indices):
+        raise ValueError(f"got {len(params)} params but {len(indices)} indices; they must match one to one")
+    members: dict[int, list[torch.Tensor]] = {}
+    for p, i in zip(params, indices):
+        if not 0 <= i < len(spec.group_of):
+            raise ValueError(f"parameter index {i} is outside the spec's {len(spec.group_of)} parameters")
+        members.setdefault(spec.group_of[i], []).append(p)
+    mirrored = sorted(members)
+    groups = [{"params": members[g], **spec.groups[g]} for g in mirrored]
+    optimizer_class = _import_class(spec.optimizer_class)
+    # Every group carries all its hyperparameters; the first one is also passed as the constructor's defaults so that
+    # optimizers with required hyperparameters (no default value) can be built too.
+    accepted = inspect.signature(optimizer_class.__init__).parameters
+    first = spec.groups[mirrored[0]] if mirrored else {}
+    defaults = {k: v for k, v in first.items() if k in accepted and k != "params"}
+    return optimizer_class(groups, **defaults), mirrored
+
+
+def current_lrs(optimizer: torch.optim.Optimizer) -> list[float]:
+    """The current learning rate of each param group (what a push carries)."""
+    return [float(group["lr"]) for group in optimizer.param_groups]

@@ -1,0 +1,336 @@
+"""Where servers run: dedicated processes, or threads of the worker processes (colocated). Same loop in both.
+
+Dedicated (:func:`start_server_processes`, called on worker 0 after it hosts the store)::
+
+    store = connect_store(host, port, is_host=True, timeout_s=60)
+    servers = start_server_processes(host, port, num_workers=W, num_servers=k, timeout_s=60)
+    ...                          # PSGroup / PSClient as usual; servers.raise_if_failed() between steps if wanted
+    client.close()               # every worker: the servers exit by themselves after the last goodbye
+    servers.wait(timeout_s=30)   # exit codes, 0 each; servers.stop() kills them if they do not
+
+Each server is a fresh interpreter running :func:`lightning_sync.ps.server.main` (as ``python -m lightning_sync.ps``
+does, but without importing Lightning: it starts in about 2 s; nothing of the worker is inherited). It
+dies with its parent (``PR_SET_PDEATHSIG`` plus a parent-pid watch), on Ctrl-C and SIGTERM at once, and by itself
+when no worker talks to it for ``timeout_s``. An ``atexit`` hook of the parent stops the ones still running.
+
+Colocated (:func:`start_colocated_server`, on worker ``r < k``): server ``r`` runs in a daemon thread of worker
+``r``'s process with its own member of the group (PS rank ``W + r``), so it ends with that process; it also returns
+after the last goodbye and raises (kept in :attr:`ColocatedServer.error`) after ``timeout_s`` without requests.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from lightning_sync.ps.errors import PSError, PSTimeoutError
+from lightning_sync.ps.group import DEFAULT_PREFIX
+from lightning_sync.ps.server import run_server
+
+
+# A server needs torch and lightning_sync.ps only. ``python -m lightning_sync.ps`` would first run the package's
+# __init__, which imports Lightning to register the strategies (seconds of start-up and hundreds of MB per server);
+# this bootstrap stands an empty package in for it, so the server process never imports Lightning.
+_SERVER_BOOTSTRAP = (
+    "import sys, types; "
+    "package = types.ModuleType('lightning_sync'); package.__path__ = [sys.argv[1]]; "
+    "sys.modules['lightning_sync'] = package; "
+    "from lightning_sync.ps.server import exit_after; "
+    "exit_after(sys.argv[2:])"
+)
+
+
+def _check_counts(num_workers: int, num_servers: int) -> None:
+    for name, value in (("num_workers", num_workers), ("num_servers", num_servers)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+
+
+class ServerProcesses:
+    """Handle on dedicated server processes (from :func:`start_server_processes`).
+
+    Attributes:
+        processes: one ``subprocess.Popen`` per server, in server order.
+    """
+
+    def __init__(self, processes: list[subprocess.Popen]) -> None:
+        self.processes = processes
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def exit_codes(self) -> list[Optional[int]]:
+        """Each server's exit code, ``None`` while it runs (negative: killed by that signal)."""
+        return [p.poll() for p in self.processes]
+
+    def alive(self) -> list[int]:
+        """Indices of the servers still running."""
+        return [i for i, code in enumerate(self.exit_codes()) if code is None]
+
+    def failed(self) -> list[int]:
+        """Indices of the servers that exited with a non-zero code."""
+        return [i for i, code in enumerate(self.exit_codes()) if code not in (None, 0)]
+
+    def raise_if_failed(self) -> None:
+        """Raises :class:`PSError` naming every server that exited with an error."""
+        failed = self.failed()
+        if failed:
+            codes = self.exit_codes()
+            raise PSError(
+                "parameter server process(es) failed: "
+                + ", ".join(f"server {i} (pid {self.processes[i].pid}) exit code {codes[i]}" for i in failed)
+            )
+
+    def wait(self, timeout_s: float) -> list[int]:
+        """Waits up to ``timeout_s`` for every server to exit; returns the exit codes.
+
+        Raises:
+            PSTimeoutError: some are still running (they are left running; see :meth:`stop`).
+        """
+        deadline = time.monotonic() + timeout_s
+        for p in self.processes:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                pass
+        alive = self.alive()
+        if alive:
+            raise PSTimeoutError(f"server process(es) {alive} still running after {timeout_s:.1f} s")
+        return [int(c) for c in self.exit_codes()]  # type: ignore[arg-type]
+
+    def stop(self, grace_s: float = 5.0) -> list[int]:
+        """Ends every server still running: SIGTERM, then SIGKILL after ``grace_s``. Returns the exit codes."""
+        for p in self.processes:
+            if p.poll() is None:
+                try:
+                    p.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for p in self.processes:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        return [int(p.returncode) for p in self.processes]
+
+    def kill(self) -> list[int]:
+        """SIGKILL every server still running; returns the exit codes."""
+        return self.stop(grace_s=0.0)
+
+    def finish(self, timeout_s: float) -> None:
+        """After the workers' goodbyes: waits up to ``timeout_s`` for a clean exit, stops what still runs, and
+        raises for a server that failed (or had to be stopped)."""
+        try:
+            self.wait(timeout_s)
+        finally:
+            self.stop()
+        self.raise_if_failed()
+
+    def __enter__(self) -> ServerProcesses:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.stop()
+
+
+def start_server_processes(
+    host: str,
+    port: int,
+    num_workers: int,
+    num_servers: int,
+    *,
+    timeout_s: float,
+    connect_timeout_s: Optional[float] = None,
+    prefix: str = DEFAULT_PREFIX,
+    env: Optional[Mapping[str, str]] = None,
+    python: Optional[str] = None,
+) -> ServerProcesses:
+    """Starts ``num_servers`` dedicated server processes that join the PS group through the store at
+    ``host:port`` (hosted by worker 0, e.g. :func:`~lightning_sync.ps.group.connect_store`).
+
+    Guarantees: the processes die with this process (call from a thread that lives as long as training, e.g. the
+    main thread: the kernel's parent-death signal follows the starting thread), on SIGINT/SIGTERM, when no worker
+    talks to them for ``timeout_s``, and at this interpreter's exit (``atexit``). They exit with code 0 after every
+    worker's :meth:`~lightning_sync.ps.client.PSClient.close`, 1 after an error (printed on their stderr, which is
+    this process's).
+
+    Args:
+        host: address of the store.
+        port: port of the store.
+        num_workers: number of workers ``W``.
+        num_servers: number of servers ``k``.
+        timeout_s: bound of every wait of the servers after the rendezvous.
+        connect_timeout_s: bound of the rendezvous and of the wait for the initial parameters; ``None``:
+            ``max(timeout_s, 60)`` (a fresh interpreter takes seconds to import torch).
+        prefix: store prefix of the group (as given to the workers' ``PSGroup``).
+        env: environment of the servers (default: this process's, with ``OMP_NUM_THREADS=1`` unless set).
+        python: interpreter to run (default: this one).
+
+    Raises:
+        ValueError: bad counts.
+    """
+    _check_counts(num_workers, num_servers)
+    environ = dict(os.environ if env is None else env)
+    environ.setdefault("OMP_NUM_THREADS", "1")
+    package_dir = str(Path(__file__).resolve().parents[1])
+    processes = []
+    for server in range(num_servers):
+        command = [
+            python or sys.executable, "-c", _SERVER_BOOTSTRAP, package_dir,
+            "--host", host, "--port", str(port), "--server", str(server),
+            "--num-workers", str(num_workers), "--num-servers", str(num_servers),
+            "--timeout-s", repr(float(timeout_s)), "--prefix", prefix, "--parent-pid", str(os.getpid()),
+        ]  # fmt: skip
+        if connect_timeout_s is not None:
+            command += ["--connect-timeout-s", repr(float(connect_timeout_s))]
+        processes.append(subprocess.Popen(command, env=environ))
+    handle = ServerProcesses(processes)
+    reference = weakref.ref(handle)
+
+    def _stop_at_exit() -> None:
+        live = reference()
+        if live is not None and live.alive():
+            live.stop(grace_s=2.0)
+
+    atexit.register(_stop_at_exit)
+    return handle
+
+
+class ColocatedServer:
+    """Handle on a server loop running in a daemon thread of a worker process (from :func:`start_colocated_server`).
+
+    Attributes:
+        error: the exception the loop ended with, or ``None``.
+        stats: the loop's final stats after a clean end, else ``None``.
+    """
+
+    def __init__(self, server: int, target: Any) -> None:
+        self.server = server
+        self.error: Optional[BaseException] = None
+        self.stats: Optional[dict[str, Any]] = None
+        self._target = target
+        self.thread = threading.Thread(target=self._run, name=f"ps-server-{server}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.stats = self._target()
+        except BaseException as exc:  # noqa: BLE001 - kept for the owner to raise in its own thread
+            self.error = exc
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def raise_if_failed(self) -> None:
+        """Re-raises, in the calling thread, the error the loop ended with (if any)."""
+        if self.error is not None:
+            raise PSError(f"colocated server {self.server} failed: {self.error}") from self.error
+
+    def finish(self, timeout_s: float) -> None:
+        """After the workers' goodbyes: :meth:`join` (same interface as :meth:`ServerProcesses.finish`)."""
+        self.join(timeout_s)
+
+    def stop(self, grace_s: float = 0.0) -> list[int]:
+        """Nothing to do: a gloo wait cannot be interrupted, so the daemon thread ends with its process (or after
+        ``timeout_s`` without requests). Same interface as :meth:`ServerProcesses.stop`."""
+        return []
+
+    def join(self, timeout_s: float) -> dict[str, Any]:
+        """Waits up to ``timeout_s`` for the loop to end (after every worker's goodbye); returns its stats.
+
+        Raises:
+            PSError: the loop failed.
+            PSTimeoutError: the loop is still running.
+        """
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise PSTimeoutError(f"colocated server {self.server} still running after {timeout_s:.1f} s")
+        self.raise_if_failed()
+        assert self.stats is not None
+        return self.stats
+
+
+def start_colocated_server(
+    host: str,
+    port: int,
+    server: int,
+    num_workers: int,
+    num_servers: int,
+    *,
+    timeout_s: float,
+    connect_timeout_s: Optional[float] = None,
+    prefix: str = DEFAULT_PREFIX,
+) -> ColocatedServer:
+    """Starts server ``server`` (PS rank ``num_workers + server``) in a daemon thread of this process.
+
+    Meant for worker ``server``'s process (``num_servers <= num_workers``); any process works. The thread joins the
+    group through the store at ``host:port`` while this process's worker member joins in parallel.
+
+    Raises:
+        ValueError: ``server`` is not in ``[0, num_servers)`` or bad counts.
+    """
+    _check_counts(num_workers, num_servers)
+    if isinstance(server, bool) or not isinstance(server, int) or not 0 <= server < num_servers:
+        raise ValueError(f"server={server!r} must be an integer in [0, {num_servers - 1}] (num_servers={num_servers})")
+
+    def _target() -> dict[str, Any]:
+        return run_server(
+            host,
+            port,
+            server,
+            num_workers,
+            num_servers,
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            prefix=prefix,
+        )
+
+    handle = ColocatedServer(server, _target)
+    handle.thread.start()
+    return handle
+
+
+PLACEMENTS = ("dedicated", "colocated")
+
+
+def start_servers(
+    placement: str,
+    worker: int,
+    host: str,
+    port: int,
+    num_workers: int,
+    num_servers: int,
+    *,
+    timeout_s: float,
+    prefix: str = DEFAULT_PREFIX,
+) -> Optional[Any]:
+    """Starts the servers that worker ``worker`` is responsible for under ``placement`` (call on every worker).
+
+    ``dedicated``: worker 0 starts all ``num_servers`` processes. ``colocated``: worker ``r < num_servers`` runs
+    server ``r`` in a thread. Every other worker starts nothing.
+
+    Returns:
+        A handle with ``raise_if_failed()`` and ``finish(timeout_s)``, or ``None`` when this worker starts none.
+
+    Raises:
+        ValueError: an unknown placement, or bad counts.
+    """
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement={placement!r} is not allowed; choose one of {', '.join(PLACEMENTS)}")
+    if placement == "dedicated" and worker == 0:
+        return start_server_processes(host, port, num_workers, num_servers, timeout_s=timeout_s, prefix=prefix)
+    if placement == "colocated" and worker < num_servers:
+        return start_colocated_server(
+            host, port, worker, num_workers, num_servers, timeout_s=timeout_s, prefix=prefix
+        )
+    return None

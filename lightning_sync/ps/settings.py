@@ -1,0 +1,79 @@
+"""What a worker tells the parameter server about the run: sync mode, staleness bound, end, compression.
+
+:class:`PSConfig` is built on every worker (identically); worker 0 sends it to each server with the initial
+parameters, and every later request carries a checksum of it, so a worker started with other settings is refused
+with a message instead of corrupting the run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+#: Sync modes of the server loop.
+MODES = ("sync", "async", "ssp")
+
+#: Gradient encodings a worker may push with. PowerSGD is not among them: its factors are averaged by an
+#: all-reduce across workers, which a point-to-point push to a server does not have.
+COMPRESSIONS = ("none", "fp16", "bf16", "topk")
+
+
+@dataclass(frozen=True)
+class PSConfig:
+    """Settings of one parameter-server run, identical on every worker.
+
+    Args:
+        mode: ``"sync"`` (the server averages one gradient from every worker, steps once, then replies to all),
+            ``"async"`` (every push is applied as it arrives and answered at once) or ``"ssp"`` (applied as in
+            async, but a worker's reply is withheld while it is more than ``max_staleness`` pushes ahead of the
+            slowest live worker).
+        max_staleness: the ssp bound ``s >= 0`` (``0`` is lockstep). Ignored by the other modes.
+        max_updates: the server version (optimizer steps applied) at which training ends, or ``None`` for no limit.
+            In async and ssp every push is one update, so ``W`` workers doing ``n`` steps each make ``W * n``.
+        compression: how pushed gradients travel, one of :data:`COMPRESSIONS`.
+        topk_density: fraction of each shard's gradient entries ``topk`` sends, in ``(0, 1]``.
+        error_feedback: with ``topk``, keep what was not sent on the worker and add it to the next push.
+
+    Raises:
+        ValueError: a field is out of range; the message names the field, the value and what is allowed.
+    """
+
+    mode: str = "sync"
+    max_staleness: int = 0
+    max_updates: Optional[int] = None
+    compression: str = "none"
+    topk_density: float = 0.01
+    error_feedback: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is not a parameter-server mode; choose one of {', '.join(MODES)}")
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(f"max_staleness={self.max_staleness!r} must be an integer >= 0 (0 is lockstep)")
+        if self.max_updates is not None and (
+            isinstance(self.max_updates, bool) or not isinstance(self.max_updates, int) or self.max_updates < 1
+        ):
+            raise ValueError(f"max_updates={self.max_updates!r} must be an integer >= 1, or None for no limit")
+        if self.compression == "powersgd":
+            raise ValueError(
+                "compression='powersgd' is not supported by ps (its factors need an all-reduce across workers, "
+                f"a push to a server is point-to-point); choose one of {', '.join(COMPRESSIONS)}"
+            )
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(
+                f"compression={self.compression!r} is not supported by ps; choose one of {', '.join(COMPRESSIONS)}"
+            )
+        density = self.topk_density
+        if (
+            isinstance(density, bool)
+            or not isinstance(density, (int, float))
+            or not (math.isfinite(density) and 0.0 < density <= 1.0)
+        ):
+            raise ValueError(f"topk_density={density!r} must be a number in (0, 1]")
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"error_feedback={self.error_feedback!r} must be True or False")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (what travels to the servers)."""
+        return asdict(self)

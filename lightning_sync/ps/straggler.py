@@ -1,0 +1,67 @@
+"""A knob for experiments: make one worker slower by a factor, to study async, ssp and sync under a straggler."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+
+class Straggler:
+    """Sleeps, on the slow worker only, ``slowdown - 1`` times the time its step took, so its step takes
+    ``slowdown`` times as long (``slow_worker=2, slowdown=3.0``: worker 2 is 3x slower). On every other worker it
+    does nothing.
+
+    Call :meth:`step_start` when a step begins and :meth:`step_end` when it ends (the adapter: in
+    ``on_train_batch_start`` / before the push), or use :meth:`delay` with a step time measured elsewhere.
+
+    Args:
+        worker: this process's worker rank.
+        slow_worker: the rank of the worker to slow down, or ``None`` for none.
+        slowdown: the factor, ``>= 1`` (``1`` does nothing).
+
+    Raises:
+        ValueError: ``slowdown < 1`` or a rank is negative.
+    """
+
+    def __init__(self, worker: int, slow_worker: Optional[int] = None, slowdown: float = 1.0) -> None:
+        if isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
+            raise ValueError(f"worker={worker!r} must be an integer >= 0")
+        bad_slow = isinstance(slow_worker, bool) or not isinstance(slow_worker, int) or slow_worker < 0
+        if slow_worker is not None and bad_slow:
+            raise ValueError(f"slow_worker={slow_worker!r} must be a worker rank >= 0, or None")
+        if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not slowdown >= 1.0:
+            raise ValueError(f"slowdown={slowdown!r} must be a number >= 1 (1 = not slowed)")
+        self.worker = worker
+        self.slow_worker = slow_worker
+        self.slowdown = float(slowdown)
+        self.slept_s = 0.0
+        self._started: Optional[float] = None
+
+    @property
+    def active(self) -> bool:
+        """Whether this worker is the one slowed down."""
+        return self.slow_worker == self.worker and self.slowdown > 1.0
+
+    def step_start(self) -> None:
+        """Marks the start of a step."""
+        self._started = time.perf_counter()
+
+    def step_end(self) -> float:
+        """Sleeps ``(slowdown - 1) x`` the time since :meth:`step_start` if this is the slow worker.
+
+        Returns:
+            The seconds slept (``0`` on other workers, or without a :meth:`step_start`).
+        """
+        if self._started is None:
+            return 0.0
+        elapsed, self._started = time.perf_counter() - self._started, None
+        return self.delay(elapsed)
+
+    def delay(self, step_s: float) -> float:
+        """Sleeps ``(slowdown - 1) * step_s`` if this is the slow worker; returns the seconds slept."""
+        if not self.active or step_s <= 0:
+            return 0.0
+        extra = (self.slowdown - 1.0) * step_s
+        time.sleep(extra)
+        self.slept_s += extra
+        return extra

@@ -1,0 +1,80 @@
+"""Collectives that a strategy can switch off while its ranks run without waiting for each other."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+
+from typing_extensions import override
+
+from lightning_sync.strategies._base import SyncStrategyBase
+
+
+class DetachableCollectives(SyncStrategyBase):
+    """While ``_detached`` is set, the strategy's collectives act on this rank alone.
+
+    Lightning ties the ranks together through the strategy: ``barrier``, ``broadcast``, ``all_gather``, ``reduce``
+    (behind ``self.log(sync_dist=True)``), ``reduce_boolean_decision`` (EarlyStopping, ModelCheckpoint), and a per-batch
+    broadcast of a SIGTERM flag that it issues whenever ``world_size > 1``. A mode whose ranks must not wait for each
+    other (the parameter server's async and ssp) sets ``_detached`` for that phase: then each of these returns the
+    rank's own value at once, and ``world_size`` reads 1, so no rank issues a collective the others would have to
+    match. Every rank must leave the phase at the same point of the program, after which collectives pair up again.
+    Checkpoints written meanwhile hold each rank's own sync state only (the one rank 0 writes is complete).
+    """
+
+    _detached = False
+    _loop_limits: Optional[tuple[pl.Trainer, Any, Optional[int]]] = None
+
+    def _hand_the_end_to_the_mode(self, trainer: pl.Trainer) -> None:
+        """For a fit whose ranks will detach: no validation during fit (its metric syncs would tie the ranks) and no
+        epoch limit (the mode ends the run by setting ``should_stop``). :meth:`_restore_loop_limits` undoes it."""
+        self._loop_limits = (trainer, trainer.limit_val_batches, trainer.fit_loop.max_epochs)
+        trainer.limit_val_batches = 0
+        trainer.fit_loop.max_epochs = -1
+
+    def _restore_loop_limits(self) -> None:
+        if self._loop_limits is not None:
+            trainer, limit_val, max_epochs = self._loop_limits
+            trainer.limit_val_batches, trainer.fit_loop.max_epochs = limit_val, max_epochs
+            self._loop_limits = None
+
+    @property
+    @override
+    def world_size(self) -> int:
+        """1 while detached."""
+        return 1 if self._detached else super().world_size
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """No wait while detached."""
+        if not self._detached:
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """This rank's own object while detached."""
+        return obj if self._detached else super().broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        """This rank's own value while detached."""
+        return tensor if self._detached else super().reduce(tensor, *args, **kwargs)
+
+    @override
+    def all_gather(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        """This rank's own tensor, as the only row, while detached."""
+        return tensor.unsqueeze(0) if self._detached else super().all_gather(tensor, *args, **kwargs)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """This rank's own decision while detached."""
+        return decision if self._detached else super().reduce_boolean_decision(decision, all=all)
+
+    @override
+    def _gather_sync_states(self) -> list[Any]:
+        """Every rank's sync state; while detached, this rank's own in its slot (no rank waits for another)."""
+        if not self._detached:
+            return super()._gather_sync_states()
+        world = self.num_processes * self.num_nodes
+        return [self.sync_state_dict() if rank == self.global_rank else {"sync_steps": 0} for rank in range(world)]

@@ -1,0 +1,250 @@
+"""The ``ps`` sync mode: a parameter server. Workers push gradients; servers hold the parameters and step."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_sync.config import ParameterServerConfig
+from lightning_sync.errors import ConfigError
+from lightning_sync.ps import (
+    PSClient,
+    PSConfig,
+    PSGroup,
+    ServerStepOptimizer,
+    Straggler,
+    connect_store,
+    current_lrs,
+    optimizer_spec,
+    start_servers,
+)
+from lightning_sync.strategies._detached import DetachableCollectives
+
+
+class ParameterServerStrategy(DetachableCollectives):
+    """Parameter server over torch.distributed point-to-point: workers push gradients, servers step and reply.
+
+    The Lightning ranks are the workers. The strategy starts the servers, each holding a byte-balanced shard of the
+    parameters and its optimizer state: as processes on node 0 (``dedicated``) or as threads of the first workers
+    (``colocated``); both run the loop of :mod:`lightning_sync.ps` on a process group of their own, built on the
+    run's store. The LightningModule's optimizer is rebuilt on the servers; each push carries the worker's learning
+    rates, so LR schedulers stepping on the workers take effect on the servers.
+
+    ``sync`` keeps the workers in lockstep, and Lightning runs as usual. In ``async`` and ``ssp`` the run's step
+    count is the servers' version, one update per push: ``max_steps=N`` ends training after N updates, and
+    ``max_epochs=E`` after E epochs' worth of samples over all workers. Each worker walks its own shard, reshuffled
+    at each of its own epochs, until the servers say stop. Meanwhile the workers never wait for each other
+    (:class:`~lightning_sync.strategies._detached.DetachableCollectives`): a stop decided on one worker, e.g. by
+    EarlyStopping, reaches the others through the servers; worker 0 writes checkpoints with every server's state;
+    validation is skipped during ``fit`` and runs, as test does, once all workers hold the final parameters.
+
+    Logged: ``ps/version``, ``ps/staleness`` (async, ssp) and ``ps/server<i>_ingress_per_update``.
+    Args:
+        config: a :class:`~lightning_sync.config.ParameterServerConfig` (``None``: its defaults).
+        **kwargs: its fields (``mode``, ``num_servers``, ...), overriding ``config``'s, and Lightning's own
+            strategy arguments (see :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
+    """
+
+    config_class = ParameterServerConfig
+    strategy_name = "sync_ps"
+
+    def __init__(self, config: Optional[ParameterServerConfig] = None, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.client: Optional[PSClient] = None
+        self.servers: Optional[Any] = None  # the handle of the servers this rank started, if any
+        self.last_reply: Any = None
+        self.final_server_states: Optional[list[dict[str, Any]]] = None
+        self._group: Optional[PSGroup] = None
+        self._resume_state: dict[str, Any] = {}
+        self._straggler: Optional[Straggler] = None
+        self._logged: Optional[tuple[int, tuple[int, ...]]] = None
+
+    @override
+    def _check_algorithm_knobs(self) -> None:
+        cfg = self.config
+        if cfg.mode != "ssp" and cfg.max_staleness != ParameterServerConfig.max_staleness:
+            raise ConfigError(f"max_staleness={cfg.max_staleness} is not allowed with mode={cfg.mode!r}; it is for ssp")
+        try:
+            self._ps_config(max_updates=None)
+        except ValueError as error:  # the ps package checks its own knobs (compression)
+            raise ConfigError(str(error)) from None
+
+    def _ps_config(self, max_updates: Optional[int]) -> PSConfig:
+        cfg = self.config
+        staleness = cfg.max_staleness if cfg.mode == "ssp" else 0
+        return PSConfig(cfg.mode, staleness, max_updates, cfg.compression, cfg.topk_density, cfg.error_feedback)
+
+    # ------------------------------------------------------------------ launch and setup
+    @override
+    def _configure_launcher(self) -> None:
+        """Checks the placement and ``slow_worker`` against the number of ranks (before any rank starts)."""
+        world, cfg = self.num_processes * self.num_nodes, self.config
+        if cfg.placement == "colocated" and cfg.num_servers > world:
+            raise ConfigError(
+                f"strategy.num_servers={cfg.num_servers} is not allowed with placement='colocated' and {world} "
+                f"ranks; colocated servers live in the first ranks, so at most {world}"
+            )
+        if cfg.slow_worker >= world:
+            raise ConfigError(f"strategy.slow_worker={cfg.slow_worker} is not allowed; the ranks are 0..{world - 1}")
+        super()._configure_launcher()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """For ``fit``: checks what a server can run, starts the servers and joins their group; in async/ssp,
+        lets the servers' version end the run and defers validation."""
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._check_module(trainer)
+            if self.config.mode != "sync":
+                self._hand_the_end_to_the_mode(trainer)
+        super().setup(trainer)
+        if fitting:
+            self._join_servers()
+
+    def _check_module(self, trainer: pl.Trainer) -> None:
+        if not trainer.lightning_module.automatic_optimization:
+            raise ConfigError("strategy=ps does not support manual optimization: the servers own the optimizer "
+                              "step, so optimizer.step() in training_step has nothing to run")
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
+            raise ConfigError("strategy=ps does not support precision='16-mixed': each worker's GradScaler would "
+                              "never see the servers' steps; use 32 or bf16-mixed")
+
+    def _join_servers(self) -> None:
+        """Agrees on a store prefix for this fit, starts this rank's servers, and joins the PS group."""
+        cfg, env, world = self.config, self.cluster_environment, self.world_size
+        assert env is not None and self.meter is not None
+        prefix = f"lightning_sync/ps/{self.broadcast(uuid.uuid4().hex[:12])}"
+        host, port = env.main_address, env.main_port
+        self.servers = start_servers(cfg.placement, self.global_rank, host, port, world, cfg.num_servers,
+                                     timeout_s=cfg.timeout_s, prefix=prefix)
+        store = connect_store(host, port, is_host=False, timeout_s=cfg.timeout_s)
+        self._group = PSGroup(store, self.global_rank, world, cfg.num_servers, cfg.timeout_s, prefix=prefix,
+                              meter=self.meter)
+        self._straggler = Straggler(self.global_rank, cfg.slow_worker if cfg.slow_worker >= 0 else None, cfg.slowdown)
+
+    @override
+    def configure_ddp(self) -> None:
+        """Keeps the module unwrapped: the pull at the start of training makes the replicas identical."""
+
+    @override
+    def on_train_start(self) -> None:
+        """Worker 0 gives the servers their shards (or the checkpoint's states), every worker pulls, and in
+        async/ssp the workers detach."""
+        super().on_train_start()
+        trainer, module = self.lightning_module.trainer, self.lightning_module
+        if len(self.optimizers) != 1:
+            raise ConfigError(f"strategy=ps needs one optimizer; configure_optimizers gave {len(self.optimizers)}")
+        max_updates = trainer.max_steps
+        if max_updates is None or max_updates < 0:  # E epochs' worth of samples
+            epochs = trainer.max_epochs if self._loop_limits is None else self._loop_limits[2]
+            per_batch = 1 if self.config.mode == "sync" else self.world_size  # async/ssp: an update per worker batch
+            max_updates = int(epochs) * int(trainer.num_training_batches) * per_batch
+        params = [p for p in module.parameters() if p.requires_grad]
+        assert self._group is not None
+        spec = optimizer_spec(self.optimizers[0], params)
+        self.client = PSClient(self._group, params, spec, self._ps_config(max_updates))
+        if self.global_rank == 0:
+            self.client.init_servers(self._resume_state.get("servers"))
+        if "client" in self._resume_state:
+            self.client.load_state_dict(self._resume_state["client"])
+        self.last_reply = self.client.pull()
+        self._detached = self.config.mode != "sync"
+
+    # ------------------------------------------------------------------ the step
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Starts the straggler's clock (experiments with ``slow_worker``)."""
+        super().on_train_batch_start(batch, batch_idx)
+        if self._straggler is not None:
+            self._straggler.step_start()
+
+    @override
+    def _optimizer_to_step(self, optimizer: Optimizer) -> Any:
+        """The optimizer with a push in place of ``step``: ``on_before_optimizer_step`` and clipping see this
+        worker's gradients, which are then pushed, and the model then holds the servers' fresh parameters."""
+        return ServerStepOptimizer(optimizer, self._push)
+
+    def _push(self, optimizer: Optimizer) -> None:
+        assert self.client is not None
+        trainer = self.lightning_module.trainer
+        if self._straggler is not None:
+            self._straggler.step_end()
+        if self.servers is not None:
+            self.servers.raise_if_failed()
+        if trainer.should_stop and not self.client.stopped:  # e.g. EarlyStopping here: stop every worker
+            self.client.request_stop()
+        self.last_reply = self.client.push(current_lrs(optimizer))
+        if self.last_reply.stop:
+            trainer.should_stop = True
+            self._finish()
+
+    @override
+    def step_metrics(self, write: bool) -> dict[str, float]:
+        """``comm/*`` as the base logs them, plus ``ps/version``, ``ps/staleness`` and each server's ingress per
+        update since the last write."""
+        metrics, reply = super().step_metrics(write), self.last_reply
+        if not write or reply is None:
+            return metrics
+        metrics["ps/version"] = float(reply.version)
+        if reply.stalest >= 0 and self.config.mode != "sync":
+            metrics["ps/staleness"] = float(reply.stalest)
+        if self._logged is not None and reply.version > self._logged[0]:
+            for i, (now, then) in enumerate(zip(reply.server_bytes_recv, self._logged[1])):
+                metrics[f"ps/server{i}_ingress_per_update"] = (now - then) / (reply.version - self._logged[0])
+        self._logged = (reply.version, reply.server_bytes_recv)
+        return metrics
+
+    # ------------------------------------------------------------------ the end, and checkpoints
+    @override
+    def on_train_end(self) -> None:
+        """Ends the servers' run if Lightning stopped first (e.g. its own ``max_epochs`` in sync mode)."""
+        super().on_train_end()
+        self._finish()
+
+    def _finish(self) -> None:
+        """Once the run is over: every worker pulls the final parameters (the same everywhere), worker 0 keeps the
+        servers' final state for checkpoints written later, all say goodbye, and the workers attach again."""
+        if self.client is None or self.final_server_states is not None:
+            return
+        if not self.client.stopped:
+            self.client.request_stop()
+        self.last_reply = self.client.pull()
+        self.final_server_states = self.client.server_states() if self.global_rank == 0 else []
+        self.client.close()
+        self._detached = False
+        self.barrier("ps.finish")
+
+    @override
+    def sync_state_dict(self) -> dict[str, Any]:
+        """Each worker adds its gradient codec's state; worker 0 every server's (parameters, optimizer, clocks)."""
+        state = super().sync_state_dict()
+        if self.client is not None:
+            state["client"] = self.client.state_dict()
+            if self.global_rank == 0:
+                final = self.final_server_states
+                state["servers"] = self.client.server_states() if final is None else final
+        return state
+
+    @override
+    def load_sync_state_dict(self, state: dict[str, Any]) -> None:
+        """Keeps the state for :meth:`on_train_start`, once the servers and the client exist."""
+        super().load_sync_state_dict(state)
+        self._resume_state = state
+
+    @override
+    def teardown(self) -> None:
+        """Ends the servers this rank started: after a clean run it waits for their exit (stopping them if they do
+        not), after a failure it stops them at once. Then restores the loop's limits and tears down as DDP does."""
+        self._restore_loop_limits()
+        servers, self.servers, self.client = self.servers, None, None
+        if servers is not None and self.final_server_states is None:
+            servers.stop()
+        elif servers is not None:
+            servers.finish(self.config.timeout_s)
+        super().teardown()

@@ -1,0 +1,695 @@
+"""The parameter-server core (``lightning_sync.ps``) on plain torch.distributed, no Lightning.
+
+Workers and servers run in forked processes (servers also as threads of the workers, or as the dedicated
+interpreters of ``start_server_processes``); assertions run inside them and every failure comes back through a
+queue. ``tests/dist_utils.run_ranks``
+does not fit here: it builds a default process group (the PS group must not use one), gives every process the same
+role, and cannot signal a process from outside or collect results.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import ast  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import pickle  # noqa: E402
+import queue  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable, Optional  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import lightning_sync.ps as ps  # noqa: E402
+from lightning_sync.ps._layout import ShardLayout  # noqa: E402
+from lightning_sync.ps._protocol import HEADER_BYTES  # noqa: E402
+
+torch.set_num_threads(1)
+
+HOST = "127.0.0.1"
+
+
+# ---------------------------------------------------------------------------------------------------------- harness
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _child(name: str, fn: Callable, args: tuple, results: Any) -> None:
+    torch.set_num_threads(1)
+    try:
+        # plain pickle: the queue's own pickler would pass tensors as shared memory, gone when this process exits
+        results.put((name, "ok", pickle.dumps(fn(*args))))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        results.put((name, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+class _Procs:
+    """Forked processes with named results; every process is killed at the end, stopped ones included."""
+
+    def __init__(self) -> None:
+        self.ctx = mp.get_context("fork")
+        self.results = self.ctx.Queue()
+        self.procs: dict[str, Any] = {}
+        self.received: dict[str, tuple[str, Any]] = {}
+
+    def start(self, name: str, fn: Callable, *args: Any) -> Any:
+        proc = self.ctx.Process(target=_child, args=(name, fn, args, self.results), daemon=True)
+        proc.start()
+        self.procs[name] = proc
+        return proc
+
+    def collect(self, names: list[str], timeout: float) -> dict[str, tuple[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while not set(names) <= set(self.received):
+            try:
+                name, status, value = self.results.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                missing = sorted(set(names) - set(self.received))
+                raise AssertionError(f"no result from {missing} after {timeout} s; got {self.received}") from None
+            self.received[name] = (status, pickle.loads(value) if status == "ok" else value)
+        return {n: self.received[n] for n in names}
+
+    def ok(self, names: list[str], timeout: float) -> dict[str, Any]:
+        """Every named process's return value; fails the test with the tracebacks of those that raised."""
+        out = self.collect(names, timeout)
+        errors = [f"{n}:\n{v}" for n, (s, v) in sorted(out.items()) if s != "ok"]
+        assert not errors, "\n".join(errors)
+        return {n: v for n, (_, v) in out.items()}
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.is_alive():
+                try:
+                    os.kill(proc.pid, signal.SIGCONT)
+                    os.kill(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.join(5)
+
+
+@pytest.fixture
+def procs():
+    p = _Procs()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def _optimizer(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1)
+    first, second = model[0], model[2]
+    return torch.optim.SGD(
+        [{"params": first.parameters(), "lr": 0.1}, {"params": second.parameters(), "lr": 0.03}],
+        lr=0.1,
+        momentum=0.9,
+    )
+
+
+def _backward(model: torch.nn.Module, rank: int, step: int) -> None:
+    """Gradients of worker ``rank``'s batch number ``step`` (deterministic, any process can recompute them)."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
+    for p in model.parameters():
+        p.grad = None
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def _join(rank: int, port: int, num_workers: int, num_servers: int, timeout_s: float, colocated: bool = True):
+    """Worker ``rank``'s store, colocated server thread (if any) and group member."""
+    store = ps.connect_store(HOST, port, is_host=rank == 0, timeout_s=30)
+    server = None
+    if colocated and rank < num_servers:
+        server = ps.start_colocated_server(HOST, port, rank, num_workers, num_servers, timeout_s=timeout_s)
+    group = ps.PSGroup(store, rank, num_workers, num_servers, timeout_s, connect_timeout_s=30)
+    return store, server, group
+
+
+def _client(group: ps.PSGroup, model: torch.nn.Module, opt: torch.optim.Optimizer, **config: Any) -> ps.PSClient:
+    params = list(model.parameters())
+    return ps.PSClient(group, params, ps.optimizer_spec(opt, params), ps.PSConfig(**config))
+
+
+def _server_process(port: int, server: int, num_workers: int, num_servers: int, timeout_s: float) -> dict:
+    """A forked server process: its stats, or (when it fails) the error and when it failed."""
+    try:
+        return {"stats": ps.run_server(HOST, port, server, num_workers, num_servers, timeout_s=timeout_s)}
+    except ps.PSError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "at": time.monotonic()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------------- units
+@pytest.mark.timeout(10)
+def test_shard_by_bytes_is_balanced_deterministic_and_whole():
+    gen = torch.Generator().manual_seed(0)
+    sizes = [int(s) for s in torch.randint(1, 10_000, (40,), generator=gen)]
+    for k in (1, 2, 3, 7):
+        owner = ps.shard_by_bytes(sizes, k)
+        assert owner == ps.shard_by_bytes(list(sizes), k)  # deterministic
+        load = [sum(s for s, o in zip(sizes, owner) if o == i) for i in range(k)]
+        assert sum(load) == sum(sizes) and all(0 <= o < k for o in owner)
+        assert max(load) - min(load) <= max(sizes), (k, load)
+        assert all(ps.shard_indices(owner, i) for i in range(k))  # nobody empty
+    assert ps.shard_by_bytes([400, 300, 200, 100], 2) == [0, 1, 1, 0]  # 500 / 500
+    assert sorted(ps.shard_by_bytes([0, 0, 0], 3)) == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"num_servers=5 exceeds the number of parameter tensors \(4\)"):
+        ps.shard_by_bytes([1, 2, 3, 4], 5)
+    with pytest.raises(ValueError, match="num_servers=0"):
+        ps.shard_by_bytes([1], 0)
+
+
+@pytest.mark.timeout(10)
+def test_settings_are_validated_with_the_field_named():
+    with pytest.raises(ValueError, match=r"compression='powersgd' is not supported by ps .*choose one of none, fp16"):
+        ps.PSConfig(compression="powersgd")
+    with pytest.raises(ValueError, match=r"mode='ring'"):
+        ps.PSConfig(mode="ring")
+    with pytest.raises(ValueError, match=r"max_staleness=-1"):
+        ps.PSConfig(mode="ssp", max_staleness=-1)
+    with pytest.raises(ValueError, match=r"max_updates=0"):
+        ps.PSConfig(max_updates=0)
+    with pytest.raises(ValueError, match=r"topk_density=1.5"):
+        ps.PSConfig(compression="topk", topk_density=1.5)
+    with pytest.raises(ValueError, match=r"slowdown=0.5"):
+        ps.Straggler(0, slow_worker=0, slowdown=0.5)
+    slow, fast = ps.Straggler(2, slow_worker=2, slowdown=3.0), ps.Straggler(1, slow_worker=2, slowdown=3.0)
+    assert slow.delay(0.01) == pytest.approx(0.02) and fast.delay(0.01) == 0.0
+
+
+@pytest.mark.timeout(10)
+def test_optimizer_spec_keeps_groups_and_shard_optimizer_mirrors_them():
+    model = _model()
+    opt = _optimizer(model, "two_groups")
+    params = list(model.parameters())
+    spec = ps.optimizer_spec(opt, params)
+    assert spec.group_of == (0, 0, 1, 1) and spec.optimizer_class == "torch.optim.sgd:SGD"
+    assert ps.OptimizerSpec.from_dict(spec.as_dict()) == spec
+    shard_opt, mirrored = ps.build_shard_optimizer(spec, [params[1], params[3]], [1, 3])
+    assert mirrored == [0, 1]
+    assert [g["lr"] for g in shard_opt.param_groups] == [0.1, 0.03]
+    assert all(g["momentum"] == 0.9 for g in shard_opt.param_groups)
+    with pytest.raises(ValueError, match="holds 2 parameter"):
+        ps.optimizer_spec(opt, params[:2])
+    with pytest.raises(ValueError, match=r"params\[1\] is the same tensor as params\[0\]"):
+        ps.optimizer_spec(opt, [params[0], params[0]])
+
+
+@pytest.mark.timeout(10)
+def test_server_shard_state_dict_round_trip_is_bitwise():
+    model = _model()
+    params = list(model.parameters())
+    spec = ps.optimizer_spec(_optimizer(model, "two_groups"), params)
+    a = ps.ServerShard(params, range(4), spec, num_workers=2)
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(a.layout.numel, generator=gen) for _ in range(4)]
+    for g in grads[:2]:
+        a.apply(g, [0.1, 0.03])
+        a.record(1, 3)
+    b = ps.ServerShard([torch.zeros_like(p) for p in params], range(4), spec, num_workers=2)
+    b.load_state_dict(a.state_dict())
+    assert (b.version, b.clocks, b.staleness_history) == (2, [0, 2], [[], [3, 3]])
+    for g in grads[2:]:
+        a.apply(g, [0.1, 0.03])
+        b.apply(g, [0.1, 0.03])
+    assert torch.equal(a.packed(), b.packed())
+    with pytest.raises(ValueError, match="state holds parameters"):
+        ps.ServerShard(params[:2], range(2), spec, num_workers=2).load_state_dict(a.state_dict())
+
+
+@pytest.mark.timeout(10)
+def test_codec_sizes_and_topk_error_feedback():
+    layout = ShardLayout([(30, 10), (10,)], [torch.float32, torch.float32])
+    gen = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(30, 10, generator=gen), torch.randn(10, generator=gen)] for _ in range(3)]
+    for name, nbytes in (("none", 310 * 4), ("fp16", 310 * 2), ("bf16", 310 * 2), ("topk", 31 * 8)):
+        codec = ps.GradientCodec(name, topk_density=0.1)
+        payload = codec.encode(0, layout, grads[0])
+        assert payload.dtype == torch.uint8 and payload.numel() == nbytes == codec.payload_nbytes(layout), name
+        decoded = codec.decode(payload, layout)
+        exact = layout.flat_fp32(grads[0])
+        tolerance = {"none": 0.0, "fp16": 1e-3, "bf16": 1e-2}.get(name)
+        if tolerance is not None:
+            assert torch.allclose(decoded, exact, atol=tolerance, rtol=tolerance), name
+    codec = ps.GradientCodec("topk", topk_density=0.1)
+    sent = torch.zeros(310)
+    for g in grads:
+        decoded = codec.decode(codec.encode(3, layout, g), layout)
+        assert (decoded != 0).sum() <= 31
+        sent += decoded
+    total = sum(layout.flat_fp32(g) for g in grads)
+    # error feedback: what was sent plus what is kept adds up to every gradient pushed
+    assert torch.allclose(sent + codec.residuals[3], total, atol=1e-5)
+    restored = ps.GradientCodec("topk", topk_density=0.1)
+    restored.load_state_dict(codec.state_dict())
+    assert torch.equal(restored.residuals[3], codec.residuals[3])
+    without = ps.GradientCodec("topk", topk_density=0.1, error_feedback=False)
+    without.encode(0, layout, grads[0])
+    assert not without.residuals
+
+
+@pytest.mark.timeout(10)
+def test_ps_package_imports_no_lightning():
+    root = Path(ps.__file__).parent
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            for name in names:
+                assert name.split(".")[0] not in ("lightning", "pytorch_lightning"), (path.name, name)
+                assert not name.startswith(("lightning_sync.config", "lightning_sync.strategies")), (path.name, name)
+
+
+# ---------------------------------------------------------------------------------------------------------- sync
+def _sync_worker(rank: int, port: int, opt_kind: str, steps: int, config: dict) -> dict:
+    _, server, group = _join(rank, port, 2, 2, timeout_s=10)
+    model = _model()
+    opt = _optimizer(model, opt_kind)
+    client = _client(group, model, opt, mode="sync", **config)
+    if rank == 0:
+        client.init_servers()
+    client.pull()
+    replies = []
+    for step in range(steps):
+        _schedule(opt, step)
+        _backward(model, rank, step)
+        replies.append(client.push(ps.current_lrs(opt)))
+        assert replies[-1].versions == (step + 1, step + 1) and replies[-1].staleness == (0, 0)
+    client.close()
+    if server is not None:
+        server.join(10)
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "recv": [r.server_bytes_recv for r in replies],
+        "push_nbytes": [client.push_nbytes(i) for i in range(2)],
+        "shard_nbytes": client.shard_nbytes,
+    }
+
+
+def _schedule(opt: torch.optim.Optimizer, step: int) -> None:
+    """A learning-rate schedule run on the worker: halve every lr at step 2."""
+    if step == 2:
+        for group in opt.param_groups:
+            group["lr"] *= 0.5
+
+
+def _reference(opt_kind: str, steps: int, num_workers: int = 2) -> list[torch.Tensor]:
+    """One process: average the workers' gradients (worker order, fp32), one optimizer step, as DDP does."""
+    model = _model()
+    opt = _optimizer(model, opt_kind)
+    for step in range(steps):
+        _schedule(opt, step)
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        for rank in range(num_workers):
+            _backward(model, rank, step)
+            for t, p in zip(total, model.parameters()):
+                t.add_(p.grad)
+        for t, p in zip(total, model.parameters()):
+            p.grad = t.div_(num_workers)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("opt_kind", ["sgd", "two_groups"])
+def test_sync_equals_averaged_gradient_step(procs, opt_kind):
+    port, steps = _free_port(), 5
+    for rank in range(2):
+        procs.start(f"worker{rank}", _sync_worker, rank, port, opt_kind, steps, {})
+    out = procs.ok(["worker0", "worker1"], timeout=30)
+    expected = _reference(opt_kind, steps)
+    for rank in range(2):
+        got = out[f"worker{rank}"]["params"]
+        assert all(torch.allclose(g, e, atol=1e-6, rtol=0) for g, e in zip(got, expected)), (rank, got, expected)
+    assert all(torch.equal(a, b) for a, b in zip(out["worker0"]["params"], out["worker1"]["params"]))
+    assert not all(torch.equal(a, b) for a, b in zip(expected, _model().parameters()))  # it did train
+
+
+@pytest.mark.timeout(40)
+def test_sync_ingress_per_step_is_workers_times_shard_bytes(procs):
+    totals = {}
+    for compression in ("none", "topk"):
+        port = _free_port()
+        config = {"compression": compression, "topk_density": 0.1}
+        for rank in range(2):
+            procs.start(f"{compression}{rank}", _sync_worker, rank, port, "sgd", 4, config)
+        out = procs.ok([f"{compression}0", f"{compression}1"], timeout=30)[f"{compression}0"]
+        model_bytes = sum(p.numel() * p.element_size() for p in _model().parameters())
+        assert sum(out["shard_nbytes"]) == model_bytes
+        for server in range(2):
+            recv = [r[server] for r in out["recv"]]
+            per_step = {b - a for a, b in zip(recv, recv[1:])}
+            # between two replies a server got exactly one push (header + lr + gradient) from each of the 2 workers
+            assert per_step == {2 * out["push_nbytes"][server]}, (compression, server, recv)
+            if compression == "none":
+                gradient = out["push_nbytes"][server] - HEADER_BYTES - 8
+                assert gradient == out["shard_nbytes"][server]
+                assert abs(gradient - model_bytes / 2) <= 5 * 6 * 4  # about half each (largest tensor: 5 x 6)
+        totals[compression] = sum(n - HEADER_BYTES - 8 for n in out["push_nbytes"])  # gradient bytes per push
+    assert totals["none"] == sum(p.numel() * 4 for p in _model().parameters())
+    assert totals["topk"] < totals["none"] / 2, totals
+
+
+# ---------------------------------------------------------------------------------------------------------- async/ssp
+def _straggling_worker(rank: int, port: int, mode: str, max_staleness: int, steps: int, step_s: float) -> dict:
+    _, server, group = _join(rank, port, 3, 1, timeout_s=10)
+    model = _model()
+    opt = _optimizer(model, "sgd")
+    client = _client(group, model, opt, mode=mode, max_staleness=max_staleness)
+    straggler = ps.Straggler(rank, slow_worker=2, slowdown=3.0)
+    if rank == 0:
+        client.init_servers()
+    client.pull()
+    log = []
+    for step in range(steps):
+        straggler.step_start()
+        _backward(model, rank, step)
+        time.sleep(step_s)  # the "compute" of a step
+        straggler.step_end()
+        sent = time.monotonic()
+        reply = client.push(ps.current_lrs(opt))
+        log.append({"sent": sent, "replied": time.monotonic(), "reply": reply})
+    stats = client.server_stats(history=True)[0] if rank == 0 else None
+    client.close()
+    if server is not None:
+        server.join(10)
+    return {"log": log, "stats": stats}
+
+
+@pytest.mark.timeout(40)
+def test_async_records_staleness_and_the_straggler_is_stalest(procs):
+    port, steps = _free_port(), 8
+    for rank in range(3):
+        procs.start(f"worker{rank}", _straggling_worker, rank, port, "async", 0, steps, 0.02)
+    out = procs.ok([f"worker{r}" for r in range(3)], timeout=30)
+    # worker 0 asked for the stats when it finished; the others may still have been pushing then
+    history = out["worker0"]["stats"]["staleness_history"]
+    assert len(history[0]) == steps and all(len(h) <= steps for h in history)
+    straggler = [e["reply"].staleness[0] for e in out["worker2"]["log"]]
+    fast = [e["reply"].staleness[0] for r in (0, 1) for e in out[f"worker{r}"]["log"]]
+    assert all(s >= 0 for s in straggler + fast)
+    assert history[2] == straggler[: len(history[2])]  # the reply carries what the server recorded
+    assert max(straggler) >= 2 and sum(straggler) / len(straggler) > sum(fast) / len(fast), (straggler, fast)
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("max_staleness", [0, 2])
+def test_ssp_never_lets_a_worker_run_more_than_s_ahead(procs, max_staleness):
+    port, steps = _free_port(), 8
+    for rank in range(3):
+        procs.start(f"worker{rank}", _straggling_worker, rank, port, "ssp", max_staleness, steps, 0.02)
+    out = procs.ok([f"worker{r}" for r in range(3)], timeout=30)
+    straggler_sent = [e["sent"] for e in out["worker2"]["log"]]
+    for rank in range(3):
+        for n, entry in enumerate(out[f"worker{rank}"]["log"], start=1):
+            reply = entry["reply"]
+            assert reply.clocks[0] == n and reply.clocks[0] - reply.min_clocks[0] <= max_staleness, (rank, n, reply)
+            # the n-th reply only came once the straggler had sent its (n - s)-th push
+            assert sum(t < entry["replied"] for t in straggler_sent) >= n - max_staleness, (rank, n)
+    if max_staleness == 0:  # lockstep: one round of pushes per version step of 3
+        assert all(e["reply"].version % 3 == 0 for r in range(3) for e in out[f"worker{r}"]["log"])
+
+
+# ---------------------------------------------------------------------------------------------------------- stop
+def _stopping_worker(rank: int, port: int, mode: str, max_updates: Optional[int], stop_after: Optional[int]) -> dict:
+    _, server, group = _join(rank, port, 2, 1, timeout_s=10)
+    model = _model()
+    opt = _optimizer(model, "sgd")
+    client = _client(group, model, opt, mode=mode, max_updates=max_updates)
+    if rank == 0:
+        client.init_servers()
+    client.pull()
+    pushes, reply = 0, None
+    for step in range(100):
+        if stop_after is not None and rank == 1 and step == stop_after:
+            reply = client.request_stop()
+            break
+        _backward(model, rank, step)
+        reply = client.push(ps.current_lrs(opt))
+        pushes += reply.applied
+        if reply.stop:
+            break
+    stats = client.server_stats()[0]
+    client.close()
+    if server is not None:
+        server.join(10)
+    return {"pushes": pushes, "stop": reply.stop, "reason": reply.stop_reason, "version": stats["version"]}
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize(
+    "mode, max_updates, stop_after, reason",
+    [("async", 9, None, "max_updates=9 reached"), ("sync", 4, None, "max_updates=4 reached"),
+     ("sync", None, 3, "worker 1 requested stop")],
+)  # fmt: skip
+def test_stop_reaches_every_worker(procs, mode, max_updates, stop_after, reason):
+    port = _free_port()
+    for rank in range(2):
+        procs.start(f"worker{rank}", _stopping_worker, rank, port, mode, max_updates, stop_after)
+    out = procs.ok(["worker0", "worker1"], timeout=30)
+    assert all(out[w]["stop"] and out[w]["reason"] == reason for w in out), out
+    version = out["worker0"]["version"]
+    assert version == (max_updates if max_updates else stop_after)
+    applied = out["worker0"]["pushes"] + out["worker1"]["pushes"]
+    assert applied == (version if mode == "async" else 2 * version), out
+
+
+def _mismatched_worker(rank: int, port: int) -> dict:
+    _, server, group = _join(rank, port, 2, 1, timeout_s=10)
+    model = _model()
+    opt = _optimizer(model, "sgd")
+    client = _client(group, model, opt, mode="sync" if rank == 0 else "async")
+    if rank == 0:
+        client.init_servers()
+    out: dict[str, Any] = {}
+    try:
+        client.pull()
+        for step in range(2):  # worker 1 left: the sync rounds go on with worker 0 alone
+            _backward(model, rank, step)
+            out["version"] = client.push(ps.current_lrs(opt)).version
+    except ps.PSServerError as exc:
+        out["error"] = str(exc)
+    client.close()
+    if server is not None:
+        server.join(10)
+    return out
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_with_other_settings_is_refused(procs):
+    port = _free_port()
+    for rank in range(2):
+        procs.start(f"worker{rank}", _mismatched_worker, rank, port)
+    out = procs.ok(["worker0", "worker1"], timeout=20)
+    assert out["worker0"] == {"version": 2}, out
+    assert "server 0 (ps rank 2) refused the PULL" in out["worker1"]["error"], out
+    assert "worker 1's ps settings" in out["worker1"]["error"], out
+
+
+# ---------------------------------------------------------------------------------------------------------- resume
+def _resuming_worker(rank: int, port: int, first: int, steps: int, states: Optional[dict], save: bool) -> dict:
+    _, server, group = _join(rank, port, 2, 2, timeout_s=10)
+    model = _model()
+    opt = _optimizer(model, "two_groups")
+    client = _client(group, model, opt, mode="sync", compression="topk", topk_density=0.3)
+    if states is not None:
+        client.load_state_dict(states["clients"][rank])
+    if rank == 0:
+        client.init_servers(None if states is None else states["servers"])
+    client.pull()
+    for step in range(first, first + steps):
+        _backward(model, rank, step)
+        reply = client.push(ps.current_lrs(opt))
+    out = {"params": [p.detach().clone() for p in model.parameters()], "client": client.state_dict()}
+    out["version"] = reply.version
+    if save and rank == 0:
+        out["servers"] = client.server_states()
+    client.close()
+    if server is not None:
+        server.join(10)
+    return out
+
+
+@pytest.mark.timeout(40)
+def test_sync_checkpoint_over_the_transport_resumes_bitwise(procs):
+    def run(tag: str, first: int, steps: int, states: Optional[dict], save: bool) -> dict:
+        port = _free_port()
+        for rank in range(2):
+            procs.start(f"{tag}{rank}", _resuming_worker, rank, port, first, steps, states, save)
+        return procs.ok([f"{tag}0", f"{tag}1"], timeout=30)
+
+    straight = run("straight", 0, 6, None, False)
+    half = run("half", 0, 3, None, True)
+    states = {"servers": half["half0"]["servers"], "clients": [half[f"half{r}"]["client"] for r in range(2)]}
+    assert [s["version"] for s in states["servers"]] == [3, 3] and states["clients"][0]["codec"]["residuals"]
+    resumed = run("resumed", 3, 3, states, False)
+    assert resumed["resumed0"]["version"] == 6
+    for rank in range(2):
+        a, b = straight[f"straight{rank}"]["params"], resumed[f"resumed{rank}"]["params"]
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), rank
+
+
+# ---------------------------------------------------------------------------------------------------------- failures
+def _victim_worker(rank: int, port: int, mode: str, how: int, signalled: Any) -> dict:
+    store = ps.connect_store(HOST, port, is_host=rank == 0, timeout_s=30)
+    group = ps.PSGroup(store, rank, 2, 1, 2.0, connect_timeout_s=30)
+    model = _model()
+    opt = _optimizer(model, "sgd")
+    client = _client(group, model, opt, mode=mode)
+    if rank == 0:
+        client.init_servers()
+    client.pull()
+    try:
+        for step in range(400):
+            if rank == 1 and step == 3:
+                signalled.value = time.monotonic()
+                os.kill(os.getpid(), how)
+            _backward(model, rank, step)
+            client.push(ps.current_lrs(opt))
+            time.sleep(0.03)
+    except ps.PSError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"error": None}
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize(
+    "mode, how", [("sync", signal.SIGSTOP), ("async", signal.SIGKILL)], ids=["sync-SIGSTOP", "async-SIGKILL"]
+)
+def test_lost_worker_makes_the_server_exit_naming_it(procs, mode, how):
+    port, timeout_s = _free_port(), 2.0
+    signalled = procs.ctx.Value("d", 0.0)
+    procs.start("server", _server_process, port, 0, 2, 1, timeout_s)
+    for rank in range(2):
+        procs.start(f"worker{rank}", _victim_worker, rank, port, mode, how, signalled)
+    server = procs.ok(["server"], timeout=20)["server"]
+    assert "error" in server, server
+    assert "worker 1 (ps rank 1) sent nothing" in server["error"] and "PSTimeoutError" in server["error"], server
+    assert "worker 0 (ps rank 0)" not in server["error"], server
+    assert server["at"] - signalled.value <= timeout_s + 3.0, server["at"] - signalled.value
+    survivor = procs.ok(["worker0"], timeout=10)["worker0"]
+    assert survivor["error"] and "server 0 (ps rank 2)" in survivor["error"], survivor
+
+
+def _worker_of_lost_server(rank: int, port: int, pushes: Any) -> dict:
+    store = ps.connect_store(HOST, port, is_host=rank == 0, timeout_s=30)
+    group = ps.PSGroup(store, rank, 2, 2, 2.0, connect_timeout_s=30)
+    model = _model()
+    opt = _optimizer(model, "sgd")
+    client = _client(group, model, opt, mode="sync")
+    if rank == 0:
+        client.init_servers()
+    client.pull()
+    try:
+        for step in range(400):
+            _backward(model, rank, step)
+            client.push(ps.current_lrs(opt))
+            with pushes.get_lock():
+                pushes.value += 1
+            time.sleep(0.03)
+    except ps.PSError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "at": time.monotonic()}
+    return {"error": None}
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("how", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
+def test_lost_server_makes_workers_raise_naming_it(procs, how):
+    port, timeout_s = _free_port(), 2.0
+    pushes = procs.ctx.Value("i", 0)
+    for server in range(2):
+        procs.start(f"server{server}", _server_process, port, server, 2, 2, timeout_s)
+    for rank in range(2):
+        procs.start(f"worker{rank}", _worker_of_lost_server, rank, port, pushes)
+    deadline = time.monotonic() + 20
+    while pushes.value < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pushes.value >= 6
+    os.kill(procs.procs["server1"].pid, how)
+    signalled = time.monotonic()
+    out = procs.ok(["worker0", "worker1"], timeout=timeout_s + 10)
+    expected = "PSTimeoutError" if how == signal.SIGSTOP else "PSPeerLostError"
+    for rank in range(2):
+        result = out[f"worker{rank}"]
+        assert result["error"] and "server 1 (ps rank 3)" in result["error"] and expected in result["error"], result
+        assert result["at"] - signalled <= timeout_s + 3.0, result["at"] - signalled
+
+
+# ---------------------------------------------------------------------------------------------------------- placement
+def _dedicated_worker(rank: int, port: int) -> dict:
+    store = ps.connect_store(HOST, port, is_host=rank == 0, timeout_s=60)
+    servers = ps.start_server_processes(HOST, port, 2, 2, timeout_s=20) if rank == 0 else None
+    group = ps.PSGroup(store, rank, 2, 2, 20.0, connect_timeout_s=60)
+    model = _model()
+    opt = _optimizer(model, "sgd")
+    client = _client(group, model, opt, mode="sync")
+    if rank == 0:
+        client.init_servers()
+    client.pull()
+    for step in range(3):
+        _backward(model, rank, step)
+        reply = client.push(ps.current_lrs(opt))
+    client.close()
+    out = {"version": reply.version}
+    if servers is not None:
+        out["codes"] = servers.wait(timeout_s=20)
+        out["pids"] = servers.pids
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_dedicated_server_processes_exit_after_the_workers_finish(procs):
+    port = _free_port()
+    for rank in range(2):
+        procs.start(f"worker{rank}", _dedicated_worker, rank, port)
+    out = procs.ok(["worker0", "worker1"], timeout=50)
+    assert out["worker0"]["version"] == out["worker1"]["version"] == 3
+    assert out["worker0"]["codes"] == [0, 0]
+    assert not any(_alive(pid) for pid in out["worker0"]["pids"])
+
+
+def _parent_of_servers(port: int, pids: Any) -> None:
+    store = ps.connect_store(HOST, port, is_host=True, timeout_s=60)
+    servers = ps.start_server_processes(HOST, port, 1, 1, timeout_s=30)
+    ps.PSGroup(store, 0, 1, 1, 30.0, connect_timeout_s=60)  # returns once the server has joined
+    pids.put(servers.pids)
+    time.sleep(60)
+
+
+@pytest.mark.timeout(60)
+def test_dedicated_server_processes_die_with_their_parent(procs):
+    port = _free_port()
+    pids = procs.ctx.Queue()
+    parent = procs.start("parent", _parent_of_servers, port, pids)
+    server_pids = pids.get(timeout=45)
+    assert all(_alive(pid) for pid in server_pids)
+    os.kill(parent.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in server_pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in server_pids), "a server outlived its parent"

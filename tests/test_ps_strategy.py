@@ -1,0 +1,183 @@
+"""ParameterServerStrategy end to end: 2 forked worker ranks of a real Trainer, servers started by the strategy.
+
+Assertions about the replicas run inside the ranks (a failing assert on rank 1 fails the fit); final weights come
+back from rank 0 for comparison with Lightning's DDP.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_sync import ConfigError, ParameterServerStrategy
+from lightning_sync.data import DigitsDataModule
+from lightning_sync.models import DigitsClassifier
+from lightning_utils import WORLD, make_trainer
+
+TIMEOUT = pytest.mark.timeout(180)
+
+
+def _ps(**kwargs: Any) -> ParameterServerStrategy:
+    return ParameterServerStrategy(start_method="fork", timeout_s=30, **kwargs)
+
+
+class TwoGroups(DigitsClassifier):
+    """The digits classifier with two param groups of different learning rates (first layer slower)."""
+
+    def configure_optimizers(self):
+        first = list(self.net[0].parameters())
+        rest = [p for p in self.parameters() if all(p is not q for q in first)]
+        return torch.optim.SGD([{"params": first, "lr": 0.02}, {"params": rest}], lr=0.1, momentum=0.9)
+
+
+class _Record(pl.Callback):
+    """In every rank at the end of fit: replicas identical; rank 0 writes what the strategy saw to a JSON file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.staleness: list[float] = []
+        self.ingress: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        metrics = trainer.callback_metrics
+        if "ps/staleness" in metrics:
+            self.staleness.append(float(metrics["ps/staleness"]))
+        self.ingress.append({k: float(v) for k, v in metrics.items() if k.endswith("_ingress_per_update")})
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+        rows = trainer.strategy.all_gather(flat)
+        assert torch.equal(rows[0], rows[1]), "workers hold different parameters after fit"
+        strategy = trainer.strategy
+        steps = trainer.strategy.all_gather(torch.tensor(trainer.global_step))
+        if trainer.is_global_zero and isinstance(strategy, ParameterServerStrategy):
+            record = {
+                "version": strategy.last_reply.version,
+                "steps": steps.tolist(),
+                "staleness": self.staleness,
+                "ingress": self.ingress,
+                "shard_bytes": strategy.client.shard_nbytes,
+                "push_bytes": [strategy.client.push_nbytes(i) for i in range(strategy.config.num_servers)],
+            }
+            self.path.write_text(json.dumps(record))
+
+
+def _fit(strategy: Any, tmp_path: Path, model: type[pl.LightningModule] = DigitsClassifier, **kwargs: Any):
+    pl.seed_everything(0, verbose=False)
+    module = model()
+    out = tmp_path / f"{id(strategy)}.json"
+    trainer = make_trainer(strategy, callbacks=[_Record(out)], **kwargs)
+    trainer.fit(module, datamodule=DigitsDataModule(batch_size=32))
+    return module, (json.loads(out.read_text()) if out.is_file() else None)
+
+
+def _max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@TIMEOUT
+@pytest.mark.parametrize("model", [DigitsClassifier, TwoGroups], ids=["one_group", "two_groups"])
+def test_sync_equals_ddp(tmp_path, model):
+    """Sync mode: the server averages both workers' gradients and steps once = DDP (momentum SGD, 1 or 2 groups)."""
+    ddp, _ = _fit("ddp_fork", tmp_path, model, max_steps=25)
+    ours, rec = _fit(_ps(), tmp_path, model, max_steps=25)
+    assert _max_diff(ours, ddp) <= 1e-6
+    assert rec["version"] == 25 and rec["steps"] == [25, 25]
+
+
+@TIMEOUT
+def test_sync_ingress_is_workers_times_model_bytes_and_splits_over_two_servers(tmp_path):
+    _, one = _fit(_ps(), tmp_path, max_steps=6)
+    model_bytes = sum(p.numel() * 4 for p in DigitsClassifier().parameters())
+    (per_update,) = one["ingress"][-1].values()
+    assert 0 <= per_update - WORLD * model_bytes < WORLD * 256  # W gradients, plus headers and learning rates
+    _, two = _fit(_ps(num_servers=2), tmp_path, max_steps=6)
+    ingress = list(two["ingress"][-1].values())
+    assert len(ingress) == 2 and 0 <= sum(ingress) - WORLD * model_bytes < WORLD * 2 * 256
+    assert 0.35 < ingress[0] / sum(ingress) < 0.65, ingress  # balanced by bytes
+
+
+@TIMEOUT
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_async_and_ssp_end_at_the_server_version(tmp_path, mode):
+    """max_steps counts server updates; a slowed worker does fewer of them, and staleness is logged."""
+    extra = {"max_staleness": 2} if mode == "ssp" else {}
+    _, rec = _fit(_ps(mode=mode, slow_worker=1, slowdown=3.0, **extra), tmp_path, max_steps=40)
+    assert rec["version"] == 40
+    fast, slow = rec["steps"]
+    assert fast + slow >= 40, rec["steps"]
+    assert rec["staleness"] and max(rec["staleness"]) >= 1
+    if mode == "async":
+        assert fast > 1.5 * slow, rec["steps"]  # the straggler does not set the pace
+    else:
+        assert abs(fast - slow) <= 2 + 1, rec["steps"]  # the bound, plus a push refused after the stop
+
+
+@TIMEOUT
+def test_colocated_placement_trains_like_dedicated(tmp_path):
+    dedicated, _ = _fit(_ps(num_servers=2), tmp_path, max_steps=10)
+    colocated, rec = _fit(_ps(num_servers=2, placement="colocated"), tmp_path, max_steps=10)
+    assert rec["version"] == 10
+    assert _max_diff(dedicated, colocated) == 0.0
+
+
+@TIMEOUT
+def test_sync_resume_from_checkpoint_is_exact(tmp_path):
+    """1 epoch + checkpoint, resumed for a 2nd: the servers' parameters, optimizer state and version come back."""
+    ckpt = tmp_path / "epoch0.ckpt"
+
+    class Save(pl.Callback):
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            trainer.save_checkpoint(ckpt)
+
+    common = dict(limit_train_batches=8)
+    straight, _ = _fit(_ps(), tmp_path, max_epochs=2, **common)
+    pl.seed_everything(0, verbose=False)
+    first = make_trainer(_ps(), max_epochs=1, callbacks=[Save()], **common)
+    first.fit(DigitsClassifier(), datamodule=DigitsDataModule(32))
+    pl.seed_everything(0, verbose=False)
+    resumed = DigitsClassifier()
+    trainer = make_trainer(_ps(), max_epochs=2, **common)
+    trainer.fit(resumed, datamodule=DigitsDataModule(32), ckpt_path=str(ckpt))
+    assert _max_diff(straight, resumed) == 0.0
+    saved = torch.load(ckpt, weights_only=False)["lightning_sync"]["ranks"][0]["servers"]
+    assert saved[0]["version"] == 8
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"num_servers": 0}, r"strategy\.num_servers=0 is not allowed; it must be >= 1"),
+        ({"mode": "ssp", "max_staleness": -1}, r"strategy\.max_staleness=-1 is not allowed; it must be >= 0"),
+        ({"mode": "hogwild"}, r"strategy\.mode='hogwild' is not allowed; choose one of: sync, async, ssp"),
+        ({"placement": "cloud"}, r"strategy\.placement='cloud' is not allowed; choose one of: dedicated, colocated"),
+        ({"compression": "powersgd"}, r"strategy\.compression='powersgd' is not supported by ps"),
+        ({"max_staleness": 3}, r"strategy\.max_staleness=3 is not allowed with mode='sync'"),
+        ({"slowdown": 0.5}, r"strategy\.slowdown=0\.5 is not allowed"),
+    ],
+)
+def test_bad_input_is_a_config_error_at_construction(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ParameterServerStrategy(**kwargs)
+
+
+def test_more_colocated_servers_than_ranks_fails_before_launch():
+    with pytest.raises(ConfigError, match=r"strategy\.num_servers=3 is not allowed with placement='colocated' and 2"):
+        make_trainer(_ps(num_servers=3, placement="colocated"))
+
+
+@TIMEOUT
+def test_manual_optimization_gets_a_clear_error(tmp_path):
+    class Manual(DigitsClassifier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(Exception, match="does not support manual optimization"):
+        _fit(_ps(), tmp_path, Manual, max_steps=2)
