@@ -23,6 +23,7 @@ from lightning_sync.errors import ConfigError, check_choice, check_range
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 PERIODIC_MODES = ("gradient", "local_sgd", "diloco")
+ON_MISMATCH = ("raise", "warn", "resync")
 
 _C = TypeVar("_C", bound="StrategyConfig")
 
@@ -38,12 +39,19 @@ class StrategyConfig:
     timeout_s: float = 600.0
     """Seconds any collective may wait before the process group gives up (no wait is unbounded)."""
     check_consistency_every: int = 0
-    """Every this many optimizer steps, check that all replicas hold identical parameters (0: never)."""
+    """Every this many optimizer steps, check that all replicas hold identical parameters, buffers and the optimizer
+    state the mode keeps replicated (``periodic`` local steps: what was just synced; 0: never). A mismatch names
+    the tensors, the ranks that differ from rank 0 and the largest difference."""
+    on_mismatch: str = "raise"
+    """What a failed replica check does: ``raise`` a ``ReplicaMismatchError``; ``warn``: log a warning on rank 0
+    and go on; ``resync``: make the tensors that differ identical again (rank 0's values; ``ps``: the parameters
+    are pulled from the servers) and log what was fixed."""
 
     def __post_init__(self) -> None:
         check_choice("start_method", self.start_method, START_METHODS)
         check_range("timeout_s", self.timeout_s, low=0, low_open=True)
         check_range("check_consistency_every", self.check_consistency_every, low=0, integer=True)
+        check_choice("on_mismatch", self.on_mismatch, ON_MISMATCH)
 
     @classmethod
     def with_knobs(cls: type[_C], config: _C | None, knobs: dict[str, Any]) -> _C:

@@ -1,23 +1,101 @@
-"""Replica-consistency checks: do all ranks hold the same parameters?
+"""Replica-consistency checks: do all ranks hold the same parameters, buffers and optimizer state?
 
-Each rank reduces its tensors to a short float64 fingerprint (a plain sum, a sum of squares, and a sum weighted by a
-fixed pseudo-random pattern that depends on position), the fingerprints are all-gathered, and their spread is the
-largest difference from rank 0's. Identical replicas give exactly 0.0; a one-ulp difference in any element moves
-the weighted sum. The check sends a few dozen bytes, so it is cheap enough to run every step, and it goes around
-the communication meter: it is a debugging aid, not part of a sync mode's traffic.
+The cheap path runs at every check: each rank reduces each named tensor to a short float64 fingerprint (its size, a
+plain sum, a sum of squares, and a sum weighted by a fixed pseudo-random pattern that depends on position), and one
+all-gather carries every tensor's fingerprint. Identical replicas give identical fingerprints; a one-ulp difference
+in any element moves the weighted sum. Only when some tensor's fingerprints differ from rank 0's are those tensors
+(and only those) looked at closely: rank 0 broadcasts them, every rank measures its largest absolute difference,
+and one more all-gather says which ranks differ and by how much. Rank 0's copy is then at hand on every rank, so
+``resync`` costs nothing more. The check goes around the communication meter: it is a debugging aid, not part of a
+sync mode's traffic.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed import ProcessGroup
+
+ON_MISMATCH = ("raise", "warn", "resync")
+log = logging.getLogger(__name__)
 
 
 class ReplicaMismatchError(RuntimeError):
     """Raised when replicas that should be identical are not."""
+
+
+@dataclass(frozen=True)
+class TensorMismatch:
+    """One tensor that differs between replicas.
+
+    Attributes:
+        name: the tensor's name, e.g. ``net.2.weight`` or ``optimizer[0].state[net.2.weight].momentum_buffer``.
+        ranks: the ranks (of the group) whose copy differs from rank 0's.
+        max_abs_diff: the largest absolute difference of any element from rank 0's copy, over those ranks (``nan``
+            when one side has a NaN where the other has a number).
+    """
+
+    name: str
+    ranks: tuple[int, ...]
+    max_abs_diff: float
+
+    def __str__(self) -> str:
+        return f"{self.name} (ranks {list(self.ranks)}, max |diff| {self.max_abs_diff:.1e})"
+
+
+def describe(mismatches: Sequence[TensorMismatch], steps: int, limit: int = 8) -> str:
+    """One line naming the tensors that differ (the first ``limit``), e.g. ``replicas differ after 12 sync steps:
+    net.2.weight (ranks [1], max |diff| 3.1e-02)``."""
+    shown = ", ".join(str(m) for m in mismatches[:limit])
+    more = f", and {len(mismatches) - limit} more tensors" if len(mismatches) > limit else ""
+    return f"replicas differ after {steps} sync steps: {shown}{more}"
+
+
+# ------------------------------------------------------------------------------------------------ names
+def named_replicated_state(
+    module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (), only: Optional[Iterable[torch.Tensor]] = None
+) -> dict[str, torch.Tensor]:
+    """The floating tensors that a replica holds, by name: parameters, buffers and optimizer state.
+
+    Args:
+        module: names the parameters and buffers (``named_parameters()``, ``named_buffers()``).
+        optimizers: their floating per-parameter state (momentum, Adam moments, ...) is named
+            ``optimizer[i].state[<parameter name>].<key>``; a parameter the module does not name is left out.
+        only: keep just these tensors (matched by identity); ``None``: all of them.
+    """
+    named = {n: t for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_floating_point()}
+    for i, optimizer in enumerate(optimizers):
+        for param_name, param in module.named_parameters():  # module order: the same on every rank
+            state = optimizer.state.get(param, {})
+            for key in sorted(state, key=str):
+                if torch.is_tensor(state[key]) and state[key].is_floating_point():
+                    named[f"optimizer[{i}].state[{param_name}].{key}"] = state[key]
+    if only is not None:
+        keep = {id(t) for t in only}
+        named = {n: t for n, t in named.items() if id(t) in keep}
+    return named
+
+
+# ------------------------------------------------------------------------------------------------ fingerprints
+def _fingerprint(tensor: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Sum, sum of squares and position-weighted sum of ``tensor``'s elements (numbered from ``offset``), float64."""
+    flat = tensor.detach().reshape(-1).to(torch.float64)
+    # A cheap position-dependent weight in [1, 2): catches swapped or shifted entries that a sum would miss.
+    idx = torch.arange(offset, offset + flat.numel(), dtype=torch.float64)
+    weights = 1.0 + torch.frac(idx * 0.6180339887498949)
+    return torch.stack([flat.sum(), (flat * flat).sum(), (flat * weights).sum()])
+
+
+def tensor_fingerprints(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A ``(len(tensors), 4)`` float64 matrix: each tensor's size, sum, sum of squares and weighted sum."""
+    rows = [torch.cat([torch.tensor([float(t.numel())], dtype=torch.float64), _fingerprint(t)]) for t in tensors]
+    return torch.stack(rows) if rows else torch.zeros(0, 4, dtype=torch.float64)
 
 
 def replica_fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -25,20 +103,129 @@ def replica_fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     total = torch.zeros(3, dtype=torch.float64)
     offset = 0
     for t in tensors:
-        flat = t.detach().reshape(-1).to(torch.float64)
-        # A cheap position-dependent weight in [1, 2): catches swapped or shifted entries that a sum would miss.
-        idx = torch.arange(offset, offset + flat.numel(), dtype=torch.float64)
-        weights = 1.0 + torch.frac(idx * 0.6180339887498949)
-        total += torch.stack([flat.sum(), (flat * flat).sum(), (flat * weights).sum()])
-        offset += flat.numel()
+        total += _fingerprint(t, offset)
+        offset += t.numel()
     return total
+
+
+def _gather(mine: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
+    """Every rank's ``mine``, stacked in rank order."""
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    return torch.stack(gathered)
+
+
+def _differs(values: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Elementwise ``values != reference``, with NaN equal to NaN (a NaN held by every replica is consistent)."""
+    return (values != reference) & ~(values.isnan() & reference.isnan())
 
 
 def replica_fingerprint_spread(tensors: Iterable[torch.Tensor], group: Optional[ProcessGroup] = None) -> float:
     """Largest absolute difference between any rank's fingerprint and rank 0's (0.0: identical replicas)."""
-    mine = replica_fingerprint(tensors)
-    world = dist.get_world_size(group)
-    gathered = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    stacked = torch.stack(gathered)
+    stacked = _gather(replica_fingerprint(tensors), group)
     return float((stacked - stacked[0]).abs().max())
+
+
+# ------------------------------------------------------------------------------------------------ the check
+def find_mismatches(
+    named: Mapping[str, torch.Tensor],
+    group: Optional[ProcessGroup] = None,
+    atol: float = 0.0,
+    resync: bool = False,
+) -> list[TensorMismatch]:
+    """Compares every rank's ``named`` tensors with rank 0's (call on every rank, with the same names in order).
+
+    One all-gather of per-tensor fingerprints; only if some differ, a broadcast of rank 0's copies of those and an
+    all-gather of each rank's largest difference. The result is the same on every rank.
+
+    Args:
+        named: ``{name: tensor}``; every rank must pass the same names, in the same order.
+        group: the process group (default: the world).
+        atol: a tensor differs when some element is more than ``atol`` from rank 0's.
+        resync: copy rank 0's values into the tensors that differ, in place (on every rank).
+
+    Returns:
+        The tensors that differ, in the order of ``named`` (empty: the replicas agree).
+    """
+    names, tensors = list(named), list(named.values())
+    if not tensors or dist.get_world_size(group) == 1:
+        return []
+    prints = _gather(tensor_fingerprints(tensors), group)  # (world, tensors, 4)
+    suspects = [i for i in range(len(tensors)) if bool(_differs(prints[:, i], prints[0, i]).any())]
+    if not suspects:
+        return []
+    if bool((prints[:, suspects, 0] != prints[0, suspects, 0]).any()):
+        odd = [names[i] for i in suspects if bool((prints[:, i, 0] != prints[0, i, 0]).any())]
+        raise ReplicaMismatchError(f"replicas hold tensors of different sizes: {', '.join(odd)}")
+    reference = torch.cat([tensors[i].detach().reshape(-1).to(torch.float64) for i in suspects])
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast(reference, src=src, group=group)
+    diffs, offset = [], 0
+    for i in suspects:
+        mine, ref = tensors[i].detach().reshape(-1).to(torch.float64), reference[offset : offset + tensors[i].numel()]
+        mask = _differs(mine, ref)
+        diffs.append((mine[mask] - ref[mask]).abs().max() if bool(mask.any()) else torch.tensor(0.0, dtype=ref.dtype))
+        offset += tensors[i].numel()
+    every = _gather(torch.stack(diffs), group)  # (world, suspects)
+    mismatches, offset = [], 0
+    for column, i in enumerate(suspects):
+        per_rank = every[:, column]
+        bad = (per_rank > atol) | per_rank.isnan()
+        if bool(bad.any()):
+            mismatches.append(TensorMismatch(names[i], tuple(bad.nonzero().flatten().tolist()), _worst(per_rank[bad])))
+            if resync:
+                with torch.no_grad():
+                    tensors[i].copy_(reference[offset : offset + tensors[i].numel()].view_as(tensors[i]))
+        offset += tensors[i].numel()
+    return mismatches
+
+
+def _worst(values: torch.Tensor) -> float:
+    """The largest of ``values``, or NaN if any is NaN."""
+    return float("nan") if bool(values.isnan().any()) else float(values.max())
+
+
+def check_replicas(
+    named: Mapping[str, torch.Tensor],
+    steps: int,
+    on_mismatch: str = "raise",
+    group: Optional[ProcessGroup] = None,
+    atol: float = 0.0,
+    pull: Optional[Callable[[], Any]] = None,
+) -> list[TensorMismatch]:
+    """Checks that every rank holds the same ``named`` tensors, and acts on a mismatch (call on every rank).
+
+    Args:
+        named: ``{name: tensor}``, the same names in the same order on every rank.
+        steps: how many sync steps were taken (for the message).
+        on_mismatch: ``raise`` a :class:`ReplicaMismatchError`; ``warn``: log a warning on rank 0 and go on;
+            ``resync``: make the tensors that differ identical again and log what was fixed on rank 0. The
+            authority is ``pull`` when given (e.g. a parameter server's: it rewrites the parameters in place),
+            then rank 0 for whatever still differs.
+        group: the process group (default: the world).
+        atol: tolerated absolute difference per element.
+        pull: for ``resync``, what restores the parameters from their authority (called on every rank).
+
+    Returns:
+        The tensors that differed (empty: the replicas agree).
+
+    Raises:
+        ReplicaMismatchError: with ``on_mismatch="raise"``, naming the tensors, the ranks and the largest
+            difference; or, whatever ``on_mismatch``, when the replicas hold tensors of different sizes.
+    """
+    if on_mismatch not in ON_MISMATCH:
+        raise ValueError(f"on_mismatch={on_mismatch!r} is not allowed; choose one of: {', '.join(ON_MISMATCH)}")
+    resync = on_mismatch == "resync"
+    mismatches = find_mismatches(named, group, atol, resync=resync and pull is None)
+    if not mismatches:
+        return []
+    message = describe(mismatches, steps)
+    if on_mismatch == "raise":
+        raise ReplicaMismatchError(message)
+    if resync and pull is not None:
+        pull()  # the authority first; whatever it does not hold (buffers, optimizer state) takes rank 0's values
+        find_mismatches({m.name: named[m.name] for m in mismatches}, group, atol, resync=True)
+    if dist.get_rank(group) == 0:
+        source = "rank 0" if pull is None else "the parameters' authority, then rank 0"
+        log.warning("%s%s", message, f"; resynced them from {source}" if resync else "")
+    return mismatches

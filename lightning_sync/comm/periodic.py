@@ -44,6 +44,7 @@ from lightning_sync.comm.averaging import (
     average_buffers,
     average_optimizer_state,
     make_outer_optimizer,
+    optimizer_state_tensors,
 )
 from lightning_sync.comm.compression import Compressor, NoCompression
 from lightning_sync.comm.meter import CommMeter
@@ -366,14 +367,22 @@ class PeriodicAverager:
             self._adapt(meter.total.seconds - comm_start)
         return self.last_divergence
 
-    def synced_tensors(self) -> list[torch.Tensor]:
+    def synced_tensors(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[torch.Tensor]:
         """What must be identical on every rank right after the last :meth:`step`: everything after a warmup
-        step, the synced groups' parameters and floating buffers after a sync, nothing after a local step."""
+        step, the synced groups' parameters and floating buffers after a sync, nothing after a local step.
+
+        Args:
+            optimizers: also list their floating per-parameter state of those parameters where it is identical:
+                after a warmup step, and at a sync with ``average_optimizer_state``.
+        """
         if self._warmup_step_done:
-            return self._all_params + [b for b in self._all_buffers if b.is_floating_point()]
-        return [p for group in self.last_synced for p in group.params] + [
-            b for group in self.last_synced for b in group.buffers if b.is_floating_point()
-        ]
+            params, buffers = self._all_params, self._all_buffers
+        else:
+            params = [p for group in self.last_synced for p in group.params]
+            buffers = [b for group in self.last_synced for b in group.buffers]
+        same_state = self._warmup_step_done or self.average_optimizer_state
+        state = optimizer_state_tensors(optimizers, params) if same_state else []
+        return [*params, *(b for b in buffers if b.is_floating_point()), *state]
 
     # ------------------------------------------------------------------ adaptive period
     def _measure_compute(self) -> None:

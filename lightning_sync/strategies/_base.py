@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_sync.callbacks import SyncMetricsLogger
 from lightning_sync.comm.compression import Compressor
-from lightning_sync.comm.consistency import ReplicaMismatchError, replica_fingerprint_spread
+from lightning_sync.comm.consistency import TensorMismatch, check_replicas, named_replicated_state
 from lightning_sync.comm.meter import CommMeter
 from lightning_sync.config import StrategyConfig
 from lightning_sync.errors import ConfigError
@@ -174,27 +174,27 @@ class SyncStrategyBase(DDPStrategy):
         return {key: value / steps for key, value in self.meter.step().as_metrics().items()}
 
     # ------------------------------------------------------------------ replica consistency
-    def tensors_to_check(self) -> list[torch.Tensor]:
-        """What must be identical on every rank after the current step (default: every floating state tensor)."""
-        assert self.lightning_module is not None
-        state = self.lightning_module.state_dict().values()
-        return [t for t in state if torch.is_tensor(t) and t.is_floating_point()]
+    def tensors_to_check(self) -> dict[str, torch.Tensor]:
+        """What must be identical on every rank after the current step, by name: the floating parameters, buffers
+        and optimizer state (every rank steps on the same gradients; ``ps``'s local optimizer never steps)."""
+        return named_replicated_state(self.lightning_module, self.optimizers)
 
-    def check_replicas(self, atol: float = 0.0) -> float:
-        """Checks that every rank holds the same :meth:`tensors_to_check`.
+    def check_replicas(self, atol: float = 0.0) -> list[TensorMismatch]:
+        """Checks that every rank holds the same :meth:`tensors_to_check`, and acts as ``on_mismatch`` says (see
+        :func:`~lightning_sync.comm.consistency.check_replicas`).
 
         Returns:
-            The spread of the replicas' fingerprints (0.0 when they are bitwise identical, or nothing to check).
-
-        Raises:
-            ReplicaMismatchError: when the spread exceeds ``atol``.
+            The tensors that differ (empty: none, or one rank).
         """
-        spread = replica_fingerprint_spread(self.tensors_to_check())
-        if spread > atol:
-            raise ReplicaMismatchError(
-                f"replicas differ after {self._sync_steps} sync steps: fingerprint spread {spread:.3e} > {atol}"
-            )
-        return spread
+        if self.world_size == 1:
+            return []
+        return check_replicas(self.tensors_to_check(), self._sync_steps, self.config.on_mismatch, atol=atol,
+                              pull=self._authority_pull())
+
+    def _authority_pull(self) -> Optional[Callable[[], Any]]:
+        """How ``on_mismatch="resync"`` fetches the authoritative parameters before rank 0's (``None``: rank 0 is
+        the authority)."""
+        return None
 
     # ------------------------------------------------------------------ checkpoint
     def _active_compressor(self) -> Optional[Compressor]:

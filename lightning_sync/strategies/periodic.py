@@ -12,6 +12,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_sync.comm.averaging import average_buffers
+from lightning_sync.comm.consistency import named_replicated_state
 from lightning_sync.comm.periodic import PeriodicAverager, validate_module_policy
 from lightning_sync.config import PeriodicConfig
 from lightning_sync.errors import ConfigError
@@ -180,11 +181,13 @@ class PeriodicSyncStrategy(AllReduceStrategy):
             self.averager.finish(self.optimizers)
 
     @override
-    def tensors_to_check(self) -> list[torch.Tensor]:
-        """Everything after a gradient-synced step; after a local step only the groups just synced (if any)."""
+    def tensors_to_check(self) -> dict[str, torch.Tensor]:
+        """Everything after a gradient-synced step, optimizer state included; after a local step only the groups
+        just synced, if any (with their optimizer state if ``average_optimizer_state``)."""
         if self.averager is None:
             return super().tensors_to_check()
-        return self.averager.synced_tensors()
+        synced = self.averager.synced_tensors(self.optimizers)
+        return named_replicated_state(self.lightning_module, self.optimizers, only=synced)
 
     # ------------------------------------------------------------------ checkpoint
     @override

@@ -36,15 +36,11 @@ class ParameterServerStrategy(DetachableCollectives):
     run's store. The LightningModule's optimizer is rebuilt on the servers; each push carries the worker's learning
     rates, so LR schedulers stepping on the workers take effect on the servers.
 
-    ``sync`` keeps the workers in lockstep, and Lightning runs as usual. In ``async`` and ``ssp`` the run's step
-    count is the servers' version, one update per push: ``max_steps=N`` ends training after N updates, and
-    ``max_epochs=E`` after E epochs' worth of samples over all workers. Each worker walks its own shard, reshuffled
-    at each of its own epochs, until the servers say stop. Meanwhile the workers never wait for each other
-    (:class:`~lightning_sync.strategies._detached.DetachableCollectives`): a stop decided on one worker, e.g. by
-    EarlyStopping, reaches the others through the servers; worker 0 writes checkpoints with every server's state;
-    validation is skipped during ``fit`` and runs, as test does, once all workers hold the final parameters.
-
+    ``sync`` keeps the workers in lockstep. In ``async`` and ``ssp`` the servers' version counts the steps
+    (``max_steps=N``: N pushes; ``max_epochs=E``: E epochs' worth of samples) and the workers never wait for each
+    other (:class:`~lightning_sync.strategies._detached.DetachableCollectives`); see the README's "Parameter server".
     Logged: ``ps/version``, ``ps/staleness`` (async, ssp) and ``ps/server<i>_ingress_per_update``.
+
     Args:
         config: a :class:`~lightning_sync.config.ParameterServerConfig` (``None``: its defaults).
         **kwargs: its fields (``mode``, ``num_servers``, ...), overriding ``config``'s, and Lightning's own
@@ -70,9 +66,9 @@ class ParameterServerStrategy(DetachableCollectives):
         cfg = self.config
         if cfg.mode != "ssp" and cfg.max_staleness != ParameterServerConfig.max_staleness:
             raise ConfigError(f"max_staleness={cfg.max_staleness} is not allowed with mode={cfg.mode!r}; it is for ssp")
-        try:
+        try:  # the ps package checks its own knobs (compression)
             self._ps_config(max_updates=None)
-        except ValueError as error:  # the ps package checks its own knobs (compression)
+        except ValueError as error:
             raise ConfigError(str(error)) from None
 
     def _ps_config(self, max_updates: Optional[int]) -> PSConfig:
@@ -119,8 +115,7 @@ class ParameterServerStrategy(DetachableCollectives):
         """Agrees on a store prefix for this fit, starts this rank's servers, and joins the PS group."""
         cfg, env, world = self.config, self.cluster_environment, self.world_size
         assert env is not None and self.meter is not None
-        prefix = f"lightning_sync/ps/{self.broadcast(uuid.uuid4().hex[:12])}"
-        host, port = env.main_address, env.main_port
+        prefix, host, port = f"lightning_sync/ps/{self.broadcast(uuid.uuid4().hex)}", env.main_address, env.main_port
         self.servers = start_servers(cfg.placement, self.global_rank, host, port, world, cfg.num_servers,
                                      timeout_s=cfg.timeout_s, prefix=prefix)
         store = connect_store(host, port, is_host=False, timeout_s=cfg.timeout_s)
@@ -230,6 +225,11 @@ class ParameterServerStrategy(DetachableCollectives):
                 final = self.final_server_states
                 state["servers"] = self.client.server_states() if final is None else final
         return state
+
+    @override
+    def _authority_pull(self) -> Optional[Any]:
+        """The servers hold the authoritative parameters: ``on_mismatch="resync"`` pulls them."""
+        return None if self.client is None else self.client.pull
 
     @override
     def load_sync_state_dict(self, state: dict[str, Any]) -> None:
