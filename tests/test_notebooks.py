@@ -31,3 +31,18 @@ def test_runs_in_smoke_mode(source, tmp_path):
                           timeout=580)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "test acc" in proc.stdout and "ms/step" in proc.stdout, proc.stdout[-2000:]
+
+
+PAIRED = [p for p in NOTEBOOKS if p.with_suffix(".ipynb").is_file()]
+
+
+@pytest.mark.parametrize("source", PAIRED, ids=[p.stem for p in PAIRED])
+def test_paired_ipynb_is_in_sync_and_has_the_outputs_of_a_run(source):
+    """The committed .ipynb holds the same cells as its py:percent source, executed (figures included)."""
+    import jupytext
+
+    script = jupytext.read(source, fmt="py:percent")
+    executed = jupytext.read(source.with_suffix(".ipynb"))
+    assert [(c.cell_type, c.source) for c in executed.cells] == [(c.cell_type, c.source) for c in script.cells]
+    outputs = [o for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert any("image/png" in o.get("data", {}) for o in outputs), "no figure in the committed notebook"

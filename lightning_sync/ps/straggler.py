@@ -12,7 +12,8 @@ class Straggler:
     does nothing.
 
     Call :meth:`step_start` when a step begins and :meth:`step_end` when it ends (the adapter: in
-    ``on_train_batch_start`` / before the push), or use :meth:`delay` with a step time measured elsewhere.
+    ``on_train_batch_start`` / right after the push, so that the whole step, round trip included, is stretched), or
+    use :meth:`delay` with a step time measured elsewhere.
 
     Args:
         worker: this process's worker rank.

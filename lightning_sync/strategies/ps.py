@@ -168,13 +168,13 @@ class ParameterServerStrategy(DetachableCollectives):
     def _push(self, optimizer: Optimizer) -> None:
         assert self.client is not None
         trainer = self.lightning_module.trainer
-        if self._straggler is not None:
-            self._straggler.step_end()
         if self.servers is not None:
             self.servers.raise_if_failed()
         if trainer.should_stop and not self.client.stopped:  # e.g. EarlyStopping here: stop every worker
             self.client.request_stop()
         self.last_reply = self.client.push(current_lrs(optimizer))
+        if self._straggler is not None:  # after the push: the whole step, round trip included, takes slowdown x
+            self._straggler.step_end()
         if self.last_reply.stop:
             trainer.should_stop = True
             self._finish()

@@ -1,0 +1,482 @@
+"""Parameter-server experiments through Lightning: run ``strategy=ps`` cases and read what every worker saw.
+
+Shared by ``benchmarks/ps_straggler.py`` and ``notebooks/03_parameter_server.py``. One case is one Hydra config run
+in this process with forked ranks (:func:`lightning_sync.compare.run_case`), with a :class:`PSTimeline` callback
+in every worker. After each push a worker notes the time, the servers' version, the push's staleness and every
+server's ingress so far (all from the strategy's ``last_reply``, a :class:`~lightning_sync.ps.PSReply`); worker 0
+can also probe the validation accuracy every few seconds. Each worker writes its notes to
+``<run folder>/ps_timeline/rank<r>.json``; :func:`run_ps` reads them back into a :class:`PSRun`, whose methods give
+the numbers the benchmark and the notebook report:
+
+* :meth:`PSRun.throughput`: samples per second over all workers, in the training phase only. The servers' version
+  counts updates (sync: one per step of all ``W`` workers, so ``W x batch`` samples; async/ssp: one per push, one
+  batch), and worker 0 observes it after each of its pushes. The rate is the version's slope on worker 0's clock
+  from the first observation past ``skip`` of the run's updates to the last one, so start-up (forking the ranks,
+  starting the servers, the first pull) and the final test are left out.
+* :meth:`PSRun.staleness`: every applied push's staleness, per worker.
+* :meth:`PSRun.ingress_per_update`: bytes each server received per update over the same training window.
+
+Times come from ``time.monotonic``, one clock for all processes of a host: the timelines are for single-host
+experiments.
+
+    from lightning_sync.ps_study import ps_overrides, run_ps
+    run = run_ps("async", ps_overrides("async", epochs=10), "outputs/ps/async")
+    print(run.throughput(), run.test_accuracy, run.staleness())
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+TIMELINE_DIR = "ps_timeline"
+"""The folder, inside a run folder, of the workers' timelines (``rank<r>.json``)."""
+
+
+# ---------------------------------------------------------------------------------------------------- configs
+def parse_mode(spec: str) -> tuple[str, Optional[int]]:
+    """``"ssp:2"`` -> ``("ssp", 2)``; ``"async"`` -> ``("async", None)``.
+
+    Raises:
+        ValueError: a bound on a mode other than ``ssp``, or one that is not an integer.
+    """
+    mode, _, bound = spec.partition(":")
+    if not bound:
+        return mode, None
+    if mode != "ssp" or not bound.isdigit():
+        raise ValueError(f"mode {spec!r} is not allowed; a staleness bound goes with ssp only, e.g. ssp:2")
+    return mode, int(bound)
+
+
+def ps_overrides(
+    spec: str,
+    *,
+    workers: int = 3,
+    slow_worker: int = 2,
+    slowdown: float = 3.0,
+    num_servers: int = 1,
+    placement: str = "dedicated",
+    epochs: Optional[int] = None,
+    max_steps: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """Hydra overrides for one parameter-server case on the digits classifier.
+
+    The run keeps what the comparison needs and drops what would blur it: no checkpoints (``callbacks=none``: in
+    async a worker-0 checkpoint fetches every server's state mid-run), no validation during fit (sync would
+    validate each epoch, async/ssp never do), no progress bar; ranks are forked.
+
+    Args:
+        spec: ``sync``, ``async`` or ``ssp[:s]`` (``s``: ``max_staleness``, default the config's, 2).
+        workers: worker ranks (``trainer.devices``).
+        slow_worker: the straggler's rank (-1: none).
+        slowdown: how many times slower the straggler's steps are (``strategy.slowdown``).
+        num_servers: parameter servers the model is sharded over.
+        placement: ``dedicated`` (server processes) or ``colocated`` (threads in the first workers).
+        epochs: ``trainer.max_epochs`` (async/ssp: that many epochs' worth of samples over all workers, the same
+            sample budget as sync); ``None``: the config's.
+        max_steps: ``trainer.max_steps`` (in async/ssp: server updates); ``None``: the config's.
+        batch_size: samples per batch per worker; ``None``: the config's (32).
+        extra: more overrides, applied last.
+    """
+    mode, bound = parse_mode(spec)
+    out = [
+        "strategy=ps",
+        f"strategy.mode={mode}",
+        f"trainer.devices={workers}",
+        f"strategy.num_servers={num_servers}",
+        f"strategy.placement={placement}",
+        "strategy.start_method=fork",
+        "callbacks=none",
+        "++trainer.limit_val_batches=0",
+        "trainer.enable_progress_bar=false",
+    ]
+    if bound is not None:
+        out.append(f"strategy.max_staleness={bound}")
+    if slow_worker >= 0:
+        out += [f"strategy.slow_worker={slow_worker}", f"strategy.slowdown={slowdown}"]
+    if epochs is not None:
+        out.append(f"trainer.max_epochs={epochs}")
+    if max_steps is not None:
+        out.append(f"trainer.max_steps={max_steps}")
+    if batch_size is not None:
+        out.append(f"data.batch_size={batch_size}")
+    return out + list(extra)
+
+
+# ---------------------------------------------------------------------------------------------------- recording
+class PSTimeline(pl.Callback):
+    """In every worker of a ``strategy=ps`` fit: notes each push's reply; writes them when training ends.
+
+    A row per training batch: ``t`` (``time.monotonic`` after the batch), ``version`` (the servers' oldest
+    version in the reply), ``staleness`` (the push's largest staleness over the servers; ``-1`` if the reply was
+    not to an applied push, e.g. the pull after the stop), ``applied``, ``ingress`` (each server's bytes received
+    so far) and ``loss`` (the batch's training loss). Worker 0 with ``probe_every_s`` also evaluates the model on
+    the datamodule's validation split every ``probe_every_s`` seconds (a classifier's logits: accuracy and
+    cross-entropy; about a millisecond on the digits), without any collective, so no other worker waits for it.
+
+    Args:
+        out_dir: where to write ``rank<r>.json`` (created if missing).
+        probe_every_s: seconds between worker 0's accuracy probes; ``None``: no probes.
+    """
+
+    def __init__(self, out_dir: str | Path, probe_every_s: Optional[float] = None) -> None:
+        self.out_dir = Path(out_dir)
+        self.probe_every_s = probe_every_s
+        self._rows: list[dict[str, Any]] = []
+        self._probes: list[dict[str, float]] = []
+        self._meta: dict[str, Any] = {}
+        self._first_batch: Optional[float] = None
+        self._last_probe = -math.inf
+        self._probe_data: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        config = getattr(strategy, "config", None)
+        params = [p for p in pl_module.parameters() if p.requires_grad]
+        self._meta = {
+            "rank": trainer.global_rank,
+            "workers": strategy.num_processes * strategy.num_nodes,  # world_size reads 1 once async workers detach
+            "mode": getattr(config, "mode", None),
+            "num_servers": getattr(config, "num_servers", None),
+            "model_bytes": sum(p.numel() * p.element_size() for p in params),
+            "fit_start": time.monotonic(),
+        }
+        self._rows, self._probes, self._first_batch, self._last_probe = [], [], None, -math.inf
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._first_batch is None:
+            self._first_batch = time.monotonic()
+            self._meta.update(batch_size=_batch_size(batch), cpu_at_first_batch=time.process_time())
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        now = time.monotonic()
+        reply = getattr(trainer.strategy, "last_reply", None)
+        if reply is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        self._rows.append({
+            "t": now,
+            "version": reply.version,
+            "staleness": reply.stalest if reply.applied else -1,
+            "applied": bool(reply.applied),
+            "ingress": list(reply.server_bytes_recv),
+            "loss": float(loss.detach()) if isinstance(loss, torch.Tensor) else None,
+        })  # fmt: skip
+        if self.probe_every_s is not None and trainer.global_rank == 0 and now - self._last_probe >= self.probe_every_s:
+            self._last_probe = now
+            self._probe(trainer, pl_module, now, reply.version)
+
+    def _probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule, now: float, version: int) -> None:
+        """Worker 0's validation accuracy and loss with the parameters it holds (the servers' after its push)."""
+        started = time.monotonic()
+        if self._probe_data is None:
+            batches = list(trainer.datamodule.val_dataloader())
+            self._probe_data = (torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+        x, y = self._probe_data
+        was_training = pl_module.training
+        pl_module.eval()
+        with torch.no_grad():
+            logits = pl_module(x)
+        pl_module.train(was_training)
+        self._probes.append({
+            "t": now,
+            "version": version,
+            "acc": float((logits.argmax(-1) == y).float().mean()),
+            "loss": float(torch.nn.functional.cross_entropy(logits, y)),
+            "cost_s": time.monotonic() - started,
+        })  # fmt: skip
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        record = {**self._meta, "first_batch": self._first_batch, "cpu_at_end": time.process_time(),
+                  "rows": self._rows, "probes": self._probes}
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def _batch_size(batch: Any) -> Optional[int]:
+    """Samples in a batch: the first dimension of its first tensor (``None`` if it has none)."""
+    first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.ndim > 0 else None
+
+
+# ---------------------------------------------------------------------------------------------------- one run
+@dataclass
+class PSRun:
+    """One finished case: the run's summary and every worker's timeline.
+
+    Attributes:
+        name: the case's name (e.g. ``ssp:2``).
+        mode: the strategy's mode (``sync``, ``async``, ``ssp``).
+        run_dir: the run folder.
+        summary: ``summary.json`` (step time, bytes per step, test metrics).
+        workers: each worker's timeline (``rank<r>.json``), by rank.
+        wall_s: the whole case's wall time in this process (start-up and test included).
+    """
+
+    name: str
+    mode: str
+    run_dir: Path
+    summary: dict[str, Any]
+    workers: list[dict[str, Any]]
+    wall_s: float = math.nan
+    _origin: float = field(init=False, repr=False, default=0.0)
+
+    def __post_init__(self) -> None:
+        if not self.workers or not self.workers[0]["rows"]:
+            raise ValueError(f"{self.run_dir}: worker 0 recorded no push; did the fit run?")
+        self._origin = self.workers[0]["first_batch"]
+
+    @classmethod
+    def load(cls, name: str, run_dir: str | Path, summary: Optional[dict[str, Any]] = None,
+             wall_s: float = math.nan) -> PSRun:
+        """Reads a run folder written by :func:`run_ps` (``summary``: ``summary.json`` if not given)."""
+        run_dir = Path(run_dir)
+        files = sorted((run_dir / TIMELINE_DIR).glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+        workers = [json.loads(f.read_text()) for f in files]
+        if summary is None:
+            file = run_dir / "summary.json"
+            summary = json.loads(file.read_text()) if file.is_file() else {}
+        mode = workers[0]["mode"] if workers else "?"
+        return cls(name, mode, run_dir, summary, workers, wall_s)
+
+    # -------------------------------------------------------------------------------------------- basics
+    @property
+    def num_workers(self) -> int:
+        """Worker ranks."""
+        return int(self.workers[0]["workers"])
+
+    @property
+    def samples_per_update(self) -> int:
+        """Samples behind one server update: ``W x batch`` in sync, one batch in async/ssp."""
+        batch = int(self.workers[0]["batch_size"])
+        return batch * self.num_workers if self.mode == "sync" else batch
+
+    @property
+    def updates(self) -> int:
+        """The servers' final version (updates applied), as worker 0 last saw it."""
+        return int(self.workers[0]["rows"][-1]["version"])
+
+    @property
+    def test_accuracy(self) -> Optional[float]:
+        """``test/acc`` of the final model (``None`` if the run was not tested)."""
+        return self.summary.get("test", {}).get("test/acc")
+
+    @property
+    def training_s(self) -> float:
+        """Worker 0's training time: its first batch's start to its last batch's end."""
+        return self.workers[0]["rows"][-1]["t"] - self._origin
+
+    def _window(self, skip: float) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Worker 0's first row past ``skip`` of the updates and its last row (the training window)."""
+        rows = self.workers[0]["rows"]
+        last = rows[-1]
+        threshold = max(1, math.ceil(skip * last["version"]))
+        first = next((r for r in rows if r["version"] >= threshold and r is not last), rows[0])
+        if last["version"] <= first["version"] or last["t"] <= first["t"]:
+            raise ValueError(f"{self.run_dir}: too few updates to measure past the first {skip:.0%}")
+        return first, last
+
+    # -------------------------------------------------------------------------------------------- numbers
+    def throughput(self, skip: float = 0.1) -> float:
+        """Training samples per second over all workers, from the ``skip`` share of updates to the end.
+
+        Args:
+            skip: share of the run's updates left out at the start (start-up, ssp's initial lead, first pulls).
+        """
+        first, last = self._window(skip)
+        return (last["version"] - first["version"]) * self.samples_per_update / (last["t"] - first["t"])
+
+    def worker_push_rates(self, skip: float = 0.1) -> list[float]:
+        """Each worker's applied pushes per second over worker 0's training window (the straggler's is lowest)."""
+        first, last = self._window(skip)
+        return [
+            sum(1 for r in w["rows"] if r["applied"] and first["t"] < r["t"] <= last["t"]) / (last["t"] - first["t"])
+            for w in self.workers
+        ]
+
+    def staleness(self) -> list[list[int]]:
+        """Every applied push's staleness (server version when applied minus the version it was computed on), per
+        worker; all zeros in sync."""
+        return [[r["staleness"] for r in w["rows"] if r["applied"] and r["staleness"] >= 0] for w in self.workers]
+
+    def ingress_per_update(self, skip: float = 0.1) -> list[float]:
+        """Bytes each server received per update over the training window (sync: ``W`` pushes of its shard)."""
+        first, last = self._window(skip)
+        updates = last["version"] - first["version"]
+        return [(b - a) / updates for a, b in zip(first["ingress"], last["ingress"])]
+
+    @property
+    def model_bytes(self) -> int:
+        """Bytes of the trained parameters (what one uncompressed push carries, before headers)."""
+        return int(self.workers[0]["model_bytes"])
+
+    def cpu_cores_used(self) -> float:
+        """CPU time of all worker processes (colocated server threads included, dedicated server processes not)
+        from each one's first batch to its end of training, over worker 0's training time: how many of the
+        machine's cores the workers kept busy."""
+        cpu = sum(w["cpu_at_end"] - w["cpu_at_first_batch"] for w in self.workers)
+        return cpu / self.training_s
+
+    # -------------------------------------------------------------------------------------------- curves
+    def samples_curve(self) -> tuple[list[float], list[float]]:
+        """``(seconds since worker 0's first batch, samples the servers have applied)``, one point per push of
+        worker 0; the slope is the throughput."""
+        rows = self.workers[0]["rows"]
+        return [r["t"] - self._origin for r in rows], [r["version"] * self.samples_per_update for r in rows]
+
+    def throughput_curve(self, window_s: float = 1.0) -> tuple[list[float], list[float]]:
+        """``(seconds, samples/s)``: the throughput over each trailing window of ``window_s`` seconds."""
+        t, samples = self.samples_curve()
+        times, rates, start = [], [], 0
+        for end in range(len(t)):
+            while t[end] - t[start] > window_s:
+                start += 1
+            if t[end] - t[start] >= 0.5 * window_s:
+                times.append(t[end])
+                rates.append((samples[end] - samples[start]) / (t[end] - t[start]))
+        return times, rates
+
+    def accuracy_curve(self) -> tuple[list[float], list[float]]:
+        """``(seconds, validation accuracy)`` of worker 0's probes (empty without ``probe_every_s``)."""
+        probes = self.workers[0]["probes"]
+        return [p["t"] - self._origin for p in probes], [p["acc"] for p in probes]
+
+    def loss_curve(self, smooth: int = 10) -> tuple[list[float], list[float]]:
+        """``(seconds, training loss)`` of worker 0's batches, a running mean over ``smooth`` batches."""
+        rows = [r for r in self.workers[0]["rows"] if r["loss"] is not None]
+        losses = [r["loss"] for r in rows]
+        means = [statistics.fmean(losses[max(0, i + 1 - smooth) : i + 1]) for i in range(len(losses))]
+        return [r["t"] - self._origin for r in rows], means
+
+
+def run_ps(name: str, overrides: Sequence[str], run_dir: str | Path, probe_every_s: Optional[float] = None,
+           quiet: bool = True, callbacks: Sequence[pl.Callback] = ()) -> PSRun:
+    """Runs one parameter-server case (see :func:`ps_overrides`) and reads back what its workers recorded.
+
+    Lightning's banners and known-harmless warnings are silenced (:func:`lightning_sync._console.quiet_lightning`).
+
+    Args:
+        name: the case's name in tables and plots.
+        overrides: Hydra overrides with ``strategy=ps`` (e.g. from :func:`ps_overrides`).
+        run_dir: the run folder (a timeline left there by an earlier run is replaced).
+        probe_every_s: worker 0 probes the validation accuracy this often (``None``: never).
+        quiet: no per-epoch progress lines (otherwise: the run's progress on stderr).
+        callbacks: more Trainer callbacks, after the timeline .
+
+    Raises:
+        RuntimeError: the fit diverged, or a worker wrote no timeline.
+    """
+    from lightning_sync._console import ProgressReport, quiet_lightning
+    from lightning_sync.compare import run_case
+
+    quiet_lightning()
+    run_dir = Path(run_dir)
+    for old in (run_dir / TIMELINE_DIR).glob("rank*.json"):
+        old.unlink()
+    progress = ProgressReport(label=name, bar=False, stream=io.StringIO() if quiet else None)
+    started = time.perf_counter()
+    summary = run_case(list(overrides), run_dir,
+                       callbacks=[PSTimeline(run_dir / TIMELINE_DIR, probe_every_s), *callbacks, progress])
+    wall = time.perf_counter() - started
+    if summary.get("diverged"):
+        raise RuntimeError(f"{name}: training diverged at step {summary.get('diverged_at_step')} ({run_dir})")
+    run = PSRun.load(name, run_dir, summary, wall)
+    if len(run.workers) != run.num_workers:
+        raise RuntimeError(f"{name}: {len(run.workers)} of {run.num_workers} workers wrote a timeline ({run_dir})")
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------- many runs
+def summarize(runs: Sequence[PSRun], reference: str = "sync", skip: float = 0.1) -> list[dict[str, Any]]:
+    """One row per case name (in first-seen order), pooling its repeats.
+
+    Each row: ``name``, ``mode``, ``rounds``, ``throughput`` (median samples/s), ``throughputs`` (each round's),
+    ``ratio`` (median throughput over ``reference``'s median; ``None`` without that case), ``staleness_mean`` and
+    ``staleness_max`` (over every push of every round; 0 in sync), ``test_acc`` (median) and ``test_accs``,
+    ``step_ms`` (median of worker 0's median step time), ``updates`` and ``training_s`` (medians).
+
+    Args:
+        runs: finished runs, in any order; runs of one case share its ``name``.
+        reference: the case the ratios divide by.
+        skip: see :meth:`PSRun.throughput`.
+    """
+    groups: dict[str, list[PSRun]] = {}
+    for run in runs:
+        groups.setdefault(run.name, []).append(run)
+    rows = []
+    for name, group in groups.items():
+        pushes = [s for run in group for worker in run.staleness() for s in worker]
+        accs = [run.test_accuracy for run in group if run.test_accuracy is not None]
+        steps = [run.summary["step_time_ms"] for run in group if run.summary.get("step_time_ms") is not None]
+        throughputs = [run.throughput(skip) for run in group]
+        rows.append({
+            "name": name,
+            "mode": group[0].mode,
+            "rounds": len(group),
+            "throughput": statistics.median(throughputs),
+            "throughputs": throughputs,
+            "staleness_mean": statistics.fmean(pushes) if pushes else None,
+            "staleness_max": max(pushes) if pushes else None,
+            "test_acc": statistics.median(accs) if accs else None,
+            "test_accs": accs,
+            "step_ms": statistics.median(steps) if steps else None,
+            "updates": statistics.median(run.updates for run in group),
+            "training_s": statistics.median(run.training_s for run in group),
+        })  # fmt: skip
+    ref = next((r["throughput"] for r in rows if r["name"] == reference), None)
+    for row in rows:
+        row["ratio"] = row["throughput"] / ref if ref else None
+    return rows
+
+
+def format_table(rows: Sequence[dict[str, Any]], reference: str = "sync") -> str:
+    """:func:`summarize`'s rows as a Markdown table: samples/s, ratio, staleness, test acc, ms/step.
+
+    ``ms/step (worker 0)`` is :class:`~lightning_sync.callbacks.SyncReport`'s median, from a batch's start to its
+    end on worker 0: a sync worker's wait for a straggler that is still sleeping after its own batch is not in it,
+    so compare the modes' pace by samples/s.
+    """
+    header = ("mode", "samples/s", f"vs {reference}", "staleness mean", "staleness max", "test acc",
+              "ms/step (worker 0)", "training s")
+
+    def cell(value: Any, spec: str, suffix: str = "") -> str:
+        return "-" if value is None else format(value, spec) + suffix
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for r in rows:
+        acc = None if r["test_acc"] is None else 100 * r["test_acc"]
+        cells = (r["name"], cell(r["throughput"], ",.0f"), cell(r["ratio"], ".2f", "x"),
+                 cell(r["staleness_mean"], ".2f"), cell(r["staleness_max"], "d"), cell(acc, ".2f", "%"),
+                 cell(r["step_ms"], ".2f"), cell(r["training_s"], ".1f"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def staleness_histogram(runs: Sequence[PSRun]) -> dict[int, list[int]]:
+    """Counts of each staleness value over ``runs`` (e.g. the rounds of one case), per worker rank:
+    ``{staleness: [pushes of worker 0, of worker 1, ...]}``."""
+    counts: dict[int, list[int]] = {}
+    for run in runs:
+        for rank, values in enumerate(run.staleness()):
+            for s in values:
+                counts.setdefault(s, [0] * run.num_workers)[rank] += 1
+    return dict(sorted(counts.items()))

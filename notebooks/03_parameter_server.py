@@ -1,0 +1,176 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # The parameter server under a straggler
+#
+# `strategy=ps` trains with parameter servers: the Lightning ranks are workers that push gradients, and servers
+# hold the parameters and the optimizer. Its `mode` decides who waits for whom:
+#
+# - `sync`: each step every server averages one gradient per worker, steps once, and every worker pulls (= DDP);
+# - `async`: each push is applied as it arrives, and its worker gets the fresh parameters back at once;
+# - `ssp` (stale synchronous parallel, here `max_staleness=2`): as async, but no worker gets more than 2 steps ahead
+#   of the slowest.
+#
+# Three workers train the digits classifier; worker 2 is made 3x slower (`strategy.slow_worker=2
+# strategy.slowdown=3`: after each push it sleeps twice what its whole step took). Every mode gets the same sample
+# budget. Each worker records every push (time, server version, staleness, server ingress) and worker 0 probes the
+# validation accuracy every quarter second (`lightning_sync.ps_study`). We look at (a) throughput and accuracy
+# against wall time, (b) the staleness of the updates, and (c) how many bytes each server receives per update with
+# one and with two servers. For a careful, alternating and repeated measurement run
+# `python benchmarks/ps_straggler.py`.
+#
+# Set the environment variable `SMOKE=1` to run every case for a few steps only; `NOTEBOOK_OUT` names the output
+# folder.
+
+# %%
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+SMOKE = os.environ.get("SMOKE", "0") == "1"
+EPOCHS = 1 if SMOKE else 20
+OUT = os.environ.get("NOTEBOOK_OUT", "outputs/notebook_ps")
+SMALL = ["++trainer.limit_train_batches=4"] if SMOKE else []
+
+# %%
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
+
+from lightning_sync.ps_study import format_table, ps_overrides, run_ps, staleness_histogram, summarize
+
+MODES = ("sync", "async", "ssp:2")
+COLORS = {"sync": "tab:blue", "async": "tab:orange", "ssp:2": "tab:green"}
+
+# %% [markdown]
+# ## (a) sync, async and ssp with one straggler
+# Throughput counts the samples behind the servers' updates (sync: 3 batches per update, async/ssp: one), per
+# second of training: start-up (forking the ranks, starting the server, the first pull), the first 10% of the
+# updates and the final test are left out.
+
+# %%
+runs = {}
+for spec in MODES:
+    overrides = ps_overrides(spec, workers=3, slow_worker=2, slowdown=3.0, epochs=EPOCHS, extra=SMALL)
+    runs[spec] = run_ps(spec, overrides, Path(OUT, "straggler", spec.replace(":", "_")), probe_every_s=0.25)
+rows = summarize(list(runs.values()))
+print(format_table(rows))
+for spec, run in runs.items():
+    rates = ", ".join(f"{r:.1f}" for r in run.worker_push_rates())
+    print(f"{spec:<6} pushes/s of workers 0, 1, 2: {rates}   updates {run.updates}   whole run {run.wall_s:.1f} s")
+
+# %%
+fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+for spec, run in runs.items():
+    t, samples = run.samples_curve()
+    axes[0].plot(t, samples, label=spec, color=COLORS[spec])
+    t, acc = run.accuracy_curve()
+    axes[1].plot(t, acc, marker=".", label=spec, color=COLORS[spec])
+axes[0].set(xlabel="wall time since the first batch (s)", ylabel="samples applied by the servers",
+            title="training progress (slope = throughput)")
+axes[1].set(xlabel="wall time since the first batch (s)", ylabel="validation accuracy (worker 0)",
+            title="accuracy against wall time", ylim=(0, 1))
+width = 0.25
+for i, (spec, run) in enumerate(runs.items()):
+    rates = run.worker_push_rates()
+    axes[2].bar([w + (i - 1) * width for w in range(len(rates))], rates, width, label=spec, color=COLORS[spec])
+axes[2].set(xticks=range(3), xticklabels=["worker 0", "worker 1", "worker 2 (3x slower)"],
+            ylabel="pushes per second", title="each worker's pace")
+axes[0].legend()
+axes[1].legend(loc="lower right")
+axes[2].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# In sync the three workers push at one pace, the straggler's. In async the fast workers keep their own pace and
+# the straggler falls behind; its pushes are the stale ones (b). ssp ties the fast workers to the straggler again,
+# up to a lead of 2 steps: under a straggler that is slow all the time its pace is the straggler's, so in theory it
+# gains nothing over sync (ssp is for stragglers that come and go). Measured here ssp can still beat sync, as the
+# straggler itself may run faster in ssp than in sync: between batches a sync worker also waits in Lightning's
+# collectives (the SIGTERM-flag broadcast every batch, the divergence guard's exchange every 10), which detached
+# async/ssp workers skip.
+#
+# How much slower is the straggler? `strategy.slowdown=3` sleeps after each push twice what its whole step took, so
+# it pushes about 3x less often than a fast worker in async. The three workers and the server process share 2
+# cores, so async's fast workers slow each other down. These are single runs on a shared machine and vary by tens
+# of percent from run to run; `benchmarks/ps_straggler.py` alternates the modes and repeats them. Every mode sees
+# the same samples: compare the accuracies at the same wall time, and at the end.
+
+# %% [markdown]
+# ## (b) Staleness of the updates
+# A push's staleness is the server version when it is applied minus the version its gradient was computed on (0 in
+# sync). Each bar is split by worker: the straggler's pushes are the stale ones.
+
+# %%
+stale_modes = [spec for spec in MODES if spec != "sync"]
+fig, axes = plt.subplots(1, len(stale_modes), figsize=(12, 4), sharey=True)
+for ax, spec in zip(axes, stale_modes):
+    hist = staleness_histogram([runs[spec]])
+    values = list(hist)
+    bottom = [0] * len(values)
+    for rank, color in zip(range(3), ("tab:gray", "tab:olive", "tab:red")):
+        counts = [hist[v][rank] for v in values]
+        ax.bar(values, counts, bottom=bottom, color=color, label=f"worker {rank}" + (" (slow)" if rank == 2 else ""))
+        bottom = [b + c for b, c in zip(bottom, counts)]
+    pushes = [s for worker in runs[spec].staleness() for s in worker]
+    ax.set(xlabel="staleness (server updates)", title=f"{spec}: mean {sum(pushes) / len(pushes):.2f}, "
+           f"max {max(pushes)} over {len(pushes)} pushes")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend()
+axes[0].set_ylabel("pushes")
+fig.tight_layout()
+plt.show()
+for spec in stale_modes:
+    print(f"{spec:<6} staleness histogram {{value: [pushes of worker 0, 1, 2]}}: {staleness_histogram([runs[spec]])}")
+
+# %% [markdown]
+# ## (c) Server ingress with one and with two servers
+# In sync mode every update is one push of each worker's gradient, so the servers receive about W x (model bytes)
+# per update, plus a small header and the learning rates per push. With two servers the parameters are sharded by
+# bytes, whole tensors per server, so each receives its shard's share: about half, as evenly as whole tensors allow
+# (here the 128 x 128 hidden weight alone is 63% of the model's bytes, so the split is 63/37). No straggler here:
+# bytes per update do not depend on pace.
+
+# %%
+ingress = {}
+for servers in (1, 2):
+    overrides = ps_overrides("sync", workers=3, slow_worker=-1, num_servers=servers,
+                             max_steps=8 if SMOKE else 60, extra=["test=false"])
+    ingress[servers] = run_ps(f"sync, {servers} server(s)", overrides, Path(OUT, "ingress", f"servers{servers}"))
+model_bytes = ingress[1].model_bytes
+expected = ingress[1].num_workers * model_bytes
+for servers, run in ingress.items():
+    per_server = run.ingress_per_update()
+    cells = ", ".join(f"server {i}: {b:,.0f}" for i, b in enumerate(per_server))
+    print(f"{servers} server(s): bytes received per update {cells}; total {sum(per_server):,.0f} "
+          f"= {sum(per_server) / expected:.4f} x W x model bytes ({expected:,} = 3 x {model_bytes:,})")
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 4))
+for x, (servers, run) in enumerate(ingress.items()):
+    per_server = run.ingress_per_update()
+    bottom = 0.0
+    for i, nbytes in enumerate(per_server):
+        ax.bar(x, nbytes / 1e3, bottom=bottom / 1e3, color=("tab:blue", "tab:cyan")[i], edgecolor="white",
+               label=f"server {i}" if servers == 2 else None)
+        ax.text(x, (bottom + nbytes / 2) / 1e3, f"server {i}\n{nbytes / 1e3:,.1f} kB", ha="center", va="center")
+        bottom += nbytes
+ax.axhline(expected / 1e3, color="black", linestyle="--", label="W x model bytes")
+ax.axhline(expected / 2e3, color="gray", linestyle=":", label="half of it")
+ax.set(xticks=range(len(ingress)), xticklabels=[f"{k} server(s)" for k in ingress], ylabel="kB received per update",
+       title="sync: server ingress per update, 3 workers")
+ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+fig.tight_layout()
+plt.show()
