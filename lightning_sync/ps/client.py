@@ -50,7 +50,7 @@ from lightning_sync.ps._protocol import (
     to_blob,
 )
 from lightning_sync.ps.codec import GradientCodec
-from lightning_sync.ps.errors import PSError, PSPeerLostError, PSServerError
+from lightning_sync.ps.errors import PSError, PSServerError
 from lightning_sync.ps.group import PSGroup
 from lightning_sync.ps.optim_spec import OptimizerSpec
 from lightning_sync.ps.settings import PSConfig
@@ -391,7 +391,8 @@ class PSClient:
                 peer = ranks[i]
                 group.wait(work, peer, f"the data of the reply to the {what}", receiving=True)
         except PSError as exc:
-            report = self._report_of(peer, patience_s=0.5 if isinstance(exc, PSPeerLostError) else 0.0)
+            # a server that gave up on another worker writes why just as our own wait ends: give it the grace
+            report = self._report_of(peer, patience_s=min(self.group.timeout_s / 4, 5.0))
             raise type(exc)(f"{exc}; {group.name(peer)} reported: {report}" if report else str(exc)) from exc
         errors = [
             f"{group.name(ranks[i])} refused the {what}: {bytes(buffers[i].tolist()).decode(errors='replace')}"
