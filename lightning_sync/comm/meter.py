@@ -12,7 +12,7 @@ collective                     bytes sent                    bytes received
 ``all_reduce``                 ``2 (n-1)/n * S``             ``2 (n-1)/n * S``
 ``all_gather`` (S per rank)    ``(n-1) * S``                 ``(n-1) * S``
 ``broadcast``                  ``(n-1)/n * S`` (mean)        ``(n-1)/n * S`` (mean)
-``send`` / ``recv``            ``S`` / ``0``                 ``0`` / ``S``
+``send_to`` / ``recv_from``    ``S`` / ``0``                 ``0`` / ``S``
 ============================  ============================  ============================
 
 Gloo (CPU) and NCCL (GPU) both run a dense ``all_reduce`` as a ring: a reduce-scatter of ``n`` chunks followed by
@@ -219,21 +219,9 @@ class CommMeter:
         wire = (n - 1) / n * tensor.numel() * tensor.element_size()
         return self._run(wire, wire, async_op, lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
 
-    def send(self, tensor: torch.Tensor, dst: int, group: Optional[ProcessGroup] = None) -> _TimedWork:
-        """Asynchronous point-to-point send (``dist.isend``)."""
-        group = group if group is not None else self.group
-        nbytes = float(tensor.numel() * tensor.element_size())
-        return self._run(nbytes, 0.0, True, lambda: dist.isend(tensor, dst=dst, group=group))
-
-    def recv(self, tensor: torch.Tensor, src: Optional[int] = None, group: Optional[ProcessGroup] = None) -> _TimedWork:
-        """Asynchronous point-to-point receive (``dist.irecv``)."""
-        group = group if group is not None else self.group
-        nbytes = float(tensor.numel() * tensor.element_size())
-        return self._run(0.0, nbytes, True, lambda: dist.irecv(tensor, src=src, group=group))
-
-    # Point-to-point on a group object called directly. ``send``/``recv`` above take global ranks and go through
-    # c10d's group registry, which rejects a group built outside it (``ProcessGroupGloo(store, rank, size)``, as the
-    # parameter server does so that one process can hold several members of the same group).
+    # Point-to-point takes a group object called directly, with ranks of that group: c10d's ``isend``/``irecv``
+    # go through its group registry, which rejects a group built outside it (``ProcessGroupGloo(store, rank,
+    # size)``, as the parameter server does so that one process can hold several members of the same group).
     def send_to(self, tensor: torch.Tensor, group_dst: int, group: Any = None, tag: int = 0) -> _TimedWork:
         """Asynchronous send of ``tensor`` to rank ``group_dst`` of ``group`` (its own rank, not a global one).
 
