@@ -142,13 +142,20 @@ def validate_module_policy(
         return {}
     names = [name for name, _ in model.named_parameters()] if isinstance(model, nn.Module) else list(model)
     assigned = match_module_policy(names, normalized, field)
-    for pattern in set(normalized) - set(assigned.values()):
+    _check_every_pattern_used(names, normalized, assigned, field)
+    return {name: normalized[pattern] for name, pattern in assigned.items()}
+
+
+def _check_every_pattern_used(
+    names: Sequence[str], policy: Mapping[str, int], assigned: Mapping[str, str], field: str = POLICY_FIELD
+) -> None:
+    """Raises ConfigError for the first pattern of ``policy`` that no name was assigned to."""
+    for pattern in set(policy) - set(assigned.values()):
         shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
         raise ConfigError(
             f"{field}: pattern {pattern!r} matches no parameter; patterns are fnmatch globs on full parameter "
             f"names such as {shown}"
         )
-    return {name: normalized[pattern] for name, pattern in assigned.items()}
 
 
 # ------------------------------------------------------------------------------------------------ the averager
@@ -280,8 +287,9 @@ class PeriodicAverager:
         """
         named = list(named_parameters)
         named_buffers = list(named_buffers)
-        validate_module_policy([name for name, _ in named], self.policy or None)
-        param_pattern = match_module_policy([name for name, _ in named], self.policy)
+        names = [name for name, _ in named]
+        param_pattern = match_module_policy(names, self.policy)
+        _check_every_pattern_used(names, self.policy, param_pattern)
         buffer_pattern = match_module_policy([name for name, _ in named_buffers], self.policy, what="buffer")
         self.meter, self.group = meter, group
         self._all_params = [p for _, p in named if p.requires_grad]
