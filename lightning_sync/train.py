@@ -219,13 +219,15 @@ def _end_job(trainer: Any, launch_env: dict[str, str | None], failed: bool = Fal
 
     import torch.distributed as dist
 
+    from lightning_sync.strategies._launcher import describe_exit
+
     launcher = getattr(trainer.strategy, "launcher", None)
     wait_children = getattr(launcher, "wait_children", None)
     if wait_children is not None:
+        launcher.stop_observing()  # this rank handles its children from here: no SIGKILL of it while it reports
         if failed:
             for rank, code in launcher.exited_children().items():  # the likely cause of this rank's error
-                cause = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-                print(f"error: rank {rank} (local) was lost first: {cause}", file=sys.stderr)
+                print(f"error: rank {rank} (local) was lost first: {describe_exit(code)}", file=sys.stderr)
             launcher.kill(signal.SIGKILL)
         lost = wait_children(timeout=trainer.strategy.config.timeout_s)
         if lost and not failed:

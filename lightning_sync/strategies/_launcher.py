@@ -14,11 +14,14 @@ folder, with nothing written to Hydra's output subdir.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
@@ -75,8 +78,82 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
     return command, get_original_cwd()
 
 
+_OBSERVER_POLL_S = 0.5
+
+
+def describe_exit(code: int) -> str:
+    """``"killed by SIGKILL"`` or ``"exit code 1"``: a child's exit code, as a user reads it."""
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+class _ChildObserver(threading.Thread):
+    """Watches the ``popen`` children, as Lightning's own observer does, but can be stood down.
+
+    When a child exits with an error while the observer is armed, it names the child on stderr, kills the other
+    children and, if the main process has not ended on its own within ``grace_s`` (the main process disarms the
+    observer as soon as it handles a failure; every wait of the main process honours the strategy's ``timeout_s``),
+    kills the main process too: a main process stuck in a call that has no timeout never outlives its children.
+
+    Lightning's observer cannot be stood down, so it raced the main process's own failure handling: after the main
+    process had killed a frozen child on purpose, the observer SIGKILLed the main process before its error was
+    printed.
+    """
+
+    def __init__(self, procs: list[subprocess.Popen], grace_s: float) -> None:
+        super().__init__(daemon=True, name="lightning-sync-child-observer")
+        self._procs = procs
+        self._grace_s = grace_s
+        self._disarmed = threading.Event()
+
+    def disarm(self) -> None:
+        """Stops watching: the main process handles the children itself from now on."""
+        self._disarmed.set()
+
+    @override
+    def run(self) -> None:
+        while not self._disarmed.wait(_OBSERVER_POLL_S):
+            codes = {local_rank: proc.poll() for local_rank, proc in enumerate(self._procs, start=1)}
+            if all(code == 0 for code in codes.values()):
+                return
+            failed = {rank: code for rank, code in codes.items() if code not in (None, 0)}
+            if failed:
+                break
+        else:
+            return
+        for local_rank, code in failed.items():
+            print(f"error: rank {local_rank} (local) was lost: {describe_exit(code)}; stopping the job",
+                  file=sys.stderr, flush=True)
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+        if not self._disarmed.wait(self._grace_s):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class HydraJobSubprocessLauncher(_SubprocessScriptLauncher):
-    """Lightning's ``popen`` launcher, but a child under Hydra runs the parent's job, never its sweep."""
+    """Lightning's ``popen`` launcher, with two changes.
+
+    - A child under Hydra runs the parent's job, never its sweep.
+    - The child observer can be stood down (:meth:`stop_observing`) by the main process's own failure handling.
+    """
+
+    _observer: Optional[_ChildObserver] = None
+    observer_grace_s: float = 30.0
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            self._observer = _ChildObserver(self.procs, self.observer_grace_s)
+            self._observer.start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+    def stop_observing(self) -> None:
+        """Disarms the child observer (no-op when there is none)."""
+        if self._observer is not None:
+            self._observer.disarm()
 
     @override
     def _call_children_scripts(self) -> None:
@@ -136,6 +213,6 @@ def configure_launcher(strategy: Any, lightning_default: Callable[[], None]) -> 
         lightning_default()
         return
     assert strategy.cluster_environment is not None
-    strategy._launcher = HydraJobSubprocessLauncher(
-        strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
-    )
+    launcher = HydraJobSubprocessLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+    launcher.observer_grace_s = strategy.config.timeout_s + 5.0
+    strategy._launcher = launcher
