@@ -54,3 +54,10 @@ def check_range(
     else:
         allowed = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
     raise ConfigError(f"{field}={value!r} is not allowed; it must be {allowed}")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that this run cannot resume from: unreadable, or saved by another strategy or world size.
+
+    The message names the file and both sides (what the checkpoint holds, what this run is).
+    """

@@ -10,12 +10,10 @@ dependency, Lightning's ``popen`` launcher (and the ``_configure_launcher`` hook
 from __future__ import annotations
 
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -29,12 +27,11 @@ from lightning_sync.comm.consistency import TensorMismatch, check_replicas, name
 from lightning_sync.comm.meter import CommMeter
 from lightning_sync.config import StrategyConfig
 from lightning_sync.errors import ConfigError
+from lightning_sync.strategies._checkpoint import SyncStateCheckpointing
 from lightning_sync.strategies._launcher import configure_launcher
 
-_CHECKPOINT_KEY = "lightning_sync"
 
-
-class SyncStrategyBase(DDPStrategy):
+class SyncStrategyBase(SyncStateCheckpointing, DDPStrategy):
     """Base of the lightning_sync strategies.
 
     Args:
@@ -81,7 +78,6 @@ class SyncStrategyBase(DDPStrategy):
         self.meter: Optional[CommMeter] = None
         self._sync_steps = 0
         self._steps_unlogged = 0
-        self._pending_sync_state: Optional[dict[str, Any]] = None
 
     def _check_algorithm_knobs(self) -> None:
         """Checks the knobs that the mode's algorithms own, by building what can be built before launch."""
@@ -124,6 +120,7 @@ class SyncStrategyBase(DDPStrategy):
     def on_train_start(self) -> None:
         """Starts the per-step meter count at the first step (setup traffic is not a step's)."""
         super().on_train_start()
+        self._start_counting_training_comm()
         if self.meter is not None:
             self.meter.step()
             self._steps_unlogged = 0
@@ -196,54 +193,7 @@ class SyncStrategyBase(DDPStrategy):
         the authority)."""
         return None
 
-    # ------------------------------------------------------------------ checkpoint
+    # ------------------------------------------------------------------ checkpoint (see _checkpoint)
     def _active_compressor(self) -> Optional[Compressor]:
         """The compressor whose memory belongs in checkpoints (``None``: none yet, or the mode has none)."""
         return None
-
-    def sync_state_dict(self) -> dict[str, Any]:
-        """This rank's sync state (counters, compressor memory; subclasses add e.g. the averager's)."""
-        state: dict[str, Any] = {"sync_steps": self._sync_steps}
-        compressor = self._active_compressor()
-        if compressor is not None:
-            state["compressor"] = compressor.state_dict()
-        return state
-
-    def load_sync_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores what :meth:`sync_state_dict` returned on this rank."""
-        self._sync_steps = int(state["sync_steps"])
-        compressor = self._active_compressor()
-        if compressor is not None and "compressor" in state:
-            compressor.load_state_dict(state["compressor"])
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
-    ) -> None:
-        """Adds every rank's sync state to the checkpoint (gathered to rank 0, which writes the file)."""
-        checkpoint[_CHECKPOINT_KEY] = {"strategy": self.strategy_name, "ranks": self._gather_sync_states()}
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    def _gather_sync_states(self) -> list[Any]:
-        """Every rank's :meth:`sync_state_dict`, in rank order (one all-gather)."""
-        state = self.sync_state_dict()
-        if not (dist.is_available() and dist.is_initialized()):
-            return [state]
-        states: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(states, state)
-        return states
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Loads the checkpoint and keeps this rank's sync state to restore once the strategy is set up."""
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False)
-        saved = checkpoint.get(_CHECKPOINT_KEY)
-        if saved is not None and saved.get("strategy") == self.strategy_name:
-            ranks = saved["ranks"]
-            if len(ranks) != self.world_size:
-                raise ValueError(
-                    f"checkpoint has sync state for {len(ranks)} ranks, this run has {self.world_size}; "
-                    "resume with the same number of ranks"
-                )
-            self._pending_sync_state = ranks[self.global_rank]
-        return checkpoint

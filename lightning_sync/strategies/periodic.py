@@ -15,7 +15,7 @@ from lightning_sync.comm.averaging import average_buffers
 from lightning_sync.comm.consistency import named_replicated_state
 from lightning_sync.comm.periodic import PeriodicAverager, validate_module_policy
 from lightning_sync.config import PeriodicConfig
-from lightning_sync.errors import ConfigError
+from lightning_sync.errors import CheckpointError, ConfigError
 from lightning_sync.strategies.allreduce import AllReduceStrategy
 
 
@@ -190,6 +190,13 @@ class PeriodicSyncStrategy(AllReduceStrategy):
         return named_replicated_state(self.lightning_module, self.optimizers, only=synced)
 
     # ------------------------------------------------------------------ checkpoint
+    @property
+    @override
+    def keeps_replicas_identical(self) -> bool:
+        """Only in ``gradient`` mode: local steps leave each rank its own model and optimizer state (saved per
+        rank)."""
+        return self.averager is None
+
     @override
     def sync_state_dict(self) -> dict[str, Any]:
         """Adds the mode and the averager's state (steps, global copies, outer optimizers, adaptive period)."""
@@ -203,7 +210,9 @@ class PeriodicSyncStrategy(AllReduceStrategy):
     def load_sync_state_dict(self, state: dict[str, Any]) -> None:
         """Restores what :meth:`sync_state_dict` saved (the groups must have the same labels and sizes)."""
         if state.get("mode", self.config.mode) != self.config.mode:
-            raise ValueError(f"checkpoint was saved with mode {state['mode']!r}, this run uses {self.config.mode!r}")
+            raise CheckpointError(
+                f"checkpoint was saved with strategy.mode={state['mode']!r}, this run uses {self.config.mode!r}"
+            )
         super().load_sync_state_dict(state)
         if self.averager is not None and "averager" in state:
             self.averager.load_state_dict(state["averager"])
