@@ -222,3 +222,43 @@ def test_ddp_optimizer_state_drift_is_named():
     text = str(info.value)  # the momentum drift also moved the bias at the next step: both are named
     assert "ReplicaMismatchError: replicas differ after 6 sync steps: net.0.bias (ranks [1], " in text, text
     assert ", optimizer[0].state[net.0.bias].momentum_buffer (ranks [1], max |diff| " in text, text
+
+
+# ------------------------------------------------------------------------------------------------ setup
+class _RankDependentModel(DigitsClassifier):
+    """Rank 1 builds a wider hidden layer (``widen``) or one more layer (``extra``) than rank 0."""
+
+    def __init__(self, difference: str) -> None:
+        super().__init__(hidden=16, num_hidden_layers=1)
+        self.difference = difference
+
+    def setup(self, stage: str) -> None:
+        if self.trainer.global_rank != 1:
+            return
+        if self.difference == "widen":
+            self.net[0] = nn.Linear(64, 24)
+            self.net[2] = nn.Linear(24, 10)
+        else:
+            self.extra = nn.Linear(10, 10)
+
+
+@TIMEOUT
+@pytest.mark.parametrize(
+    "make_strategy",
+    [lambda: AllReduceStrategy(start_method="fork"), lambda: DDPSyncStrategy(start_method="fork")],
+    ids=["allreduce", "ddp"],
+)
+@pytest.mark.parametrize(
+    "difference,expected",
+    [
+        ("widen", "rank 1 (6 tensors) has 'net.0.weight' of shape [24, 64] (float32), rank 0 [16, 64] (float32)"),
+        ("extra", "rank 1 (6 tensors) has 'extra.weight' [10, 10] (float32), which rank 0 lacks"),
+    ],
+)
+def test_models_that_differ_across_ranks_fail_setup_with_the_difference(make_strategy, difference, expected):
+    trainer = make_trainer(make_strategy(), max_steps=2)
+    with pytest.raises(Exception) as info:
+        trainer.fit(_RankDependentModel(difference), datamodule=DigitsDataModule(batch_size=16))
+    text = str(info.value)
+    assert "ReplicaMismatchError: the model differs across ranks (rank 0 has 4 parameters and buffers)" in text, text
+    assert expected.replace("(6", "(6" if difference == "extra" else "(4") in text, text

@@ -180,6 +180,54 @@ def find_mismatches(
     return mismatches
 
 
+# ------------------------------------------------------------------------------------------------ structure
+def _layout(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple[int, ...], str]]:
+    return [(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")) for name, tensor in named]
+
+
+def _first_difference(mine: list[tuple[str, tuple[int, ...], str]], reference: list[Any]) -> str:
+    """How ``mine`` differs from ``reference``, in words ('' when they are the same)."""
+    if mine == reference:
+        return ""
+    theirs = {name: (shape, dtype) for name, shape, dtype in reference}
+    ours = {name: (shape, dtype) for name, shape, dtype in mine}
+    for name, (shape, dtype) in ours.items():
+        if name not in theirs:
+            return f"has {name!r} {list(shape)} ({dtype}), which rank 0 lacks"
+        if theirs[name] != (shape, dtype):
+            return f"has {name!r} of shape {list(shape)} ({dtype}), rank 0 {list(theirs[name][0])} ({theirs[name][1]})"
+    missing = [name for name in theirs if name not in ours]
+    if missing:
+        return f"lacks {missing[0]!r}, which rank 0 has"
+    return "has the same tensors as rank 0 in another order"
+
+
+def check_same_structure(named: Iterable[tuple[str, torch.Tensor]], group: Optional[ProcessGroup] = None) -> None:
+    """Checks that every rank's model has the same tensors: names, shapes and dtypes, in the same order (call on
+    every rank, before any collective on the tensors themselves, which would fail or hang on a mismatch).
+
+    One ``all_gather_object`` of the names and shapes (bounded by the group's timeout).
+
+    Raises:
+        ReplicaMismatchError: naming every rank whose model differs from rank 0's, with the first difference and
+            the tensor counts.
+    """
+    mine = _layout(named)
+    layouts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(layouts, mine, group=group)
+    problems = [
+        f"rank {rank} ({len(layout)} tensors) {_first_difference(layout, layouts[0])}"
+        for rank, layout in enumerate(layouts)
+        if rank > 0 and layout != layouts[0]
+    ]
+    if problems:
+        raise ReplicaMismatchError(
+            f"the model differs across ranks (rank 0 has {len(layouts[0])} parameters and buffers): "
+            + "; ".join(problems)
+            + ". Every rank must build the same model; check code that depends on the rank or on local files"
+        )
+
+
 def _worst(values: torch.Tensor) -> float:
     """The largest of ``values``, or NaN if any is NaN."""
     return float("nan") if bool(values.isnan().any()) else float(values.max())

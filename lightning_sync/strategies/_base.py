@@ -23,7 +23,12 @@ from typing_extensions import override
 
 from lightning_sync.callbacks import SyncMetricsLogger
 from lightning_sync.comm.compression import Compressor
-from lightning_sync.comm.consistency import TensorMismatch, check_replicas, named_replicated_state
+from lightning_sync.comm.consistency import (
+    TensorMismatch,
+    check_replicas,
+    check_same_structure,
+    named_replicated_state,
+)
 from lightning_sync.comm.meter import CommMeter
 from lightning_sync.config import StrategyConfig
 from lightning_sync.errors import ConfigError
@@ -108,7 +113,14 @@ class SyncStrategyBase(SyncStateCheckpointing, DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         """Sets up the model and optimizers, restores sync state from a checkpoint being resumed, and adds the
         :class:`~lightning_sync.callbacks.SyncMetricsLogger` callback (first, so that the other callbacks' batch-end
-        hooks see this step's ``comm/*`` and ``sync/*``)."""
+        hooks see this step's ``comm/*`` and ``sync/*``).
+
+        Raises:
+            ReplicaMismatchError: the ranks' models have different parameters or buffers (names, shapes, dtypes);
+                checked first, as a collective on them would fail or hang.
+        """
+        if self.world_size > 1 and self.model is not None:
+            check_same_structure([*self.model.named_parameters(), *self.model.named_buffers()])
         super().setup(trainer)
         if self._pending_sync_state is not None:
             self.load_sync_state_dict(self._pending_sync_state)
