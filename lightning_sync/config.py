@@ -46,6 +46,11 @@ class StrategyConfig:
     """What a failed replica check does: ``raise`` a ``ReplicaMismatchError``; ``warn``: log a warning on rank 0
     and go on; ``resync``: make the tensors that differ identical again (rank 0's values; ``ps``: the parameters
     are pulled from the servers) and log what was fixed."""
+    skip_nonfinite: bool = True
+    """Skip an optimizer step whose synced gradients hold a NaN or Inf, on every rank together (the decision is
+    taken on the all-reduced gradients, identical on all ranks, so it costs no extra collective); logged as
+    ``sync/skipped_steps``. With AMP's GradScaler the scaler skips and lowers its scale, and the step is counted.
+    ``periodic`` local steps skip on the rank alone; ``ps`` does not skip (the servers apply what they get)."""
 
     def __post_init__(self) -> None:
         check_choice("start_method", self.start_method, START_METHODS)

@@ -22,7 +22,10 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 from torch.distributed import ProcessGroup
 
+from typing_extensions import override
+
 from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.nonfinite import zero_nonfinite_
 from lightning_sync.comm.tuning import MIB, MIN_CHUNK_MB, PARALLEL_CHUNKS, ROUNDING_SLACK
 from lightning_sync.errors import check_choice, check_range
 
@@ -102,6 +105,10 @@ class Compressor(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state["steps"])
 
+    def forget_nonfinite(self) -> None:
+        """After a step skipped for non-finite gradients: clears what the memory took from them, so that the
+        next steps are not poisoned (the same decision on every rank for memory that is identical on all)."""
+
 
 class CastCompression(Compressor):
     """Ring all-reduce of the bucket, cast to ``wire_dtype`` for the wire (``None``: sent as it is), then the mean.
@@ -143,9 +150,8 @@ class CastCompression(Compressor):
         futures = [meter.all_reduce(part, group=group, async_op=True).get_future() for part in self._slices(wire)]
         done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
 
-        def _decode(_: torch.futures.Future) -> torch.Tensor:
-            for fut in futures:
-                fut.value()  # re-raises the error of a failed collective
+        def _decode(done: torch.futures.Future) -> torch.Tensor:
+            done.value()  # the first failed slice's error (collect_all ends at a failure, before the other slices)
             if wire is not buffer:
                 buffer.copy_(wire)
             return buffer
@@ -241,7 +247,8 @@ class TopKCompression(Compressor):
         gathered = torch.empty(n * 2 * k, dtype=torch.int32, device=payload.device)
         work = meter.all_gather_into_tensor(gathered, payload, group=group, async_op=True)
 
-        def _decode(_: torch.futures.Future) -> torch.Tensor:
+        def _decode(done: torch.futures.Future) -> torch.Tensor:
+            done.value()  # re-raises the error of a failed all-gather (``gathered`` is garbage then)
             per_rank = gathered.view(n, 2, k)
             all_values = per_rank[:, 0, :].reshape(-1).view(torch.float32)
             all_indices = per_rank[:, 1, :].reshape(-1).to(torch.int64)
@@ -261,6 +268,11 @@ class TopKCompression(Compressor):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.residuals = {int(i): r.clone() for i, r in state.get("residuals", {}).items()}
+
+    @override
+    def forget_nonfinite(self) -> None:
+        """Zeroes the NaN and Inf entries of the residuals (each rank's own)."""
+        zero_nonfinite_(self.residuals.values())
 
 
 # ------------------------------------------------------------------------------------------------------- PowerSGD
@@ -426,9 +438,9 @@ class PowerSGDCompression(Compressor):
 
         pending = [f for f in (rest_fut, q_fut) if f is not None]
 
-        def _decode(_: Any) -> torch.Tensor:
-            for f in pending:
-                f.value()  # re-raises the error of a failed collective
+        def _decode(done: Any) -> torch.Tensor:
+            if done is not None:
+                done.value()  # the first failed collective's error (collect_all ends at a failure)
             if rest is not None:
                 offset = 0
                 for i in plain:
@@ -489,6 +501,15 @@ class PowerSGDCompression(Compressor):
                 residuals=[None if r is None else r.clone() for r in saved["residuals"]],
             )
         self._memory = memory
+
+    @override
+    def forget_nonfinite(self) -> None:
+        """Redraws a bucket's ``Q`` factors when any holds a NaN or Inf (they are all-reduced, so every rank does
+        the same), and zeroes the non-finite entries of the residuals (each rank's own)."""
+        for mem in self._memory.values():
+            if not all(bool(q.isfinite().all()) for q in mem.q):
+                mem.q = []
+            zero_nonfinite_(r for r in mem.residuals if r is not None)
 
 
 # -------------------------------------------------------------------------------------------------------- factory

@@ -30,6 +30,7 @@ from lightning_sync.comm.consistency import (
     named_replicated_state,
 )
 from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.nonfinite import drop_grads, grads_are_finite
 from lightning_sync.config import StrategyConfig
 from lightning_sync.errors import ConfigError
 from lightning_sync.strategies._checkpoint import SyncStateCheckpointing
@@ -55,6 +56,8 @@ class SyncStrategyBase(SyncStateCheckpointing, DDPStrategy):
     """
 
     config_class: ClassVar[type[StrategyConfig]] = StrategyConfig
+    skips_nonfinite_steps: ClassVar[bool] = True
+    """Whether ``skip_nonfinite`` applies to this mode (see :mod:`lightning_sync.comm.nonfinite`)."""
     strategy_name: ClassVar[str] = ""
     """The name registered with Lightning's ``StrategyRegistry`` (the first docstring line is its description)."""
 
@@ -83,6 +86,8 @@ class SyncStrategyBase(SyncStateCheckpointing, DDPStrategy):
         self.meter: Optional[CommMeter] = None
         self._sync_steps = 0
         self._steps_unlogged = 0
+        self.skipped_steps = 0
+        """Optimizer steps skipped because the gradients held a NaN or Inf (``skip_nonfinite``)."""
 
     def _check_algorithm_knobs(self) -> None:
         """Checks the knobs that the mode's algorithms own, by building what can be built before launch."""
@@ -149,7 +154,8 @@ class SyncStrategyBase(SyncStateCheckpointing, DDPStrategy):
         """Runs the step (on :meth:`_optimizer_to_step`, the closure wrapped by :meth:`_closure_with_sync`), then the
         mode's end-of-step work, and checks replicas if asked to."""
         stepping = self._optimizer_to_step(optimizer)
-        output = super().optimizer_step(stepping, self._closure_with_sync(closure), model, **kwargs)
+        output = super().optimizer_step(stepping, self._skipping_nonfinite(self._closure_with_sync(closure), optimizer),
+                                        model, **kwargs)
         self._sync_steps += 1
         self._steps_unlogged += 1
         self.on_sync_step_end()
@@ -166,6 +172,26 @@ class SyncStrategyBase(SyncStateCheckpointing, DDPStrategy):
         """The closure to step with (forward, backward); a mode that syncs gradients finishes the sync in it."""
         return closure
 
+    def _skipping_nonfinite(self, closure: Callable[[], Any], optimizer: Optimizer) -> Callable[[], Any]:
+        """``closure``, then, if the (synced) gradients hold a NaN or Inf, the step is skipped and counted (see
+        :mod:`lightning_sync.comm.nonfinite`; with a GradScaler the scaler skips it)."""
+        if not (self.config.skip_nonfinite and self.skips_nonfinite_steps):
+            return closure
+
+        def run() -> Any:
+            output = closure()
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if not grads_are_finite(params):
+                self.skipped_steps += 1
+                if getattr(self.precision_plugin, "scaler", None) is None:
+                    drop_grads(params)
+                compressor = self._active_compressor()
+                if compressor is not None:
+                    compressor.forget_nonfinite()
+            return output
+
+        return run
+
     def on_sync_step_end(self) -> None:
         """Called after every optimizer step that the strategy took; subclasses advance their compressors here."""
 
@@ -180,7 +206,10 @@ class SyncStrategyBase(SyncStateCheckpointing, DDPStrategy):
         if not write or self.meter is None or self._steps_unlogged == 0:
             return {}
         steps, self._steps_unlogged = self._steps_unlogged, 0
-        return {key: value / steps for key, value in self.meter.step().as_metrics().items()}
+        metrics = {key: value / steps for key, value in self.meter.step().as_metrics().items()}
+        if self.config.skip_nonfinite and self.skips_nonfinite_steps:
+            metrics["sync/skipped_steps"] = float(self.skipped_steps)
+        return metrics
 
     # ------------------------------------------------------------------ replica consistency
     def tensors_to_check(self) -> dict[str, torch.Tensor]:

@@ -59,7 +59,11 @@ class SyncStateCheckpointing:
     def sync_state_dict(self) -> dict[str, Any]:
         """This rank's sync state: counters, compressor memory, communication totals and (when replicas may differ)
         its own model and optimizer state; modes add their own."""
-        state: dict[str, Any] = {"sync_steps": self._sync_steps, "comm": vars(self.comm_totals).copy()}
+        state: dict[str, Any] = {
+            "sync_steps": self._sync_steps,
+            "skipped_steps": self.skipped_steps,
+            "comm": vars(self.comm_totals).copy(),
+        }
         compressor = self._active_compressor()
         if compressor is not None:
             state["compressor"] = compressor.state_dict()
@@ -72,6 +76,7 @@ class SyncStateCheckpointing:
         """Restores what :meth:`sync_state_dict` returned on this rank, once the strategy is set up (the optimizer
         states come later, in :meth:`load_optimizer_state_dict`, after Lightning's own)."""
         self._sync_steps = int(state["sync_steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
         if "module_state" in state:
             self.lightning_module.load_state_dict(state["module_state"])
         self._comm_resumed = CommStats(**state.get("comm", {}))

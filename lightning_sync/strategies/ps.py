@@ -49,6 +49,7 @@ class ParameterServerStrategy(DetachableCollectives):
 
     config_class = ParameterServerConfig
     strategy_name = "sync_ps"
+    skips_nonfinite_steps = False  # the servers apply whatever gradients they get
 
     def __init__(self, config: Optional[ParameterServerConfig] = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
@@ -73,8 +74,8 @@ class ParameterServerStrategy(DetachableCollectives):
 
     def _ps_config(self, max_updates: Optional[int]) -> PSConfig:
         cfg = self.config
-        staleness = cfg.max_staleness if cfg.mode == "ssp" else 0
-        return PSConfig(cfg.mode, staleness, max_updates, cfg.compression, cfg.topk_density, cfg.error_feedback)
+        return PSConfig(cfg.mode, cfg.max_staleness if cfg.mode == "ssp" else 0, max_updates, cfg.compression,
+                        cfg.topk_density, cfg.error_feedback)
 
     # ------------------------------------------------------------------ launch and setup
     @override
@@ -203,8 +204,7 @@ class ParameterServerStrategy(DetachableCollectives):
         self._finish()
 
     def _finish(self) -> None:
-        """Once the run is over: every worker pulls the final parameters (the same everywhere), worker 0 keeps the
-        servers' final state for checkpoints written later, all say goodbye, and the workers attach again."""
+        """After the run: all pull the final parameters, worker 0 keeps the servers' state, all say goodbye."""
         if self.client is None or self.final_server_states is not None:
             return
         if not self.client.stopped:

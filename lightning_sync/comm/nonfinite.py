@@ -1,0 +1,40 @@
+"""Skipping an optimizer step whose gradients hold a NaN or an Inf, on every rank together.
+
+After a gradient all-reduce every rank holds the same averaged gradients, and a NaN or Inf on any rank reaches all
+of them (a sum with a NaN is NaN, with an Inf is Inf or NaN). So each rank can decide alone, on its synced
+gradients, and all ranks decide the same: the all-reduce that syncs the gradients is the collective flag, and no
+extra collective is needed. Where a mode steps without syncing (local SGD's local steps) a rank's replica is its own
+until the next sync, and it skips its own step alone.
+
+Skipping is done by dropping the gradients (``param.grad = None``): PyTorch's optimizers leave a parameter without a
+gradient untouched (no momentum, weight decay or step-count update), whatever the optimizer and however Lightning
+calls ``step``. With AMP's ``GradScaler`` nothing is dropped: the scaler sees the same non-finite gradients on every
+rank, skips the step itself and lowers its scale, as it must.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+
+def grads_are_finite(params: Iterable[torch.nn.Parameter]) -> bool:
+    """Whether every gradient of ``params`` is free of NaN and Inf (one max-abs reduction, which cannot overflow)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return True
+    return math.isfinite(float(torch.nn.utils.get_total_norm(grads, norm_type=math.inf)))
+
+
+def drop_grads(params: Iterable[torch.nn.Parameter]) -> None:
+    """Drops the gradients of ``params``, so that an optimizer step leaves them (and its state for them) alone."""
+    for p in params:
+        p.grad = None
+
+
+def zero_nonfinite_(tensors: Iterable[torch.Tensor]) -> None:
+    """Sets the NaN and Inf entries of ``tensors`` to zero, in place (for compressor memory after a skipped step)."""
+    for tensor in tensors:
+        torch.nan_to_num_(tensor, nan=0.0, posinf=0.0, neginf=0.0)

@@ -1,0 +1,152 @@
+"""A NaN or Inf gradient on one rank: every rank skips that step together, and the replicas stay identical.
+
+The Trainer tests fork 2 ranks; rank 1's loss is multiplied by NaN (or Inf) at one batch, which makes all of its
+gradients non-finite. Each rank asserts, at the end of fit, that its parameters are finite, equal to the other
+rank's (max |diff| 0), and that it counted the expected skipped steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_sync import AllReduceStrategy, DDPSyncStrategy, PeriodicSyncStrategy
+from lightning_sync.comm.compression import PowerSGDCompression, TopKCompression
+from lightning_sync.comm.nonfinite import drop_grads, grads_are_finite
+from lightning_sync.data import DigitsDataModule
+from lightning_sync.models import DigitsClassifier
+from lightning_utils import make_trainer
+
+TIMEOUT = pytest.mark.timeout(120)
+BAD_BATCH, STEPS = 3, 8
+
+
+# ------------------------------------------------------------------------------------------------ comm functions
+def test_grads_are_finite_sees_nan_and_inf_and_huge_values_are_finite():
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.full((4,), 3e38)  # the max-abs reduction cannot overflow: huge but finite is finite
+    assert grads_are_finite([p])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        p.grad[2] = bad
+        assert not grads_are_finite([p]), bad
+    drop_grads([p])
+    assert p.grad is None and grads_are_finite([p])
+
+
+def test_compressor_memory_forgets_nonfinite_entries():
+    topk = TopKCompression(density=0.5)
+    topk.residuals = {0: torch.tensor([1.0, float("nan"), float("inf"), 2.0])}
+    topk.forget_nonfinite()
+    assert torch.equal(topk.residuals[0], torch.tensor([1.0, 0.0, 0.0, 2.0]))
+
+    powersgd = PowerSGDCompression(rank=1)
+    from lightning_sync.comm.compression import _PowerSGDMemory
+
+    good_q = torch.ones(3, 1)
+    powersgd._memory = {
+        0: _PowerSGDMemory([torch.Size([2, 3])], torch.Generator(), [torch.tensor([[float("nan")], [1.0], [1.0]])],
+                           [torch.tensor([[float("inf"), 1.0, 1.0], [1.0, 1.0, 1.0]])]),
+        1: _PowerSGDMemory([torch.Size([2, 3])], torch.Generator(), [good_q], [None]),
+    }
+    powersgd.forget_nonfinite()
+    assert powersgd._memory[0].q == [] and powersgd._memory[0].residuals[0][0, 0] == 0.0  # redrawn, zeroed
+    assert powersgd._memory[1].q == [good_q]
+
+
+# ------------------------------------------------------------------------------------------------ Trainer
+class _PoisonedOnRank1(DigitsClassifier):
+    """Rank 1's loss becomes ``poison`` times the loss at batch ``BAD_BATCH`` of epoch 0."""
+
+    def __init__(self, poison: float) -> None:
+        super().__init__(hidden=16, num_hidden_layers=1)
+        self.poison = poison
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_rank == 1 and batch_idx == BAD_BATCH and self.current_epoch == 0:
+            loss = loss * self.poison
+        return loss
+
+
+class _Outcome(pl.Callback):
+    """At the end of fit (after any final sync), on every rank: finite, identical parameters and the skip count."""
+
+    def __init__(self, skipped: tuple[int, int], identical: bool = True) -> None:
+        self.skipped, self.identical = skipped, identical
+        self.logged: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        value = trainer.callback_metrics.get("sync/skipped_steps")
+        if value is not None:
+            self.logged.append(float(value))
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        rank = trainer.global_rank
+        flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+        assert trainer.strategy.skipped_steps == self.skipped[rank], (rank, trainer.strategy.skipped_steps)
+        assert self.logged and self.logged[-1] == self.skipped[rank], self.logged
+        if not self.identical:
+            return
+        assert bool(flat.isfinite().all()), f"rank {rank}: non-finite parameters"
+        gathered = trainer.strategy.all_gather(flat)
+        diff = (gathered[0] - gathered[1]).abs().max().item()
+        print(f"rank {rank}: skipped {trainer.strategy.skipped_steps}, max |param diff| across replicas {diff}")
+        assert diff == 0.0, diff
+
+
+def _fit(strategy: Any, poison: float, *callbacks: pl.Callback, **trainer_kwargs: Any) -> None:
+    pl.seed_everything(0, verbose=False)
+    trainer = make_trainer(strategy, callbacks=list(callbacks), max_steps=STEPS, **trainer_kwargs)
+    trainer.fit(_PoisonedOnRank1(poison), datamodule=DigitsDataModule(batch_size=16))
+
+
+@TIMEOUT
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize(
+    "make_strategy",
+    [
+        lambda: AllReduceStrategy(start_method="fork"),
+        lambda: AllReduceStrategy(start_method="fork", compression="topk", topk_density=0.1),
+        lambda: AllReduceStrategy(start_method="fork", compression="powersgd", powersgd_rank=1, powersgd_start_iter=1),
+        lambda: DDPSyncStrategy(start_method="fork"),
+        lambda: PeriodicSyncStrategy(start_method="fork", mode="gradient", sync_every=2),
+    ],
+    ids=["allreduce", "allreduce-topk", "allreduce-powersgd", "ddp", "periodic-gradient"],
+)
+def test_all_ranks_skip_the_step_together(make_strategy, poison):
+    _fit(make_strategy(), poison, _Outcome(skipped=(1, 1)))
+
+
+@TIMEOUT
+def test_local_steps_skip_on_the_rank_alone_and_the_sync_still_agrees():
+    strategy = PeriodicSyncStrategy(start_method="fork", mode="local_sgd", sync_every=4)
+    _fit(strategy, float("nan"), _Outcome(skipped=(0, 1)))
+
+
+@TIMEOUT
+def test_without_the_skip_the_nan_reaches_every_replica():
+    """The control: with ``skip_nonfinite=False`` the same run ends with NaN parameters on both ranks."""
+
+    class _Poisoned(pl.Callback):
+        def on_fit_end(self, trainer, pl_module) -> None:
+            assert not all(bool(p.isfinite().all()) for p in pl_module.parameters()), "expected NaN parameters"
+
+    _fit(AllReduceStrategy(start_method="fork", skip_nonfinite=False), float("nan"), _Poisoned())
+
+
+@TIMEOUT
+def test_grad_scaler_skips_and_the_step_is_counted():
+    """AMP with a GradScaler (on CPU, given explicitly): it skips the overflowing step, on both ranks, and lowers
+    its scale; nothing is dropped by the strategy, and the step is counted."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    class _Scale(pl.Callback):
+        def on_fit_end(self, trainer, pl_module) -> None:
+            scaler = trainer.precision_plugin.scaler
+            assert scaler is not None and scaler.get_scale() < 2.0**16, scaler.get_scale()
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**16))
+    _fit(AllReduceStrategy(start_method="fork"), float("inf"), _Outcome(skipped=(1, 1)), _Scale(), plugins=[plugin])
