@@ -71,8 +71,14 @@ class SyncReport(pl.Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Notes where a resumed fit resumed (``resumed_from``, ``resumed_at_step``; said on rank 0's stderr)."""
         meter = getattr(trainer.strategy, "meter", None)
         self._comm_at_start = meter.total if meter is not None else None
+        if trainer.ckpt_path:
+            self.summary.update(resumed_from=str(trainer.ckpt_path), resumed_at_step=trainer.global_step)
+            if trainer.is_global_zero:
+                print(f"resumed from {trainer.ckpt_path} at step {trainer.global_step} (epoch "
+                      f"{trainer.current_epoch})", file=sys.stderr, flush=True)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
@@ -99,7 +105,8 @@ class SyncReport(pl.Callback):
             self.summary["launch_point"] = synchronizer.launch_point
         meter = getattr(trainer.strategy, "meter", None)
         if meter is not None and self._comm_at_start is not None:
-            total = meter.total - self._comm_at_start  # training only: setup broadcasts are not a step's
+            # training only (setup broadcasts are not a step's), and across resumes, as global_step is
+            total = getattr(trainer.strategy, "comm_totals", None) or meter.total - self._comm_at_start
             self.summary.update(
                 bytes_sent_per_step=total.bytes_sent / steps,
                 bytes_recv_per_step=total.bytes_recv / steps,

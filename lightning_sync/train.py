@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -32,7 +33,17 @@ def _config_dir() -> str:
     raise FileNotFoundError(f"no Hydra config found beside {here}")
 
 
+def _run_stamp() -> str:
+    """The run folder's stamp: the time (``%H-%M-%S``), or under torchrun its run id, so that every rank, node and
+    restart of one torchrun job writes to (and resumes from) the same folder."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return f"torchrun-{run_id}"
+    return time.strftime("%H-%M-%S")
+
+
 CONFIG_DIR = _config_dir()
+OmegaConf.register_new_resolver("run_stamp", _run_stamp, use_cache=True, replace=True)
 register_strategy_schemas()  # conf/strategy/*.yaml start from these
 # Environment variables Lightning's popen launcher sets in the parent; cleared between the jobs of a sweep.
 _LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -187,7 +198,7 @@ def run(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     report = next(cb for cb in trainer.callbacks if isinstance(cb, SyncReport))
     guard = next(cb for cb in trainer.callbacks if isinstance(cb, DivergenceGuard))
     try:
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        trainer.fit(model, datamodule=datamodule, ckpt_path=_ckpt_path(cfg))
         # Every rank's guard agreed. With fork/spawn the guards ran in the ranks, and the file rank 0 wrote is the
         # record (read only where no guard ran: a popen rank 1 could catch rank 0 half-way through writing it).
         diverged = guard.diverged_at_step is not None
@@ -207,6 +218,15 @@ def run(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
         return {}
     # With fork/spawn the callbacks ran in the ranks, not here: the file rank 0 wrote is the record.
     return read_summary(report.path) or report.summary
+
+
+def _ckpt_path(cfg: DictConfig) -> str | None:
+    """``cfg.ckpt_path``; when unset in a run that torchrun restarted (``--max-restarts``), ``"last"``: Lightning's
+    name for the newest ``last.ckpt`` of the ModelCheckpoint callbacks (none yet: the fit starts afresh)."""
+    path = cfg.get("ckpt_path")
+    if path is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return "last"
+    return path
 
 
 def _end_job(trainer: Any, launch_env: dict[str, str | None], failed: bool = False) -> None:

@@ -35,6 +35,7 @@ from lightning_sync.config import StrategyConfig
 from lightning_sync.errors import ConfigError
 from lightning_sync.strategies._checkpoint import SyncStateCheckpointing
 from lightning_sync.strategies._launcher import configure_launcher
+from lightning_sync.strategies._torchelastic import join_restarted_torchelastic_group
 
 
 class SyncStrategyBase(SyncStateCheckpointing, DDPStrategy):
@@ -101,6 +102,14 @@ class SyncStrategyBase(SyncStateCheckpointing, DDPStrategy):
     def _configure_launcher(self) -> None:
         """Lightning's launcher for the start method, Hydra-aware for ``popen`` (see ``_launcher``)."""
         configure_launcher(self, super()._configure_launcher)
+
+    @override
+    def setup_distributed(self) -> None:
+        """Joins the process group as Lightning does; after a torchrun restart, through a store of the attempt's
+        own (see :func:`~lightning_sync.strategies._torchelastic.join_restarted_torchelastic_group`)."""
+        self.set_world_ranks()
+        join_restarted_torchelastic_group(self)
+        super().setup_distributed()
 
     @override
     def setup_environment(self) -> None:
