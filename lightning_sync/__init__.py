@@ -2,41 +2,55 @@
 
 Importing the package registers the strategies with Lightning's ``StrategyRegistry`` (``sync_ddp``, ...), so
 ``Trainer(strategy="sync_ddp")`` works as well as passing an object.
+
+One exception keeps the command-line tools quick to answer: while Python locates a ``python -m
+lightning_sync.<tool>`` module (``sys.argv[0]`` is then ``"-m"``), the strategies, and with them torch and
+Lightning, are not imported here. The tool checks its arguments first and imports what it needs after; the public
+names below still resolve on first use (and register the strategies then).
 """
 
-from lightning_sync.comm.meter import CommMeter, CommStats
-from lightning_sync.errors import ConfigError
-from lightning_sync.strategies.allreduce import AllReduceStrategy
-from lightning_sync.strategies.ddp import DDPSyncStrategy
-from lightning_sync.strategies.periodic import PeriodicSyncStrategy
-from lightning_sync.strategies.ps import ParameterServerStrategy
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
 
 __version__ = "0.1.0"
 
-# registry name -> class (each class carries its name; its docstring's first line is the description)
-STRATEGIES = {
-    cls.strategy_name: cls
-    for cls in (DDPSyncStrategy, AllReduceStrategy, PeriodicSyncStrategy, ParameterServerStrategy)
+# public name -> the module that defines it
+_PUBLIC = {
+    "AllReduceStrategy": "lightning_sync.strategies",
+    "DDPSyncStrategy": "lightning_sync.strategies",
+    "ParameterServerStrategy": "lightning_sync.strategies",
+    "PeriodicSyncStrategy": "lightning_sync.strategies",
+    "STRATEGIES": "lightning_sync.strategies",
+    "CommMeter": "lightning_sync.comm.meter",
+    "CommStats": "lightning_sync.comm.meter",
+    "CheckpointError": "lightning_sync.errors",
+    "ConfigError": "lightning_sync.errors",
 }
 
 
-def _register_strategies() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_sync' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-    for name, cls in STRATEGIES.items():
-        if name not in StrategyRegistry:
-            StrategyRegistry.register(name, cls, description=cls.__doc__.strip().splitlines()[0])
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])
 
 
-_register_strategies()
+if sys.argv[:1] != ["-m"]:
+    from lightning_sync.strategies import (  # noqa: E402  (registers the strategies)
+        STRATEGIES,
+        AllReduceStrategy,
+        DDPSyncStrategy,
+        ParameterServerStrategy,
+        PeriodicSyncStrategy,
+    )
 
-__all__ = [
-    "AllReduceStrategy",
-    "CommMeter",
-    "CommStats",
-    "ConfigError",
-    "DDPSyncStrategy",
-    "ParameterServerStrategy",
-    "PeriodicSyncStrategy",
-    "STRATEGIES",
-]
+__all__ = sorted(_PUBLIC)

@@ -10,20 +10,49 @@ knob that is not a field is rejected when the config is composed.
 from __future__ import annotations
 
 from dataclasses import field, make_dataclass
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from lightning_sync.config import AllReduceConfig, DDPConfig, ParameterServerConfig, PeriodicConfig, StrategyConfig
+from lightning_sync.errors import ConfigError
+
 SCHEMA_GROUP = "schema/strategy"
+
+# Hydra option -> (the strategy class Hydra instantiates, its config dataclass). Written out rather than read off
+# the classes so that composing and checking a config imports neither torch nor Lightning; a test checks that it
+# matches lightning_sync.STRATEGIES.
+MODES: dict[str, tuple[str, type[StrategyConfig]]] = {
+    "ddp": ("lightning_sync.DDPSyncStrategy", DDPConfig),
+    "allreduce": ("lightning_sync.AllReduceStrategy", AllReduceConfig),
+    "periodic": ("lightning_sync.PeriodicSyncStrategy", PeriodicConfig),
+    "ps": ("lightning_sync.ParameterServerStrategy", ParameterServerConfig),
+}
 
 
 def register_strategy_schemas() -> None:
-    """Stores ``schema/strategy/<mode>`` for each strategy of :data:`lightning_sync.STRATEGIES` (idempotent)."""
-    from lightning_sync import STRATEGIES
-
+    """Stores ``schema/strategy/<mode>`` for each of :data:`MODES` (idempotent)."""
     store = ConfigStore.instance()
-    for name, cls in STRATEGIES.items():
-        target = f"{cls.__module__.split('.')[0]}.{cls.__name__}"
+    for mode, (target, config_class) in MODES.items():
         schema = make_dataclass(
-            f"{cls.config_class.__name__}Schema", [("_target_", str, field(default=target))], bases=(cls.config_class,)
+            f"{config_class.__name__}Schema", [("_target_", str, field(default=target))], bases=(config_class,)
         )
-        store.store(group=SCHEMA_GROUP, name=name.removeprefix("sync_"), node=schema)
+        store.store(group=SCHEMA_GROUP, name=mode, node=schema)
+
+
+def check_strategy_knobs(strategy: Any) -> None:
+    """Builds the strategy's config dataclass from a composed ``strategy`` node, so a bad value is reported (as the
+    strategy's constructor would) without importing torch or Lightning.
+
+    Raises:
+        ConfigError: naming ``strategy.<knob>``, the value and what is allowed.
+    """
+    target = strategy.get("_target_")
+    config_class = next((cls for name, cls in MODES.values() if name == target), None)
+    if config_class is None:  # another strategy class: its own constructor checks it
+        return
+    knobs = {key: value for key, value in strategy.items() if key != "_target_"}
+    try:
+        config_class(**knobs)
+    except ConfigError as error:
+        raise error.under("strategy") from None

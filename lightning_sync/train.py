@@ -19,8 +19,7 @@ from typing import Any, NoReturn
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-import lightning_sync  # noqa: F401  (registers the strategies)
-from lightning_sync.conf_store import register_strategy_schemas
+from lightning_sync.conf_store import check_strategy_knobs, register_strategy_schemas
 from lightning_sync.errors import ConfigError, check_range
 
 
@@ -75,6 +74,8 @@ def build(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> tuple[Any, Any, Any
             :class:`~lightning_sync._console.ProgressReport` among them replaces the default one.
     """
     import lightning.pytorch as pl
+
+    import lightning_sync.strategies  # noqa: F401  (registers the strategies with Lightning)
 
     _validate_trainer(cfg)
     try:
@@ -264,6 +265,8 @@ def _end_job(trainer: Any, launch_env: dict[str, str | None], failed: bool = Fal
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
     try:
+        _validate_trainer(cfg)  # before torch and Lightning are imported: a mistake is reported at once
+        check_strategy_knobs(OmegaConf.to_container(cfg.strategy, resolve=True))
         summary = run(cfg)
     except ConfigError as exc:
         _exit_config_error(exc)

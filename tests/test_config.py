@@ -102,6 +102,32 @@ def test_every_registered_strategy_has_a_yaml():
         assert hydra.utils.get_class(_compose(f"strategy={mode}").strategy._target_) is cls
 
 
+def test_hydra_modes_match_the_registered_strategies():
+    from lightning_sync.conf_store import MODES
+
+    assert {f"sync_{mode}" for mode in MODES} == set(lightning_sync.STRATEGIES)
+    for mode, (target, config_class) in MODES.items():
+        cls = lightning_sync.STRATEGIES[f"sync_{mode}"]
+        assert hydra.utils.get_class(target) is cls and cls.config_class is config_class
+
+
+def test_config_errors_need_neither_torch_nor_lightning():
+    """The Hydra app reports a bad strategy knob before torch or Lightning is imported (about a second)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; sys.argv = ['-m']; import lightning_sync.train as t; "
+        "from lightning_sync.conf_store import check_strategy_knobs\n"
+        "try:\n    check_strategy_knobs({'_target_': 'lightning_sync.AllReduceStrategy', 'timeout_s': -1})\n"
+        "except Exception as e:\n    print(type(e).__name__, e)\n"
+        "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120).stdout
+    assert "ConfigError strategy.timeout_s=-1 is not allowed; it must be > 0" in out, out
+    assert out.strip().endswith("[]"), out
+
+
 def _imports(path: Path) -> set[str]:
     """The modules ``path`` imports (absolute names; relative imports are resolved against the package)."""
     names: set[str] = set()
