@@ -40,7 +40,7 @@ bench: setup
 	OMP_NUM_THREADS=1 $(PY) benchmarks/step_time.py $(BENCH_ARGS)
 
 notebook: setup
-	OMP_NUM_THREADS=1 $(PY) notebooks/compare_sync_modes.py
+	OMP_NUM_THREADS=1 $(PY) notebooks/01_overview.py
 
 clean-venv:
 	rm -rf $(VENV)

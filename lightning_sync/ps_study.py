@@ -26,19 +26,18 @@ experiments.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-import torch
 from typing_extensions import override
+
+from lightning_sync.study import Timeline, batch_loss, format_cell, markdown_table, read_timelines, run_with_timeline
 
 TIMELINE_DIR = "ps_timeline"
 """The folder, inside a run folder, of the workers' timelines (``rank<r>.json``)."""
@@ -117,15 +116,15 @@ def ps_overrides(
 
 
 # ---------------------------------------------------------------------------------------------------- recording
-class PSTimeline(pl.Callback):
+class PSTimeline(Timeline):
     """In every worker of a ``strategy=ps`` fit: notes each push's reply; writes them when training ends.
 
-    A row per training batch: ``t`` (``time.monotonic`` after the batch), ``version`` (the servers' oldest
-    version in the reply), ``staleness`` (the push's largest staleness over the servers; ``-1`` if the reply was
-    not to an applied push, e.g. the pull after the stop), ``applied``, ``ingress`` (each server's bytes received
-    so far) and ``loss`` (the batch's training loss). Worker 0 with ``probe_every_s`` also evaluates the model on
-    the datamodule's validation split every ``probe_every_s`` seconds (a classifier's logits: accuracy and
-    cross-entropy; about a millisecond on the digits), without any collective, so no other worker waits for it.
+    A row per training batch whose push got a reply: ``t`` (``time.monotonic`` after the batch), ``version`` (the
+    servers' oldest version in the reply), ``staleness`` (the push's largest staleness over the servers; ``-1`` if
+    the reply was not to an applied push, e.g. the pull after the stop), ``applied``, ``ingress`` (each server's
+    bytes received so far) and ``loss`` (the batch's training loss). Worker 0 with ``probe_every_s`` also evaluates
+    the model on the datamodule's validation split every ``probe_every_s`` seconds, as
+    :class:`~lightning_sync.study.Timeline` does, noting the servers' version with each probe.
 
     Args:
         out_dir: where to write ``rank<r>.json`` (created if missing).
@@ -133,89 +132,32 @@ class PSTimeline(pl.Callback):
     """
 
     def __init__(self, out_dir: str | Path, probe_every_s: Optional[float] = None) -> None:
-        self.out_dir = Path(out_dir)
-        self.probe_every_s = probe_every_s
-        self._rows: list[dict[str, Any]] = []
-        self._probes: list[dict[str, float]] = []
-        self._meta: dict[str, Any] = {}
-        self._first_batch: Optional[float] = None
-        self._last_probe = -math.inf
-        self._probe_data: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        super().__init__(out_dir, probe_every_s=probe_every_s)
 
     @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        strategy = trainer.strategy
-        config = getattr(strategy, "config", None)
-        params = [p for p in pl_module.parameters() if p.requires_grad]
-        self._meta = {
-            "rank": trainer.global_rank,
-            "workers": strategy.num_processes * strategy.num_nodes,  # world_size reads 1 once async workers detach
-            "mode": getattr(config, "mode", None),
-            "num_servers": getattr(config, "num_servers", None),
-            "model_bytes": sum(p.numel() * p.element_size() for p in params),
-            "fit_start": time.monotonic(),
-        }
-        self._rows, self._probes, self._first_batch, self._last_probe = [], [], None, -math.inf
+    def _meta_fields(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """Adds the number of servers."""
+        config = getattr(trainer.strategy, "config", None)
+        return {**super()._meta_fields(trainer, pl_module), "num_servers": getattr(config, "num_servers", None)}
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
-        if self._first_batch is None:
-            self._first_batch = time.monotonic()
-            self._meta.update(batch_size=_batch_size(batch), cpu_at_first_batch=time.process_time())
-
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        now = time.monotonic()
+    def _row(self, trainer: pl.Trainer, outputs: Any) -> Optional[dict[str, Any]]:
+        """The push's reply (``None`` before the first reply)."""
         reply = getattr(trainer.strategy, "last_reply", None)
         if reply is None:
-            return
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        self._rows.append({
-            "t": now,
+            return None
+        return {
             "version": reply.version,
             "staleness": reply.stalest if reply.applied else -1,
             "applied": bool(reply.applied),
             "ingress": list(reply.server_bytes_recv),
-            "loss": float(loss.detach()) if isinstance(loss, torch.Tensor) else None,
-        })  # fmt: skip
-        if self.probe_every_s is not None and trainer.global_rank == 0 and now - self._last_probe >= self.probe_every_s:
-            self._last_probe = now
-            self._probe(trainer, pl_module, now, reply.version)
-
-    def _probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule, now: float, version: int) -> None:
-        """Worker 0's validation accuracy and loss with the parameters it holds (the servers' after its push)."""
-        started = time.monotonic()
-        if self._probe_data is None:
-            batches = list(trainer.datamodule.val_dataloader())
-            self._probe_data = (torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
-        x, y = self._probe_data
-        was_training = pl_module.training
-        pl_module.eval()
-        with torch.no_grad():
-            logits = pl_module(x)
-        pl_module.train(was_training)
-        self._probes.append({
-            "t": now,
-            "version": version,
-            "acc": float((logits.argmax(-1) == y).float().mean()),
-            "loss": float(torch.nn.functional.cross_entropy(logits, y)),
-            "cost_s": time.monotonic() - started,
-        })  # fmt: skip
+            "loss": batch_loss(outputs),
+        }
 
     @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        record = {**self._meta, "first_batch": self._first_batch, "cpu_at_end": time.process_time(),
-                  "rows": self._rows, "probes": self._probes}
-        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
-
-
-def _batch_size(batch: Any) -> Optional[int]:
-    """Samples in a batch: the first dimension of its first tensor (``None`` if it has none)."""
-    first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
-    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.ndim > 0 else None
+    def _probe_fields(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """The servers' version the probed parameters come from."""
+        return {"version": trainer.strategy.last_reply.version}
 
 
 # ---------------------------------------------------------------------------------------------------- one run
@@ -250,8 +192,7 @@ class PSRun:
              wall_s: float = math.nan) -> PSRun:
         """Reads a run folder written by :func:`run_ps` (``summary``: ``summary.json`` if not given)."""
         run_dir = Path(run_dir)
-        files = sorted((run_dir / TIMELINE_DIR).glob("rank*.json"), key=lambda p: int(p.stem[4:]))
-        workers = [json.loads(f.read_text()) for f in files]
+        workers = read_timelines(run_dir / TIMELINE_DIR)
         if summary is None:
             file = run_dir / "summary.json"
             summary = json.loads(file.read_text()) if file.is_file() else {}
@@ -385,18 +326,9 @@ def run_ps(name: str, overrides: Sequence[str], run_dir: str | Path, probe_every
     Raises:
         RuntimeError: the fit diverged, or a worker wrote no timeline.
     """
-    from lightning_sync._console import ProgressReport, quiet_lightning
-    from lightning_sync.compare import run_case
-
-    quiet_lightning()
     run_dir = Path(run_dir)
-    for old in (run_dir / TIMELINE_DIR).glob("rank*.json"):
-        old.unlink()
-    progress = ProgressReport(label=name, bar=False, stream=io.StringIO() if quiet else None)
-    started = time.perf_counter()
-    summary = run_case(list(overrides), run_dir,
-                       callbacks=[PSTimeline(run_dir / TIMELINE_DIR, probe_every_s), *callbacks, progress])
-    wall = time.perf_counter() - started
+    timeline = PSTimeline(run_dir / TIMELINE_DIR, probe_every_s)
+    summary, wall = run_with_timeline(name, overrides, run_dir, timeline, callbacks, quiet)
     if summary.get("diverged"):
         raise RuntimeError(f"{name}: training diverged at step {summary.get('diverged_at_step')} ({run_dir})")
     run = PSRun.load(name, run_dir, summary, wall)
@@ -458,17 +390,14 @@ def format_table(rows: Sequence[dict[str, Any]], reference: str = "sync") -> str
     header = ("mode", "samples/s", f"vs {reference}", "staleness mean", "staleness max", "test acc",
               "ms/step (worker 0)", "training s")
 
-    def cell(value: Any, spec: str, suffix: str = "") -> str:
-        return "-" if value is None else format(value, spec) + suffix
-
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    cell = format_cell
+    cells = []
     for r in rows:
         acc = None if r["test_acc"] is None else 100 * r["test_acc"]
-        cells = (r["name"], cell(r["throughput"], ",.0f"), cell(r["ratio"], ".2f", "x"),
-                 cell(r["staleness_mean"], ".2f"), cell(r["staleness_max"], "d"), cell(acc, ".2f", "%"),
-                 cell(r["step_ms"], ".2f"), cell(r["training_s"], ".1f"))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        cells.append((r["name"], cell(r["throughput"], ",.0f"), cell(r["ratio"], ".2f", "x"),
+                      cell(r["staleness_mean"], ".2f"), cell(r["staleness_max"], "d"), cell(acc, ".2f", "%"),
+                      cell(r["step_ms"], ".2f"), cell(r["training_s"], ".1f")))
+    return markdown_table(header, cells)
 
 
 def staleness_histogram(runs: Sequence[PSRun]) -> dict[int, list[int]]:

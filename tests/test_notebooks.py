@@ -10,6 +10,18 @@ from pathlib import Path
 import pytest
 
 NOTEBOOKS = sorted(Path(__file__).resolve().parent.parent.joinpath("notebooks").glob("*.py"))
+# What each notebook must print in SMOKE mode (headers of the tables it prints) and the figures it must draw.
+EXPECTED = {
+    "01_overview": (("test acc", "ms/step", "comm ms/step", "bytes sent/step", "calls/step"), 5),
+    "02_periodic": (("test acc", "bytes sent/batch", "mean divergence", "comm share"), 3),
+    "03_parameter_server": (("test acc", "ms/step", "samples/s"), 3),
+    "04_compression": (("test acc", "bytes sent/step", "modelled ms/batch 10mbit"), 2),
+}
+# Runs a notebook source as __main__, then reports how many matplotlib figures it left open (Agg backend).
+_RUN_AND_COUNT = (
+    "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__'); "
+    "import matplotlib.pyplot as plt; print(f'FIGURES DRAWN: {len(plt.get_fignums())}')"
+)
 
 
 @pytest.mark.parametrize("source", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -21,16 +33,23 @@ def test_is_a_valid_percent_notebook(source):
     assert len(code) >= 3 and any(c.cell_type == "markdown" for c in notebook.cells)
     assert "SMOKE" in source.read_text()
     assert all("sys.path" not in c.source for c in code), "notebooks import everything from the installed package"
+    for plumbing in ("import csv", "run_case(", "subprocess"):  # runs and their files are read by the package
+        assert all(plumbing not in c.source for c in code), f"{source.name}: {plumbing!r} belongs in the package"
+    assert source.stem in EXPECTED, f"add {source.stem} to EXPECTED: what its SMOKE run prints and draws"
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("source", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_runs_in_smoke_mode(source, tmp_path):
-    env = dict(os.environ, SMOKE="1", OMP_NUM_THREADS="1", NOTEBOOK_OUT=str(tmp_path / "out"))
-    proc = subprocess.run([sys.executable, str(source)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=580)
+    env = dict(os.environ, SMOKE="1", OMP_NUM_THREADS="1", NOTEBOOK_OUT=str(tmp_path / "out"), MPLBACKEND="Agg")
+    proc = subprocess.run([sys.executable, "-c", _RUN_AND_COUNT, str(source)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=580)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "test acc" in proc.stdout and "ms/step" in proc.stdout, proc.stdout[-2000:]
+    printed, figures = EXPECTED[source.stem]
+    missing = [text for text in printed if text not in proc.stdout]
+    assert not missing, f"{missing} not printed:\n{proc.stdout[-2000:]}"
+    drawn = int(proc.stdout.rsplit("FIGURES DRAWN: ", 1)[1].split()[0])
+    assert drawn >= figures, f"{source.name} drew {drawn} figures, expected at least {figures}"
 
 
 PAIRED = [p for p in NOTEBOOKS if p.with_suffix(".ipynb").is_file()]
@@ -45,4 +64,8 @@ def test_paired_ipynb_is_in_sync_and_has_the_outputs_of_a_run(source):
     executed = jupytext.read(source.with_suffix(".ipynb"))
     assert [(c.cell_type, c.source) for c in executed.cells] == [(c.cell_type, c.source) for c in script.cells]
     outputs = [o for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", [])]
-    assert any("image/png" in o.get("data", {}) for o in outputs), "no figure in the committed notebook"
+    assert not [o for o in outputs if o.get("output_type") == "error"], "the committed run raised"
+    figures = sum("image/png" in o.get("data", {}) for o in outputs)
+    assert figures >= EXPECTED[source.stem][1], f"{figures} figures in the committed notebook"
+    text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
+    assert "SMOKE" not in text, "the committed notebook holds the outputs of a SMOKE run"

@@ -1,0 +1,138 @@
+"""lightning_sync.study: the notebooks' experiment helpers, on written run folders and on real 2-rank runs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lightning_sync.study import (
+    TIMELINE_DIR,
+    StudyRun,
+    Timeline,
+    format_link_model,
+    format_runs,
+    load_time_to_accuracy,
+    modelled_accuracy_curve,
+    modelled_step_seconds,
+    modelled_time_to_accuracy,
+    periodic_cases,
+    run_cases,
+)
+
+DIGITS_GRADIENT_BYTES = 104_488  # 26,122 fp32 parameters: a ring all-reduce on 2 ranks sends that many per rank
+
+
+def _write_run(run_dir: Path) -> StudyRun:
+    """A run folder of 6 batches, 3 optimizer steps (accumulation 2), a sync at batches 2, 4 and 6."""
+    (run_dir / TIMELINE_DIR).mkdir(parents=True)
+    rows = []
+    for batch in range(1, 7):
+        synced = batch % 2 == 0
+        rows.append({"t": 100.0 + batch, "batch": batch, "seconds": 0.5, "comm_s": 0.2 if synced else 0.0,
+                     "step": batch // 2, "loss": float(7 - batch), "divergence": 0.1 * batch if synced else None,
+                     "period": 2})
+    probes = [{"t": 101.0, "batch": 1, "step": 0, "acc": 0.2, "loss": 2.0, "cost_s": 0.25},
+              {"t": 105.0, "batch": 5, "step": 2, "acc": 0.8, "loss": 0.5, "cost_s": 0.25}]
+    record = {"rank": 0, "workers": 2, "mode": "local_sgd", "model_bytes": 400, "batch_size": 8, "first_batch": 100.5,
+              "rows": rows, "probes": probes}
+    (run_dir / TIMELINE_DIR / "rank0.json").write_text(json.dumps(record))
+    summary = {"optimizer_steps": 3, "batches": 6, "step_time_ms": 500.0, "bytes_sent_per_step": 1000.0,
+               "comm_seconds_per_step": 0.4, "calls_per_step": 2.0, "test": {"test/acc": 0.75}, "diverged": False}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    (run_dir / "metrics.csv").write_text("comm/bytes_sent,step,sync/period\n1000.0,0,2\n,1,\n1000.0,2,2\n")
+    return StudyRun.load("case", run_dir)
+
+
+def test_a_run_folder_reads_back_per_batch(tmp_path):
+    run = _write_run(tmp_path / "run")
+    assert run.batches == 6 and run.test_accuracy == 0.75 and not run.diverged
+    assert run.bytes_sent_per_batch == pytest.approx(500.0)  # 3 steps x 1000 bytes over 6 batches
+    assert run.compute_seconds_per_batch(warmup=0) == pytest.approx(0.4)  # median of 0.5 and 0.3 over six batches
+    # the clock starts at the first batch and leaves the probes out: the last row (106.0) is 5.5 s in, minus 2 x 0.25
+    assert run.training_s == pytest.approx(5.0)
+    assert run.comm_share == pytest.approx(0.4 * 3 / 5.0)
+    assert run.accuracy_curve(x="time") == ([pytest.approx(0.5), pytest.approx(4.25)], [0.2, 0.8])
+    assert run.accuracy_curve() == ([1.0, 5.0], [0.2, 0.8])
+    x, loss = run.loss_curve(smooth=2)
+    assert x == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] and loss[:3] == [6.0, 5.5, 4.5]
+    assert run.series("divergence") == ([1.0, 2.0, 3.0], [pytest.approx(0.2), pytest.approx(0.4), pytest.approx(0.6)])
+    assert run.syncs == 3 and run.mean_divergence == pytest.approx(0.4)
+    assert run.batches_to_accuracy(0.5) == 5 and run.batches_to_accuracy(0.9) is None
+    assert run.metric("comm/bytes_sent") == ([0, 2], [1000.0, 1000.0])
+    with pytest.raises(ValueError, match="x='epoch' is not allowed"):
+        run.loss_curve(x="epoch")
+
+
+def test_slow_link_model_is_compute_plus_bytes_over_rate(tmp_path):
+    run = _write_run(tmp_path / "run")
+    compute = run.compute_seconds_per_batch()  # batches 4 to 6: 0.3, 0.5, 0.3
+    assert compute == pytest.approx(0.3)
+    assert modelled_step_seconds(run, 1e4) == pytest.approx(0.3 + 8 * 500 / 1e4)
+    assert modelled_time_to_accuracy(run, 0.5, 1e4) == pytest.approx(5 * (0.3 + 0.4))
+    assert modelled_time_to_accuracy(run, 0.9, 1e4) is None
+    assert modelled_accuracy_curve(run, 1e4) == ([pytest.approx(0.7), pytest.approx(3.5)], [0.2, 0.8])
+    table = format_link_model([run], 0.5, {"10kbit": 1e4})
+    assert "| case | 300.00 | 5 | 700.0 | 3.5 |" in table
+
+
+def test_tables_name_their_columns(tmp_path):
+    run = _write_run(tmp_path / "run")
+    table = format_runs([run], columns=("test acc", "bytes sent/batch", "syncs", "mean divergence", "comm share"))
+    assert table.splitlines()[0] == "| case | test acc | bytes sent/batch | syncs | mean divergence | comm share |"
+    assert table.splitlines()[2] == "| case | 75.00% | 500 | 3 | 0.4000 | 24.0% |"
+    with pytest.raises(ValueError, match="columns \\['speed'\\] are not allowed"):
+        format_runs([run], columns=("speed",))
+
+
+def test_measured_time_to_accuracy_is_optional_and_checked(tmp_path):
+    assert load_time_to_accuracy(tmp_path / "absent.json") == []
+    file = tmp_path / "tta.json"
+    good = [{"case": "allreduce", "rate": "10mbit", "seconds_to_target": 12.5, "target": 0.9},
+            {"case": "topk", "rate": "10mbit", "seconds_to_target": None, "target": 0.9}]
+    file.write_text(json.dumps(good))
+    assert load_time_to_accuracy(file) == good
+    file.write_text(json.dumps([{"case": "x", "rate": 10, "seconds_to_target": 1.0, "target": 0.9}]))
+    with pytest.raises(ValueError, match="record 0 has rate=10"):
+        load_time_to_accuracy(file)
+    file.write_text(json.dumps([{"case": "x", "rate": "10mbit", "target": 0.9}]))
+    with pytest.raises(ValueError, match="seconds_to_target=None"):
+        load_time_to_accuracy(file)
+
+
+def test_periodic_cases_pair_diloco_with_its_inner_adamw():
+    cases = periodic_cases(("gradient", "diloco"), (1, 8))
+    assert list(cases) == ["gradient/1", "gradient/8", "diloco/1", "diloco/8"]
+    assert cases["diloco/8"][0] == "experiment=diloco" and "strategy.sync_every=8" in cases["diloco/8"]
+    assert "experiment=diloco" not in cases["gradient/8"]
+    with pytest.raises(ValueError, match="probe_every_batches=0"):
+        Timeline("x", probe_every_batches=0)
+
+
+@pytest.mark.timeout(180)
+def test_real_runs_record_syncs_bytes_and_probes(tmp_path):
+    common = ["trainer.max_epochs=1", "++trainer.limit_train_batches=6", "++trainer.limit_val_batches=1", "test=false"]
+    cases = {**periodic_cases(("gradient", "local_sgd"), (2,)), "auto, 5%": [
+        "strategy=periodic", "strategy.mode=local_sgd", "strategy.sync_every=auto", "strategy.max_sync_every=4",
+        "strategy.target_comm_fraction=0.05"]}
+    runs = run_cases(cases, tmp_path, common=common, probe_every_batches=5)
+    assert (tmp_path / "auto_5pct" / TIMELINE_DIR / "rank1.json").is_file()
+    gradient, local = runs["gradient/2"], runs["local_sgd/2"]
+    for run in (gradient, local):
+        assert run.batches == 6 and run.accuracy_curve()[0] == [1.0, 5.0]
+        assert all(0.0 <= a <= 1.0 for a in run.accuracy_curve()[1])
+        assert run.compute_seconds_per_batch() > 0 and run.training_s > 0
+    # gradient mode: 3 optimizer steps of one dense all-reduce each, over 6 batches
+    assert gradient.summary["optimizer_steps"] == 3
+    assert gradient.bytes_sent_per_batch == pytest.approx(DIGITS_GRADIENT_BYTES / 2)
+    assert gradient.syncs == 0 and gradient.series("period")[1] == [2.0] * 6
+    # local SGD: parameters averaged after steps 2, 4 and 6; only those batches spent time in collectives
+    steps, drift = local.series("divergence")
+    assert steps == [2.0, 4.0, 6.0] and all(d > 0 for d in drift) and local.syncs == 3
+    comm = [row["comm_s"] for row in local.timeline["rows"]]
+    assert all(c > 0 for c in comm[1::2]) and all(c == 0 for c in comm[0::2]), comm
+    assert local.bytes_sent_per_batch >= DIGITS_GRADIENT_BYTES / 2  # parameters and buffers, every 2nd batch
+    adaptive = runs["auto, 5%"].series("period")[1]
+    assert len(adaptive) == 6 and all(1 <= p <= 4 for p in adaptive) and math.isfinite(runs["auto, 5%"].training_s)
