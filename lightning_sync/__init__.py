@@ -45,12 +45,6 @@ def __dir__() -> list[str]:
 
 
 if sys.argv[:1] != ["-m"]:
-    from lightning_sync.strategies import (  # noqa: E402  (registers the strategies)
-        STRATEGIES,
-        AllReduceStrategy,
-        DDPSyncStrategy,
-        ParameterServerStrategy,
-        PeriodicSyncStrategy,
-    )
+    importlib.import_module("lightning_sync.strategies")  # registers the strategies with Lightning
 
 __all__ = sorted(_PUBLIC)

@@ -479,12 +479,12 @@ def test_adaptive_period_grows_under_slow_communication(tmp_path, monkeypatch):
     """Every collective sleeps 100 ms: the period grows from min_sync_every, identically on both ranks."""
     original = CommMeter._run
 
-    def slow_run(self, sent, recv, async_op, launch):
+    def slow_run(self, sent, recv, async_op, launch, *named):
         def slow_launch():
             time.sleep(0.1)
             return launch()
 
-        return original(self, sent, recv, async_op, slow_launch)
+        return original(self, sent, recv, async_op, slow_launch, *named)
 
     monkeypatch.setattr(CommMeter, "_run", slow_run)
 

@@ -38,7 +38,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_sync.comm.bucketing import plan_buckets
 from lightning_sync.comm.compression import Compressor, FlatBucket, NoCompression
-from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.meter import CommMeter, wait_future
 from lightning_sync.comm.tuning import MIB
 
 
@@ -89,7 +89,7 @@ def average_tensors_(tensors: Sequence[torch.Tensor], meter: CommMeter, group: O
         bucket = FlatBucket(index=index, buffer=flat, shapes=[t.shape for t in group_tensors])
         pending.append((group_tensors, flat, averager.average(bucket, meter, group)))
     for group_tensors, flat, future in pending:
-        future.wait()
+        wait_future(future, "all_reduce", group)
         _unpack(flat, group_tensors)
 
 
@@ -205,7 +205,7 @@ class ModelAverager:
             launched.append((mine, self.compressor.average(bucket, self.meter, self.group)))
         divergence_sq = 0.0
         for (mine, future), delta in zip(launched, self._deltas):
-            future.wait()
+            wait_future(future, "model average", self.group)
             divergence_sq += float((mine - delta).double().pow(2).sum())
         self.compressor.advance()
         return divergence_sq

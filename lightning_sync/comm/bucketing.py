@@ -49,7 +49,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from lightning_sync.comm.compression import Compressor, FlatBucket
-from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.meter import CommMeter, wait_future
 from lightning_sync.comm.tuning import LAUNCH_MARGIN, LAUNCH_TRIAL_ROUNDS, LAUNCH_WARMUP_ROUNDS, MIB
 from lightning_sync.errors import check_choice, check_range
 
@@ -397,7 +397,7 @@ class GradientSynchronizer:
             if bucket.future is None:
                 self._pack_and_launch(bucket)
                 if self.bucketing == "naive":
-                    bucket.future.wait()
+                    wait_future(bucket.future, "gradient all_reduce", self.group)
         self._next_launch = len(self.buckets)
 
     def _globally_used(self, local_used: list[bool]) -> Optional[list[bool]]:
@@ -422,7 +422,7 @@ class GradientSynchronizer:
         used = self._globally_used(local_used)
         for bucket in self.buckets:
             assert bucket.future is not None
-            bucket.future.wait()
+            wait_future(bucket.future, "gradient all_reduce", self.group)
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 if self.gradient_as_bucket_view:

@@ -24,16 +24,22 @@ whole group whatever its tree shape; the meter books the mean per rank. With one
 one the time from launch until its future completes. Overlapped collectives therefore count in full, even when
 backward hid them.
 
+A collective that fails because another rank is frozen (it did not answer within the group's timeout) or gone
+(its connection closed) raises a :class:`PeerError` naming that rank, e.g. ``all_reduce on rank 0 failed: rank 1 did not
+answer within 8 s``; :func:`wait_future` gives the same error for a chain of futures built on the meter's.
+
 The meter knows nothing of Lightning: strategies call :meth:`CommMeter.step` once per optimizer step and log the
 returned :class:`CommStats`.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -63,6 +69,92 @@ class CommStats:
         return {prefix + f.name: float(getattr(self, f.name)) for f in fields(self)}
 
 
+class PeerError(RuntimeError):
+    """A collective failed because another rank of its group did not answer within the group's timeout (a frozen
+    or stalled process) or closed its connection (its process is gone). The message names the rank."""
+
+
+# What gloo says of a silent peer and of a lost one; any other error (a shape mismatch, a bad argument) is not
+# restated. A torch future wraps an error raised in a ``then`` callback in "Got the following error ...: <type>: ".
+_SILENT = ("timed out", "timeout")
+_WAITED_MS = re.compile(r"waiting (\d+) ?ms")
+_GONE = ("connection closed", "closed by peer", "connection reset", "broken pipe", "connection refused")
+_CALLBACK_PREFIX = re.compile(r"^(?:Got the following error when running the callback: \w+(?:\.\w+)*: )+")
+_RESTATED = re.compile(r"^[\w ]+ on rank \d+ failed: ")  # a PeerError's message, seen through such wrapping
+
+
+def _peers(group: Optional[ProcessGroup]) -> str:
+    """The other ranks of ``group`` (global ranks): ``"rank 1"``, or ``"one of ranks 1, 2, 3"``."""
+    me = dist.get_rank()
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    others = [r for r in ranks if r != me]
+    return f"rank {others[0]}" if len(others) == 1 else "one of ranks " + ", ".join(map(str, others))
+
+
+def peer_error(
+    op: str, group: Optional[ProcessGroup], error: BaseException, timeout_s: Optional[float] = None
+) -> Optional[PeerError]:
+    """``error`` of collective ``op`` restated as a :class:`PeerError` naming the peer, if a peer caused it.
+
+    On 2 ranks the peer is named exactly; on more the backend does not say which rank failed to answer, so the
+    others are listed. An error that already is (or wraps) a :class:`PeerError` message is returned unwrapped.
+
+    Args:
+        op: what was running (``"all_reduce"``).
+        group: its process group (``None``: default).
+        error: what the backend raised.
+        timeout_s: the group's timeout, for the message (``None``: as the backend's message says, if it does).
+
+    Returns:
+        The restated error, or ``None`` when ``error`` does not come from a silent or lost peer.
+    """
+    text = _CALLBACK_PREFIX.sub("", str(error).strip())
+    first = text.splitlines()[0] if text else type(error).__name__
+    if _RESTATED.match(first):
+        return PeerError(first)
+    lowered = first.lower()
+    if any(marker in lowered for marker in _GONE):
+        what = "closed its connection (its process is gone)"
+    elif any(marker in lowered for marker in _SILENT):
+        waited = _WAITED_MS.search(first)
+        if timeout_s is None and waited is not None:
+            timeout_s = int(waited.group(1)) / 1000
+        what = "did not answer" + ("" if timeout_s is None else f" within {timeout_s:g} s")
+    else:
+        return None
+    try:
+        who, me = _peers(group), dist.get_rank()
+    except (RuntimeError, ValueError):  # the group is already gone
+        return None
+    return PeerError(f"{op} on rank {me} failed: {who} {what} (backend: {first})")
+
+
+def wait_future(future: torch.futures.Future, op: str, group: Optional[ProcessGroup] = None) -> Any:
+    """``future.wait()``, where a failure that a silent or lost peer caused is raised as a :class:`PeerError`
+    naming that peer (the wait takes as long as the backend takes: gloo fails a collective after the group's
+    timeout).
+
+    Args:
+        future: a future built on the meter's (e.g. a compressor's ``average``).
+        op: what it was, for the message.
+        group: the collective's process group (``None``: default).
+    """
+    with _naming_peer(op, group):
+        return future.wait()
+
+
+@contextmanager
+def _naming_peer(op: Optional[str], group: Any, timeout_s: Optional[float] = None) -> Iterator[None]:
+    """Raises an error of the block that a silent or lost peer caused as :func:`peer_error` (``op=None``: as it is)."""
+    try:
+        yield
+    except RuntimeError as error:
+        restated = None if op is None else peer_error(op, group, error, timeout_s)
+        if restated is None:
+            raise
+        raise restated from error
+
+
 def ring_all_reduce_bytes(nbytes: int, world_size: int) -> float:
     """Bytes one rank sends (and receives) in a ring all-reduce of ``nbytes`` on ``world_size`` ranks."""
     return 2.0 * (world_size - 1) / world_size * nbytes
@@ -71,10 +163,14 @@ def ring_all_reduce_bytes(nbytes: int, world_size: int) -> float:
 class _TimedWork:
     """An async work handle whose completion time is booked on the meter exactly once."""
 
-    def __init__(self, work: Any, meter: CommMeter, started: float) -> None:
+    def __init__(
+        self, work: Any, meter: CommMeter, started: float, op: Optional[str] = None, group: Any = None
+    ) -> None:
         self._work = work
         self._meter = meter
         self._started = started
+        self._op = op  # a collective's name: its failure names the peer (point-to-point errors are the caller's)
+        self._group = group
         self._booked = False
         try:
             self._future: Optional[torch.futures.Future] = work.get_future().then(self._on_done)
@@ -83,7 +179,8 @@ class _TimedWork:
 
     def _on_done(self, fut: torch.futures.Future) -> Any:
         self._book()
-        return fut.value()
+        with _naming_peer(self._op, self._group, self._meter.timeout_s):
+            return fut.value()
 
     def _book(self) -> None:
         with self._meter._lock:
@@ -128,10 +225,12 @@ class CommMeter:
 
     Args:
         group: the process group to use when a call names none (``None``: the default group).
+        timeout_s: the process groups' timeout, named in a :class:`PeerError` (``None``: as the backend says).
     """
 
-    def __init__(self, group: Optional[ProcessGroup] = None) -> None:
+    def __init__(self, group: Optional[ProcessGroup] = None, timeout_s: Optional[float] = None) -> None:
         self.group = group
+        self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._total = CommStats()
         self._last_step = CommStats()
@@ -165,12 +264,15 @@ class CommMeter:
     def world_size(self, group: Optional[ProcessGroup] = None) -> int:
         return dist.get_world_size(group if group is not None else self.group)
 
-    def _run(self, sent: float, recv: float, async_op: bool, launch: Any) -> Any:
+    def _run(
+        self, sent: float, recv: float, async_op: bool, launch: Any, op: Optional[str] = None, group: Any = None
+    ) -> Any:
         started = time.perf_counter()
-        work = launch()
+        with _naming_peer(op, group, self.timeout_s):
+            work = launch()
         self.record(sent, recv, calls=1)
         if async_op:
-            return _TimedWork(work, self, started)
+            return _TimedWork(work, self, started, op, group)
         self.record(0.0, 0.0, seconds=time.perf_counter() - started, calls=0)
         return None
 
@@ -186,7 +288,8 @@ class CommMeter:
         group = group if group is not None else self.group
         n = self.world_size(group)
         wire = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), n)
-        return self._run(wire, wire, async_op, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+        return self._run(wire, wire, async_op, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+                         "all_reduce", group)
 
     def all_gather_into_tensor(
         self,
@@ -204,6 +307,8 @@ class CommMeter:
             wire,
             async_op,
             lambda: _all_gather_single(output, tensor, group=group, async_op=async_op),
+            "all_gather",
+            group,
         )
 
     def broadcast(
@@ -217,7 +322,8 @@ class CommMeter:
         group = group if group is not None else self.group
         n = self.world_size(group)
         wire = (n - 1) / n * tensor.numel() * tensor.element_size()
-        return self._run(wire, wire, async_op, lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
+        return self._run(wire, wire, async_op, lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
+                         "broadcast", group)
 
     # Point-to-point takes a group object called directly, with ranks of that group: c10d's ``isend``/``irecv``
     # go through its group registry, which rejects a group built outside it (``ProcessGroupGloo(store, rank,

@@ -121,7 +121,7 @@ class SyncStrategyBase(SyncStateCheckpointing, DDPStrategy):
         if self.config.start_method == "fork":
             torch.set_num_threads(1)
         super().setup_environment()
-        self.meter = CommMeter()
+        self.meter = CommMeter(timeout_s=self.config.timeout_s)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

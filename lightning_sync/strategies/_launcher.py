@@ -25,6 +25,8 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
+from lightning_sync.strategies import _frozen
+
 # Command-line flags of a Hydra app that select the config, with whether they take a value.
 _HYDRA_CONFIG_FLAGS = {"--config-path": True, "-cp": True, "--config-name": True, "-cn": True, "--config-dir": True,
                        "-cd": True}
@@ -202,6 +204,7 @@ class HydraJobSubprocessLauncher(_SubprocessScriptLauncher):
                 codes[local_rank] = proc.wait()
         return {rank: code for rank, code in codes.items() if code != 0}
 
+
 def configure_launcher(strategy: Any, lightning_default: Callable[[], None]) -> None:
     """Sets ``strategy``'s launcher: :class:`HydraJobSubprocessLauncher` for ``popen``, else Lightning's own.
 
@@ -211,8 +214,9 @@ def configure_launcher(strategy: Any, lightning_default: Callable[[], None]) -> 
     """
     if strategy._start_method != "popen":
         lightning_default()
-        return
+        return _frozen.end_frozen_ranks_on_failure(strategy.launcher, strategy, popen=False)
     assert strategy.cluster_environment is not None
     launcher = HydraJobSubprocessLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
     launcher.observer_grace_s = strategy.config.timeout_s + 5.0
     strategy._launcher = launcher
+    _frozen.end_frozen_ranks_on_failure(launcher, strategy, popen=True)  # a failing rank kills the frozen ones

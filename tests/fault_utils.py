@@ -1,0 +1,101 @@
+"""Fault tests' helpers: run the Hydra app as a user does (``popen`` launcher: rank 0 is the command, rank 1 its
+child, a ``ps`` server a process that rank 0 starts), hit one of its processes with a signal mid-run, and see how the
+job ends and whether any process is left. Processes are found through ``/proc`` by their command lines.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HAS_PROC = Path("/proc/self/cmdline").exists()
+
+
+def _cmdlines() -> dict[int, str]:
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                out[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                pass
+    return out
+
+
+def job_processes(run_dir: Path, main_pid: int) -> dict[str, int]:
+    """``{"rank0": pid, "rank1": pid, "server0": pid}`` of a 2-rank job (whichever of them exist now)."""
+    found = {}
+    for pid, cmd in _cmdlines().items():
+        if f"hydra.run.dir={run_dir}" in cmd and "lightning_sync.train" in cmd:
+            found["rank0" if pid == main_pid else "rank1"] = pid
+        elif f"--parent-pid {main_pid}" in cmd and "--server 0" in cmd:
+            found["server0"] = pid
+    return found
+
+
+@dataclass
+class FaultOutcome:
+    """How a job hit by a signal ended."""
+
+    returncode: int
+    seconds: float  # from the signal to the exit of the job's command (and of every process holding its stderr)
+    stderr: str
+    left: dict[str, int]  # processes of the job still there after it ended (each is SIGKILLed before returning)
+
+
+def _start_training(overrides: list[str], run_dir: Path, attempts: int = 3) -> subprocess.Popen:
+    """Starts the job and returns once it has trained for a second.
+
+    The rendezvous has ``timeout_s`` too, and rank 1 starts (imports torch and Lightning) only after rank 0 is up: on
+    a loaded machine a short ``timeout_s`` can expire there, before anything a fault test is about. Such a job is
+    started again (at most 3 times in all); any other early exit fails the test.
+    """
+    command = [sys.executable, "-m", "lightning_sync.train", *overrides, f"hydra.run.dir={run_dir}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not (run_dir / "metrics.csv").is_file():
+        if job.poll() is not None:
+            stderr = job.communicate()[1]
+            assert attempts > 1 and "clients joined" in stderr, stderr[-3000:]
+            return _start_training(overrides, run_dir, attempts - 1)
+        time.sleep(0.2)
+    if not (run_dir / "metrics.csv").is_file():
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+        raise AssertionError("the job did not start training within 90 s")
+    time.sleep(1.0)  # training is under way
+    return job
+
+
+def run_and_hit(overrides: list[str], run_dir: Path, target: str, how: signal.Signals, wait_s: float) -> FaultOutcome:
+    """Runs ``python -m lightning_sync.train <overrides>`` and, once training is under way, sends ``how`` to
+    ``target`` (a key of :func:`job_processes`); waits at most ``wait_s`` seconds for the job to end.
+
+    The job's command is killed (with its process group) if it outlives ``wait_s``, and any process of the job
+    found afterwards is killed too, so a failing test leaves nothing behind.
+    """
+    job = _start_training(overrides, run_dir)
+    try:
+        victims = job_processes(run_dir, job.pid)
+        assert target in victims, victims
+        os.kill(victims[target], how)
+        hit = time.monotonic()
+        _, stderr = job.communicate(timeout=wait_s)
+        seconds = time.monotonic() - hit
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    deadline = time.monotonic() + 3.0  # a process that has just been killed may take a moment to leave /proc
+    while (left := job_processes(run_dir, job.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left.values():  # never leave a frozen process behind, even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    return FaultOutcome(job.returncode, seconds, stderr, left)
