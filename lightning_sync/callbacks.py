@@ -40,6 +40,14 @@ class SyncMetricsLogger(pl.Callback):
         if metrics:
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
 
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """First among the callbacks' ``on_train_end``: a strategy whose ranks ran apart (``ps`` async/ssp) ends
+        that run and has the ranks meet again, so the other callbacks' ``on_train_end`` may use collectives."""
+        end_detached_run = getattr(trainer.strategy, "end_detached_run", None)
+        if end_detached_run is not None:
+            end_detached_run()
+
 
 class SyncReport(pl.Callback):
     """Times every training batch and sums the strategy's communication; writes a JSON summary on rank 0.
@@ -266,8 +274,8 @@ class DivergenceGuard(pl.Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.diverged_at_step is None and self._batches % self.check_every:
-            self._agree(trainer)  # the last batches since the previous exchange
+        if self.diverged_at_step is None:
+            self._agree(trainer)  # the last batches (on every rank: in ps async/ssp their counts differ)
         if self.diverged_at_step is None and trainer.is_global_zero:
             _merge_summary(self.path, {"diverged": False})
 

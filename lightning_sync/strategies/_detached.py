@@ -39,6 +39,19 @@ class DetachableCollectives(SyncStrategyBase):
             trainer.limit_val_batches, trainer.fit_loop.max_epochs = limit_val, max_epochs
             self._loop_limits = None
 
+    def end_detached_run(self) -> None:
+        """Ends the mode's run, then the ranks meet and attach again (every rank, once its own loop ended). Called
+        first thing in ``on_train_end`` (by :class:`~lightning_sync.callbacks.SyncMetricsLogger`, before the other
+        callbacks, which may use collectives there), and by the strategy's ``on_train_end`` (then a no-op). Until
+        then each rank ran its own batch and epoch ends, whose collectives would not pair across ranks."""
+        self._end_mode_run()
+        if self._detached:
+            self._detached = False
+            self.barrier("lightning_sync.attach")
+
+    def _end_mode_run(self) -> None:
+        """The mode's own end of the run (``ps``: the final pull and goodbye); idempotent."""
+
     @property
     @override
     def world_size(self) -> int:

@@ -178,7 +178,7 @@ class ParameterServerStrategy(DetachableCollectives):
             self._straggler.step_end()
         if self.last_reply.stop:
             trainer.should_stop = True
-            self._finish()
+            self._end_mode_run()
 
     @override
     def step_metrics(self, write: bool) -> dict[str, float]:
@@ -199,12 +199,13 @@ class ParameterServerStrategy(DetachableCollectives):
     # ------------------------------------------------------------------ the end, and checkpoints
     @override
     def on_train_end(self) -> None:
-        """Ends the servers' run if Lightning stopped first (e.g. its own ``max_epochs`` in sync mode)."""
+        """Ends the servers' run if Lightning stopped first; the workers attach again (see ``end_detached_run``)."""
         super().on_train_end()
-        self._finish()
+        self.end_detached_run()
 
-    def _finish(self) -> None:
-        """After the run: all pull the final parameters, worker 0 keeps the servers' state, all say goodbye."""
+    @override
+    def _end_mode_run(self) -> None:
+        """After the run: each pulls the final parameters, worker 0 keeps the servers' state, all say goodbye."""
         if self.client is None or self.final_server_states is not None:
             return
         if not self.client.stopped:
@@ -212,8 +213,6 @@ class ParameterServerStrategy(DetachableCollectives):
         self.last_reply = self.client.pull()
         self.final_server_states = self.client.server_states() if self.global_rank == 0 else []
         self.client.close()
-        self._detached = False
-        self.barrier("ps.finish")
 
     @override
     def sync_state_dict(self) -> dict[str, Any]:
@@ -239,8 +238,7 @@ class ParameterServerStrategy(DetachableCollectives):
 
     @override
     def teardown(self) -> None:
-        """Ends the servers this rank started: after a clean run it waits for their exit (stopping them if they do
-        not), after a failure it stops them at once. Then restores the loop's limits and tears down as DDP does."""
+        """Ends this rank's servers (awaited after a clean run, stopped after a failure), then tears down."""
         self._restore_loop_limits()
         servers, self.servers, self.client = self.servers, None, None
         if servers is not None and self.final_server_states is None:
