@@ -35,9 +35,10 @@ test: setup
 compare: setup
 	OMP_NUM_THREADS=1 $(PY) -m lightning_sync.compare $(COMPARE_ARGS)
 
-# Step time of the modes side by side (alternating), against Lightning's ddp and the no-communication floor.
+# The modes against the anchors (Lightning ddp, torch DDP, torch local SGD, the no-communication floor), alternating;
+# e.g. `make bench BENCH_ARGS="workloads=digits network.rate=10mbit"` (emulated links need root). See --help.
 bench: setup
-	OMP_NUM_THREADS=1 $(PY) benchmarks/step_time.py $(BENCH_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m lightning_sync.bench $(BENCH_ARGS)
 
 notebook: setup
 	OMP_NUM_THREADS=1 $(PY) notebooks/01_overview.py

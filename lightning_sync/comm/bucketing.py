@@ -378,8 +378,12 @@ class GradientSynchronizer:
     # ------------------------------------------------------------------ finish
     def _pack_and_launch(self, bucket: _Bucket) -> None:
         """Packs this round's gradients into ``bucket`` (zeros where there is none), divides, and launches it."""
-        _pack(bucket, [p.grad for p in bucket.params])
-        bucket.buffer.div_(self._world)
+        grads = [p.grad for p in bucket.params]
+        if len(grads) == 1 and grads[0] is not None and grads[0].data_ptr() != bucket.slots[0].data_ptr():
+            torch.div(grads[0], self._world, out=bucket.slots[0])  # copy and divide in one pass (same bits)
+        else:
+            _pack(bucket, grads)
+            bucket.buffer.div_(self._world)
         flat = FlatBucket(index=bucket.index, buffer=bucket.buffer, shapes=bucket.shapes, divided=True)
         bucket.future = self.compressor.average(flat, self.meter, self.group)
 

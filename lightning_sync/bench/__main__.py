@@ -1,0 +1,3 @@
+from lightning_sync.bench.cli import main
+
+main()

@@ -1,0 +1,149 @@
+r"""``python -m lightning_sync.bench [--out DIR] [key=value ...]``: run the cases against the anchors, write a report.
+
+Each run is two torchrun nodes of one rank (both on 127.0.0.1, or with ``network.rate=10mbit|100mbit|1gbit`` one
+per network namespace behind a link of that rate, tbf on both ends; root only, otherwise that rate is skipped with
+a note). For every rate and workload the cases alternate (A B A B) over ``repeats`` rounds. Output: one line per
+finished run, then the tables; ``results.json``, ``results.md``, ``time_to_accuracy.json`` (digits) and one PNG per
+workload in ``--out`` (default ``outputs/bench/<timestamp>/``), each run's logs in ``runs/``.
+
+    python -m lightning_sync.bench                                   # latency-bound MLP, loopback
+    python -m lightning_sync.bench workloads=digits network.rate=10mbit,100mbit \
+        cases=lightning_ddp,torch_ddp,periodic,powersgd,topk,floor
+    python -m lightning_sync.bench workloads=payload network.rate=1gbit
+    python -m lightning_sync.bench workloads=latency_bound network.rate=1gbit cases=torch_ddp,allreduce repeats=5
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import inspect
+import signal
+import sys
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning_sync.bench.config import CASE_HELP, WORKLOADS, BenchConfig, NetworkConfig, parse_overrides
+from lightning_sync.errors import ConfigError
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string under it in the class body)."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+def _knobs_help() -> str:
+    lines = ["knobs (key=value; lists comma-separated):"]
+    for prefix, cls in (("", BenchConfig), ("network.", NetworkConfig)):
+        defaults = asdict(cls())
+        for f in fields(cls):
+            if f.name in _field_docs(cls):
+                value = defaults[f.name]
+                shown = ",".join(value) if isinstance(value, list) else value
+                lines.append(f"  {prefix}{f.name}={shown}\n      {_field_docs(cls)[f.name]}")
+    lines.append("cases:")
+    lines += [f"  {name:<19}{text}" for name, text in CASE_HELP.items()]
+    lines.append("workloads:")
+    lines += [f"  {name:<19}{w.about}" for name, w in WORKLOADS.items()]
+    return "\n".join(lines).replace("%", "%%") + "\n"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lightning_sync.bench", description=__doc__,
+                                     epilog=_knobs_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None, help="folder for the report (default: outputs/bench/<timestamp>)")
+    parser.add_argument("overrides", nargs="*", help="key=value, e.g. network.rate=1gbit cases=allreduce,torch_ddp")
+    return parser
+
+
+def _value_text(workload: str, result: dict[str, Any]) -> str:
+    metric = WORKLOADS[workload].metric
+    if metric == "step_time":
+        return f"{result['step_time_ms']:.2f} ms/step"
+    if metric == "bus_bandwidth":
+        return f"{result['allreduce_s']:.3f} s, busbw {result['busbw_mbit']:,.0f} Mbit/s"
+    if result.get("seconds_to_target") is None:
+        return f"target not reached (final accuracy {result.get('final_accuracy') or 0:.3f})"
+    return f"{result['seconds_to_target']:.2f} s to target ({result['steps_to_target']} steps)"
+
+
+def _raise_exit(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the launcher's and the namespaces' clean-up
+
+
+def run(cfg: BenchConfig, out: Path, records: list[dict[str, Any]]) -> bool:
+    """Runs every rate, workload, repeat and case (cases alternating), appending one record per run to
+    ``records`` (so an interrupted benchmark keeps what finished); returns whether every run succeeded.
+
+    Rates that need root are skipped with a note when not root. Nothing is left behind on any exit: each run's
+    processes are killed and each rate's namespaces deleted.
+    """
+    from lightning_sync.bench.launch import RunFailed, network, root_problem, run_nodes
+
+    rates = []
+    for rate in cfg.network.rate:
+        problem = root_problem(rate)
+        if problem:
+            print(f"skipped: {problem}", flush=True)
+        else:
+            rates.append(rate)
+    plan = [(rate, w, r, c) for rate in rates for w in cfg.workloads for r in range(cfg.repeats)
+            for c in cfg.cases_for(w)]
+    all_ok = True
+    index = 0
+    for rate in rates:
+        with network(rate, cfg.network.prefix) as hosts:
+            for _, workload, repeat, case in [p for p in plan if p[0] == rate]:
+                index += 1
+                spec = {"case": case, "workload": workload, "config": asdict(cfg),
+                        "nodes": 1 if case == "single" else 2}
+                started = time.perf_counter()
+                record: dict[str, Any] = {"workload": workload, "rate": rate, "case": case, "repeat": repeat}
+                head = f"[{index}/{len(plan)}] {rate} {workload} repeat {repeat + 1}/{cfg.repeats} {case}:"
+                try:
+                    result = run_nodes(spec, out / "runs" / f"{rate}_{workload}_{case}_{repeat}", hosts, cfg.timeout_s)
+                    record.update(ok=True, **result)
+                    text = _value_text(workload, result)
+                except RunFailed as error:
+                    all_ok = False
+                    record.update(ok=False, error=str(error))
+                    text = f"FAILED: {error}"
+                record["wall_s"] = time.perf_counter() - started
+                records.append(record)
+                print(f"{head} {text} ({record['wall_s']:.0f} s)", flush=True)
+    return all_ok
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = parse_overrides(args.overrides)
+    except ConfigError as error:
+        sys.exit(f"error: {error}")
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    out = Path(args.out) if args.out else Path("outputs", "bench", stamp)
+    signal.signal(signal.SIGTERM, _raise_exit)
+    records: list[dict[str, Any]] = []
+    all_ok = False
+    try:
+        all_ok = run(cfg, out, records)
+    finally:
+        if records:
+            from lightning_sync.bench.report import write
+
+            text, files = write(records, cfg, out)
+            print("\n" + text)
+            print(f"written: {', '.join(str(f) for f in files)}")
+    if not records:
+        print("nothing ran")
+    if not all_ok:
+        sys.exit(1)
+

@@ -1,0 +1,136 @@
+"""Runs one benchmark run as two torchrun nodes of one rank each: both on loopback, or one per emulated host.
+
+An emulated host is a network namespace behind a rate-limited link (:mod:`lightning_sync.netns`, root only), so
+traffic between the nodes crosses a link of the chosen rate, shaped (tbf) on both ends. Every node's output goes to
+``node<i>.log`` in the run's folder. A run is bounded by ``timeout_s``; when one node fails the other is stopped at
+once, and on any exit (error, timeout, Ctrl-C) every process of the run is killed before the namespaces go.
+Traffic only ever goes to 127.0.0.1 or to the emulated hosts' own addresses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import lightning_sync
+from lightning_sync.netns import EmulatedHost, emulated_hosts
+
+NODES = 2
+_POLL_S = 0.1
+
+
+class RunFailed(RuntimeError):
+    """A run that did not produce a result: a node exited non-zero, or the run timed out."""
+
+
+def root_problem(rate: str) -> Optional[str]:
+    """Why ``rate`` cannot run here (``None``: it can). Emulated links need root and iproute2."""
+    if rate == "loopback":
+        return None
+    if os.name != "posix" or os.geteuid() != 0:
+        return f"network.rate={rate} needs root (ip netns, tc) to emulate the links"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return f"network.rate={rate} needs iproute2 (ip, tc) to emulate the links"
+    return None
+
+
+@contextmanager
+def network(rate: str, prefix: str) -> Iterator[Optional[list[EmulatedHost]]]:
+    """The two hosts for ``rate`` (``None`` for loopback); the namespaces are removed on exit, whatever happens."""
+    if rate == "loopback":
+        yield None
+        return
+    with emulated_hosts(NODES, rate, prefix=prefix or f"lb{os.getpid() % 10000:04d}") as hosts:
+        yield hosts
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _node_command(node: int, nodes: int, master: str, port: int, spec_path: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc_per_node=1",
+            f"--node_rank={node}", f"--master_addr={master}", f"--master_port={port}",
+            "-m", "lightning_sync.bench.worker", str(spec_path)]
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    """SIGKILLs each node's whole process group (torchrun and its worker), then reaps them."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _cause(path: Path) -> str:
+    """The worker's exception line from a node's log (the first one, torchrun's own excluded), else its last line."""
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    errors = [line for line in lines if re.match(r"(\[rank\d+\]: )?[\w.]*(Error|Exception|Interrupt)\b", line)
+              and "ChildFailedError" not in line]
+    return (errors[:1] or lines[-1:] or ["(empty log)"])[0].strip()
+
+
+def run_nodes(spec: dict[str, Any], run_dir: Path, hosts: Optional[list[EmulatedHost]], timeout_s: float,
+              ) -> dict[str, Any]:
+    """Runs ``spec`` on ``spec["nodes"]`` nodes (default 2) and returns rank 0's result.
+
+    Guarantees: when it returns or raises, no process of the run is left.
+
+    Raises:
+        RunFailed: a node exited non-zero (the message has its last log lines) or ``timeout_s`` passed.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    result_path = run_dir / "result.json"
+    result_path.unlink(missing_ok=True)
+    spec_path = run_dir / "spec.json"
+    spec_path.write_text(json.dumps({**spec, "result": str(result_path)}, indent=1))
+    package_root = str(Path(lightning_sync.__file__).resolve().parent.parent)
+    pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
+    master = "127.0.0.1" if hosts is None else hosts[0].address
+    port = _free_port()
+    procs: list[subprocess.Popen] = []
+    try:
+        nodes = int(spec.get("nodes", NODES))
+        for node in range(nodes):
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath,
+                       GLOO_SOCKET_IFNAME="lo" if hosts is None else hosts[node].interface)
+            argv = _node_command(node, nodes, master, port, spec_path)
+            if hosts is not None:
+                argv = hosts[node].command(argv)
+            with open(run_dir / f"node{node}.log", "w") as log:
+                procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, start_new_session=True))
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                break  # one node failed: the other would only wait for it
+            if time.monotonic() > deadline:
+                raise RunFailed(f"timed out after {timeout_s:.0f} s (timeout_s); logs in {run_dir}")
+            time.sleep(_POLL_S)
+    finally:
+        _kill(procs)
+    codes = [p.returncode for p in procs]
+    if any(code != 0 for code in codes) or not result_path.is_file():
+        failed = next((i for i, c in enumerate(codes) if c != 0), 0)
+        log = run_dir / f"node{failed}.log"
+        raise RunFailed(f"node exit codes {codes}: {_cause(log)} (log: {log})")
+    return json.loads(result_path.read_text())

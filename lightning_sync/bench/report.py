@@ -1,0 +1,190 @@
+"""The benchmark's report: medians over repeats and ratios to the anchors, as JSON, a Markdown table and PNG plots.
+
+Per workload and network rate, each case gets the median of its repeats: ms per step, training seconds to the
+target test accuracy (a repeat that never reached it counts as infinite, so a median of those is ``null``), or the
+bus bandwidth of one all-reduce (as nccl-tests defines it: ``bytes * 2(n-1)/n / time``). Ratios are to
+Lightning's ``ddp``, to the plain torch DDP loop and to the no-communication floor, when those ran. matplotlib is
+imported only to draw the plots (it is in the ``test`` extra); without it the plots are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning_sync.bench.config import WORKLOADS, BenchConfig
+
+ANCHORS = ("lightning_ddp", "torch_ddp", "floor")
+_METRIC_KEY = {"step_time": "step_time_ms", "time_to_accuracy": "seconds_to_target", "bus_bandwidth": "busbw_mbit"}
+_RATE_MBIT = {"10mbit": 10.0, "100mbit": 100.0, "1gbit": 1000.0}
+
+
+def _median(values: list[Optional[float]]) -> Optional[float]:
+    """Median with ``None`` (a run that failed or never reached the target) as +inf; ``None`` if that is inf."""
+    if not values:
+        return None
+    value = statistics.median([math.inf if v is None else v for v in values])
+    return None if math.isinf(value) else value
+
+
+def summarize(records: list[dict[str, Any]], cfg: BenchConfig) -> list[dict[str, Any]]:
+    """One row per workload, rate and case (in the order they ran): median, repeats and ratios to the anchors."""
+    rows: list[dict[str, Any]] = []
+    keys = list(dict.fromkeys((r["workload"], r["rate"], r["case"]) for r in records))
+    for workload, rate, case in keys:
+        runs = [r for r in records if (r["workload"], r["rate"], r["case"]) == (workload, rate, case)]
+        key = _METRIC_KEY[WORKLOADS[workload].metric]
+        values = [r.get(key) if r["ok"] else None for r in runs]
+        shown = [_cell(v, ".2f") if r["ok"] else "failed" for v, r in zip(values, runs)]
+        row: dict[str, Any] = {"workload": workload, "rate": rate, "case": case, "metric": key,
+                               "median": _median(values), "repeats": values, "shown": shown,
+                               "failed": sum(not r["ok"] for r in runs)}
+        for extra in ("step_time_ms", "bytes_sent_per_step", "steps_to_target", "allreduce_s"):
+            present = [r[extra] for r in runs if r["ok"] and r.get(extra) is not None]
+            if present:
+                row[f"median_{extra}"] = statistics.median(present)
+        launch = [r["launch_point"] for r in runs if r.get("launch_point")]
+        if launch and case.startswith("allreduce"):
+            row["after_backward"] = f"{launch.count('after_backward')}/{len(launch)}"
+        rows.append(row)
+    for row in rows:
+        for anchor in ANCHORS:
+            ref = next((r["median"] for r in rows if (r["workload"], r["rate"], r["case"]) ==
+                        (row["workload"], row["rate"], anchor)), None)
+            if ref and row["median"] is not None and row["metric"] != "busbw_mbit":
+                row[f"vs_{anchor}"] = row["median"] / ref
+        if row["metric"] == "busbw_mbit" and row["median"] is not None and row["rate"] in _RATE_MBIT:
+            row["of_link"] = row["median"] / _RATE_MBIT[row["rate"]]
+    return rows
+
+
+def _cell(value: Any, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else format(value, spec) + suffix
+
+
+def _table_lines(rows: list[dict[str, Any]], metric: str, anchors: list[str]) -> list[str]:
+    if metric == "busbw_mbit":
+        header = ["case", "all-reduce s", "busbw Mbit/s", "of link", "repeats (Mbit/s)"]
+        body = [[r["case"], _cell(r.get("median_allreduce_s"), ".3f"), _cell(r["median"], ",.1f"),
+                 _cell(r.get("of_link"), ".1%"), " ".join(_cell(v, ".1f") for v in r["repeats"])] for r in rows]
+    else:
+        time_to = metric == "seconds_to_target"
+        header = ["case", "s to target" if time_to else "ms/step", *(f"vs {a}" for a in anchors)]
+        header += ["steps to target", "ms/step"] if time_to else ["bytes sent/step"]
+        header.append("repeats")
+        body = []
+        for r in rows:
+            cells = [r["case"] + (f" (after backward {r['after_backward']})" if "after_backward" in r else ""),
+                     _cell(r["median"], ".2f"), *(_cell(r.get(f"vs_{a}"), ".2f", "x") for a in anchors)]
+            if time_to:
+                cells += [_cell(r.get("median_steps_to_target"), ".0f"), _cell(r.get("median_step_time_ms"), ".2f")]
+            else:
+                cells.append(_cell(r.get("median_bytes_sent_per_step"), ",.0f"))
+            cells.append(" ".join("never" if text == "-" and time_to else text for text in r["shown"]))
+            body.append(cells)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(cells) + " |" for cells in body]
+
+
+def markdown(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
+    """One table per workload and rate, each under a line saying what was measured."""
+    parts: list[str] = []
+    for workload, rate in dict.fromkeys((r["workload"], r["rate"]) for r in rows):
+        spec = WORKLOADS[workload]
+        group = [r for r in rows if (r["workload"], r["rate"]) == (workload, rate)]
+        anchors = [a for a in ANCHORS if any(r["case"] == a for r in group)]
+        if spec.metric == "step_time":
+            how = f"{cfg.steps} steps ({cfg.warmup_steps} warm-up), batch {spec.batch_size}/rank"
+        elif spec.metric == "time_to_accuracy":
+            how = (f"training seconds until test accuracy >= {cfg.target_accuracy:g} (tested every "
+                   f"{cfg.eval_every} steps, clock stopped), batch {spec.batch_size}/rank, at most "
+                   f"{cfg.max_epochs} epochs")
+        else:
+            how = f"{cfg.payload_mb:g} MiB float32, median of {cfg.payload_iters} all-reduces (slowest rank)"
+        parts.append(f"### {workload}, network {rate}: {spec.about}\n\n2 nodes x 1 rank (torchrun, gloo), {how}; "
+                     f"median of {cfg.repeats} alternating repeats.\n")
+        parts.append("\n".join(_table_lines(group, _METRIC_KEY[spec.metric], anchors)) + "\n")
+    return "\n".join(parts)
+
+
+def time_to_accuracy(rows: list[dict[str, Any]], cfg: BenchConfig) -> list[dict[str, Any]]:
+    """``[{"case", "rate", "seconds_to_target", "target"}]`` for the time-to-accuracy rows (medians)."""
+    return [{"case": r["case"], "rate": r["rate"], "seconds_to_target": r["median"], "target": cfg.target_accuracy}
+            for r in rows if r["metric"] == "seconds_to_target"]
+
+
+def write(records: list[dict[str, Any]], cfg: BenchConfig, out: Path) -> tuple[str, list[Path]]:
+    """Writes ``results.json``, ``results.md``, ``time_to_accuracy.json`` (digits) and the plots into ``out``.
+
+    Returns:
+        The Markdown text and the files written.
+    """
+    from dataclasses import asdict
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summarize(records, cfg)
+    text = markdown(rows, cfg)
+    files = [out / "results.json", out / "results.md"]
+    files[0].write_text(json.dumps({"config": asdict(cfg), "summary": rows, "records": records}, indent=1))
+    files[1].write_text(text)
+    tta = time_to_accuracy(rows, cfg)
+    if tta:
+        files.append(out / "time_to_accuracy.json")
+        files[-1].write_text(json.dumps(tta, indent=1))
+    if cfg.plots and rows:
+        files += _plots(rows, records, out, cfg.target_accuracy)
+    return text, files
+
+
+def _plots(rows: list[dict[str, Any]], records: list[dict[str, Any]], out: Path, target: float) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed (pip install 'lightning-sync[test]'): no plots")
+        return []
+    written = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        group = [r for r in rows if r["workload"] == workload]
+        rates = list(dict.fromkeys(r["rate"] for r in group))
+        curves = WORKLOADS[workload].metric == "time_to_accuracy"
+        fig, axes = plt.subplots(1 + curves, len(rates), figsize=(5.5 * len(rates), 4 * (1 + curves)), squeeze=False)
+        for col, rate in enumerate(rates):
+            subset = [r for r in group if r["rate"] == rate]
+            ax = axes[0][col]
+            names = [r["case"] for r in subset]
+            ax.barh(names, [r["median"] or 0.0 for r in subset], color="tab:blue", alpha=0.6)
+            for y, r in enumerate(subset):
+                dots = [v for v in r["repeats"] if v is not None]
+                ax.plot(dots, [y] * len(dots), "k.", markersize=4)
+            ax.invert_yaxis()
+            ax.set_title(f"{workload}, {rate}")
+            ax.set_xlabel({"step_time_ms": "ms per step", "seconds_to_target": "seconds to target accuracy",
+                           "busbw_mbit": "bus bandwidth, Mbit/s"}[subset[0]["metric"]])
+            if rate in _RATE_MBIT and subset[0]["metric"] == "busbw_mbit":
+                ax.axvline(_RATE_MBIT[rate], color="tab:red", linestyle="--", label="link rate")
+                ax.legend()
+            if curves:
+                ax = axes[1][col]
+                for name in names:
+                    run = next((r for r in records if (r["workload"], r["rate"], r["case"]) == (workload, rate, name)
+                                and r["ok"] and r.get("trajectory")), None)
+                    if run is not None:
+                        seconds, _, accuracy = zip(*run["trajectory"])
+                        ax.plot(seconds, accuracy, label=name)
+                ax.axhline(target, color="gray", linestyle=":", label=f"target {target:g}")
+                ax.set_xlabel("training seconds (first repeat)")
+                ax.set_ylabel("test accuracy")
+                ax.set_ylim(0.5, 1.0)
+                ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / f"{workload}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,167 @@
+"""The benchmark command: its config errors, its report arithmetic, a tiny real run on loopback, and (root only) a
+tiny run between two emulated hosts behind 1 Gbit links."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import pathlib
+import subprocess
+import time
+
+import pytest
+
+from lightning_sync.bench.cli import _parser, main
+from lightning_sync.bench.config import BenchConfig, parse_overrides
+from lightning_sync.bench.report import markdown, summarize, time_to_accuracy
+from lightning_sync.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    "override,named,allowed",
+    [
+        ("network.rate=2mbit", "network.rate='2mbit'", "loopback, 10mbit, 100mbit, 1gbit"),
+        ("network.rate=loopback,fast", "network.rate='fast'", "1gbit"),
+        ("cases=allreduce,nope", "cases='nope'", "torch_local_sgd"),
+        ("workloads=resnet", "workloads='resnet'", "latency_bound, bandwidth_bound, digits, payload"),
+        ("repeats=0", "repeats=0", ">= 1"),
+        ("repeats=two", "repeats='two'", "an integer"),
+        ("target_accuracy=1.5", "target_accuracy=1.5", "(0, 1]"),
+        ("warmup_steps=60", "warmup_steps=60", "[0, 59]"),
+        ("bogus=1", "bogus", "network.rate"),
+        ("network.speed=1gbit", "network.speed", "network.rate"),
+        ("plots=maybe", "plots='maybe'", "true or false"),
+    ],
+)
+def test_bad_values_name_field_value_and_allowed(override, named, allowed):
+    with pytest.raises(ConfigError) as info:
+        parse_overrides([override])
+    message = str(info.value)
+    assert named in message and allowed in message and "\n" not in message, message
+
+
+def test_cases_must_fit_the_workloads():
+    with pytest.raises(ConfigError, match=r"cases='gloo_allreduce' is not allowed with workloads=digits"):
+        parse_overrides(["workloads=digits", "cases=periodic,gloo_allreduce"])
+    with pytest.raises(ConfigError, match=r"workloads='payload' has none of cases=periodic"):
+        parse_overrides(["workloads=digits,payload", "cases=periodic"])
+    cfg = parse_overrides(["workloads=latency_bound,payload", "network.rate=loopback,1gbit"])
+    assert cfg.cases_for("payload") == ["gloo_allreduce", "allreduce"]
+    assert "gloo_allreduce" not in cfg.cases_for("latency_bound") and "floor" in cfg.cases_for("latency_bound")
+    assert cfg.network.rate == ["loopback", "1gbit"]
+
+
+def test_cli_rejects_a_bad_value_before_anything_starts(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--out", str(tmp_path / "out"), "network.rate=1tbit"])
+    assert "network.rate='1tbit' is not allowed; choose one of: loopback, 10mbit, 100mbit, 1gbit" in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_lists_every_knob_case_and_workload():
+    text = _parser().format_help()
+    for name in ("network.rate=loopback", "repeats=3", "target_accuracy=0.95", "torch_local_sgd", "gloo_allreduce",
+                 "bandwidth_bound", "--out"):
+        assert name in text
+
+
+def test_summary_medians_and_ratios():
+    cfg = BenchConfig()
+    records = [
+        {"workload": "latency_bound", "rate": "loopback", "case": case, "repeat": r, "ok": True, "step_time_ms": ms}
+        for r, (a, b, f) in enumerate([(40.0, 30.0, 20.0), (50.0, 45.0, 10.0), (60.0, 20.0, 30.0)])
+        for case, ms in (("lightning_ddp", a), ("allreduce", b), ("floor", f))
+    ]
+    records += [{"workload": "digits", "rate": "10mbit", "case": c, "repeat": 0, "ok": ok, "seconds_to_target": s}
+                for c, ok, s in (("lightning_ddp", True, 8.0), ("periodic", True, 2.0), ("topk", True, None),
+                                 ("floor", False, None))]
+    rows = {(r["workload"], r["case"]): r for r in summarize(records, cfg)}
+    assert rows["latency_bound", "allreduce"]["median"] == 30.0
+    assert rows["latency_bound", "allreduce"]["vs_lightning_ddp"] == pytest.approx(0.6)
+    assert rows["latency_bound", "allreduce"]["vs_floor"] == pytest.approx(1.5)
+    assert rows["digits", "periodic"]["vs_lightning_ddp"] == pytest.approx(0.25)
+    assert rows["digits", "topk"]["median"] is None and rows["digits", "floor"]["failed"] == 1
+    assert time_to_accuracy(list(rows.values()), cfg) == [
+        {"case": c, "rate": "10mbit", "seconds_to_target": s, "target": 0.95}
+        for c, s in (("lightning_ddp", 8.0), ("periodic", 2.0), ("topk", None), ("floor", None))]
+    table = markdown(list(rows.values()), cfg)
+    assert "| allreduce | 30.00 | 0.60x | 1.50x |" in table
+    assert "| topk | - | - | - | - | - | never |" in table
+
+
+def _report(out):
+    results = json.loads((out / "results.json").read_text())
+    return results, (out / "results.md").read_text()
+
+
+@pytest.mark.timeout(240)
+def test_tiny_run_on_loopback_writes_json_markdown_and_plots(tmp_path, capsys):
+    out = tmp_path / "bench"
+    main(["--out", str(out), "workloads=digits,payload", "cases=torch_ddp,allreduce", "repeats=1", "warmup_steps=2",
+          "target_accuracy=0.5", "max_epochs=3", "eval_every=4", "payload_mb=2", "payload_iters=2", "timeout_s=150"])
+    printed = capsys.readouterr().out
+    assert printed.count("] loopback ") == 3, printed  # one line per finished run
+    results, table = _report(out)
+    records = results["records"]
+    assert [(r["workload"], r["case"]) for r in records] == [
+        ("digits", "torch_ddp"), ("digits", "allreduce"), ("payload", "allreduce")]
+    assert all(r["ok"] for r in records), records
+    for r in records[:2]:
+        assert r["step_time_ms"] > 0 and r["seconds_to_target"] > 0 and r["steps_to_target"] % 4 == 0
+        assert r["final_accuracy"] >= 0.5 and r["trajectory"][-1][2] == r["final_accuracy"]
+    assert records[1]["bytes_sent_per_step"] == pytest.approx(104_488)  # the digits MLP, ring formula, 2 ranks
+    assert records[2]["busbw_mbit"] > 0 and records[2]["payload_bytes"] == 2 * 1024 * 1024
+    assert "| torch_ddp |" in table and "| allreduce" in table and "vs torch_ddp" in table
+    assert "network loopback" in table and "busbw Mbit/s" in table
+    tta = json.loads((out / "time_to_accuracy.json").read_text())
+    assert {(r["case"], r["rate"], r["target"]) for r in tta} == {("torch_ddp", "loopback", 0.5),
+                                                                   ("allreduce", "loopback", 0.5)}
+    assert all(r["seconds_to_target"] > 0 for r in tta)
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "digits.png").stat().st_size > 0 and (out / "payload.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(120)
+def test_a_run_past_its_timeout_fails_cleanly(tmp_path, capsys):
+    out = tmp_path / "bench"
+    with pytest.raises(SystemExit) as info:
+        main(["--out", str(out), "cases=torch_ddp", "repeats=1", "timeout_s=2", "plots=false"])
+    assert info.value.code == 1
+    results, _ = _report(out)
+    (record,) = results["records"]
+    # Past its 2 s the run is killed; on a loaded machine its ranks may give up first (their rendezvous honours the
+    # same timeout_s), which must fail just as cleanly.
+    error = record["error"]
+    assert not record["ok"] and ("timed out after 2 s" in error or "node exit codes" in error), record
+    assert "FAILED: " in capsys.readouterr().out
+    deadline = time.monotonic() + 10  # SIGKILLed processes leave the table once the kernel has reaped them
+    while True:
+        leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+        if not leftover or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    states = {pid: pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] for pid in leftover
+              if pathlib.Path(f"/proc/{pid}/stat").exists()}
+    assert not leftover, f"processes of the run are still alive after 10 s: {states}"
+
+
+NETNS = os.name == "posix" and os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+
+
+@pytest.mark.skipif(not NETNS, reason="needs root with iproute2 (ip netns, tc) to emulate hosts")
+@pytest.mark.timeout(180)
+def test_tiny_run_between_emulated_hosts_at_1gbit(tmp_path):
+    out = tmp_path / "bench"
+    prefix = f"tb{os.getpid() % 10000:04d}"
+    main(["--out", str(out), "workloads=payload", "repeats=1", "payload_mb=4", "payload_iters=2",
+          "network.rate=1gbit", f"network.prefix={prefix}", "plots=false", "timeout_s=150"])
+    results, table = _report(out)
+    records = {r["case"]: r for r in results["records"]}
+    assert all(r["ok"] for r in records.values()) and set(records) == {"gloo_allreduce", "allreduce"}, records
+    for case, record in records.items():
+        assert 300 < record["busbw_mbit"] < 1050, (case, record)  # the 1 Gbit/s link bounds it (loopback: ~4,000)
+    assert "network 1gbit" in table and "of link" in table
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in namespaces
