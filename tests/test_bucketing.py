@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -110,6 +111,44 @@ def _missing_and_in_place_grads(rank: int, world: int) -> None:
 
 def test_missing_gradients_and_gradients_already_in_the_bucket():
     run_ranks(_missing_and_in_place_grads)
+
+
+def _views_attached_and_finite_verdict(rank: int, world: int) -> None:
+    model = _mlp()
+    params = list(model.parameters())
+    sync = GradientSynchronizer(params, NoCompression(), CommMeter(), bucketing="overlap", bucket_cap_mb=1e-4,
+                                first_bucket_mb=1e-4, check_finite=True)
+    slots = {id(p): slot for bucket in sync.buckets for p, slot in zip(bucket.params, bucket.slots)}
+    assert len(sync.buckets) > 1
+    for step, poison in enumerate((None, float("nan"), float("inf"), None)):
+        model.zero_grad(set_to_none=True)  # Lightning's default: backward would allocate fresh gradients
+        sync.start_round()
+        assert sync.grads_finite is None, "the verdict belongs to one round"
+        for p in params:
+            assert p.grad is not None and p.grad.data_ptr() == slots[id(p)].data_ptr(), "slot attached"
+            assert not p.grad.any(), "attached slots start at zero"
+        torch.manual_seed(11 + 3 * step + rank)
+        x, y = torch.randn(4, 8), torch.randn(4, 2)
+        twin = copy.deepcopy(model)  # the same backward without a synchronizer: the local gradients
+        twin.zero_grad(set_to_none=True)
+        for net in (model, twin):
+            loss = ((net(x) - y) ** 2).mean()
+            if poison is not None and rank == 1:
+                loss = loss * poison
+            loss.backward()
+        local = [p.grad for p in twin.parameters()]
+        sync.finish()
+        assert sync.grads_finite is (poison is None), (step, sync.grads_finite)
+        if poison is None:
+            for p, g in zip(params, local):
+                summed = g.clone()
+                torch.distributed.all_reduce(summed)
+                torch.testing.assert_close(p.grad, summed / world, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(60)
+def test_bucket_views_are_attached_before_backward_and_each_bucket_is_checked_for_nonfinite():
+    run_ranks(_views_attached_and_finite_verdict)
 
 
 def _tuner_agrees(rank: int, world: int) -> None:

@@ -222,6 +222,9 @@ class GradientSynchronizer:
             clone if you need a gradient beyond the optimizer step).
         group: the process group (``None``: default).
         tuner: how ``auto`` measures (``None``: a :class:`LaunchTuner` with its defaults).
+        check_finite: in :meth:`finish`, check each bucket for NaN and Inf as soon as its average has arrived, while
+            later buckets are still in flight; the verdict is :attr:`grads_finite` (one ``aminmax`` per bucket
+            instead of one per gradient, and off the critical path but for the last bucket).
     """
 
     def __init__(
@@ -236,8 +239,11 @@ class GradientSynchronizer:
         gradient_as_bucket_view: bool = True,
         group: Optional[ProcessGroup] = None,
         tuner: Optional[LaunchTuner] = None,
+        check_finite: bool = False,
     ) -> None:
         self.check_settings(bucketing, bucket_cap_mb, first_bucket_mb)
+        self.check_finite = check_finite
+        self.grads_finite: Optional[bool] = None  # the last round's verdict (``check_finite``), until the next round
         self.params = [p for p in params if p.requires_grad]
         self.compressor = compressor
         self.meter = meter
@@ -323,7 +329,28 @@ class GradientSynchronizer:
         if self.sync_enabled:
             if self.tuner is not None and not self._round_active:
                 self._tune(time.perf_counter())
+            if not self._round_active:
+                self._attach_bucket_views()
+                self.grads_finite = None
             self._round_active = True
+
+    def _attach_bucket_views(self) -> None:
+        """With ``gradient_as_bucket_view``, a parameter whose gradient was set to ``None`` (``zero_grad``'s default)
+        gets its zeroed bucket slot as ``.grad`` before backward, so backward accumulates straight into the bucket:
+        no fresh gradient allocated per step (page faults on CPU) and no packing copy. Not with
+        ``find_unused_parameters``, which must see which gradients backward left at ``None``."""
+        if not self.gradient_as_bucket_view or self.find_unused_parameters:
+            return
+        missing = [p.grad is None for p in self.params]
+        if all(missing):
+            for run, _ in self._runs:
+                run.buffer.zero_()  # one fill per run instead of one per parameter
+        for bucket in self.buckets:
+            for p, slot in zip(bucket.params, bucket.slots):
+                if p.grad is None:
+                    if not all(missing):
+                        slot.zero_()
+                    p.grad = slot
 
     def _tune(self, now: float) -> None:
         """``auto``, at the start of a round: books the previous round's whole period (its backward and sync, and
@@ -424,9 +451,13 @@ class GradientSynchronizer:
         local_used = [p.grad is not None for p in self.params] if self.find_unused_parameters else []
         self._launch_rest()
         used = self._globally_used(local_used)
+        ends = []
         for bucket in self.buckets:
             assert bucket.future is not None
             wait_future(bucket.future, "gradient all_reduce", self.group)
+            if self.check_finite and bucket.buffer.numel():
+                ends.append(torch.stack(torch.aminmax(bucket.buffer)))  # a NaN or Inf reaches one end
+        self.grads_finite = bool(torch.stack(ends).isfinite().all()) if ends else (True if self.check_finite else None)
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 if self.gradient_as_bucket_view:

@@ -23,22 +23,19 @@ from typing_extensions import override
 
 from lightning_sync.callbacks import SyncMetricsLogger
 from lightning_sync.comm.compression import Compressor
-from lightning_sync.comm.consistency import (
-    TensorMismatch,
-    check_replicas,
-    check_same_structure,
-    named_replicated_state,
-)
+from lightning_sync.comm.consistency import check_same_structure
 from lightning_sync.comm.meter import CommMeter
 from lightning_sync.comm.nonfinite import drop_grads, grads_are_finite
 from lightning_sync.config import StrategyConfig
 from lightning_sync.errors import ConfigError
 from lightning_sync.strategies._checkpoint import SyncStateCheckpointing
+from lightning_sync.strategies._gc import freeze_startup_heap, release_startup_heap
 from lightning_sync.strategies._launcher import configure_launcher
+from lightning_sync.strategies._replicas import ReplicaChecking
 from lightning_sync.strategies._torchelastic import join_restarted_torchelastic_group
 
 
-class SyncStrategyBase(SyncStateCheckpointing, DDPStrategy):
+class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, DDPStrategy):
     """Base of the lightning_sync strategies.
 
     Args:
@@ -89,6 +86,7 @@ class SyncStrategyBase(SyncStateCheckpointing, DDPStrategy):
         self._steps_unlogged = 0
         self.skipped_steps = 0
         """Optimizer steps skipped because the gradients held a NaN or Inf (``skip_nonfinite``)."""
+        self._heap_frozen = False
 
     def _check_algorithm_knobs(self) -> None:
         """Checks the knobs that the mode's algorithms own, by building what can be built before launch."""
@@ -144,12 +142,24 @@ class SyncStrategyBase(SyncStateCheckpointing, DDPStrategy):
 
     @override
     def on_train_start(self) -> None:
-        """Starts the per-step meter count at the first step (setup traffic is not a step's)."""
+        """Starts the per-step meter count at the first step (setup traffic is not a step's), and freezes the
+        start-up heap if ``freeze_gc`` (see :mod:`~lightning_sync.strategies._gc`)."""
         super().on_train_start()
         self._start_counting_training_comm()
         if self.meter is not None:
             self.meter.step()
             self._steps_unlogged = 0
+        if self.config.freeze_gc and not self._heap_frozen:
+            freeze_startup_heap()
+            self._heap_frozen = True
+
+    @override
+    def teardown(self) -> None:
+        """Lightning's teardown, and the heap frozen at train start is returned to the garbage collector."""
+        if self._heap_frozen:
+            release_startup_heap()
+            self._heap_frozen = False
+        super().teardown()
 
     # ------------------------------------------------------------------ optimizer step
     @override
@@ -190,7 +200,7 @@ class SyncStrategyBase(SyncStateCheckpointing, DDPStrategy):
         def run() -> Any:
             output = closure()
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            if not grads_are_finite(params):
+            if not self._synced_grads_finite(params):
                 self.skipped_steps += 1
                 if getattr(self.precision_plugin, "scaler", None) is None:
                     drop_grads(params)
@@ -200,6 +210,11 @@ class SyncStrategyBase(SyncStateCheckpointing, DDPStrategy):
             return output
 
         return run
+
+    def _synced_grads_finite(self, params: list[nn.Parameter]) -> bool:
+        """Whether the (synced) gradients of ``params`` hold no NaN or Inf; a mode whose sync already checked them
+        answers from that."""
+        return grads_are_finite(params)
 
     def on_sync_step_end(self) -> None:
         """Called after every optimizer step that the strategy took; subclasses advance their compressors here."""
@@ -219,29 +234,6 @@ class SyncStrategyBase(SyncStateCheckpointing, DDPStrategy):
         if self.config.skip_nonfinite and self.skips_nonfinite_steps:
             metrics["sync/skipped_steps"] = float(self.skipped_steps)
         return metrics
-
-    # ------------------------------------------------------------------ replica consistency
-    def tensors_to_check(self) -> dict[str, torch.Tensor]:
-        """What must be identical on every rank after the current step, by name: the floating parameters, buffers
-        and optimizer state (every rank steps on the same gradients; ``ps``'s local optimizer never steps)."""
-        return named_replicated_state(self.lightning_module, self.optimizers)
-
-    def check_replicas(self, atol: float = 0.0) -> list[TensorMismatch]:
-        """Checks that every rank holds the same :meth:`tensors_to_check`, and acts as ``on_mismatch`` says (see
-        :func:`~lightning_sync.comm.consistency.check_replicas`).
-
-        Returns:
-            The tensors that differ (empty: none, or one rank).
-        """
-        if self.world_size == 1:
-            return []
-        return check_replicas(self.tensors_to_check(), self._sync_steps, self.config.on_mismatch, atol=atol,
-                              pull=self._authority_pull())
-
-    def _authority_pull(self) -> Optional[Callable[[], Any]]:
-        """How ``on_mismatch="resync"`` fetches the authoritative parameters before rank 0's (``None``: rank 0 is
-        the authority)."""
-        return None
 
     # ------------------------------------------------------------------ checkpoint (see _checkpoint)
     def _active_compressor(self) -> Optional[Compressor]:

@@ -7,7 +7,7 @@ from typing import Any, Callable, Generator, Optional
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_sync.comm.bucketing import GradientSynchronizer
@@ -71,6 +71,7 @@ class AllReduceStrategy(SyncStrategyBase):
             list(self.model.parameters()),
             compressor=self._new_compressor(),
             meter=self.meter,
+            check_finite=self.config.skip_nonfinite and self.skips_nonfinite_steps,
             **self.config.arguments_for(GradientSynchronizer),
         )
 
@@ -128,6 +129,16 @@ class AllReduceStrategy(SyncStrategyBase):
             return result
 
         return _closure_then_sync
+
+    @override
+    def _synced_grads_finite(self, params: list[nn.Parameter]) -> bool:
+        """The synchronizer's verdict on this round, taken once (it checked each bucket as it arrived); a step
+        without a fresh verdict checks the gradients themselves."""
+        verdict = None if self.synchronizer is None else self.synchronizer.grads_finite
+        if verdict is None:
+            return super()._synced_grads_finite(params)
+        self.synchronizer.grads_finite = None
+        return verdict
 
     def _finish_sync(self) -> None:
         self._synced = self.synchronizer is not None and self.synchronizer.finish()
