@@ -147,7 +147,11 @@ class GradientSyncKnobs(CompressionKnobs):
     """All-reduce a used-mask each step so that a parameter no rank used keeps ``grad=None`` (as DDP); without it
     such a parameter gets a zero gradient. Parameters unused on some ranks never hang either way."""
     gradient_as_bucket_view: bool = True
-    """After the sync, each ``.grad`` is a view into its bucket (no copy back); the next step's sync overwrites it."""
+    """After the sync, each ``.grad`` is a view into its bucket (no copy back); the next step's sync overwrites it.
+    Before a sync round's backward, a gradient that ``zero_grad`` set to ``None`` gets its zeroed slot, so backward
+    accumulates straight into the bucket. Buckets launched during backward are then averaged in place: read
+    gradients in ``on_before_optimizer_step`` (synced), not ``on_after_backward`` (in flight); ``False`` keeps
+    local gradients until the sync and copies the averages back."""
 
 
 @dataclass
