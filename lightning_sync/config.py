@@ -52,9 +52,9 @@ class StrategyConfig:
     ``sync/skipped_steps``. With AMP's GradScaler the scaler skips and lowers its scale, and the step is counted.
     ``periodic`` local steps skip on the rank alone; ``ps`` does not skip (the servers apply what they get)."""
     freeze_gc: bool = True
-    """When training starts, collect garbage once and exempt every object alive then from later collections
-    (``gc.freeze``; undone at teardown), so that a full collection over the start-up heap (250 ms here) does not
-    stall a random rank, and every rank waiting for it, in the middle of training."""
+    """When training starts, exempt every object alive then from later garbage collections (``gc.freeze``, free;
+    undone at teardown), so that a full collection over the start-up heap (250 ms here) does not stall a random
+    rank, and every rank waiting for it, in the middle of training."""
 
     def __post_init__(self) -> None:
         check_choice("start_method", self.start_method, START_METHODS)

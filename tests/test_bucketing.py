@@ -244,3 +244,16 @@ def _decision_survives_a_resume(rank: int, world: int) -> None:
 
 def test_auto_decision_survives_a_resume():
     run_ranks(_decision_survives_a_resume)
+
+
+def _prior_follows_the_hosts(rank: int, world: int) -> None:
+    params = list(_mlp().parameters())
+    priors = {same: GradientSynchronizer(params, NoCompression(), CommMeter(), bucketing="auto",
+                                         same_host_cpu=same).tuner.prefer_after_backward
+              for same in (None, True, False)}
+    assert priors == {None: True, True: True, False: False}, priors
+
+
+@pytest.mark.timeout(60)
+def test_auto_prior_is_after_backward_on_one_host_and_during_backward_across_hosts():
+    run_ranks(_prior_follows_the_hosts)

@@ -23,7 +23,8 @@ by :meth:`GradientSynchronizer.finish`:
     that leaves the CPU idle); on a CPU backend with few cores, gloo's transfers compete with backward for the
     same cores and memory bandwidth, and launching after backward is faster. ``auto`` times both on the first
     sync rounds (see :class:`LaunchTuner`) and keeps the clearly faster one, agreed by all ranks; a close call goes
-    to the device's prior (after backward on CPU, during backward on GPU). The decision is in
+    to the prior: after backward when the ranks share one machine's CPU cores (gloo on loopback), during backward
+    across machines or on GPU (``same_host_cpu``). The decision is in
     :meth:`GradientSynchronizer.state_dict`, so a resumed run keeps it. Like ``cudnn.benchmark``, the choice rests
     on timing: on 3 or more ranks the two launch points may differ in the last bit of a sum (gloo's ring adds in an
     order that depends on the layout); pick a fixed bucketing where two runs must match bit for bit.
@@ -114,8 +115,7 @@ class LaunchTuner:
         warmup_rounds: rounds left out before the trials.
         trial_rounds: timed rounds per launch point.
         margin: the relative lead a launch point needs to overrule the prior.
-        prefer_after_backward: the prior (``None``: :class:`GradientSynchronizer` sets it from the device: after
-            backward for CPU tensors, whose transfers run on the cores backward uses; during backward otherwise).
+        prefer_after_backward: the prior (``None``: :class:`GradientSynchronizer` sets it from ``same_host_cpu``).
     """
 
     def __init__(
@@ -222,6 +222,9 @@ class GradientSynchronizer:
             clone if you need a gradient beyond the optimizer step).
         group: the process group (``None``: default).
         tuner: how ``auto`` measures (``None``: a :class:`LaunchTuner` with its defaults).
+        same_host_cpu: whether every rank of ``group`` runs on this machine's cores (``None``: assume so for CPU
+            tensors), which sets ``auto``'s prior: there gloo's transfers compete with backward for the same cores
+            (after backward); across machines the NIC and the kernel carry them (during backward).
         check_finite: in :meth:`finish`, check each bucket for NaN and Inf as soon as its average has arrived, while
             later buckets are still in flight; the verdict is :attr:`grads_finite` (one ``aminmax`` per bucket
             instead of one per gradient, and off the critical path but for the last bucket).
@@ -240,6 +243,7 @@ class GradientSynchronizer:
         group: Optional[ProcessGroup] = None,
         tuner: Optional[LaunchTuner] = None,
         check_finite: bool = False,
+        same_host_cpu: Optional[bool] = None,
     ) -> None:
         self.check_settings(bucketing, bucket_cap_mb, first_bucket_mb)
         self.check_finite = check_finite
@@ -254,7 +258,8 @@ class GradientSynchronizer:
         self._world = meter.world_size(group)
         self.tuner = (tuner or LaunchTuner()) if bucketing == "auto" and self._world > 1 else None
         if self.tuner is not None and self.tuner.prefer_after_backward is None and self.params:
-            self.tuner.prefer_after_backward = self.params[0].device.type == "cpu"
+            cpu = self.params[0].device.type == "cpu"
+            self.tuner.prefer_after_backward = cpu and (same_host_cpu is None or same_host_cpu)
         # Whether this round's buckets launch after backward (flat, naive, and auto when it so decides or tries).
         self.after_backward = bucketing in ("flat", "naive")
         self._round_started: Optional[float] = None

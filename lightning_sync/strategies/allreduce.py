@@ -72,6 +72,7 @@ class AllReduceStrategy(SyncStrategyBase):
             compressor=self._new_compressor(),
             meter=self.meter,
             check_finite=self.config.skip_nonfinite and self.skips_nonfinite_steps,
+            same_host_cpu=self.num_nodes == 1,
             **self.config.arguments_for(GradientSynchronizer),
         )
 
