@@ -51,6 +51,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_sync.comm.compression import Compressor, FlatBucket
 from lightning_sync.comm.meter import CommMeter, wait_future
+from lightning_sync.comm.nonfinite import ends_are_finite, extremes
 from lightning_sync.comm.tuning import LAUNCH_MARGIN, LAUNCH_TRIAL_ROUNDS, LAUNCH_WARMUP_ROUNDS, MIB
 from lightning_sync.errors import check_choice, check_range
 
@@ -259,7 +260,7 @@ class GradientSynchronizer:
         self.tuner = (tuner or LaunchTuner()) if bucketing == "auto" and self._world > 1 else None
         if self.tuner is not None and self.tuner.prefer_after_backward is None and self.params:
             cpu = self.params[0].device.type == "cpu"
-            self.tuner.prefer_after_backward = cpu and (same_host_cpu is None or same_host_cpu)
+            self.tuner.prefer_after_backward = cpu and same_host_cpu is not False
         # Whether this round's buckets launch after backward (flat, naive, and auto when it so decides or tries).
         self.after_backward = bucketing in ("flat", "naive")
         self._round_started: Optional[float] = None
@@ -347,13 +348,16 @@ class GradientSynchronizer:
         if not self.gradient_as_bucket_view or self.find_unused_parameters:
             return
         missing = [p.grad is None for p in self.params]
-        if all(missing):
+        if not any(missing):
+            return
+        every = all(missing)
+        if every:
             for run, _ in self._runs:
                 run.buffer.zero_()  # one fill per run instead of one per parameter
         for bucket in self.buckets:
             for p, slot in zip(bucket.params, bucket.slots):
                 if p.grad is None:
-                    if not all(missing):
+                    if not every:
                         slot.zero_()
                     p.grad = slot
 
@@ -461,8 +465,9 @@ class GradientSynchronizer:
             assert bucket.future is not None
             wait_future(bucket.future, "gradient all_reduce", self.group)
             if self.check_finite and bucket.buffer.numel():
-                ends.append(torch.stack(torch.aminmax(bucket.buffer)))  # a NaN or Inf reaches one end
-        self.grads_finite = bool(torch.stack(ends).isfinite().all()) if ends else (True if self.check_finite else None)
+                ends.append(extremes(bucket.buffer))  # while the later buckets are still in flight
+        if self.check_finite:
+            self.grads_finite = ends_are_finite(ends)
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 if self.gradient_as_bucket_view:

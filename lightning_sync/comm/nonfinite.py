@@ -26,11 +26,17 @@ def grads_are_finite(params: Iterable[torch.nn.Parameter]) -> bool:
     one host sync. On CPU this costs 0.9 ms for the 10.5 MB of the latency-bound MLP, where an infinity norm took
     7.6 ms (and 12.7 ms of a 164 ms step on an emulated 1 Gbit link).
     """
-    grads = [p.grad for p in params if p.grad is not None and p.grad.numel() > 0]
-    if not grads:
-        return True
-    ends = torch.stack([torch.stack(torch.aminmax(g.detach())) for g in grads])
-    return bool(ends.isfinite().all())
+    return ends_are_finite([extremes(p.grad) for p in params if p.grad is not None and p.grad.numel() > 0])
+
+
+def extremes(tensor: torch.Tensor) -> torch.Tensor:
+    """``[min, max]`` of a non-empty tensor, one ``aminmax``: a NaN makes both NaN, an Inf makes one infinite."""
+    return torch.stack(torch.aminmax(tensor.detach()))
+
+
+def ends_are_finite(ends: list[torch.Tensor]) -> bool:
+    """Whether every :func:`extremes` in ``ends`` is finite (one host sync; ``True`` for none)."""
+    return not ends or bool(torch.stack(ends).isfinite().all())
 
 
 def drop_grads(params: Iterable[torch.nn.Parameter]) -> None:
