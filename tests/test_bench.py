@@ -25,7 +25,7 @@ from lightning_sync.errors import ConfigError
         ("network.rate=2mbit", "network.rate='2mbit'", "loopback, 10mbit, 100mbit, 1gbit"),
         ("network.rate=loopback,fast", "network.rate='fast'", "1gbit"),
         ("cases=allreduce,nope", "cases='nope'", "torch_local_sgd"),
-        ("workloads=resnet", "workloads='resnet'", "latency_bound, bandwidth_bound, digits, payload"),
+        ("workloads=resnet", "workloads='resnet'", "latency_bound, compute_bound, bandwidth_bound, digits, payload"),
         ("repeats=0", "repeats=0", ">= 1"),
         ("repeats=two", "repeats='two'", "an integer"),
         ("target_accuracy=1.5", "target_accuracy=1.5", "(0, 1]"),

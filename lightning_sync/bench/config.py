@@ -66,6 +66,9 @@ WORKLOADS: dict[str, Workload] = {
     for w in (
         Workload("latency_bound", "step_time", {"width": 256, "depth": 40}, 64, TRAINING_CASES,
                  "MLP 40 x 256 (82 tensors, 10.5 MB of gradients), conf/experiment/latency_bound.yaml"),
+        Workload("compute_bound", "step_time", {"width": 256, "depth": 40}, 512, TRAINING_CASES,
+                 "MLP 40 x 256 at batch 512/rank: backward as long as 10.5 MB takes at 1 Gbit, where overlap pays, "
+                 "conf/experiment/compute_bound.yaml"),
         Workload("bandwidth_bound", "step_time", {"width": 2048, "depth": 2}, 64, TRAINING_CASES,
                  "MLP 2 x 2048 (5 tensors, 33.6 MB of gradients), conf/experiment/bandwidth_bound.yaml"),
         Workload("digits", "time_to_accuracy", {}, 32, TRAINING_CASES,
@@ -100,8 +103,8 @@ class BenchConfig:
     """Every knob of ``python -m lightning_sync.bench``; set any with ``key=value`` (lists comma-separated)."""
 
     workloads: list[str] = field(default_factory=lambda: ["latency_bound"])
-    """Which workloads: ``latency_bound``, ``bandwidth_bound`` (step time), ``digits`` (time to accuracy),
-    ``payload`` (bus bandwidth of one all-reduce)."""
+    """Which workloads: ``latency_bound``, ``compute_bound``, ``bandwidth_bound`` (step time), ``digits`` (time to
+    accuracy), ``payload`` (bus bandwidth of one all-reduce)."""
     cases: list[str] = field(default_factory=list)
     """Which cases, run in this order in every repeat (A B A B); a workload runs those that apply to it. Empty:
     lightning_ddp, lightning_ddp_view, torch_ddp, (payload:) gloo_allreduce, allreduce, periodic, torch_local_sgd,
