@@ -19,6 +19,8 @@ import pickle  # noqa: E402
 import queue  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -143,6 +145,23 @@ def _join(rank: int, port: int, num_workers: int, num_servers: int, timeout_s: f
 def _client(group: ps.PSGroup, model: torch.nn.Module, opt: torch.optim.Optimizer, **config: Any) -> ps.PSClient:
     params = list(model.parameters())
     return ps.PSClient(group, params, ps.optimizer_spec(opt, params), ps.PSConfig(**config))
+
+
+def _started_sgd_worker(group: ps.PSGroup, rank: int, **config: Any):
+    """The test model, its SGD optimizer and a client that has pulled the servers' start (worker 0 set it)."""
+    model = _model()
+    opt = _optimizer(model, "sgd")
+    client = _client(group, model, opt, **config)
+    if rank == 0:
+        client.init_servers()
+    client.pull()
+    return model, opt, client
+
+
+def _join_dedicated(rank: int, port: int, num_servers: int, timeout_s: float) -> ps.PSGroup:
+    """Worker ``rank`` of 2 joins a group whose servers are their own processes (worker 0 hosts the store)."""
+    store = ps.connect_store(HOST, port, is_host=rank == 0, timeout_s=30)
+    return ps.PSGroup(store, rank, 2, num_servers, timeout_s, connect_timeout_s=30)
 
 
 def _server_process(port: int, server: int, num_workers: int, num_servers: int, timeout_s: float) -> dict:
@@ -438,12 +457,7 @@ def test_ssp_never_lets_a_worker_run_more_than_s_ahead(procs, max_staleness):
 # ---------------------------------------------------------------------------------------------------------- stop
 def _stopping_worker(rank: int, port: int, mode: str, max_updates: Optional[int], stop_after: Optional[int]) -> dict:
     _, server, group = _join(rank, port, 2, 1, timeout_s=10)
-    model = _model()
-    opt = _optimizer(model, "sgd")
-    client = _client(group, model, opt, mode=mode, max_updates=max_updates)
-    if rank == 0:
-        client.init_servers()
-    client.pull()
+    model, opt, client = _started_sgd_worker(group, rank, mode=mode, max_updates=max_updates)
     pushes, reply = 0, None
     for step in range(100):
         if stop_after is not None and rank == 1 and step == stop_after:
@@ -556,14 +570,8 @@ def test_sync_checkpoint_over_the_transport_resumes_bitwise(procs):
 
 # ---------------------------------------------------------------------------------------------------------- failures
 def _victim_worker(rank: int, port: int, mode: str, how: int, signalled: Any) -> dict:
-    store = ps.connect_store(HOST, port, is_host=rank == 0, timeout_s=30)
-    group = ps.PSGroup(store, rank, 2, 1, 2.0, connect_timeout_s=30)
-    model = _model()
-    opt = _optimizer(model, "sgd")
-    client = _client(group, model, opt, mode=mode)
-    if rank == 0:
-        client.init_servers()
-    client.pull()
+    group = _join_dedicated(rank, port, 1, 2.0)
+    model, opt, client = _started_sgd_worker(group, rank, mode=mode)
     try:
         for step in range(400):
             if rank == 1 and step == 3:
@@ -597,14 +605,8 @@ def test_lost_worker_makes_the_server_exit_naming_it(procs, mode, how):
 
 
 def _worker_of_lost_server(rank: int, port: int, pushes: Any) -> dict:
-    store = ps.connect_store(HOST, port, is_host=rank == 0, timeout_s=30)
-    group = ps.PSGroup(store, rank, 2, 2, 2.0, connect_timeout_s=30)
-    model = _model()
-    opt = _optimizer(model, "sgd")
-    client = _client(group, model, opt, mode="sync")
-    if rank == 0:
-        client.init_servers()
-    client.pull()
+    group = _join_dedicated(rank, port, 2, 2.0)
+    model, opt, client = _started_sgd_worker(group, rank, mode="sync")
     try:
         for step in range(400):
             _backward(model, rank, step)
@@ -640,17 +642,51 @@ def test_lost_server_makes_workers_raise_naming_it(procs, how):
         assert result["at"] - signalled <= timeout_s + 3.0, result["at"] - signalled
 
 
+def _worker_after_a_failed_peer(rank: int, port: int, server_pid: Any, failed_at: Any) -> dict:
+    """Sync steps; at step 5 worker 0 freezes the server, lets worker 1 time out on it, then pushes itself."""
+    group = _join_dedicated(rank, port, 1, 3.0)
+    model, opt, client = _started_sgd_worker(group, rank, mode="sync")
+    for step in range(400):
+        if rank == 0 and step == 5:
+            os.kill(server_pid.value, signal.SIGSTOP)
+            deadline = time.monotonic() + 20
+            while not failed_at.value and time.monotonic() < deadline:
+                time.sleep(0.01)
+        _backward(model, rank, step)
+        started = time.monotonic()
+        try:
+            client.push(ps.current_lrs(opt))
+        except ps.PSError as exc:
+            if rank == 1:
+                failed_at.value = time.monotonic()
+            return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started, "step": step}
+    return {"error": None}
+
+
+@pytest.mark.timeout(40)
+def test_a_worker_stops_at_once_when_a_peer_already_gave_up(procs):
+    """Worker 1 times out on a frozen server and reports it; worker 0's next push then fails at once, quoting that
+    report, instead of waiting out ``timeout_s`` (3 s) on the same server."""
+    port = _free_port()
+    server_pid, failed_at = procs.ctx.Value("i", 0), procs.ctx.Value("d", 0.0)
+    server_pid.value = procs.start("server", _server_process, port, 0, 2, 1, 3.0).pid
+    for rank in range(2):
+        procs.start(f"worker{rank}", _worker_after_a_failed_peer, rank, port, server_pid, failed_at)
+    out = procs.ok(["worker0", "worker1"], timeout=30)
+    late, first = out["worker0"], out["worker1"]
+    # worker 1 is stuck at step 5, or at 4 when the server froze before sending its reply to that step
+    assert first["step"] in (4, 5) and "PSTimeoutError: server 0 (ps rank 2)" in first["error"], first
+    assert late["step"] == 5 and late["error"].startswith("PSPeerLostError: worker 1 (ps rank 1) failed before this "
+                                                          "PUSH: PSTimeoutError: server 0 (ps rank 2)"), late
+    assert late["seconds"] < 1.0, late
+
+
 # ---------------------------------------------------------------------------------------------------------- placement
 def _dedicated_worker(rank: int, port: int) -> dict:
     store = ps.connect_store(HOST, port, is_host=rank == 0, timeout_s=60)
     servers = ps.start_server_processes(HOST, port, 2, 2, timeout_s=20) if rank == 0 else None
     group = ps.PSGroup(store, rank, 2, 2, 20.0, connect_timeout_s=60)
-    model = _model()
-    opt = _optimizer(model, "sgd")
-    client = _client(group, model, opt, mode="sync")
-    if rank == 0:
-        client.init_servers()
-    client.pull()
+    model, opt, client = _started_sgd_worker(group, rank, mode="sync")
     for step in range(3):
         _backward(model, rank, step)
         reply = client.push(ps.current_lrs(opt))
@@ -671,6 +707,16 @@ def test_dedicated_server_processes_exit_after_the_workers_finish(procs):
     assert out["worker0"]["version"] == out["worker1"]["version"] == 3
     assert out["worker0"]["codes"] == [0, 0]
     assert not any(_alive(pid) for pid in out["worker0"]["pids"])
+
+
+@pytest.mark.timeout(20)
+def test_stop_ends_a_frozen_server_with_sigterm_not_after_the_grace():
+    frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    os.kill(frozen.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    codes = ps.ServerProcesses([frozen]).stop(grace_s=10.0)
+    assert codes == [-signal.SIGTERM], codes
+    assert time.monotonic() - started < 3.0
 
 
 def _parent_of_servers(port: int, pids: Any) -> None:

@@ -50,7 +50,7 @@ from lightning_sync.ps._protocol import (
     to_blob,
 )
 from lightning_sync.ps.codec import GradientCodec
-from lightning_sync.ps.errors import PSError, PSServerError
+from lightning_sync.ps.errors import PSError, PSPeerLostError, PSServerError, PSTimeoutError
 from lightning_sync.ps.group import PSGroup
 from lightning_sync.ps.optim_spec import OptimizerSpec
 from lightning_sync.ps.settings import PSConfig
@@ -343,6 +343,7 @@ class PSClient:
             raise  # a refusal: the transport is fine, the client stays usable
         except PSError as exc:
             self._broken = exc
+            self.group.report_failure(f"{type(exc).__name__}: {exc}")
             raise
 
     def _exchange_once(
@@ -353,6 +354,8 @@ class PSClient:
         headers = [torch.zeros(HEADER_SLOTS, dtype=torch.int64) for _ in ranks]
         what = kind.name
         peer = ranks[0]  # the server being dealt with when an error strikes
+        graced = False  # whether the wait that failed already included the grace for a server's report
+        failed: Optional[tuple[int, str]] = None  # (ps rank, report) of a peer that had already given up
         try:
             reply_works = []
             for i, rank in enumerate(ranks):
@@ -367,11 +370,17 @@ class PSClient:
                 sends.append((i, group.send(request.header(), rank, TAG_REQUEST)))
                 if nbytes:
                     sends.append((i, group.send(payload, rank, TAG_REQUEST_DATA)))
+            # A peer that already gave up left its reason in the store: stop now rather than wait out timeout_s on
+            # the servers it gave up on (asked while the sends are in flight, so a healthy step pays no latency).
+            failed = group.first_reported_failure()
+            if failed is not None:
+                raise PSPeerLostError(f"{group.name(failed[0])} failed before this {what}: {failed[1]}")
             deadline = time.monotonic() + group.timeout_s
             for i, work in sends:
                 peer = ranks[i]
                 group.wait(work, peer, f"it to take the {what}", receiving=False, timeout_s=_left(deadline))
             deadline = time.monotonic() + self._reply_timeout(kind)
+            graced = True
             for i, work in enumerate(reply_works):
                 peer = ranks[i]
                 group.wait(work, peer, f"the reply to the {what}", receiving=True, timeout_s=_left(deadline))
@@ -391,8 +400,12 @@ class PSClient:
                 peer = ranks[i]
                 group.wait(work, peer, f"the data of the reply to the {what}", receiving=True)
         except PSError as exc:
-            # a server that gave up on another worker writes why just as our own wait ends: give it the grace
-            report = self._report_of(peer, patience_s=min(self.group.timeout_s / 4, 5.0))
+            if failed is not None:
+                raise  # it quotes the peer's own report already
+            # A server that gave up on another worker writes why just as our own wait ends: give it the grace,
+            # unless a timed-out wait for replies has just given it (waiting twice only delays the error).
+            patience_s = 0.0 if graced and isinstance(exc, PSTimeoutError) else min(self.group.timeout_s / 4, 5.0)
+            report = self._report_of(peer, patience_s=patience_s)
             raise type(exc)(f"{exc}; {group.name(peer)} reported: {report}" if report else str(exc)) from exc
         errors = [
             f"{group.name(ranks[i])} refused the {what}: {bytes(buffers[i].tolist()).decode(errors='replace')}"

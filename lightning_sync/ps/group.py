@@ -28,6 +28,7 @@ from lightning_sync.ps.errors import PSError, PSPeerLostError, PSTimeoutError
 
 #: Default store prefix of the PS group (a second group on the same store needs another prefix).
 DEFAULT_PREFIX = "lightning_sync/ps"
+_FAILURE_COUNT_KEY = "count"  # how many members have reported a failure (member reports are keyed by ps rank)
 
 
 def _seconds(value: float) -> datetime.timedelta:
@@ -208,11 +209,30 @@ class PSGroup:
 
     # ---------------------------------------------------------------- failure reports
     def report_failure(self, message: str) -> None:
-        """Best effort: leaves ``message`` in the store so that peers can quote why this member stopped."""
+        """Best effort: leaves ``message`` in the store so that peers can quote why this member stopped, and counts
+        it (:meth:`first_reported_failure` reads the count in one store round trip)."""
         try:
             self._reports.set(str(self.ps_rank), message)
+            self._reports.add(_FAILURE_COUNT_KEY, 1)
         except Exception:  # noqa: BLE001 - the store may be gone with its host; the report is only a courtesy
             pass
+
+    def first_reported_failure(self) -> Optional[tuple[int, str]]:
+        """``(ps_rank, message)`` of another member that has reported a failure, if any (the lowest rank).
+
+        One store round trip when none has (the usual case), so a member can ask before every exchange and stop at
+        once instead of waiting ``timeout_s`` on a peer already known to be gone.
+        """
+        try:
+            if self._reports.add(_FAILURE_COUNT_KEY, 0) == 0:
+                return None
+        except Exception:  # noqa: BLE001 - no store, no reports: the waits' own timeouts still bound everything
+            return None
+        for rank in range(self.world_size):
+            report = self.reported_failure(rank) if rank != self.ps_rank else None
+            if report:
+                return rank, report
+        return None
 
     def reported_failure(self, ps_rank: int) -> Optional[str]:
         """The message a member left with :meth:`report_failure`, if any (best effort, never blocks long)."""

@@ -108,13 +108,18 @@ class ServerProcesses:
         return [int(c) for c in self.exit_codes()]  # type: ignore[arg-type]
 
     def stop(self, grace_s: float = 5.0) -> list[int]:
-        """Ends every server still running: SIGTERM, then SIGKILL after ``grace_s``. Returns the exit codes."""
+        """Ends every server still running: SIGTERM, then SIGKILL after ``grace_s``. Returns the exit codes.
+
+        SIGCONT follows SIGTERM (as systemd does when it stops a unit): a frozen (SIGSTOPped) server holds a pending
+        SIGTERM until it runs again, so without it a frozen server would cost the whole grace before its SIGKILL.
+        """
         for p in self.processes:
             if p.poll() is None:
-                try:
-                    p.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+                for sig in (signal.SIGTERM, signal.SIGCONT):
+                    try:
+                        p.send_signal(sig)
+                    except ProcessLookupError:
+                        pass
         deadline = time.monotonic() + grace_s
         for p in self.processes:
             try:
