@@ -15,8 +15,9 @@ what is allowed.
 
 from __future__ import annotations
 
+import ast
 import inspect
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Callable, TypeVar
 
 from lightning_sync.errors import ConfigError, check_choice, check_range
@@ -26,6 +27,28 @@ PERIODIC_MODES = ("gradient", "local_sgd", "diloco")
 ON_MISMATCH = ("raise", "warn", "resync")
 
 _C = TypeVar("_C", bound="StrategyConfig")
+
+
+def knob_docs(cls: type) -> dict[str, str]:
+    """Each field of dataclass ``cls`` (inherited ones included) with its docstring, the string under it in the class
+    body, on one line; in field order. A field without a docstring gets ``""``.
+
+    The ``--help`` of the Hydra app and of the benchmark print these, so a knob is documented once, where it is
+    defined.
+    """
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not is_dataclass(klass) or klass is object or "__dataclass_fields__" not in vars(klass):
+            continue
+        try:
+            body = ast.parse(inspect.getsource(klass)).body[0].body
+        except (OSError, TypeError):  # no source (e.g. a class made at run time): no docstrings
+            continue
+        for node, after in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return {f.name: docs.get(f.name, "") for f in fields(cls)}
 
 
 @dataclass

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_sync._app_help import group_options, register_help_resolvers
 from lightning_sync.conf_store import check_strategy_knobs, register_strategy_schemas
 from lightning_sync.errors import ConfigError, check_range
 
@@ -44,6 +45,7 @@ def _run_stamp() -> str:
 CONFIG_DIR = _config_dir()
 OmegaConf.register_new_resolver("run_stamp", _run_stamp, use_cache=True, replace=True)
 register_strategy_schemas()  # conf/strategy/*.yaml start from these
+register_help_resolvers(CONFIG_DIR)  # --help
 # Environment variables Lightning's popen launcher sets in the parent; cleared between the jobs of a sweep.
 _LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 
@@ -309,8 +311,7 @@ def _check_group_choices(argv: list[str]) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep
 
-    conf = Path(CONFIG_DIR)
-    groups = {d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in conf.iterdir() if d.is_dir()}
+    groups = group_options(CONFIG_DIR)
     parser = OverridesParser.create()
     for arg in argv:
         if arg.startswith("-") or "=" not in arg:

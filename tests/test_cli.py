@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -250,6 +251,26 @@ def test_bad_input_fails_fast_with_one_line(cli_runs, index):
     assert "summary:" not in out
     assert not (run.root / "run" / "metrics.csv").exists()
     assert not any((run.root / "cwd").iterdir())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["ddp", "allreduce", "periodic", "ps"])
+def test_help_lists_the_groups_and_documents_every_knob_of_the_chosen_strategy(tmp_path, mode):
+    from lightning_sync.conf_store import MODES
+    from lightning_sync.config import knob_docs
+
+    proc = subprocess.run(_train_cmd(f"strategy={mode}", "--help"), cwd=tmp_path, env=_env(), capture_output=True,
+                          text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out, flat = proc.stdout, " ".join(proc.stdout.split())
+    assert "schema" not in out, out  # the group behind conf/strategy/*.yaml is not a user's choice
+    assert re.search(r"^ +strategy +allreduce, ddp, periodic, ps$", out, re.M), out
+    assert f"== Knobs of strategy={mode} " in out
+    for name, doc in knob_docs(MODES[mode][1]).items():
+        assert doc, f"strategy.{name} of {mode} has no docstring"
+        assert f"strategy.{name}=" in out and " ".join(doc.replace("``", "`").split()) in flat, name
+    assert "\nstrategy:\n" in out and "\ntrainer:\n" in out  # the composed config follows
+    assert not any(tmp_path.iterdir())  # help writes no run folder
 
 
 @pytest.fixture(scope="module")

@@ -16,39 +16,28 @@ workload in ``--out`` (default ``outputs/bench/<timestamp>/``), each run's logs 
 from __future__ import annotations
 
 import argparse
-import ast
 import datetime
-import inspect
 import signal
 import sys
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
 from lightning_sync.bench.config import CASE_HELP, WORKLOADS, BenchConfig, NetworkConfig, parse_overrides
+from lightning_sync.config import knob_docs
 from lightning_sync.errors import ConfigError
-
-
-def _field_docs(cls: type) -> dict[str, str]:
-    """Each field's docstring (the string under it in the class body)."""
-    body = ast.parse(inspect.getsource(cls)).body[0].body
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(after.value.value).split())
-    return docs
 
 
 def _knobs_help() -> str:
     lines = ["knobs (key=value; lists comma-separated):"]
     for prefix, cls in (("", BenchConfig), ("network.", NetworkConfig)):
         defaults = asdict(cls())
-        for f in fields(cls):
-            if f.name in _field_docs(cls):
-                value = defaults[f.name]
+        for name, doc in knob_docs(cls).items():
+            if doc:
+                value = defaults[name]
                 shown = ",".join(value) if isinstance(value, list) else value
-                lines.append(f"  {prefix}{f.name}={shown}\n      {_field_docs(cls)[f.name]}")
+                lines.append(f"  {prefix}{name}={shown}\n      {doc}")
     lines.append("cases:")
     lines += [f"  {name:<19}{text}" for name, text in CASE_HELP.items()]
     lines.append("workloads:")
