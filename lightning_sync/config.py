@@ -73,7 +73,8 @@ class StrategyConfig:
     """Skip an optimizer step whose synced gradients hold a NaN or Inf, on every rank together (the decision is
     taken on the all-reduced gradients, identical on all ranks, so it costs no extra collective); logged as
     ``sync/skipped_steps``. With AMP's GradScaler the scaler skips and lowers its scale, and the step is counted.
-    ``periodic`` local steps skip on the rank alone; ``ps`` does not skip (the servers apply what they get)."""
+    ``periodic`` local steps skip on the rank alone. ``ps``: such a worker pushes no gradient, and the servers skip
+    the step for every worker in ``sync``, that worker's push in ``async``/``ssp``."""
     freeze_gc: bool = True
     """When training starts, exempt every object alive then from later garbage collections (``gc.freeze``, free;
     undone at teardown), so that a full collection over the start-up heap (250 ms here) does not stall a random

@@ -305,7 +305,8 @@ def test_ps_package_imports_no_lightning():
 
 
 # ---------------------------------------------------------------------------------------------------------- sync
-def _sync_worker(rank: int, port: int, opt_kind: str, steps: int, config: dict) -> dict:
+def _sync_worker(rank: int, port: int, opt_kind: str, steps: int, config: dict, nan_at: Optional[int] = None) -> dict:
+    """Sync steps on 2 servers; worker 1's gradient holds a NaN at step ``nan_at``, if given."""
     _, server, group = _join(rank, port, 2, 2, timeout_s=10)
     model = _model()
     opt = _optimizer(model, opt_kind)
@@ -317,8 +318,11 @@ def _sync_worker(rank: int, port: int, opt_kind: str, steps: int, config: dict) 
     for step in range(steps):
         _schedule(opt, step)
         _backward(model, rank, step)
+        if rank == 1 and step == nan_at:
+            model[2].bias.grad[0] = float("nan")  # on one server's shard only: both servers skip the step
         replies.append(client.push(ps.current_lrs(opt)))
-        assert replies[-1].versions == (step + 1, step + 1) and replies[-1].staleness == (0, 0)
+        version = step + 1 - sum(r.skipped for r in replies)
+        assert replies[-1].versions == (version, version) and replies[-1].staleness == (0, 0)
     client.close()
     if server is not None:
         server.join(10)
@@ -327,6 +331,7 @@ def _sync_worker(rank: int, port: int, opt_kind: str, steps: int, config: dict) 
         "recv": [r.server_bytes_recv for r in replies],
         "push_nbytes": [client.push_nbytes(i) for i in range(2)],
         "shard_nbytes": client.shard_nbytes,
+        "skipped": [r.skipped for r in replies],
     }
 
 
@@ -337,12 +342,15 @@ def _schedule(opt: torch.optim.Optimizer, step: int) -> None:
             group["lr"] *= 0.5
 
 
-def _reference(opt_kind: str, steps: int, num_workers: int = 2) -> list[torch.Tensor]:
-    """One process: average the workers' gradients (worker order, fp32), one optimizer step, as DDP does."""
+def _reference(opt_kind: str, steps: int, num_workers: int = 2, skip: Optional[int] = None) -> list[torch.Tensor]:
+    """One process: average the workers' gradients (worker order, fp32), one optimizer step, as DDP does; no step at
+    all at step ``skip``."""
     model = _model()
     opt = _optimizer(model, opt_kind)
     for step in range(steps):
         _schedule(opt, step)
+        if step == skip:
+            continue
         total = [torch.zeros_like(p) for p in model.parameters()]
         for rank in range(num_workers):
             _backward(model, rank, step)
@@ -367,6 +375,26 @@ def test_sync_equals_averaged_gradient_step(procs, opt_kind):
         assert all(torch.allclose(g, e, atol=1e-6, rtol=0) for g, e in zip(got, expected)), (rank, got, expected)
     assert all(torch.equal(a, b) for a, b in zip(out["worker0"]["params"], out["worker1"]["params"]))
     assert not all(torch.equal(a, b) for a, b in zip(expected, _model().parameters()))  # it did train
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("compression", ["none", "topk"])
+def test_sync_skips_a_nonfinite_step_for_every_worker_on_every_server(procs, compression):
+    """Worker 1's gradient holds a NaN at step 2, in one shard: no server steps, every worker is told, the optimizer
+    state (momentum) is untouched, and training goes on as if that step had not been (``none``: the reference that
+    skips it; ``topk``: finite, the NaN kept out of the error feedback)."""
+    port, steps = _free_port(), 5
+    for rank in range(2):
+        procs.start(f"worker{rank}", _sync_worker, rank, port, "two_groups", steps, {"compression": compression}, 2)
+    out = procs.ok(["worker0", "worker1"], timeout=30)
+    for rank in range(2):
+        assert out[f"worker{rank}"]["skipped"] == [False, False, True, False, False], rank
+        assert all(bool(p.isfinite().all()) for p in out[f"worker{rank}"]["params"]), rank
+    assert all(torch.equal(a, b) for a, b in zip(out["worker0"]["params"], out["worker1"]["params"]))
+    if compression == "none":
+        expected = _reference("two_groups", steps, skip=2)
+        got = out["worker0"]["params"]
+        assert all(torch.allclose(g, e, atol=1e-6, rtol=0) for g, e in zip(got, expected)), (got, expected)
 
 
 @pytest.mark.timeout(40)

@@ -28,9 +28,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from lightning_sync.comm.nonfinite import grads_are_finite
 from lightning_sync.ps._layout import ShardLayout, as_bytes
 from lightning_sync.ps._protocol import (
+    FLAG_NONFINITE,
     FLAG_NOT_APPLIED,
+    FLAG_SKIPPED,
     FLAG_STATS_HISTORY,
     FLAG_STOP,
     HEADER_BYTES,
@@ -91,7 +94,11 @@ class PSReply:
             :meth:`PSClient.close`.
         stop_reason: why, e.g. ``"max_updates=100 reached"`` or ``"worker 1 requested stop"``; ``""`` if not
             stopped.
-        applied: a push was applied by every server (``False`` for a pull, or a push that came after the stop).
+        applied: a push was applied by every server (``False`` for a pull, a push that came after the stop, or
+            a skipped one).
+        skipped: the push was skipped for a NaN or Inf gradient (``skip_nonfinite``): in sync, some worker's, and
+            the step was skipped for every worker; in async and ssp, this worker's. The parameters are unchanged
+            by it.
         staleness: per server, the staleness of this push (server version when applied minus the version it was
             computed on; ``0`` in sync); ``-1`` for a pull.
         clocks: per server, this worker's clock (its pushes applied by that server).
@@ -109,6 +116,7 @@ class PSReply:
     min_clocks: tuple[int, ...]
     server_bytes_recv: tuple[int, ...]
     server_bytes_sent: tuple[int, ...]
+    skipped: bool = False
 
     @property
     def version(self) -> int:
@@ -228,6 +236,10 @@ class PSClient:
     def push(self, lrs: Sequence[float]) -> PSReply:
         """Pushes the gradients (``p.grad``; ``None`` counts as zeros) and receives the new parameters in place.
 
+        With ``skip_nonfinite`` (the default) a gradient holding a NaN or Inf is not sent (nor fed to the codec's
+        error feedback): the push carries a flag instead, and the servers skip the update (see
+        :attr:`PSReply.skipped`).
+
         Guarantees: on return the model holds the parameters the servers replied with (sync: the step that
         averaged every worker's gradient; async: the step with this gradient, or newer; ssp: the same, possibly held
         back until the slowest worker is within ``max_staleness``). If the run had stopped, the push was not
@@ -248,6 +260,8 @@ class PSClient:
         if min(self.versions) < 0:
             raise RuntimeError("push() before the first pull(): pull the initial parameters first")
         lr_bytes = as_bytes(torch.tensor(lrs, dtype=torch.float64))
+        if self.config.skip_nonfinite and not grads_are_finite(self.params):
+            return self._to_reply(self._exchange(Kind.PUSH, [lr_bytes] * self.num_servers, FLAG_NONFINITE), push=True)
         payloads = []
         for i in range(self.num_servers):
             grads = [self.params[j].grad for j in self.indices[i]]
@@ -438,14 +452,15 @@ class PSClient:
             time.sleep(0.05)
 
     def _to_reply(self, answers: list[tuple[ReplyHeader, Optional[torch.Tensor]]], push: bool) -> PSReply:
-        applied = push
+        applied, skipped = push, False
         stop_code, stop_worker = StopCode.NONE, -1
         for i, (header, payload) in enumerate(answers):
             if payload is not None and header.payload_nbytes == self.layouts[i].nbytes:
                 self.layouts[i].unpack_into(payload, [self.params[j] for j in self.indices[i]])
             self.versions[i] = header.version
-            if header.flags & FLAG_NOT_APPLIED:
+            if header.flags & (FLAG_NOT_APPLIED | FLAG_SKIPPED):
                 applied = False
+            skipped = skipped or bool(header.flags & FLAG_SKIPPED)
             if header.flags & FLAG_STOP and stop_code == StopCode.NONE:
                 stop_code, stop_worker = header.stop_code, header.stop_worker
         if stop_code != StopCode.NONE:
@@ -461,6 +476,7 @@ class PSClient:
             min_clocks=tuple(h.min_clock for h, _ in answers),
             server_bytes_recv=tuple(h.bytes_recv for h, _ in answers),
             server_bytes_sent=tuple(h.bytes_sent for h, _ in answers),
+            skipped=skipped,
         )
         self.last_reply = reply
         return reply

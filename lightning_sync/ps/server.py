@@ -42,7 +42,9 @@ import torch
 
 from lightning_sync.ps._layout import ShardLayout
 from lightning_sync.ps._protocol import (
+    FLAG_NONFINITE,
     FLAG_NOT_APPLIED,
+    FLAG_SKIPPED,
     FLAG_STATS_HISTORY,
     FLAG_STOP,
     HEADER_SLOTS,
@@ -210,6 +212,7 @@ class ParameterServer:
         self.stop_code = StopCode.NONE
         self.stop_worker = -1
         self.rejected_pushes = 0
+        self.skipped_updates = 0  # sync steps or async/ssp pushes skipped for a NaN or Inf gradient
         self._inflight: dict[int, list[tuple[Kind, Any]]] = {}  # worker -> sends of its last reply
 
     # ---------------------------------------------------------------- public
@@ -258,6 +261,7 @@ class ParameterServer:
             "stop_reason": self._stop_reason(),
             "live": list(self.live),
             "rejected_pushes": self.rejected_pushes,
+            "skipped_updates": self.skipped_updates,
             "bytes_recv": int(total.bytes_recv),
             "bytes_sent": int(total.bytes_sent),
             "calls": total.calls,
@@ -479,10 +483,12 @@ class ParameterServer:
         if payload is None or payload.numel() < lr_bytes:
             raise _Refused(f"a push must carry {self.num_groups} learning rates and a gradient")
         lrs = payload[:lr_bytes].view(torch.float64).tolist()
-        try:
-            grad = self.codec.decode(payload[lr_bytes:], self.shard.layout)
-        except ValueError as exc:
-            raise _Refused(str(exc)) from exc
+        grad = None  # a NaN or Inf gradient stays on its worker: the update is skipped
+        if not request.flags & FLAG_NONFINITE:
+            try:
+                grad = self.codec.decode(payload[lr_bytes:], self.shard.layout)
+            except ValueError as exc:
+                raise _Refused(str(exc)) from exc
         if self.config.mode == "sync":
             if request.version != self.shard.version:
                 raise _Refused(
@@ -495,6 +501,10 @@ class ParameterServer:
             self._after_change()
             return
         staleness = self.shard.version - request.version
+        if grad is None:  # nothing applied, the worker's clock stays: its ssp lead cannot grow
+            self.skipped_updates += 1
+            self._send_replies([(worker, self._params_reply(Kind.PUSH, worker, FLAG_SKIPPED, staleness))])
+            return
         # One push is one worker's gradient, where a sync step averages W of them: scaled by 1/W, W pushes move the
         # parameters as far as one sync step, so one learning rate fits every mode.
         self.shard.apply(grad.div_(self.num_workers), lrs)
@@ -545,6 +555,10 @@ class ParameterServer:
     def _sync_step(self) -> list[Any]:
         assert self.shard is not None
         contributors = sorted(self.pending)
+        if any(self.pending[w][0] is None for w in contributors):  # every worker skips the step, at the same version
+            self.skipped_updates += 1
+            self.pending = {}
+            return [(w, self._params_reply(Kind.PUSH, w, FLAG_SKIPPED, staleness=0)) for w in contributors]
         total = torch.zeros(self.shard.layout.numel, dtype=torch.float32)
         for w in contributors:
             total.add_(self.pending[w][0])

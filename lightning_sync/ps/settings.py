@@ -34,6 +34,8 @@ class PSConfig:
         compression: how pushed gradients travel, one of :data:`COMPRESSIONS`.
         topk_density: fraction of each shard's gradient entries ``topk`` sends, in ``(0, 1]``.
         error_feedback: with ``topk``, keep what was not sent on the worker and add it to the next push.
+        skip_nonfinite: a worker whose gradient holds a NaN or Inf pushes none (its codec's memory untouched) and
+            the servers skip: in sync the whole step, for every worker; in async and ssp that push.
 
     Raises:
         ValueError: a field is out of range; the message names the field, the value and what is allowed.
@@ -45,6 +47,7 @@ class PSConfig:
     compression: str = "none"
     topk_density: float = 0.01
     error_feedback: bool = True
+    skip_nonfinite: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -71,8 +74,9 @@ class PSConfig:
             or not (math.isfinite(density) and 0.0 < density <= 1.0)
         ):
             raise ValueError(f"topk_density={density!r} must be a number in (0, 1]")
-        if not isinstance(self.error_feedback, bool):
-            raise ValueError(f"error_feedback={self.error_feedback!r} must be True or False")
+        for name in ("error_feedback", "skip_nonfinite"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a plain dict (what travels to the servers)."""

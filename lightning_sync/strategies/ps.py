@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -49,7 +49,7 @@ class ParameterServerStrategy(DetachableCollectives):
 
     config_class = ParameterServerConfig
     strategy_name = "sync_ps"
-    skips_nonfinite_steps = False  # the servers apply whatever gradients they get
+    skips_nonfinite_steps = True  # the push carries the check and the servers skip (see _skipping_nonfinite)
 
     def __init__(self, config: Optional[ParameterServerConfig] = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
@@ -75,7 +75,7 @@ class ParameterServerStrategy(DetachableCollectives):
     def _ps_config(self, max_updates: Optional[int]) -> PSConfig:
         cfg = self.config
         return PSConfig(cfg.mode, cfg.max_staleness if cfg.mode == "ssp" else 0, max_updates, cfg.compression,
-                        cfg.topk_density, cfg.error_feedback)
+                        cfg.topk_density, cfg.error_feedback, cfg.skip_nonfinite)
 
     # ------------------------------------------------------------------ launch and setup
     @override
@@ -166,6 +166,13 @@ class ParameterServerStrategy(DetachableCollectives):
         worker's gradients, which are then pushed, and the model then holds the servers' fresh parameters."""
         return ServerStepOptimizer(optimizer, self._push)
 
+    @override
+    def _skipping_nonfinite(self, closure: Callable[[], Any], optimizer: Optimizer) -> Callable[[], Any]:
+        """The closure as it is: with ``skip_nonfinite`` a worker whose gradient holds a NaN or Inf pushes none,
+        and the servers decide (sync: the step is skipped for every worker; async/ssp: that push), so no worker
+        drops its gradients on its own; :meth:`_push` counts what the reply says was skipped."""
+        return closure
+
     def _push(self, optimizer: Optimizer) -> None:
         assert self.client is not None
         trainer = self.lightning_module.trainer
@@ -174,6 +181,8 @@ class ParameterServerStrategy(DetachableCollectives):
         if trainer.should_stop and not self.client.stopped:  # e.g. EarlyStopping here: stop every worker
             self.client.request_stop()
         self.last_reply = self.client.push(current_lrs(optimizer))
+        if self.last_reply.skipped:
+            self.skipped_steps += 1
         if self._straggler is not None:  # after the push: the whole step, round trip included, takes slowdown x
             self._straggler.step_end()
         if self.last_reply.stop:
