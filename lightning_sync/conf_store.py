@@ -41,8 +41,9 @@ def register_strategy_schemas() -> None:
 
 
 def check_strategy_knobs(strategy: Any) -> None:
-    """Builds the strategy's config dataclass from a composed ``strategy`` node, so a bad value is reported (as the
-    strategy's constructor would) without importing torch or Lightning.
+    """Checks a composed ``strategy`` node as the strategy's constructor would, without importing Lightning: its
+    config dataclass first (no torch either, so the strategy's own knobs answer at once), then the algorithms the
+    knobs configure (:func:`lightning_sync.algorithms.build_parts`, which imports torch).
 
     Raises:
         ConfigError: naming ``strategy.<knob>``, the value and what is allowed.
@@ -53,6 +54,9 @@ def check_strategy_knobs(strategy: Any) -> None:
         return
     knobs = {key: value for key, value in strategy.items() if key != "_target_"}
     try:
-        config_class(**knobs)
+        config = config_class(**knobs)
+        from lightning_sync.algorithms import build_parts
+
+        build_parts(config)
     except ConfigError as error:
         raise error.under("strategy") from None

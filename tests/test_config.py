@@ -111,21 +111,36 @@ def test_hydra_modes_match_the_registered_strategies():
         assert hydra.utils.get_class(target) is cls and cls.config_class is config_class
 
 
-def test_config_errors_need_neither_torch_nor_lightning():
-    """The Hydra app reports a bad strategy knob before torch or Lightning is imported (about a second)."""
+@pytest.mark.parametrize(
+    "knobs, message, imported",
+    [
+        ({"_target_": "lightning_sync.AllReduceStrategy", "timeout_s": -1},
+         "strategy.timeout_s=-1 is not allowed; it must be > 0", []),
+        ({"_target_": "lightning_sync.AllReduceStrategy", "compression": "topk", "topk_density": 2.0},
+         "strategy.topk_density=2.0 is not allowed; it must be in (0, 1]", ["torch"]),
+        ({"_target_": "lightning_sync.PeriodicSyncStrategy", "mode": "local_sgd", "sync_every": 0},
+         "strategy.sync_every=0 is not allowed", ["torch"]),
+        ({"_target_": "lightning_sync.ParameterServerStrategy", "mode": "async", "max_staleness": 3},
+         "strategy.max_staleness=3 is not allowed with mode='async'; it is for ssp", ["torch"]),
+    ],
+    ids=["strategy-knob", "compressor-knob", "averager-knob", "ps-knob"],
+)
+def test_config_errors_come_before_lightning_is_imported(knobs, message, imported):
+    """The Hydra app reports a bad strategy knob before torch or Lightning is imported (well under a second), and a
+    bad algorithm knob with torch imported but not Lightning (about 1.5 s here, against 5 s after Lightning)."""
     import subprocess
     import sys
 
     probe = (
         "import sys; sys.argv = ['-m']; import lightning_sync.train as t; "
         "from lightning_sync.conf_store import check_strategy_knobs\n"
-        "try:\n    check_strategy_knobs({'_target_': 'lightning_sync.AllReduceStrategy', 'timeout_s': -1})\n"
+        f"try:\n    check_strategy_knobs({knobs!r})\n"
         "except Exception as e:\n    print(type(e).__name__, e)\n"
         "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120).stdout
-    assert "ConfigError strategy.timeout_s=-1 is not allowed; it must be > 0" in out, out
-    assert out.strip().endswith("[]"), out
+    assert f"ConfigError {message}" in out, out
+    assert out.strip().endswith(str(imported)), out
 
 
 def _imports(path: Path) -> set[str]:
@@ -150,6 +165,8 @@ def test_import_graph_comm_is_lightning_free_and_config_is_a_leaf():
             )
             assert name != "lightning_sync.config", f"{path.name} imports lightning_sync.config"
             assert not name.startswith("lightning_sync.strategies"), f"{path.name} imports {name}"
+    for name in _imports(package / "algorithms.py"):  # what the Hydra app checks before importing Lightning
+        assert not name.startswith(("lightning.", "pytorch_lightning", "lightning_sync.strategies")), name
     config_imports = {n for n in _imports(package / "config.py") if n.startswith("lightning_sync")}
     assert config_imports <= {"lightning_sync.errors"}, config_imports
     assert {n for n in _imports(package / "errors.py") if n.startswith("lightning_sync")} == set()

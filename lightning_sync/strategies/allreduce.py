@@ -10,9 +10,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_sync.algorithms import build_parts
 from lightning_sync.comm.bucketing import GradientSynchronizer
-from lightning_sync.comm.compression import Compressor, compressor_factory
-from lightning_sync.config import AllReduceConfig, GradientSyncKnobs
+from lightning_sync.comm.compression import Compressor
+from lightning_sync.config import AllReduceConfig
 from lightning_sync.strategies._base import SyncStrategyBase
 
 
@@ -41,9 +42,8 @@ class AllReduceStrategy(SyncStrategyBase):
 
     @override
     def _check_algorithm_knobs(self) -> None:
-        cfg: GradientSyncKnobs = self.config
-        GradientSynchronizer.check_settings(cfg.bucketing, cfg.bucket_cap_mb, cfg.first_bucket_mb)
-        self._new_compressor = compressor_factory(cfg.compression, **cfg.compressor_options())
+        self._parts = build_parts(self.config)
+        self._new_compressor = self._parts.new_compressor
 
     @property
     def _syncs_gradients(self) -> bool:

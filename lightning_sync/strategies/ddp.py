@@ -8,7 +8,8 @@ from typing import Any, Optional
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_sync.comm.compression import Compressor, compressor_factory
+from lightning_sync.algorithms import build_parts
+from lightning_sync.comm.compression import Compressor
 from lightning_sync.comm.ddp_hook import DDPHookState, compressed_allreduce_hook
 from lightning_sync.config import DDPConfig
 from lightning_sync.strategies._base import SyncStrategyBase
@@ -54,9 +55,7 @@ class DDPSyncStrategy(SyncStrategyBase):
 
     @override
     def _check_algorithm_knobs(self) -> None:
-        self._new_compressor = compressor_factory(
-            self.config.comm_hook, field="comm_hook", **self.config.compressor_options()
-        )
+        self._new_compressor = build_parts(self.config).new_compressor
 
     @override
     def _register_ddp_hooks(self) -> None:

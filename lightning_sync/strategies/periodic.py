@@ -56,12 +56,7 @@ class PeriodicSyncStrategy(AllReduceStrategy):
         """Checks the bucketing and compression knobs, and builds the averager (``local_sgd``/``diloco``), whose
         constructor checks the schedule."""
         super()._check_algorithm_knobs()
-        cfg = self.config
-        self.averager: Optional[PeriodicAverager] = None
-        if cfg.mode != "gradient":
-            self.averager = PeriodicAverager(
-                outer=cfg.mode == "diloco", new_compressor=self._new_compressor, **cfg.arguments_for(PeriodicAverager)
-            )
+        self.averager: Optional[PeriodicAverager] = self._parts.averager
 
     @property
     @override

@@ -11,6 +11,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_sync.algorithms import build_parts, ps_settings
 from lightning_sync.config import ParameterServerConfig
 from lightning_sync.errors import ConfigError
 from lightning_sync.ps import (
@@ -64,18 +65,10 @@ class ParameterServerStrategy(DetachableCollectives):
 
     @override
     def _check_algorithm_knobs(self) -> None:
-        cfg = self.config
-        if cfg.mode != "ssp" and cfg.max_staleness != ParameterServerConfig.max_staleness:
-            raise ConfigError(f"max_staleness={cfg.max_staleness} is not allowed with mode={cfg.mode!r}; it is for ssp")
-        try:  # the ps package checks its own knobs (compression)
-            self._ps_config(max_updates=None)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+        build_parts(self.config)
 
     def _ps_config(self, max_updates: Optional[int]) -> PSConfig:
-        cfg = self.config
-        return PSConfig(cfg.mode, cfg.max_staleness if cfg.mode == "ssp" else 0, max_updates, cfg.compression,
-                        cfg.topk_density, cfg.error_feedback, cfg.skip_nonfinite)
+        return ps_settings(self.config, max_updates)
 
     # ------------------------------------------------------------------ launch and setup
     @override

@@ -1,0 +1,76 @@
+"""The comm algorithms a strategy config asks for, built from its knobs: torch only, no Lightning.
+
+A strategy's constructor builds these (and keeps them); the Hydra app builds them once more before importing
+Lightning, so a bad algorithm knob (a compressor's density or rank, the bucketing, the averager's period, warmup and
+adaptive bounds, a ``ps`` setting) is reported in about a second and a half (torch's import), not after Lightning's
+five. Each check still lives in its algorithm's constructor: this module only calls them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from lightning_sync.comm.bucketing import GradientSynchronizer
+from lightning_sync.comm.compression import Compressor, compressor_factory
+from lightning_sync.comm.periodic import PeriodicAverager
+from lightning_sync.config import (
+    DDPConfig,
+    GradientSyncKnobs,
+    ParameterServerConfig,
+    PeriodicConfig,
+    StrategyConfig,
+)
+from lightning_sync.errors import ConfigError
+from lightning_sync.ps.settings import PSConfig
+
+
+@dataclass
+class AlgorithmParts:
+    """What a mode's algorithms need beyond the process group, built (and so checked) from the config.
+
+    Attributes:
+        new_compressor: builds a fresh gradient compressor (one per bucket group); ``None`` for ``ps``, whose
+            codec travels in :attr:`ps_config`.
+        averager: the ``periodic`` averager of ``local_sgd``/``diloco``; ``None`` otherwise.
+        ps_config: the ``ps`` settings (``max_updates`` left unset: the strategy knows it once training starts).
+    """
+
+    new_compressor: Optional[Callable[[], Compressor]] = None
+    averager: Optional[PeriodicAverager] = None
+    ps_config: Optional[PSConfig] = None
+
+
+def ps_settings(cfg: ParameterServerConfig, max_updates: Optional[int] = None) -> PSConfig:
+    """The :class:`~lightning_sync.ps.settings.PSConfig` of a ``ps`` strategy config.
+
+    Raises:
+        ConfigError: ``max_staleness`` set outside ``ssp``, or a setting the ps package refuses.
+    """
+    if cfg.mode != "ssp" and cfg.max_staleness != ParameterServerConfig.max_staleness:
+        raise ConfigError(f"max_staleness={cfg.max_staleness} is not allowed with mode={cfg.mode!r}; it is for ssp")
+    try:
+        return PSConfig(cfg.mode, cfg.max_staleness if cfg.mode == "ssp" else 0, max_updates, cfg.compression,
+                        cfg.topk_density, cfg.error_feedback, cfg.skip_nonfinite)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def build_parts(cfg: StrategyConfig) -> AlgorithmParts:
+    """The algorithms of ``cfg``'s mode, built from its knobs.
+
+    Raises:
+        ConfigError: an algorithm refused a knob; the message names the field (without the ``strategy.`` prefix).
+    """
+    if isinstance(cfg, DDPConfig):
+        return AlgorithmParts(compressor_factory(cfg.comm_hook, field="comm_hook", **cfg.compressor_options()))
+    if isinstance(cfg, ParameterServerConfig):
+        return AlgorithmParts(ps_config=ps_settings(cfg))
+    if not isinstance(cfg, GradientSyncKnobs):
+        return AlgorithmParts()
+    GradientSynchronizer.check_settings(cfg.bucketing, cfg.bucket_cap_mb, cfg.first_bucket_mb)
+    parts = AlgorithmParts(compressor_factory(cfg.compression, **cfg.compressor_options()))
+    if isinstance(cfg, PeriodicConfig) and cfg.mode != "gradient":
+        parts.averager = PeriodicAverager(outer=cfg.mode == "diloco", new_compressor=parts.new_compressor,
+                                          **cfg.arguments_for(PeriodicAverager))
+    return parts
