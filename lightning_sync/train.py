@@ -10,6 +10,7 @@ naming the field and a non-zero exit, before any rank starts.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -271,9 +272,27 @@ def _hydra_main(cfg: DictConfig) -> None:
         check_strategy_knobs(OmegaConf.to_container(cfg.strategy, resolve=True))
         summary = run(cfg)
     except ConfigError as exc:
+        _drop_unused_run_folder()
         _exit_config_error(exc)
     if summary.get("optimizer_steps") is not None:
         print(_summary_line(summary))
+
+
+def _drop_unused_run_folder() -> None:
+    """Removes the run folder Hydra made for a job that a config error stopped before it ran, if it holds nothing
+    but Hydra's own record (``.hydra/`` and an empty ``train.log``), and the folders above it that this leaves empty
+    (``outputs/<date>/``): a typo leaves no folder behind. A folder with anything else in it (a run being resumed)
+    is left alone."""
+    try:
+        folder = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    except ValueError:  # not under Hydra
+        return
+    log = folder / "train.log"
+    if {p.name for p in folder.iterdir()} <= {".hydra", "train.log"} and (not log.exists() or not log.stat().st_size):
+        shutil.rmtree(folder, ignore_errors=True)
+        for parent in (folder.parent, folder.parent.parent):  # <date>/ and outputs/ of the default layout
+            if parent.is_dir() and not any(parent.iterdir()) and (parent == folder.parent or parent.name == "outputs"):
+                parent.rmdir()
 
 
 def _exit_config_error(exc: ConfigError) -> NoReturn:

@@ -249,7 +249,7 @@ def test_bad_input_fails_fast_with_one_line(cli_runs, index):
     # it stopped before any rank started or anything was trained
     assert "Initializing distributed" not in out + err, (override, "a rank started")
     assert "summary:" not in out
-    assert not (run.root / "run" / "metrics.csv").exists()
+    assert not (run.root / "run").exists()  # not even Hydra's record of a job that never ran
     assert not any((run.root / "cwd").iterdir())
 
 
