@@ -29,3 +29,16 @@ def test_lost_process_fails_the_job_in_time_and_leaves_no_orphan(tmp_path, targe
     names = {"worker1": ("worker 1", "rank 1", "[rank: 1] Child process"), "server0": ("server 0",)}[target]
     assert any(name in outcome.stderr for name in names), outcome.stderr[-3000:]
     assert not outcome.left, f"orphans: {outcome.left}"
+
+
+@pytest.mark.timeout(150)
+def test_a_lost_worker_ends_the_job_in_seconds_not_after_timeout_s(tmp_path):
+    """With ``timeout_s=120``: the server of a sync step would wait that long for the killed worker's push, and rank
+    0 for the server. The launcher's observer sees the lost rank and stops the servers, so rank 0 hears it at once."""
+    overrides = ["strategy=ps", "strategy.timeout_s=120", "trainer.max_epochs=1000", "test=false"]
+    outcome = run_and_hit(overrides, tmp_path / "run", "rank1", signal.SIGKILL, wait_s=60)
+    print(f"worker1 SIGKILL, timeout_s=120: exit code {outcome.returncode} after {outcome.seconds:.1f} s")
+    assert outcome.returncode != 0
+    assert outcome.seconds < 15, outcome.seconds
+    assert "rank 1 (local) was lost" in outcome.stderr, outcome.stderr[-3000:]
+    assert not outcome.left, f"orphans: {outcome.left}"

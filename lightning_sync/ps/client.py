@@ -419,8 +419,8 @@ class PSClient:
             # A server that gave up on another worker writes why just as our own wait ends: give it the grace,
             # unless a timed-out wait for replies has just given it (waiting twice only delays the error).
             patience_s = 0.0 if graced and isinstance(exc, PSTimeoutError) else min(self.group.timeout_s / 4, 5.0)
-            report = self._report_of(peer, patience_s=patience_s)
-            raise type(exc)(f"{exc}; {group.name(peer)} reported: {report}" if report else str(exc)) from exc
+            reporter, report = self._report_of(peer, patience_s=patience_s)
+            raise type(exc)(f"{exc}; {group.name(reporter)} reported: {report}" if report else str(exc)) from exc
         errors = [
             f"{group.name(ranks[i])} refused the {what}: {bytes(buffers[i].tolist()).decode(errors='replace')}"
             for i, reply in enumerate(replies)
@@ -442,13 +442,18 @@ class PSClient:
             return self.group.connect_timeout_s
         return self.group.timeout_s + min(self.group.timeout_s / 4, 5.0)
 
-    def _report_of(self, ps_rank: int, patience_s: float) -> Optional[str]:
-        """The failure message a server left in the store (it may write it just after closing its connections)."""
+    def _report_of(self, ps_rank: int, patience_s: float) -> tuple[int, Optional[str]]:
+        """``(rank, message)``: the failure message server ``ps_rank`` left in the store (it may write it just after
+        closing its connections), waiting up to ``patience_s`` for it; failing that, another member's, which ends
+        the wait at once (e.g. a lost worker reported by the launcher, which then stopped the servers)."""
         deadline = time.monotonic() + patience_s
         while True:
             report = self.group.reported_failure(ps_rank)
-            if report or time.monotonic() > deadline:
-                return report
+            if report:
+                return ps_rank, report
+            other = self.group.first_reported_failure()
+            if other is not None or time.monotonic() > deadline:
+                return other if other is not None else (ps_rank, None)
             time.sleep(0.05)
 
     def _to_reply(self, answers: list[tuple[ReplyHeader, Optional[torch.Tensor]]], push: bool) -> PSReply:

@@ -123,6 +123,7 @@ class PSGroup:
         self.prefix = prefix
         self.meter = meter if meter is not None else CommMeter()
         self._reports = dist.PrefixStore(prefix + "/failures", store)
+        self._store_lost = False  # a store call failed (its host is gone): stop asking it (each try logs a warning)
         try:
             self.pg: Any = dist.ProcessGroupGloo(
                 dist.PrefixStore(prefix + "/gloo", store), ps_rank, size, _seconds(self.connect_timeout_s)
@@ -208,14 +209,17 @@ class PSGroup:
         return PSError(f"{self.name()} failed talking to {who} ({what}): {text}")
 
     # ---------------------------------------------------------------- failure reports
-    def report_failure(self, message: str) -> None:
-        """Best effort: leaves ``message`` in the store so that peers can quote why this member stopped, and counts
-        it (:meth:`first_reported_failure` reads the count in one store round trip)."""
+    def report_failure(self, message: str, ps_rank: Optional[int] = None) -> None:
+        """Best effort: leaves ``message`` in the store so that peers can quote why this member (or ``ps_rank``, for
+        a member whose process is gone) stopped, and counts it (:meth:`first_reported_failure` reads the count in
+        one store round trip)."""
+        if self._store_lost:
+            return
         try:
-            self._reports.set(str(self.ps_rank), message)
+            self._reports.set(str(self.ps_rank if ps_rank is None else ps_rank), message)
             self._reports.add(_FAILURE_COUNT_KEY, 1)
         except Exception:  # noqa: BLE001 - the store may be gone with its host; the report is only a courtesy
-            pass
+            self._store_lost = True
 
     def first_reported_failure(self) -> Optional[tuple[int, str]]:
         """``(ps_rank, message)`` of another member that has reported a failure, if any (the lowest rank).
@@ -223,10 +227,13 @@ class PSGroup:
         One store round trip when none has (the usual case), so a member can ask before every exchange and stop at
         once instead of waiting ``timeout_s`` on a peer already known to be gone.
         """
+        if self._store_lost:
+            return None
         try:
             if self._reports.add(_FAILURE_COUNT_KEY, 0) == 0:
                 return None
         except Exception:  # noqa: BLE001 - no store, no reports: the waits' own timeouts still bound everything
+            self._store_lost = True
             return None
         for rank in range(self.world_size):
             report = self.reported_failure(rank) if rank != self.ps_rank else None
@@ -236,12 +243,14 @@ class PSGroup:
 
     def reported_failure(self, ps_rank: int) -> Optional[str]:
         """The message a member left with :meth:`report_failure`, if any (best effort, never blocks long)."""
+        if self._store_lost:
+            return None
         try:
             key = str(ps_rank)
             if self._reports.check([key]):
                 return self._reports.get(key).decode(errors="replace")
         except Exception:  # noqa: BLE001
-            pass
+            self._store_lost = True
         return None
 
     def close(self) -> None:

@@ -81,6 +81,7 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
 
 
 _OBSERVER_POLL_S = 0.5
+_MAX_OBSERVER_GRACE_S = 30.0
 
 
 def describe_exit(code: int) -> str:
@@ -91,20 +92,23 @@ def describe_exit(code: int) -> str:
 class _ChildObserver(threading.Thread):
     """Watches the ``popen`` children, as Lightning's own observer does, but can be stood down.
 
-    When a child exits with an error while the observer is armed, it names the child on stderr, kills the other
-    children and, if the main process has not ended on its own within ``grace_s`` (the main process disarms the
-    observer as soon as it handles a failure; every wait of the main process honours the strategy's ``timeout_s``),
-    kills the main process too: a main process stuck in a call that has no timeout never outlives its children.
+    When a child exits with an error while the observer is armed, it names the child on stderr, runs the
+    ``on_lost`` handlers (a mode's way to make the main process's own waits fail now: ``ps`` stops its servers,
+    whose loss the blocked worker hears at once), kills the other children and, if the main process has not ended on
+    its own within ``grace_s`` (the main process disarms the observer as soon as it handles a failure), kills the
+    main process too: a main process stuck in a wait never outlives its children by more than ``grace_s``.
 
     Lightning's observer cannot be stood down, so it raced the main process's own failure handling: after the main
     process had killed a frozen child on purpose, the observer SIGKILLed the main process before its error was
     printed.
     """
 
-    def __init__(self, procs: list[subprocess.Popen], grace_s: float) -> None:
+    def __init__(self, procs: list[subprocess.Popen], grace_s: float,
+                 on_lost: Optional[list[Callable[[dict[int, int]], None]]] = None) -> None:
         super().__init__(daemon=True, name="lightning-sync-child-observer")
         self._procs = procs
         self._grace_s = grace_s
+        self._on_lost = on_lost if on_lost is not None else []
         self._disarmed = threading.Event()
 
     def disarm(self) -> None:
@@ -125,6 +129,11 @@ class _ChildObserver(threading.Thread):
         for local_rank, code in failed.items():
             print(f"error: rank {local_rank} (local) was lost: {describe_exit(code)}; stopping the job",
                   file=sys.stderr, flush=True)
+        for handler in list(self._on_lost):
+            try:
+                handler(failed)
+            except Exception as error:  # noqa: BLE001 - a handler only speeds the end up; the grace still bounds it
+                print(f"error: while stopping the job: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
         for proc in self._procs:
             if proc.poll() is None:
                 proc.kill()
@@ -142,12 +151,18 @@ class HydraJobSubprocessLauncher(_SubprocessScriptLauncher):
     _observer: Optional[_ChildObserver] = None
     observer_grace_s: float = 30.0
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.on_child_lost: list[Callable[[dict[int, int]], None]] = []
+        """Called with ``{local_rank: exit code}`` (in the observer's thread) when child ranks are lost, before the
+        grace for the main process."""
+
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
-            self._observer = _ChildObserver(self.procs, self.observer_grace_s)
+            self._observer = _ChildObserver(self.procs, self.observer_grace_s, self.on_child_lost)
             self._observer.start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
@@ -217,6 +232,8 @@ def configure_launcher(strategy: Any, lightning_default: Callable[[], None]) -> 
         return _frozen.end_frozen_ranks_on_failure(strategy.launcher, strategy, popen=False)
     assert strategy.cluster_environment is not None
     launcher = HydraJobSubprocessLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
-    launcher.observer_grace_s = strategy.config.timeout_s + 5.0
+    # Long enough for the main process to report its own error (its waits end within timeout_s), short enough that
+    # a job whose rank is gone never hangs for minutes with the default timeout_s of 600.
+    launcher.observer_grace_s = min(strategy.config.timeout_s + 5.0, _MAX_OBSERVER_GRACE_S)
     strategy._launcher = launcher
     _frozen.end_frozen_ranks_on_failure(launcher, strategy, popen=True)  # a failing rank kills the frozen ones

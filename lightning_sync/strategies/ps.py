@@ -26,6 +26,7 @@ from lightning_sync.ps import (
     start_servers,
 )
 from lightning_sync.strategies._detached import DetachableCollectives
+from lightning_sync.strategies._launcher import describe_exit
 
 
 class ParameterServerStrategy(DetachableCollectives):
@@ -116,6 +117,21 @@ class ParameterServerStrategy(DetachableCollectives):
         self._group = PSGroup(store, self.global_rank, world, cfg.num_servers, cfg.timeout_s, prefix=prefix,
                               meter=self.meter)
         self._straggler = Straggler(self.global_rank, cfg.slow_worker if cfg.slow_worker >= 0 else None, cfg.slowdown)
+        handlers = getattr(self.launcher, "on_child_lost", None)
+        if handlers is not None and self.servers is not None:
+            handlers.append(self._stop_servers_for_a_lost_rank)
+
+    def _stop_servers_for_a_lost_rank(self, lost: dict[int, int]) -> None:
+        """Worker ranks are gone (``{local_rank: exit code}``, from the popen launcher's observer): report them in
+        the PS store, then stop this rank's servers, so that a worker blocked on them (a sync step waits for the
+        lost worker's push until ``timeout_s``) stops now, quoting the report; the job is failing anyway."""
+        group, servers = self._group, self.servers
+        for local_rank, code in lost.items():
+            if group is not None:
+                group.report_failure(f"its process was lost ({describe_exit(code)})",
+                                     ps_rank=self.node_rank * self.num_processes + local_rank)
+        if servers is not None:
+            servers.stop(grace_s=1.0)
 
     @override
     def configure_ddp(self) -> None:
