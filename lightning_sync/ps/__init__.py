@@ -21,6 +21,7 @@ from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, connect_store, desc
 from lightning_sync.ps.optim_spec import OptimizerSpec, build_shard_optimizer, current_lrs, optimizer_spec
 from lightning_sync.ps.placement import (
     ColocatedServer,
+    abandon_servers,
     ServerProcesses,
     start_colocated_server,
     start_server_processes,
@@ -51,6 +52,7 @@ __all__ = [
     "ServerShard",
     "ServerStepOptimizer",
     "Straggler",
+    "abandon_servers",
     "build_shard_optimizer",
     "connect_store",
     "current_lrs",

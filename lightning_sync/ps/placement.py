@@ -339,3 +339,16 @@ def start_servers(
             host, port, worker, num_workers, num_servers, timeout_s=timeout_s, prefix=prefix
         )
     return None
+
+
+def abandon_servers(group: Optional[Any], servers: Optional[Any], lost: dict[int, str]) -> None:
+    """Workers' processes are gone (``{ps_rank: how}``, e.g. ``{1: "killed by SIGKILL"}``): reports each in the
+    store and stops ``servers`` (the handle this process holds, if any), so that a worker blocked on them (a sync
+    step waits for the lost worker's push until ``timeout_s``) stops now, quoting the report. Meant for a launcher
+    that watches the worker processes; the run is failing anyway.
+    """
+    for ps_rank, how in lost.items():
+        if group is not None:
+            group.report_failure(f"its process was lost ({how})", ps_rank=ps_rank)
+    if servers is not None:
+        servers.stop(grace_s=1.0)

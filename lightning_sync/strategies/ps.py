@@ -16,10 +16,10 @@ from lightning_sync.config import ParameterServerConfig
 from lightning_sync.errors import ConfigError
 from lightning_sync.ps import (
     PSClient,
-    PSConfig,
     PSGroup,
     ServerStepOptimizer,
     Straggler,
+    abandon_servers,
     connect_store,
     current_lrs,
     optimizer_spec,
@@ -68,9 +68,6 @@ class ParameterServerStrategy(DetachableCollectives):
     def _check_algorithm_knobs(self) -> None:
         build_parts(self.config)
 
-    def _ps_config(self, max_updates: Optional[int]) -> PSConfig:
-        return ps_settings(self.config, max_updates)
-
     # ------------------------------------------------------------------ launch and setup
     @override
     def _configure_launcher(self) -> None:
@@ -117,21 +114,11 @@ class ParameterServerStrategy(DetachableCollectives):
         self._group = PSGroup(store, self.global_rank, world, cfg.num_servers, cfg.timeout_s, prefix=prefix,
                               meter=self.meter)
         self._straggler = Straggler(self.global_rank, cfg.slow_worker if cfg.slow_worker >= 0 else None, cfg.slowdown)
-        handlers = getattr(self.launcher, "on_child_lost", None)
+        handlers = getattr(self.launcher, "on_child_lost", None)  # popen: a lost worker rank stops the servers
         if handlers is not None and self.servers is not None:
-            handlers.append(self._stop_servers_for_a_lost_rank)
-
-    def _stop_servers_for_a_lost_rank(self, lost: dict[int, int]) -> None:
-        """Worker ranks are gone (``{local_rank: exit code}``, from the popen launcher's observer): report them in
-        the PS store, then stop this rank's servers, so that a worker blocked on them (a sync step waits for the
-        lost worker's push until ``timeout_s``) stops now, quoting the report; the job is failing anyway."""
-        group, servers = self._group, self.servers
-        for local_rank, code in lost.items():
-            if group is not None:
-                group.report_failure(f"its process was lost ({describe_exit(code)})",
-                                     ps_rank=self.node_rank * self.num_processes + local_rank)
-        if servers is not None:
-            servers.stop(grace_s=1.0)
+            first = self.node_rank * self.num_processes
+            handlers.append(lambda lost: abandon_servers(
+                self._group, self.servers, {first + rank: describe_exit(code) for rank, code in lost.items()}))
 
     @override
     def configure_ddp(self) -> None:
@@ -153,7 +140,7 @@ class ParameterServerStrategy(DetachableCollectives):
         params = [p for p in module.parameters() if p.requires_grad]
         assert self._group is not None
         spec = optimizer_spec(self.optimizers[0], params)
-        self.client = PSClient(self._group, params, spec, self._ps_config(max_updates))
+        self.client = PSClient(self._group, params, spec, ps_settings(self.config, max_updates))
         if self.global_rank == 0:
             self.client.init_servers(self._resume_state.get("servers"))
         if "client" in self._resume_state:
@@ -177,9 +164,7 @@ class ParameterServerStrategy(DetachableCollectives):
 
     @override
     def _skipping_nonfinite(self, closure: Callable[[], Any], optimizer: Optimizer) -> Callable[[], Any]:
-        """The closure as it is: with ``skip_nonfinite`` a worker whose gradient holds a NaN or Inf pushes none,
-        and the servers decide (sync: the step is skipped for every worker; async/ssp: that push), so no worker
-        drops its gradients on its own; :meth:`_push` counts what the reply says was skipped."""
+        """The closure as it is: the push carries the check and the servers skip (:meth:`_push` counts it)."""
         return closure
 
     def _push(self, optimizer: Optimizer) -> None:
@@ -190,8 +175,7 @@ class ParameterServerStrategy(DetachableCollectives):
         if trainer.should_stop and not self.client.stopped:  # e.g. EarlyStopping here: stop every worker
             self.client.request_stop()
         self.last_reply = self.client.push(current_lrs(optimizer))
-        if self.last_reply.skipped:
-            self.skipped_steps += 1
+        self.skipped_steps += int(self.last_reply.skipped)  # a NaN or Inf gradient (skip_nonfinite)
         if self._straggler is not None:  # after the push: the whole step, round trip included, takes slowdown x
             self._straggler.step_end()
         if self.last_reply.stop:
