@@ -28,9 +28,9 @@ def group_options(config_dir: str) -> dict[str, list[str]]:
 
 
 def _groups_text(config_dir: str) -> str:
-    width = max(len(group) for group in group_options(config_dir))
-    return "\n".join(f"  {group:<{width}}  {', '.join(options)}"
-                     for group, options in group_options(config_dir).items() if options)
+    groups = group_options(config_dir)
+    width = max(len(group) for group in groups)
+    return "\n".join(f"  {group:<{width}}  {', '.join(options)}" for group, options in groups.items() if options)
 
 
 def _knobs_text(mode: str) -> str:

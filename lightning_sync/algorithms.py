@@ -31,14 +31,12 @@ class AlgorithmParts:
 
     Attributes:
         new_compressor: builds a fresh gradient compressor (one per bucket group); ``None`` for ``ps``, whose
-            codec travels in :attr:`ps_config`.
+            codec is built by the servers from :func:`ps_settings`.
         averager: the ``periodic`` averager of ``local_sgd``/``diloco``; ``None`` otherwise.
-        ps_config: the ``ps`` settings (``max_updates`` left unset: the strategy knows it once training starts).
     """
 
     new_compressor: Optional[Callable[[], Compressor]] = None
     averager: Optional[PeriodicAverager] = None
-    ps_config: Optional[PSConfig] = None
 
 
 def ps_settings(cfg: ParameterServerConfig, max_updates: Optional[int] = None) -> PSConfig:
@@ -65,7 +63,8 @@ def build_parts(cfg: StrategyConfig) -> AlgorithmParts:
     if isinstance(cfg, DDPConfig):
         return AlgorithmParts(compressor_factory(cfg.comm_hook, field="comm_hook", **cfg.compressor_options()))
     if isinstance(cfg, ParameterServerConfig):
-        return AlgorithmParts(ps_config=ps_settings(cfg))
+        ps_settings(cfg)  # checked now; built with max_updates once training starts
+        return AlgorithmParts()
     if not isinstance(cfg, GradientSyncKnobs):
         return AlgorithmParts()
     GradientSynchronizer.check_settings(cfg.bucketing, cfg.bucket_cap_mb, cfg.first_bucket_mb)

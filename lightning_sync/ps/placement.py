@@ -347,8 +347,8 @@ def abandon_servers(group: Optional[Any], servers: Optional[Any], lost: dict[int
     step waits for the lost worker's push until ``timeout_s``) stops now, quoting the report. Meant for a launcher
     that watches the worker processes; the run is failing anyway.
     """
-    for ps_rank, how in lost.items():
-        if group is not None:
+    if group is not None:
+        for ps_rank, how in lost.items():
             group.report_failure(f"its process was lost ({how})", ps_rank=ps_rank)
     if servers is not None:
         servers.stop(grace_s=1.0)

@@ -43,7 +43,6 @@ class AllReduceStrategy(SyncStrategyBase):
     @override
     def _check_algorithm_knobs(self) -> None:
         self._parts = build_parts(self.config)
-        self._new_compressor = self._parts.new_compressor
 
     @property
     def _syncs_gradients(self) -> bool:
@@ -69,7 +68,7 @@ class AllReduceStrategy(SyncStrategyBase):
         assert self.model is not None and self.meter is not None
         return GradientSynchronizer(
             list(self.model.parameters()),
-            compressor=self._new_compressor(),
+            compressor=self._parts.new_compressor(),
             meter=self.meter,
             check_finite=self.config.skip_nonfinite and self.skips_nonfinite_steps,
             same_host_cpu=self.num_nodes == 1,
