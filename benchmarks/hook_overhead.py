@@ -47,8 +47,12 @@ def main(rounds: int = 5, steps: int = 20) -> None:
         torch.cat([p.grad.view(-1) for p in params], out=buffer)
         buffer.div_(2)
 
-    modes = {"no hooks": (None, None), "no-op hooks": (noop, None), "copy-in hooks": (copy_in, None),
-             "cat after backward": (None, cat_after)}
+    modes = {
+        "no hooks": (None, None),
+        "no-op hooks": (noop, None),
+        "copy-in hooks": (copy_in, None),
+        "cat after backward": (None, cat_after),
+    }
     times: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(rounds):
         for mode, (hook, after) in modes.items():
@@ -66,8 +70,9 @@ def main(rounds: int = 5, steps: int = 20) -> None:
             for h in handles:
                 h.remove()
     base = statistics.median(times["no hooks"])
-    print(f"forward+backward(+packing) of a 40 x 256 MLP ({len(params)} tensors), "
-          f"median of {rounds} alternating rounds")
+    print(
+        f"forward+backward(+packing) of a 40 x 256 MLP ({len(params)} tensors), median of {rounds} alternating rounds"
+    )
     for mode, values in times.items():
         med = statistics.median(values)
         print(f"{mode:<19} {med:7.2f} ms  (+{med - base:5.2f} ms, {1e3 * (med - base) / len(params):5.1f} us/tensor)")

@@ -63,8 +63,13 @@ def worker(args: argparse.Namespace) -> None:
             if mode == "ddp":
                 net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
             else:
-                sync = GradientSynchronizer(list(model.parameters()), NoCompression(), CommMeter(), bucketing=mode,
-                                            bucket_cap_mb=args.bucket_cap_mb)
+                sync = GradientSynchronizer(
+                    list(model.parameters()),
+                    NoCompression(),
+                    CommMeter(),
+                    bucketing=mode,
+                    bucket_cap_mb=args.bucket_cap_mb,
+                )
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
             steps = []
             for _ in range(args.steps):
@@ -86,8 +91,13 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _launch(args: argparse.Namespace, hosts: list | None) -> dict:
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_PORT="29611", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(
+        os.environ,
+        WORLD_SIZE="2",
+        MASTER_PORT="29611",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+    )
     cmd = [sys.executable, __file__, "--worker", *sys.argv[1:]]
     procs = []
     for rank in range(2):
@@ -117,10 +127,19 @@ def main() -> None:
     parser.add_argument("--rate", default="1gbit", help="'loopback', or a tc rate for the emulated links")
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--depth", type=int, default=40)
-    parser.add_argument("--batch-size", type=int, default=512, help="per rank (512: backward about as long as a "
-                        "1 Gbit all-reduce of the 10.5 MB of gradients)")
-    parser.add_argument("--bucket-cap-mb", type=float, default=2.0, help="for DDP and ours (2: five buckets of the "
-                        "10.5 MB, so that launching during backward has something to overlap)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=512,
+        help="per rank (512: backward about as long as a 1 Gbit all-reduce of the 10.5 MB of gradients)",
+    )
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=2.0,
+        help="for DDP and ours (2: five buckets of the "
+        "10.5 MB, so that launching during backward has something to overlap)",
+    )
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=20, help="steps left out (auto tunes on its first 19)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -142,15 +161,19 @@ def main() -> None:
         with emulated_hosts(2, args.rate, prefix="lsnb") as hosts:
             result = _launch(args, hosts)
     med = {m: statistics.median(v) for m, v in result["times"].items()}
-    print(f"MLP {args.depth} x {args.width}, batch {args.batch_size}/rank, 2 ranks gloo, network {args.rate}, "
-          f"buckets of {args.bucket_cap_mb} MB, "
-          f"median of {args.rounds} alternating rounds ({args.steps} steps, {args.warmup} warm-up)")
+    print(
+        f"MLP {args.depth} x {args.width}, batch {args.batch_size}/rank, 2 ranks gloo, network {args.rate}, "
+        f"buckets of {args.bucket_cap_mb} MB, "
+        f"median of {args.rounds} alternating rounds ({args.steps} steps, {args.warmup} warm-up)"
+    )
     for mode, value in med.items():
         runs = " ".join(f"{t:.1f}" for t in result["times"][mode])
         print(f"{mode:<10}{value:9.2f} ms/step {value / med['ddp']:6.2f}x ddp   {runs}")
     for d in result["auto"]:
-        print(f"auto chose {d['launch_point']}: step median during backward {d['during_backward']:.1f} ms, "
-              f"after backward {d['after_backward']:.1f} ms")
+        print(
+            f"auto chose {d['launch_point']}: step median during backward {d['during_backward']:.1f} ms, "
+            f"after backward {d['after_backward']:.1f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -96,14 +96,18 @@ def _diagnosis(records: list[dict[str, Any]], args: argparse.Namespace) -> list[
     ratios = [r["straggler_push_ratio"] for r in records if r["name"] == "async" and r["straggler_push_ratio"]]
     if ratios:
         k, w = statistics.median(ratios), args.workers
-        lines.append(f"async: the straggler made {k:.2f}x fewer pushes than a fast worker "
-                     f"(slowdown={args.slowdown:g}); with fast workers as fast as in sync, async could reach "
-                     f"((W-1)k+1)/W = "
-                     f"{((w - 1) * k + 1) / w:.2f}x sync")
+        lines.append(
+            f"async: the straggler made {k:.2f}x fewer pushes than a fast worker "
+            f"(slowdown={args.slowdown:g}); with fast workers as fast as in sync, async could reach "
+            f"((W-1)k+1)/W = "
+            f"{((w - 1) * k + 1) / w:.2f}x sync"
+        )
     for name in dict.fromkeys(r["name"] for r in records):
         cores = statistics.median(r["worker_cpu_cores"] for r in records if r["name"] == name)
-        lines.append(f"{name}: worker processes used {cores:.2f} of {os.cpu_count()} cores during training (median; "
-                     f"{'plus the server process' if args.placement == 'dedicated' else 'servers included'})")
+        lines.append(
+            f"{name}: worker processes used {cores:.2f} of {os.cpu_count()} cores during training (median; "
+            f"{'plus the server process' if args.placement == 'dedicated' else 'servers included'})"
+        )
     return lines
 
 
@@ -116,15 +120,26 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     runs, records = [], []
     total = args.rounds * len(args.modes)
-    print(f"{args.workers} workers (worker {args.slow_worker} {args.slowdown:g}x slower, "
-          f"strategy.slowdown), {args.num_servers} server(s) "
-          f"{args.placement}, batch {args.batch_size}, {args.epochs} epochs' worth of samples, {args.rounds} "
-          f"alternating rounds; {os.cpu_count()} CPU cores", flush=True)
+    print(
+        f"{args.workers} workers (worker {args.slow_worker} {args.slowdown:g}x slower, "
+        f"strategy.slowdown), {args.num_servers} server(s) "
+        f"{args.placement}, batch {args.batch_size}, {args.epochs} epochs' worth of samples, {args.rounds} "
+        f"alternating rounds; {os.cpu_count()} CPU cores",
+        flush=True,
+    )
     for round_index in range(1, args.rounds + 1):
         for spec in args.modes:
-            overrides = ps_overrides(spec, workers=args.workers, slow_worker=args.slow_worker,
-                                     slowdown=args.slowdown, num_servers=args.num_servers, placement=args.placement,
-                                     epochs=args.epochs, batch_size=args.batch_size, extra=args.overrides)
+            overrides = ps_overrides(
+                spec,
+                workers=args.workers,
+                slow_worker=args.slow_worker,
+                slowdown=args.slowdown,
+                num_servers=args.num_servers,
+                placement=args.placement,
+                epochs=args.epochs,
+                batch_size=args.batch_size,
+                extra=args.overrides,
+            )
             before = os.getloadavg()[0]
             run = run_ps(spec, overrides, out / f"round{round_index}" / spec.replace(":", "_"))
             runs.append(run)
@@ -132,21 +147,32 @@ def main(argv: list[str] | None = None) -> None:
             r = records[-1]
             acc = f"{100 * r['test_acc']:.2f}%" if r["test_acc"] is not None else "-"
             rates = " ".join(f"{x:.1f}" for x in r["worker_push_rates"])
-            print(f"[{len(records)}/{total}] round {round_index} {spec:<6} {r['throughput']:8,.0f} samples/s  "
-                  f"pushes/s per worker {rates}  workers' CPU {r['worker_cpu_cores']:.2f} cores  test acc {acc}  "
-                  f"training {r['training_s']:.1f} s of {r['wall_s']:.1f} s  load {before:.1f}", flush=True)
+            print(
+                f"[{len(records)}/{total}] round {round_index} {spec:<6} {r['throughput']:8,.0f} samples/s  "
+                f"pushes/s per worker {rates}  workers' CPU {r['worker_cpu_cores']:.2f} cores  test acc {acc}  "
+                f"training {r['training_s']:.1f} s of {r['wall_s']:.1f} s  load {before:.1f}",
+                flush=True,
+            )
     rows = summarize(runs, reference=args.modes[0], skip=args.skip)
     table = format_table(rows, reference=args.modes[0])
     verdicts = []
     for row in rows[1:]:
         ratio = row["ratio"]
-        verdicts.append(f"{row['name']}/{args.modes[0]}: {ratio:.2f}x (per round: "
-                        f"{', '.join(f'{t / ref:.2f}' for t, ref in zip(row['throughputs'], rows[0]['throughputs']))})"
-                        f" -> target >= {TARGET}x {'met' if ratio >= TARGET else 'NOT met'}")
+        verdicts.append(
+            f"{row['name']}/{args.modes[0]}: {ratio:.2f}x (per round: "
+            f"{', '.join(f'{t / ref:.2f}' for t, ref in zip(row['throughputs'], rows[0]['throughputs']))})"
+            f" -> target >= {TARGET}x {'met' if ratio >= TARGET else 'NOT met'}"
+        )
     verdicts += _diagnosis(records, args)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"args": vars(args), "cpu_count": os.cpu_count(), "target_ratio": TARGET, "summary": rows,
-              "runs": records, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+    result = {
+        "args": vars(args),
+        "cpu_count": os.cpu_count(),
+        "target_ratio": TARGET,
+        "summary": rows,
+        "runs": records,
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     (out / "results.json").write_text(json.dumps(result, indent=2))
     (out / "results.md").write_text(table + "\n")
     print("\n" + table)

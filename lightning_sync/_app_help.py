@@ -41,8 +41,14 @@ def _knobs_text(mode: str) -> str:
     lines = []
     for name, doc in knob_docs(config_class).items():
         lines.append(f"  strategy.{name}={_as_override(defaults.get(name, '???'))}")
-        lines += textwrap.wrap(doc.replace("``", "`"), _WIDTH, initial_indent="      ", subsequent_indent="      ",
-                               break_long_words=False, break_on_hyphens=False)
+        lines += textwrap.wrap(
+            doc.replace("``", "`"),
+            _WIDTH,
+            initial_indent="      ",
+            subsequent_indent="      ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ import re
 import sys
 import time
 import warnings
-from typing import Any, Optional, TextIO
+from typing import Any, TextIO
 
 import lightning.pytorch as pl
 from tqdm import tqdm
@@ -91,7 +91,7 @@ def quiet_lightning() -> None:
         warnings.filterwarnings("ignore", message=message)
 
 
-def _format_seconds(seconds: Optional[float]) -> str:
+def _format_seconds(seconds: float | None) -> str:
     """``m:ss`` (or ``h:mm:ss``) for a duration; ``?`` when it is not known yet."""
     if seconds is None or not math.isfinite(seconds):
         return "?"
@@ -126,14 +126,20 @@ class ProgressReport(pl.Callback):
         stream: where to write; ``None`` is ``sys.stderr`` at the time of writing.
     """
 
-    def __init__(self, label: str = "", bar: Optional[bool] = None, later_runs: int = 0,
-                 run_seconds: Optional[float] = None, stream: Optional[TextIO] = None) -> None:
+    def __init__(
+        self,
+        label: str = "",
+        bar: bool | None = None,
+        later_runs: int = 0,
+        run_seconds: float | None = None,
+        stream: TextIO | None = None,
+    ) -> None:
         self.label = label
         self.bar = bar
         self.later_runs = later_runs
         self.run_seconds = run_seconds
         self.stream = stream
-        self._bar: Optional[tqdm] = None
+        self._bar: tqdm | None = None
         self._started = 0.0
         self._batches = 0
         self._total = 0
@@ -162,7 +168,7 @@ class ProgressReport(pl.Callback):
         done = trainer.current_epoch * per_epoch  # a resumed run starts part-way
         return int(max(total - done, 0)) if math.isfinite(total) else 0
 
-    def _eta(self) -> tuple[Optional[float], Optional[float]]:
+    def _eta(self) -> tuple[float | None, float | None]:
         """Seconds left in this run and in the whole job (``None`` until a batch has been timed)."""
         if not self._batches or not self._total:
             return None, None
@@ -186,12 +192,19 @@ class ProgressReport(pl.Callback):
         self._batches = 0
         self._total = self._total_batches(trainer)
         if self._use_bar():
-            self._bar = tqdm(total=self._total or None, desc=self.label or "train", unit="step", leave=False,
-                             file=self._out(), dynamic_ncols=True)
+            self._bar = tqdm(
+                total=self._total or None,
+                desc=self.label or "train",
+                unit="step",
+                leave=False,
+                file=self._out(),
+                dynamic_ncols=True,
+            )
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not trainer.is_global_zero:
             return
         self._batches += 1

@@ -8,8 +8,8 @@ five. Each check still lives in its algorithm's constructor: this module only ca
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 from lightning_sync.comm.bucketing import GradientSynchronizer
 from lightning_sync.comm.compression import Compressor, compressor_factory
@@ -35,11 +35,11 @@ class AlgorithmParts:
         averager: the ``periodic`` averager of ``local_sgd``/``diloco``; ``None`` otherwise.
     """
 
-    new_compressor: Optional[Callable[[], Compressor]] = None
-    averager: Optional[PeriodicAverager] = None
+    new_compressor: Callable[[], Compressor] | None = None
+    averager: PeriodicAverager | None = None
 
 
-def ps_settings(cfg: ParameterServerConfig, max_updates: Optional[int] = None) -> PSConfig:
+def ps_settings(cfg: ParameterServerConfig, max_updates: int | None = None) -> PSConfig:
     """The :class:`~lightning_sync.ps.settings.PSConfig` of a ``ps`` strategy config.
 
     Raises:
@@ -48,8 +48,15 @@ def ps_settings(cfg: ParameterServerConfig, max_updates: Optional[int] = None) -
     if cfg.mode != "ssp" and cfg.max_staleness != ParameterServerConfig.max_staleness:
         raise ConfigError(f"max_staleness={cfg.max_staleness} is not allowed with mode={cfg.mode!r}; it is for ssp")
     try:
-        return PSConfig(cfg.mode, cfg.max_staleness if cfg.mode == "ssp" else 0, max_updates, cfg.compression,
-                        cfg.topk_density, cfg.error_feedback, cfg.skip_nonfinite)
+        return PSConfig(
+            cfg.mode,
+            cfg.max_staleness if cfg.mode == "ssp" else 0,
+            max_updates,
+            cfg.compression,
+            cfg.topk_density,
+            cfg.error_feedback,
+            cfg.skip_nonfinite,
+        )
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
@@ -70,6 +77,7 @@ def build_parts(cfg: StrategyConfig) -> AlgorithmParts:
     GradientSynchronizer.check_settings(cfg.bucketing, cfg.bucket_cap_mb, cfg.first_bucket_mb)
     parts = AlgorithmParts(compressor_factory(cfg.compression, **cfg.compressor_options()))
     if isinstance(cfg, PeriodicConfig) and cfg.mode != "gradient":
-        parts.averager = PeriodicAverager(outer=cfg.mode == "diloco", new_compressor=parts.new_compressor,
-                                          **cfg.arguments_for(PeriodicAverager))
+        parts.averager = PeriodicAverager(
+            outer=cfg.mode == "diloco", new_compressor=parts.new_compressor, **cfg.arguments_for(PeriodicAverager)
+        )
     return parts

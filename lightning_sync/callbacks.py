@@ -12,7 +12,7 @@ import sys
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -30,8 +30,9 @@ class SyncMetricsLogger(pl.Callback):
     """
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step_metrics = getattr(trainer.strategy, "step_metrics", None)
         if step_metrics is None:
             return
@@ -63,7 +64,7 @@ class SyncReport(pl.Callback):
         warmup_steps: batches left out of the step-time median.
     """
 
-    def __init__(self, path: Optional[str] = None, warmup_steps: int = 3) -> None:
+    def __init__(self, path: str | None = None, warmup_steps: int = 3) -> None:
         self.path = path
         self.warmup_steps = warmup_steps
         self.step_seconds: list[float] = []
@@ -85,16 +86,20 @@ class SyncReport(pl.Callback):
         if trainer.ckpt_path:
             self.summary.update(resumed_from=str(trainer.ckpt_path), resumed_at_step=trainer.global_step)
             if trainer.is_global_zero:
-                print(f"resumed from {trainer.ckpt_path} at step {trainer.global_step} (epoch "
-                      f"{trainer.current_epoch})", file=sys.stderr, flush=True)
+                print(
+                    f"resumed from {trainer.ckpt_path} at step {trainer.global_step} (epoch {trainer.current_epoch})",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         self._started = time.perf_counter()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.step_seconds.append(time.perf_counter() - self._started)
 
     @override
@@ -133,7 +138,7 @@ class SyncReport(pl.Callback):
             _merge_summary(self.path, self.summary)
 
 
-def _merge_summary(path: Optional[str], part: dict[str, Any]) -> None:
+def _merge_summary(path: str | None, part: dict[str, Any]) -> None:
     """Merges ``part`` into the JSON file at ``path`` (nothing if ``None``).
 
     With fork/spawn, fit and test run in different processes, and several callbacks write their own keys: each
@@ -194,9 +199,17 @@ class DivergenceGuard(pl.Callback):
 
     _REASONS = ("not finite", "exploded", "collapsed")
 
-    def __init__(self, path: Optional[str] = None, run_name: str = "", factor: Optional[float] = 1e3,
-                 window: Optional[int] = 20, learned_fraction: float = 0.5, check_every: int = 10, stop: bool = True,
-                 monitor: str = "train/loss") -> None:
+    def __init__(
+        self,
+        path: str | None = None,
+        run_name: str = "",
+        factor: float | None = 1e3,
+        window: int | None = 20,
+        learned_fraction: float = 0.5,
+        check_every: int = 10,
+        stop: bool = True,
+        monitor: str = "train/loss",
+    ) -> None:
         if check_every < 1:
             raise ValueError(f"check_every={check_every} is not allowed; it must be >= 1")
         if window is not None and window < 1:
@@ -209,16 +222,16 @@ class DivergenceGuard(pl.Callback):
         self.check_every = check_every
         self.stop = stop
         self.monitor = monitor
-        self.diverged_at_step: Optional[int] = None
-        self.diverged_loss: Optional[float] = None
-        self.diverged_rank: Optional[int] = None
-        self.diverged_reason: Optional[str] = None
-        self._first_loss: Optional[float] = None
+        self.diverged_at_step: int | None = None
+        self.diverged_loss: float | None = None
+        self.diverged_rank: int | None = None
+        self.diverged_reason: str | None = None
+        self._first_loss: float | None = None
         self._lowest_mean = math.inf
         self._recent: deque[float] = deque(maxlen=window or 1)
-        self._bad: Optional[tuple[int, float, int]] = None  # this rank's first bad (step, loss, reason index)
+        self._bad: tuple[int, float, int] | None = None  # this rank's first bad (step, loss, reason index)
         self._batches = 0
-        self._verdict: Optional[tuple[float, float]] = None  # the detecting rank's (first loss, lowest mean)
+        self._verdict: tuple[float, float] | None = None  # the detecting rank's (first loss, lowest mean)
 
     @property
     def checked_batches(self) -> int:
@@ -231,14 +244,14 @@ class DivergenceGuard(pl.Callback):
         self._first_loss, self._lowest_mean, self._bad, self._batches, self._verdict = None, math.inf, None, 0, None
         self._recent.clear()
 
-    def _batch_loss(self, trainer: pl.Trainer, outputs: Any) -> Optional[float]:
+    def _batch_loss(self, trainer: pl.Trainer, outputs: Any) -> float | None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if not isinstance(loss, torch.Tensor):
             metrics = trainer.callback_metrics
             loss = metrics.get(f"{self.monitor}_step", metrics.get(self.monitor))
         return float(loss.detach()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
 
-    def _judge(self, loss: float) -> Optional[tuple[float, int]]:
+    def _judge(self, loss: float) -> tuple[float, int] | None:
         """``(value, reason index)`` if ``loss`` (this rank's latest) shows a divergence, else ``None``."""
         if not math.isfinite(loss):
             return loss, 0
@@ -259,8 +272,9 @@ class DivergenceGuard(pl.Callback):
         return None
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.diverged_at_step is not None:
             return
         loss = self._batch_loss(trainer, outputs)
@@ -306,14 +320,25 @@ class DivergenceGuard(pl.Callback):
         if reason == "exploded":
             what = f"training loss {loss:.4g}, more than {self.factor:g}x the first loss {first:.4g}"
         elif reason == "collapsed":
-            what = (f"mean training loss {loss:.4g} over the last {self.window} steps, back above the first loss "
-                    f"{first:.4g} after falling to {lowest:.4g}")
+            what = (
+                f"mean training loss {loss:.4g} over the last {self.window} steps, back above the first loss "
+                f"{first:.4g} after falling to {lowest:.4g}"
+            )
         else:
             what = f"training loss {loss:.4g}"
         name = f"run {self.run_name}" if self.run_name else "the run"
         action = "training stopped" if self.stop else "training goes on"
-        tqdm.write(f"DIVERGED ({reason}): {name}, step {self.diverged_at_step} (rank {self.diverged_rank}): "
-                   f"{what}; {action}.", file=sys.stderr)
-        _merge_summary(self.path, {"diverged": True, "diverged_at_step": self.diverged_at_step,
-                                   "diverged_loss": loss, "diverged_rank": self.diverged_rank,
-                                   "diverged_reason": reason})
+        tqdm.write(
+            f"DIVERGED ({reason}): {name}, step {self.diverged_at_step} (rank {self.diverged_rank}): {what}; {action}.",
+            file=sys.stderr,
+        )
+        _merge_summary(
+            self.path,
+            {
+                "diverged": True,
+                "diverged_at_step": self.diverged_at_step,
+                "diverged_loss": loss,
+                "diverged_rank": self.diverged_rank,
+                "diverged_reason": reason,
+            },
+        )

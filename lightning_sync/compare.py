@@ -105,8 +105,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     cells = []
     for r in rows:
         b = r.get("bytes_sent_per_step")
-        cells.append((r["mode"], _accuracy_cell(r), _number(r.get("step_time_ms"), ".2f"), _number(b, ",.0f"),
-                      f"{b / ref:.3f}" if (b is not None and ref) else "-"))
+        cells.append(
+            (
+                r["mode"],
+                _accuracy_cell(r),
+                _number(r.get("step_time_ms"), ".2f"),
+                _number(b, ",.0f"),
+                f"{b / ref:.3f}" if (b is not None and ref) else "-",
+            )
+        )
     widths = [max([len(h), 22 if i == 0 else 8, *(len(c[i]) for c in cells)]) for i, h in enumerate(header)]
 
     def line(values: Sequence[str]) -> str:
@@ -120,11 +127,15 @@ def _result_line(index: int, total: int, row: dict[str, Any], seconds: float) ->
     """One line for a finished case: its test accuracy (or where it diverged), ms/step and bytes sent per step."""
     head = f"[{index}/{total}] {row['mode']:<22}"
     if row.get("diverged"):
-        body = (f"DIVERGED at step {row.get('diverged_at_step')} ({row.get('diverged_reason', 'loss')}, training "
-                f"loss {row.get('diverged_loss', math.nan):.4g})")
+        body = (
+            f"DIVERGED at step {row.get('diverged_at_step')} ({row.get('diverged_reason', 'loss')}, training "
+            f"loss {row.get('diverged_loss', math.nan):.4g})"
+        )
     else:
-        body = (f"test acc {_accuracy_cell(row):>7}  {_number(row.get('step_time_ms'), '.2f'):>6} ms/step  "
-                f"{_number(row.get('bytes_sent_per_step'), ',.0f'):>9} bytes/step")
+        body = (
+            f"test acc {_accuracy_cell(row):>7}  {_number(row.get('step_time_ms'), '.2f'):>6} ms/step  "
+            f"{_number(row.get('bytes_sent_per_step'), ',.0f'):>9} bytes/step"
+        )
     return f"{head} {body}  ({seconds:.0f} s)"
 
 
@@ -156,8 +167,12 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"error: --cases {','.join(unknown)} unknown; choose from: {', '.join(cases)}")
         cases = {c: cases[c] for c in wanted}
     # the job's own progress display (rank 0 of each case) replaces Lightning's bar
-    common = ["strategy.start_method=fork", f"trainer.max_epochs={args.epochs}", f"seed={args.seed}",
-              "trainer.enable_progress_bar=false"]
+    common = [
+        "strategy.start_method=fork",
+        f"trainer.max_epochs={args.epochs}",
+        f"seed={args.seed}",
+        "trainer.enable_progress_bar=false",
+    ]
     if args.smoke:
         common += ["trainer.max_epochs=1", "+trainer.limit_train_batches=4", "+trainer.limit_val_batches=1"]
     common += args.overrides
@@ -165,8 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict[str, Any]] = []
     durations: list[float] = []
     for index, (name, overrides) in enumerate(cases.items(), start=1):
-        progress = ProgressReport(label=f"[{index}/{len(cases)}] {name}", later_runs=len(cases) - index,
-                                  run_seconds=statistics.mean(durations) if durations else None)
+        progress = ProgressReport(
+            label=f"[{index}/{len(cases)}] {name}",
+            later_runs=len(cases) - index,
+            run_seconds=statistics.mean(durations) if durations else None,
+        )
         started = time.perf_counter()
         summary = run_case(overrides + common, out / case_dir_name(name), callbacks=[progress])
         durations.append(time.perf_counter() - started)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import ast
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from lightning_sync.errors import ConfigError, check_choice, check_range
 
@@ -45,8 +46,13 @@ def knob_docs(cls: type) -> dict[str, str]:
         except (OSError, TypeError):  # no source (e.g. a class made at run time): no docstrings
             continue
         for node, after in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
                 docs[node.target.id] = " ".join(after.value.value.split())
     return {f.name: docs.get(f.name, "") for f in fields(cls)}
 
@@ -150,8 +156,7 @@ class DDPConfig(CompressionKnobs, StrategyConfig):
 
 @dataclass
 class GradientSyncKnobs(CompressionKnobs):
-    """Settings of the hand-written gradient all-reduce (:class:`lightning_sync.comm.bucketing.GradientSynchronizer`).
-    """
+    """Settings of the hand-written gradient all-reduce (:class:`lightning_sync.comm.bucketing.GradientSynchronizer`)."""
 
     compression: str = "none"
     """Gradient compressor: ``none``, ``fp16``, ``bf16``, ``topk`` or ``powersgd``."""
@@ -184,7 +189,6 @@ class AllReduceConfig(GradientSyncKnobs, StrategyConfig):
 
     broadcast_buffers: bool = True
     """Broadcast rank 0's buffers (e.g. BatchNorm statistics) before every training step, as DDP does."""
-
 
 
 @dataclass
@@ -225,6 +229,7 @@ class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
     """``local_sgd``/``diloco``: per-module periods, ``{glob pattern: period}`` matched (fnmatch, case-sensitive)
     against the LightningModule's full parameter names, e.g. ``{"backbone.*": 1, "head.*": 8}``. Parameters matched
     by no pattern use ``sync_every``; a pattern matching no parameter, or a parameter matched twice, is an error."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("mode", self.mode, PERIODIC_MODES)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -40,7 +38,7 @@ class DigitsDataModule(pl.LightningDataModule):
         self.seed = seed
         self.splits: dict[str, TensorDataset] = {}
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
         from sklearn.datasets import load_digits
@@ -53,8 +51,9 @@ class DigitsDataModule(pl.LightningDataModule):
         rest, test = train_test_split(idx, test_size=self.test_fraction, random_state=self.seed, stratify=labels)
         val_share = self.val_fraction / (1 - self.test_fraction)
         train, val = train_test_split(rest, test_size=val_share, random_state=self.seed, stratify=labels[rest])
-        self.splits = {name: TensorDataset(x[ids], y[ids]) for name, ids in (("train", train), ("val", val),
-                                                                              ("test", test))}
+        self.splits = {
+            name: TensorDataset(x[ids], y[ids]) for name, ids in (("train", train), ("val", val), ("test", test))
+        }
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.splits["train"], batch_size=self.batch_size, shuffle=True, drop_last=True)
@@ -89,7 +88,7 @@ class SyntheticDataModule(pl.LightningDataModule):
         self.seed = seed
         self.splits: dict[str, TensorDataset] = {}
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
         gen = torch.Generator().manual_seed(self.seed)

@@ -8,7 +8,8 @@ A message starts with the field it blames, so a caller that knows where the fiel
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -29,8 +30,8 @@ def check_choice(field: str, value: Any, allowed: Iterable[str]) -> None:
 def check_range(
     field: str,
     value: Any,
-    low: Optional[float] = None,
-    high: Optional[float] = None,
+    low: float | None = None,
+    high: float | None = None,
     low_open: bool = False,
     high_open: bool = False,
     integer: bool = False,

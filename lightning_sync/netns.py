@@ -14,9 +14,9 @@ traffic to these addresses. Nothing here knows of Lightning.
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 _UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
@@ -55,7 +55,7 @@ def _run(argv: list[str]) -> None:
 
 
 @contextmanager
-def emulated_hosts(count: int, rate: Optional[str] = None, prefix: str = "ls") -> Iterator[list[EmulatedHost]]:
+def emulated_hosts(count: int, rate: str | None = None, prefix: str = "ls") -> Iterator[list[EmulatedHost]]:
     """Makes ``count`` hosts on one bridge (links limited to ``rate`` if given) and removes everything on exit.
 
     Args:
@@ -78,8 +78,23 @@ def emulated_hosts(count: int, rate: Optional[str] = None, prefix: str = "ls") -
         _run(["ip", "-n", switch, "link", "set", "br0", "up"])
         for i, host in enumerate(hosts):
             port = f"{prefix}p{i}"
-            _run(["ip", "link", "add", host.interface, "netns", host.namespace, "type", "veth", "peer", "name", port,
-                  "netns", switch])
+            _run(
+                [
+                    "ip",
+                    "link",
+                    "add",
+                    host.interface,
+                    "netns",
+                    host.namespace,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    port,
+                    "netns",
+                    switch,
+                ]
+            )
             _run(["ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.interface])
             for link in (host.interface, "lo"):
                 _run(["ip", "-n", host.namespace, "link", "set", link, "up"])
@@ -87,8 +102,25 @@ def emulated_hosts(count: int, rate: Optional[str] = None, prefix: str = "ls") -
             _run(["ip", "-n", switch, "link", "set", port, "up"])
             if burst is not None:
                 for namespace, link in ((host.namespace, host.interface), (switch, port)):
-                    _run(["tc", "-n", namespace, "qdisc", "add", "dev", link, "root", "tbf", "rate", str(rate),
-                          "burst", burst, "latency", "50ms"])
+                    _run(
+                        [
+                            "tc",
+                            "-n",
+                            namespace,
+                            "qdisc",
+                            "add",
+                            "dev",
+                            link,
+                            "root",
+                            "tbf",
+                            "rate",
+                            str(rate),
+                            "burst",
+                            burst,
+                            "latency",
+                            "50ms",
+                        ]
+                    )
         yield hosts
     finally:
         for namespace in made:

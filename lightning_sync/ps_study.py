@@ -32,7 +32,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 from typing_extensions import override
@@ -44,7 +44,7 @@ TIMELINE_DIR = "ps_timeline"
 
 
 # ---------------------------------------------------------------------------------------------------- configs
-def parse_mode(spec: str) -> tuple[str, Optional[int]]:
+def parse_mode(spec: str) -> tuple[str, int | None]:
     """``"ssp:2"`` -> ``("ssp", 2)``; ``"async"`` -> ``("async", None)``.
 
     Raises:
@@ -66,9 +66,9 @@ def ps_overrides(
     slowdown: float = 3.0,
     num_servers: int = 1,
     placement: str = "dedicated",
-    epochs: Optional[int] = None,
-    max_steps: Optional[int] = None,
-    batch_size: Optional[int] = None,
+    epochs: int | None = None,
+    max_steps: int | None = None,
+    batch_size: int | None = None,
     extra: Sequence[str] = (),
 ) -> list[str]:
     """Hydra overrides for one parameter-server case on the digits classifier.
@@ -131,7 +131,7 @@ class PSTimeline(Timeline):
         probe_every_s: seconds between worker 0's accuracy probes; ``None``: no probes.
     """
 
-    def __init__(self, out_dir: str | Path, probe_every_s: Optional[float] = None) -> None:
+    def __init__(self, out_dir: str | Path, probe_every_s: float | None = None) -> None:
         super().__init__(out_dir, probe_every_s=probe_every_s)
 
     @override
@@ -141,7 +141,7 @@ class PSTimeline(Timeline):
         return {**super()._meta_fields(trainer, pl_module), "num_servers": getattr(config, "num_servers", None)}
 
     @override
-    def _row(self, trainer: pl.Trainer, outputs: Any) -> Optional[dict[str, Any]]:
+    def _row(self, trainer: pl.Trainer, outputs: Any) -> dict[str, Any] | None:
         """The push's reply (``None`` before the first reply)."""
         reply = getattr(trainer.strategy, "last_reply", None)
         if reply is None:
@@ -188,8 +188,9 @@ class PSRun:
         self._origin = self.workers[0]["first_batch"]
 
     @classmethod
-    def load(cls, name: str, run_dir: str | Path, summary: Optional[dict[str, Any]] = None,
-             wall_s: float = math.nan) -> PSRun:
+    def load(
+        cls, name: str, run_dir: str | Path, summary: dict[str, Any] | None = None, wall_s: float = math.nan
+    ) -> PSRun:
         """Reads a run folder written by :func:`run_ps` (``summary``: ``summary.json`` if not given)."""
         run_dir = Path(run_dir)
         workers = read_timelines(run_dir / TIMELINE_DIR)
@@ -217,7 +218,7 @@ class PSRun:
         return int(self.workers[0]["rows"][-1]["version"])
 
     @property
-    def test_accuracy(self) -> Optional[float]:
+    def test_accuracy(self) -> float | None:
         """``test/acc`` of the final model (``None`` if the run was not tested)."""
         return self.summary.get("test", {}).get("test/acc")
 
@@ -309,8 +310,14 @@ class PSRun:
         return [r["t"] - self._origin for r in rows], means
 
 
-def run_ps(name: str, overrides: Sequence[str], run_dir: str | Path, probe_every_s: Optional[float] = None,
-           quiet: bool = True, callbacks: Sequence[pl.Callback] = ()) -> PSRun:
+def run_ps(
+    name: str,
+    overrides: Sequence[str],
+    run_dir: str | Path,
+    probe_every_s: float | None = None,
+    quiet: bool = True,
+    callbacks: Sequence[pl.Callback] = (),
+) -> PSRun:
     """Runs one parameter-server case (see :func:`ps_overrides`) and reads back what its workers recorded.
 
     Lightning's banners and known-harmless warnings are silenced (:func:`lightning_sync._console.quiet_lightning`).
@@ -387,16 +394,33 @@ def format_table(rows: Sequence[dict[str, Any]], reference: str = "sync") -> str
     end on worker 0: a sync worker's wait for a straggler that is still sleeping after its own batch is not in it,
     so compare the modes' pace by samples/s.
     """
-    header = ("mode", "samples/s", f"vs {reference}", "staleness mean", "staleness max", "test acc",
-              "ms/step (worker 0)", "training s")
+    header = (
+        "mode",
+        "samples/s",
+        f"vs {reference}",
+        "staleness mean",
+        "staleness max",
+        "test acc",
+        "ms/step (worker 0)",
+        "training s",
+    )
 
     cell = format_cell
     cells = []
     for r in rows:
         acc = None if r["test_acc"] is None else 100 * r["test_acc"]
-        cells.append((r["name"], cell(r["throughput"], ",.0f"), cell(r["ratio"], ".2f", "x"),
-                      cell(r["staleness_mean"], ".2f"), cell(r["staleness_max"], "d"), cell(acc, ".2f", "%"),
-                      cell(r["step_ms"], ".2f"), cell(r["training_s"], ".1f")))
+        cells.append(
+            (
+                r["name"],
+                cell(r["throughput"], ",.0f"),
+                cell(r["ratio"], ".2f", "x"),
+                cell(r["staleness_mean"], ".2f"),
+                cell(r["staleness_max"], "d"),
+                cell(acc, ".2f", "%"),
+                cell(r["step_ms"], ".2f"),
+                cell(r["training_s"], ".1f"),
+            )
+        )
     return markdown_table(header, cells)
 
 

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -78,8 +78,9 @@ class Timeline(pl.Callback):
         probe_every_batches: batches between rank 0's probes; ``None``: not on batches.
     """
 
-    def __init__(self, out_dir: str | Path, probe_every_s: Optional[float] = None,
-                 probe_every_batches: Optional[int] = None) -> None:
+    def __init__(
+        self, out_dir: str | Path, probe_every_s: float | None = None, probe_every_batches: int | None = None
+    ) -> None:
         if probe_every_batches is not None and probe_every_batches < 1:
             raise ValueError(f"probe_every_batches={probe_every_batches} is not allowed; it must be >= 1 (or None)")
         self.out_dir = Path(out_dir)
@@ -88,10 +89,10 @@ class Timeline(pl.Callback):
         self._rows: list[dict[str, Any]] = []
         self._probes: list[dict[str, Any]] = []
         self._meta: dict[str, Any] = {}
-        self._first_batch: Optional[float] = None
+        self._first_batch: float | None = None
         self._batch_start = (0.0, 0.0)  # (time.monotonic, the meter's comm seconds) at the current batch's start
         self._last_probe = -math.inf
-        self._probe_data: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._probe_data: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _meta_fields(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """The record's header: rank, ranks, the strategy's mode, trained parameter bytes, fit start."""
@@ -111,15 +112,16 @@ class Timeline(pl.Callback):
         self._rows, self._probes, self._first_batch, self._last_probe = [], [], None, -math.inf
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         now = time.monotonic()
         if self._first_batch is None:
             self._first_batch = now
             self._meta.update(batch_size=_batch_size(batch), cpu_at_first_batch=time.process_time())
         self._batch_start = (now, _comm_seconds(trainer))
 
-    def _row(self, trainer: pl.Trainer, outputs: Any) -> Optional[dict[str, Any]]:
+    def _row(self, trainer: pl.Trainer, outputs: Any) -> dict[str, Any] | None:
         """This batch's fields besides ``t`` and ``batch`` (``None``: no row and no probe for this batch)."""
         strategy = trainer.strategy
         row = {"step": trainer.global_step, "loss": batch_loss(outputs)}
@@ -138,16 +140,24 @@ class Timeline(pl.Callback):
         return on_time or on_batches
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         now = time.monotonic()
         row = self._row(trainer, outputs)
         if row is None:
             return
         comm = _comm_seconds(trainer)
         started, comm_at_start = self._batch_start
-        self._rows.append({"t": now, "batch": len(self._rows) + 1, "seconds": now - started,
-                           "comm_s": None if comm is None else comm - comm_at_start, **row})
+        self._rows.append(
+            {
+                "t": now,
+                "batch": len(self._rows) + 1,
+                "seconds": now - started,
+                "comm_s": None if comm is None else comm - comm_at_start,
+                **row,
+            }
+        )
         if trainer.global_rank == 0 and self._probe_due(now):
             self._last_probe = now
             self._probe(trainer, pl_module, now)
@@ -177,24 +187,29 @@ class Timeline(pl.Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        record = {**self._meta, "first_batch": self._first_batch, "cpu_at_end": time.process_time(),
-                  "rows": self._rows, "probes": self._probes}
+        record = {
+            **self._meta,
+            "first_batch": self._first_batch,
+            "cpu_at_end": time.process_time(),
+            "rows": self._rows,
+            "probes": self._probes,
+        }
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-def batch_loss(outputs: Any) -> Optional[float]:
+def batch_loss(outputs: Any) -> float | None:
     """The training loss in ``training_step``'s output (a tensor, or a dict's ``loss``), as a float."""
     loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
     return float(loss.detach()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
 
 
-def _comm_seconds(trainer: pl.Trainer) -> Optional[float]:
+def _comm_seconds(trainer: pl.Trainer) -> float | None:
     """The strategy meter's total seconds of collectives so far (``None``: the strategy has no meter)."""
     meter = getattr(trainer.strategy, "meter", None)
     return None if meter is None else meter.total.seconds
 
 
-def _batch_size(batch: Any) -> Optional[int]:
+def _batch_size(batch: Any) -> int | None:
     """Samples in a batch: the first dimension of its first tensor (``None`` if it has none)."""
     first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
     return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.ndim > 0 else None
@@ -206,8 +221,14 @@ def read_timelines(folder: str | Path) -> list[dict[str, Any]]:
     return [json.loads(f.read_text()) for f in files]
 
 
-def run_with_timeline(name: str, overrides: Sequence[str], run_dir: str | Path, timeline: Timeline,
-                      callbacks: Sequence[pl.Callback] = (), quiet: bool = True) -> tuple[dict[str, Any], float]:
+def run_with_timeline(
+    name: str,
+    overrides: Sequence[str],
+    run_dir: str | Path,
+    timeline: Timeline,
+    callbacks: Sequence[pl.Callback] = (),
+    quiet: bool = True,
+) -> tuple[dict[str, Any], float]:
     """Trains one case with ``timeline`` (and ``callbacks``) in every rank; Lightning's banners silenced.
 
     Timelines left in ``timeline.out_dir`` by an earlier run are removed first.
@@ -253,15 +274,16 @@ class StudyRun:
     summary: dict[str, Any]
     timeline: dict[str, Any]
     wall_s: float = math.nan
-    _metrics: Optional[list[dict[str, str]]] = field(init=False, repr=False, default=None)
+    _metrics: list[dict[str, str]] | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         if not self.timeline.get("rows"):
             raise ValueError(f"{self.run_dir}: rank 0 recorded no batch; did the fit run?")
 
     @classmethod
-    def load(cls, name: str, run_dir: str | Path, summary: Optional[dict[str, Any]] = None,
-             wall_s: float = math.nan) -> StudyRun:
+    def load(
+        cls, name: str, run_dir: str | Path, summary: dict[str, Any] | None = None, wall_s: float = math.nan
+    ) -> StudyRun:
         """Reads a run folder written by :func:`run_cases` (``summary``: ``summary.json`` if not given).
 
         Raises:
@@ -283,26 +305,26 @@ class StudyRun:
         return bool(self.summary.get("diverged"))
 
     @property
-    def test_accuracy(self) -> Optional[float]:
+    def test_accuracy(self) -> float | None:
         """``test/acc`` of the final model (``None`` if the run was not tested)."""
         return self.summary.get("test", {}).get("test/acc")
 
     @property
-    def step_time_ms(self) -> Optional[float]:
+    def step_time_ms(self) -> float | None:
         """Median wall time of rank 0's training batches (:class:`~lightning_sync.callbacks.SyncReport`)."""
         return self.summary.get("step_time_ms")
 
     @property
-    def bytes_sent_per_step(self) -> Optional[float]:
+    def bytes_sent_per_step(self) -> float | None:
         """Bytes each rank sent per optimizer step in training (``None`` without a lightning_sync meter)."""
         return self.summary.get("bytes_sent_per_step")
 
     @property
-    def comm_seconds_per_step(self) -> Optional[float]:
+    def comm_seconds_per_step(self) -> float | None:
         """Seconds collectives were in flight per optimizer step, rank 0 (overlapped ones in full)."""
         return self.summary.get("comm_seconds_per_step")
 
-    def _per_batch(self, per_step: Optional[float]) -> Optional[float]:
+    def _per_batch(self, per_step: float | None) -> float | None:
         """A per-optimizer-step figure spread over the training batches (they differ under accumulation)."""
         steps, batches = self.summary.get("optimizer_steps"), self.summary.get("batches")
         if per_step is None or not steps or not batches:
@@ -310,11 +332,11 @@ class StudyRun:
         return per_step * steps / batches
 
     @property
-    def bytes_sent_per_batch(self) -> Optional[float]:
+    def bytes_sent_per_batch(self) -> float | None:
         """Bytes each rank sent per training batch: comparable across periods and accumulation."""
         return self._per_batch(self.bytes_sent_per_step)
 
-    def compute_seconds_per_batch(self, warmup: int = 3) -> Optional[float]:
+    def compute_seconds_per_batch(self, warmup: int = 3) -> float | None:
         """The median over rank 0's batches of the batch's wall time minus its seconds in collectives: what a batch
         costs apart from communication, compression and the rest of the sync's own work included.
 
@@ -331,7 +353,7 @@ class StudyRun:
         return statistics.median(r["seconds"] - r["comm_s"] for r in rows)
 
     @property
-    def comm_share(self) -> Optional[float]:
+    def comm_share(self) -> float | None:
         """Share of rank 0's training time its collectives were in flight."""
         steps = self.summary.get("optimizer_steps")
         if self.comm_seconds_per_step is None or not steps:
@@ -391,12 +413,12 @@ class StudyRun:
         return len(self.series("divergence")[1])
 
     @property
-    def mean_divergence(self) -> Optional[float]:
+    def mean_divergence(self) -> float | None:
         """Mean of rank 0's ``divergence`` over its syncs (``None``: no sync)."""
         values = self.series("divergence")[1]
         return statistics.fmean(values) if values else None
 
-    def batches_to_accuracy(self, target: float) -> Optional[int]:
+    def batches_to_accuracy(self, target: float) -> int | None:
         """Training batches before rank 0's first probe at or above ``target`` (``None``: never reached)."""
         return next((p["batch"] for p in self.timeline["probes"] if p["acc"] >= target), None)
 
@@ -413,8 +435,9 @@ class StudyRun:
         return [int(r["step"]) for r in rows], [float(r[name]) for r in rows]
 
 
-def run_study(name: str, overrides: Sequence[str], run_dir: str | Path, probe_every_batches: Optional[int] = 5,
-              quiet: bool = True) -> StudyRun:
+def run_study(
+    name: str, overrides: Sequence[str], run_dir: str | Path, probe_every_batches: int | None = 5, quiet: bool = True
+) -> StudyRun:
     """Runs one case with a :class:`Timeline` (rank 0 probing every ``probe_every_batches`` batches) and reads it
     back. A diverged run is returned as well (:attr:`StudyRun.diverged`; no test accuracy)."""
     run_dir = Path(run_dir)
@@ -423,8 +446,13 @@ def run_study(name: str, overrides: Sequence[str], run_dir: str | Path, probe_ev
     return StudyRun.load(name, run_dir, summary, wall)
 
 
-def run_cases(cases: Mapping[str, Sequence[str]], out: str | Path, common: Sequence[str] = (),
-              probe_every_batches: Optional[int] = 5, quiet: bool = True) -> dict[str, StudyRun]:
+def run_cases(
+    cases: Mapping[str, Sequence[str]],
+    out: str | Path,
+    common: Sequence[str] = (),
+    probe_every_batches: int | None = 5,
+    quiet: bool = True,
+) -> dict[str, StudyRun]:
     """Runs every case one after the other, each in ``<out>/<case folder>``; returns them by name.
 
     Each case's overrides are :data:`STUDY_OVERRIDES`, then the case's own, then ``common``. A case's folder is its
@@ -440,14 +468,20 @@ def run_cases(cases: Mapping[str, Sequence[str]], out: str | Path, common: Seque
     from lightning_sync.compare import case_dir_name
 
     return {
-        name: run_study(name, [*STUDY_OVERRIDES, *overrides, *common],
-                        Path(out, re.sub(r"[^\w.+-]+", "_", case_dir_name(name))), probe_every_batches, quiet)
+        name: run_study(
+            name,
+            [*STUDY_OVERRIDES, *overrides, *common],
+            Path(out, re.sub(r"[^\w.+-]+", "_", case_dir_name(name))),
+            probe_every_batches,
+            quiet,
+        )
         for name, overrides in cases.items()
     }
 
 
-def periodic_cases(modes: Iterable[str], periods: Iterable[int | str], extra: Sequence[str] = ()
-                   ) -> dict[str, list[str]]:
+def periodic_cases(
+    modes: Iterable[str], periods: Iterable[int | str], extra: Sequence[str] = ()
+) -> dict[str, list[str]]:
     """``{"<mode>/<period>": overrides}`` for ``strategy=periodic``, every mode at every period.
 
     ``diloco`` runs as ``experiment=diloco`` (AdamW inside, the pairing of its paper: on this model's default inner
@@ -457,8 +491,13 @@ def periodic_cases(modes: Iterable[str], periods: Iterable[int | str], extra: Se
     for mode in modes:
         base = ["experiment=diloco"] if mode == "diloco" else []
         for period in periods:
-            cases[f"{mode}/{period}"] = [*base, "strategy=periodic", f"strategy.mode={mode}",
-                                         f"strategy.sync_every={period}", *extra]
+            cases[f"{mode}/{period}"] = [
+                *base,
+                "strategy=periodic",
+                f"strategy.mode={mode}",
+                f"strategy.sync_every={period}",
+                *extra,
+            ]
     return cases
 
 
@@ -484,8 +523,9 @@ def _accuracy_cell(run: StudyRun) -> str:
 COLUMNS: dict[str, Callable[[StudyRun], str]] = {
     "test acc": _accuracy_cell,
     "ms/step": lambda r: format_cell(r.step_time_ms, ".2f"),
-    "comm ms/step": lambda r: format_cell(None if r.comm_seconds_per_step is None else 1e3 * r.comm_seconds_per_step,
-                                          ".2f"),
+    "comm ms/step": lambda r: format_cell(
+        None if r.comm_seconds_per_step is None else 1e3 * r.comm_seconds_per_step, ".2f"
+    ),
     "calls/step": lambda r: format_cell(r.summary.get("calls_per_step"), ".1f"),
     "bytes sent/step": lambda r: format_cell(r.bytes_sent_per_step, ",.0f"),
     "bytes sent/batch": lambda r: format_cell(r.bytes_sent_per_batch, ",.0f"),
@@ -497,8 +537,10 @@ COLUMNS: dict[str, Callable[[StudyRun], str]] = {
 """The columns :func:`format_runs` can show, by header."""
 
 
-def format_runs(runs: Iterable[StudyRun], columns: Sequence[str] = ("test acc", "ms/step", "comm ms/step",
-                                                                    "bytes sent/step", "training s")) -> str:
+def format_runs(
+    runs: Iterable[StudyRun],
+    columns: Sequence[str] = ("test acc", "ms/step", "comm ms/step", "bytes sent/step", "training s"),
+) -> str:
     """A Markdown table, one row per run: its name, then ``columns`` (headers of :data:`COLUMNS`).
 
     ``ms/step`` is the median batch on rank 0; ``comm ms/step`` and ``bytes sent/step`` are means per optimizer
@@ -511,7 +553,7 @@ def format_runs(runs: Iterable[StudyRun], columns: Sequence[str] = ("test acc", 
 
 
 # ---------------------------------------------------------------------------------------------------- slow links
-def modelled_step_seconds(run: StudyRun, bits_per_second: float) -> Optional[float]:
+def modelled_step_seconds(run: StudyRun, bits_per_second: float) -> float | None:
     """A model of one batch's time on a link of ``bits_per_second`` per rank and direction: the run's compute
     seconds per batch plus its bytes sent per batch over the link; no latency, no overlap of compute and
     transfer. ``None`` if the run lacks a figure."""
@@ -521,7 +563,7 @@ def modelled_step_seconds(run: StudyRun, bits_per_second: float) -> Optional[flo
     return compute + 8 * sent / bits_per_second
 
 
-def modelled_time_to_accuracy(run: StudyRun, target: float, bits_per_second: float) -> Optional[float]:
+def modelled_time_to_accuracy(run: StudyRun, target: float, bits_per_second: float) -> float | None:
     """The batches rank 0 needed to reach ``target`` validation accuracy times :func:`modelled_step_seconds`
     (``None``: the target was not reached, or a figure is missing)."""
     batches, step = run.batches_to_accuracy(target), modelled_step_seconds(run, bits_per_second)
@@ -537,12 +579,17 @@ def format_link_model(runs: Iterable[StudyRun], target: float, rates: Mapping[st
     rows = []
     for run in runs:
         compute = run.compute_seconds_per_batch()
-        cells = [run.name, format_cell(None if compute is None else 1e3 * compute, ".2f"),
-                 format_cell(run.batches_to_accuracy(target), "d")]
+        cells = [
+            run.name,
+            format_cell(None if compute is None else 1e3 * compute, ".2f"),
+            format_cell(run.batches_to_accuracy(target), "d"),
+        ]
         for bps in rates.values():
             step = modelled_step_seconds(run, bps)
-            cells += [format_cell(None if step is None else 1e3 * step, ",.1f"),
-                      format_cell(modelled_time_to_accuracy(run, target, bps), ",.1f")]
+            cells += [
+                format_cell(None if step is None else 1e3 * step, ",.1f"),
+                format_cell(modelled_time_to_accuracy(run, target, bps), ",.1f"),
+            ]
         rows.append(cells)
     return markdown_table(header, rows)
 

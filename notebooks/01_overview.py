@@ -118,8 +118,11 @@ for name, run in runs.items():
     batches, comm = run.series("comm_s", x="batch")
     axes[1].plot(batches, list(accumulate(comm)), **style)
 axes[0].set(xlabel="optimizer step", ylabel="MB sent by rank 0 so far", yscale="log", title="bytes, running total")
-axes[1].set(xlabel="training batches per rank", ylabel="seconds in collectives so far (rank 0)",
-            title="comm time, running total")
+axes[1].set(
+    xlabel="training batches per rank",
+    ylabel="seconds in collectives so far (rank 0)",
+    title="comm time, running total",
+)
 axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 fig.tight_layout()
 plt.show()
@@ -152,9 +155,12 @@ print(format_runs(runs.values(), columns=("test acc", "bytes sent/step", "comm m
 # %%
 BUCKETINGS = ("naive", "flat", "overlap", "auto")
 bucket_cases = {b: ["experiment=latency_bound", "strategy=allreduce", f"strategy.bucketing={b}"] for b in BUCKETINGS}
-bucketing = run_cases(bucket_cases, Path(OUT, "bucketing"), probe_every_batches=None,
-                      common=["trainer.max_epochs=1", "++trainer.limit_train_batches=" + ("4" if SMOKE else "40"),
-                              "test=false"])
+bucketing = run_cases(
+    bucket_cases,
+    Path(OUT, "bucketing"),
+    probe_every_batches=None,
+    common=["trainer.max_epochs=1", "++trainer.limit_train_batches=" + ("4" if SMOKE else "40"), "test=false"],
+)
 print(format_runs(bucketing.values(), columns=("ms/step", "comm ms/step", "calls/step", "bytes sent/step")))
 for name, run in bucketing.items():
     print(f"{name:<8} buckets launched: {run.summary.get('launch_point')}")
@@ -162,8 +168,13 @@ for name, run in bucketing.items():
 # %%
 fig, ax = plt.subplots(figsize=(7, 3.5))
 ax.bar(BUCKETINGS, [bucketing[b].step_time_ms for b in BUCKETINGS], color="tab:blue", label="median batch")
-ax.bar(BUCKETINGS, [1e3 * bucketing[b].comm_seconds_per_step for b in BUCKETINGS], color="tab:orange", width=0.5,
-       label="collectives in flight")
+ax.bar(
+    BUCKETINGS,
+    [1e3 * bucketing[b].comm_seconds_per_step for b in BUCKETINGS],
+    color="tab:orange",
+    width=0.5,
+    label="collectives in flight",
+)
 ax.set(ylabel="ms per step", title="allreduce bucketing, latency-bound MLP, 2 ranks")
 ax.legend()
 fig.tight_layout()

@@ -62,8 +62,11 @@ COLORS = {"gradient": "tab:blue", "local_sgd": "tab:orange", "diloco": "tab:gree
 # %%
 sweep = run_cases(periodic_cases(MODES, PERIODS), Path(OUT, "sweep"), common=[f"trainer.max_epochs={EPOCHS}", *SMALL])
 print(f"Digits classifier, 2 CPU ranks, {EPOCHS} epoch(s){' (SMOKE: 8 batches)' if SMOKE else ''}, seed 0")
-print(format_runs(sweep.values(), columns=("test acc", "bytes sent/batch", "syncs", "mean divergence", "comm share",
-                                           "training s")))
+print(
+    format_runs(
+        sweep.values(), columns=("test acc", "bytes sent/batch", "syncs", "mean divergence", "comm share", "training s")
+    )
+)
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
@@ -74,13 +77,13 @@ for mode in MODES:
     failed = [p for p, run in zip(PERIODS, cases) if run.diverged]
     if failed:
         axes[0].plot(failed, [0] * len(failed), "x", color=COLORS[mode], markersize=10, label=f"{mode}: diverged")
-    axes[1].plot(PERIODS, [run.bytes_sent_per_batch / 1e3 for run in cases], marker="o", color=COLORS[mode],
-                 label=mode)
+    axes[1].plot(PERIODS, [run.bytes_sent_per_batch / 1e3 for run in cases], marker="o", color=COLORS[mode], label=mode)
 first = sweep[f"local_sgd/{PERIODS[0]}"].bytes_sent_per_batch / 1e3
 axes[1].plot(PERIODS, [first / p for p in PERIODS], "k:", label="1 / sync_every")
 axes[0].set(xlabel="sync_every", ylabel="test accuracy (%)", xscale="log", title="test accuracy")
-axes[1].set(xlabel="sync_every", ylabel="kB sent per rank per batch", xscale="log", yscale="log",
-            title="bytes per batch")
+axes[1].set(
+    xlabel="sync_every", ylabel="kB sent per rank per batch", xscale="log", yscale="log", title="bytes per batch"
+)
 for ax in axes:
     ax.set_xticks(PERIODS, [str(p) for p in PERIODS])
     ax.legend()
@@ -113,15 +116,22 @@ fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
 shades = plt.get_cmap("viridis")
 for ax, mode in zip(axes, LOCAL):
     for i, period in enumerate(PERIODS):
-        ax.plot(*sweep[f"{mode}/{period}"].series("divergence"), marker=".", markersize=3, linewidth=0.8,
-                color=shades(i / len(PERIODS)), label=f"sync_every={period}")
+        ax.plot(
+            *sweep[f"{mode}/{period}"].series("divergence"),
+            marker=".",
+            markersize=3,
+            linewidth=0.8,
+            color=shades(i / len(PERIODS)),
+            label=f"sync_every={period}",
+        )
     ax.set(xlabel="optimizer step", ylabel="||rank 0 - average|| at sync", yscale="log", title=f"{mode}: drift")
     ax.legend(fontsize=8)
 for mode in LOCAL:
     means = [sweep[f"{mode}/{p}"].mean_divergence for p in PERIODS]
     axes[2].plot(PERIODS, means, marker="o", color=COLORS[mode], label=mode)
-axes[2].set(xlabel="sync_every", ylabel="mean drift per sync", xscale="log", yscale="log",
-            title="drift against the period")
+axes[2].set(
+    xlabel="sync_every", ylabel="mean drift per sync", xscale="log", yscale="log", title="drift against the period"
+)
 axes[2].set_xticks(PERIODS, [str(p) for p in PERIODS])
 axes[2].legend()
 fig.tight_layout()
@@ -138,8 +148,15 @@ plt.show()
 
 # %%
 TARGETS = (0.02, 0.1, 0.3)
-adaptive_cases = {f"auto, target {t:.0%}": ["strategy=periodic", "strategy.mode=local_sgd", "strategy.sync_every=auto",
-                                            f"strategy.target_comm_fraction={t}"] for t in TARGETS}
+adaptive_cases = {
+    f"auto, target {t:.0%}": [
+        "strategy=periodic",
+        "strategy.mode=local_sgd",
+        "strategy.sync_every=auto",
+        f"strategy.target_comm_fraction={t}",
+    ]
+    for t in TARGETS
+}
 adaptive = run_cases(adaptive_cases, Path(OUT, "adaptive"), common=[f"trainer.max_epochs={EPOCHS}", *SMALL])
 print(format_runs(adaptive.values(), columns=("test acc", "syncs", "bytes sent/batch", "comm share", "training s")))
 
@@ -147,8 +164,12 @@ print(format_runs(adaptive.values(), columns=("test acc", "syncs", "bytes sent/b
 fig, ax = plt.subplots(figsize=(9, 4))
 for i, (name, run) in enumerate(adaptive.items()):
     ax.step(*run.series("period"), where="post", color=plt.get_cmap("tab10")(i), label=name)
-ax.set(xlabel="optimizer step", ylabel="sync/period (steps between syncs)", yscale="log",
-       title="local_sgd, sync_every=auto: the period in force")
+ax.set(
+    xlabel="optimizer step",
+    ylabel="sync/period (steps between syncs)",
+    yscale="log",
+    title="local_sgd, sync_every=auto: the period in force",
+)
 ax.legend()
 fig.tight_layout()
 plt.show()

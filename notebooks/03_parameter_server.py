@@ -77,16 +77,27 @@ for spec, run in runs.items():
     axes[0].plot(t, samples, label=spec, color=COLORS[spec])
     t, acc = run.accuracy_curve()
     axes[1].plot(t, acc, marker=".", label=spec, color=COLORS[spec])
-axes[0].set(xlabel="wall time since the first batch (s)", ylabel="samples applied by the servers",
-            title="training progress (slope = throughput)")
-axes[1].set(xlabel="wall time since the first batch (s)", ylabel="validation accuracy (worker 0)",
-            title="accuracy against wall time", ylim=(0, 1))
+axes[0].set(
+    xlabel="wall time since the first batch (s)",
+    ylabel="samples applied by the servers",
+    title="training progress (slope = throughput)",
+)
+axes[1].set(
+    xlabel="wall time since the first batch (s)",
+    ylabel="validation accuracy (worker 0)",
+    title="accuracy against wall time",
+    ylim=(0, 1),
+)
 width = 0.25
 for i, (spec, run) in enumerate(runs.items()):
     rates = run.worker_push_rates()
     axes[2].bar([w + (i - 1) * width for w in range(len(rates))], rates, width, label=spec, color=COLORS[spec])
-axes[2].set(xticks=range(3), xticklabels=["worker 0", "worker 1", "worker 2 (3x slower)"],
-            ylabel="pushes per second", title="each worker's pace")
+axes[2].set(
+    xticks=range(3),
+    xticklabels=["worker 0", "worker 1", "worker 2 (3x slower)"],
+    ylabel="pushes per second",
+    title="each worker's pace",
+)
 axes[0].legend()
 axes[1].legend(loc="lower right")
 axes[2].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -125,8 +136,10 @@ for ax, spec in zip(axes, stale_modes):
         ax.bar(values, counts, bottom=bottom, color=color, label=f"worker {rank}" + (" (slow)" if rank == 2 else ""))
         bottom = [b + c for b, c in zip(bottom, counts)]
     pushes = [s for worker in runs[spec].staleness() for s in worker]
-    ax.set(xlabel="staleness (server updates)", title=f"{spec}: mean {sum(pushes) / len(pushes):.2f}, "
-           f"max {max(pushes)} over {len(pushes)} pushes")
+    ax.set(
+        xlabel="staleness (server updates)",
+        title=f"{spec}: mean {sum(pushes) / len(pushes):.2f}, max {max(pushes)} over {len(pushes)} pushes",
+    )
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend()
 axes[0].set_ylabel("pushes")
@@ -146,16 +159,19 @@ for spec in stale_modes:
 # %%
 ingress = {}
 for servers in (1, 2):
-    overrides = ps_overrides("sync", workers=3, slow_worker=-1, num_servers=servers,
-                             max_steps=8 if SMOKE else 60, extra=["test=false"])
+    overrides = ps_overrides(
+        "sync", workers=3, slow_worker=-1, num_servers=servers, max_steps=8 if SMOKE else 60, extra=["test=false"]
+    )
     ingress[servers] = run_ps(f"sync, {servers} server(s)", overrides, Path(OUT, "ingress", f"servers{servers}"))
 model_bytes = ingress[1].model_bytes
 expected = ingress[1].num_workers * model_bytes
 for servers, run in ingress.items():
     per_server = run.ingress_per_update()
     cells = ", ".join(f"server {i}: {b:,.0f}" for i, b in enumerate(per_server))
-    print(f"{servers} server(s): bytes received per update {cells}; total {sum(per_server):,.0f} "
-          f"= {sum(per_server) / expected:.4f} x W x model bytes ({expected:,} = 3 x {model_bytes:,})")
+    print(
+        f"{servers} server(s): bytes received per update {cells}; total {sum(per_server):,.0f} "
+        f"= {sum(per_server) / expected:.4f} x W x model bytes ({expected:,} = 3 x {model_bytes:,})"
+    )
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 4))
@@ -163,14 +179,24 @@ for x, (servers, run) in enumerate(ingress.items()):
     per_server = run.ingress_per_update()
     bottom = 0.0
     for i, nbytes in enumerate(per_server):
-        ax.bar(x, nbytes / 1e3, bottom=bottom / 1e3, color=("tab:blue", "tab:cyan")[i], edgecolor="white",
-               label=f"server {i}" if servers == 2 else None)
+        ax.bar(
+            x,
+            nbytes / 1e3,
+            bottom=bottom / 1e3,
+            color=("tab:blue", "tab:cyan")[i],
+            edgecolor="white",
+            label=f"server {i}" if servers == 2 else None,
+        )
         ax.text(x, (bottom + nbytes / 2) / 1e3, f"server {i}\n{nbytes / 1e3:,.1f} kB", ha="center", va="center")
         bottom += nbytes
 ax.axhline(expected / 1e3, color="black", linestyle="--", label="W x model bytes")
 ax.axhline(expected / 2e3, color="gray", linestyle=":", label="half of it")
-ax.set(xticks=range(len(ingress)), xticklabels=[f"{k} server(s)" for k in ingress], ylabel="kB received per update",
-       title="sync: server ingress per update, 3 workers")
+ax.set(
+    xticks=range(len(ingress)),
+    xticklabels=[f"{k} server(s)" for k in ingress],
+    ylabel="kB received per update",
+    title="sync: server ingress per update, 3 workers",
+)
 ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
 fig.tight_layout()
 plt.show()

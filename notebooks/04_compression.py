@@ -66,8 +66,10 @@ COMPRESSION = {
     "topk 1%": ["strategy.topk_density=0.01"],
     "powersgd r4": ["strategy.powersgd_rank=4"],
 }
-cases = {name: ["strategy=allreduce", f"strategy.compression={name.split()[0]}", *knobs]
-         for name, knobs in COMPRESSION.items()}
+cases = {
+    name: ["strategy=allreduce", f"strategy.compression={name.split()[0]}", *knobs]
+    for name, knobs in COMPRESSION.items()
+}
 COLORS = dict(zip(cases, ("black", "tab:blue", "tab:cyan", "tab:orange", "tab:green")))
 
 # %% [markdown]
@@ -77,23 +79,38 @@ COLORS = dict(zip(cases, ("black", "tab:blue", "tab:cyan", "tab:orange", "tab:gr
 
 # %%
 runs = run_cases(cases, Path(OUT, "digits"), common=[f"trainer.max_epochs={EPOCHS}", *SMALL])
-print(f"Digits classifier, allreduce, 2 CPU ranks, {EPOCHS} epoch(s){' (SMOKE: 4 batches)' if SMOKE else ''}, "
-      "seed 0")
-print(format_runs(runs.values(), columns=("test acc", "bytes sent/step", "calls/step", "ms/step", "comm ms/step",
-                                          "training s")))
+print(f"Digits classifier, allreduce, 2 CPU ranks, {EPOCHS} epoch(s){' (SMOKE: 4 batches)' if SMOKE else ''}, seed 0")
+print(
+    format_runs(
+        runs.values(), columns=("test acc", "bytes sent/step", "calls/step", "ms/step", "comm ms/step", "training s")
+    )
+)
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
 for name, run in runs.items():
     if run.test_accuracy is not None:
         axes[0].scatter(run.bytes_sent_per_step / 1e3, 100 * run.test_accuracy, s=60, color=COLORS[name], label=name)
-        axes[0].annotate(name, (run.bytes_sent_per_step / 1e3, 100 * run.test_accuracy), textcoords="offset points",
-                         xytext=(6, 4), fontsize=9)
+        axes[0].annotate(
+            name,
+            (run.bytes_sent_per_step / 1e3, 100 * run.test_accuracy),
+            textcoords="offset points",
+            xytext=(6, 4),
+            fontsize=9,
+        )
     axes[1].plot(*run.accuracy_curve(x="batch"), marker=".", markersize=3, color=COLORS[name], label=name)
-axes[0].set(xlabel="kB sent per rank per optimizer step", ylabel="test accuracy (%)", xscale="log",
-            title="bytes against accuracy")
-axes[1].set(xlabel="training batches per rank", ylabel="validation accuracy (rank 0)", ylim=(0, 1),
-            title="accuracy against batches")
+axes[0].set(
+    xlabel="kB sent per rank per optimizer step",
+    ylabel="test accuracy (%)",
+    xscale="log",
+    title="bytes against accuracy",
+)
+axes[1].set(
+    xlabel="training batches per rank",
+    ylabel="validation accuracy (rank 0)",
+    ylim=(0, 1),
+    title="accuracy against batches",
+)
 axes[1].legend()
 fig.tight_layout()
 plt.show()
@@ -126,18 +143,31 @@ for ax, (rate, bps) in zip(axes, LINK_RATES.items()):
     if any(seconds for seconds, _ in curves.values()):
         ax.set_xscale("log")
     ax.axhline(TARGET, color="gray", linestyle=":")
-    ax.set(xlabel="modelled training seconds", ylabel="validation accuracy (rank 0)", ylim=(0, 1),
-           title=f"model: accuracy against time at {rate}")
+    ax.set(
+        xlabel="modelled training seconds",
+        ylabel="validation accuracy (rank 0)",
+        ylim=(0, 1),
+        title=f"model: accuracy against time at {rate}",
+    )
 axes[0].legend()
 width = 0.8 / len(runs)
 for i, (name, run) in enumerate(runs.items()):
     seconds = [modelled_time_to_accuracy(run, TARGET, bps) for bps in LINK_RATES.values()]
     positions = [r + (i - (len(runs) - 1) / 2) * width for r in range(len(LINK_RATES))]
-    bars = axes[-1].bar([p for p, s in zip(positions, seconds) if s is not None],
-                        [s for s in seconds if s is not None], width, color=COLORS[name], label=name)
+    bars = axes[-1].bar(
+        [p for p, s in zip(positions, seconds) if s is not None],
+        [s for s in seconds if s is not None],
+        width,
+        color=COLORS[name],
+        label=name,
+    )
     axes[-1].bar_label(bars, fmt="%.1f", fontsize=7)
-axes[-1].set(xticks=range(len(LINK_RATES)), xticklabels=list(LINK_RATES), ylabel=f"modelled seconds to {TARGET:.0%}",
-             title=f"model: time to {TARGET:.0%} validation accuracy (none: not reached)")
+axes[-1].set(
+    xticks=range(len(LINK_RATES)),
+    xticklabels=list(LINK_RATES),
+    ylabel=f"modelled seconds to {TARGET:.0%}",
+    title=f"model: time to {TARGET:.0%} validation accuracy (none: not reached)",
+)
 if axes[-1].patches:
     axes[-1].set_yscale("log")
     axes[-1].legend(fontsize=8)
@@ -154,12 +184,20 @@ plt.show()
 # %%
 measured = load_time_to_accuracy()
 if not measured:
-    print("no measured time to accuracy in benchmarks/results/time_to_accuracy.json (the benchmark writes it; "
-          "emulated links need root): only the model above")
+    print(
+        "no measured time to accuracy in benchmarks/results/time_to_accuracy.json (the benchmark writes it; "
+        "emulated links need root): only the model above"
+    )
 else:
-    print(markdown_table(("case", "rate", "target", "seconds to target"),
-                         [(r["case"], r["rate"], f"{r['target']:.0%}", format_cell(r["seconds_to_target"], ",.1f"))
-                          for r in measured]))
+    print(
+        markdown_table(
+            ("case", "rate", "target", "seconds to target"),
+            [
+                (r["case"], r["rate"], f"{r['target']:.0%}", format_cell(r["seconds_to_target"], ",.1f"))
+                for r in measured
+            ],
+        )
+    )
     bench_cases = list(dict.fromkeys(r["case"] for r in measured))
     bench_rates = list(dict.fromkeys(r["rate"] for r in measured))
     fig, ax = plt.subplots(figsize=(10, 4.5))
@@ -168,12 +206,22 @@ else:
         color, offset = plt.get_cmap("tab10")(i % 10), (i - (len(bench_cases) - 1) / 2) * width
         records = [r for r in measured if r["case"] == case]
         reached = [r for r in records if r["seconds_to_target"] is not None]
-        ax.bar([bench_rates.index(r["rate"]) + offset for r in reached], [r["seconds_to_target"] for r in reached],
-               width, color=color, label=case)
+        ax.bar(
+            [bench_rates.index(r["rate"]) + offset for r in reached],
+            [r["seconds_to_target"] for r in reached],
+            width,
+            color=color,
+            label=case,
+        )
         missed = [bench_rates.index(r["rate"]) + offset for r in records if r["seconds_to_target"] is None]
         ax.plot(missed, [1.0] * len(missed), "x", color=color, markersize=9)
-    ax.set(xticks=range(len(bench_rates)), xticklabels=bench_rates, yscale="log", ylabel="measured seconds to target",
-           title="measured time to accuracy, emulated links (benchmark)")
+    ax.set(
+        xticks=range(len(bench_rates)),
+        xticklabels=bench_rates,
+        yscale="log",
+        ylabel="measured seconds to target",
+        title="measured time to accuracy, emulated links (benchmark)",
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     plt.show()

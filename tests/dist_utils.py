@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import tempfile
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,8 @@ def run_ranks(fn: Callable[..., None], *args: Any, world_size: int = 2, timeout:
             p.join(5)
         failures = []
         while not errors.empty():
-            failures.append("rank %d:\n%s" % errors.get())
+            rank, trace = errors.get()
+            failures.append(f"rank {rank}:\n{trace}")
         if failures:
             raise AssertionError("\n".join(failures))
         if alive:

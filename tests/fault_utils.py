@@ -57,8 +57,9 @@ def _start_training(overrides: list[str], run_dir: Path, attempts: int = 3) -> s
     """
     command = [sys.executable, "-m", "lightning_sync.train", *overrides, f"hydra.run.dir={run_dir}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)
+    job = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and not (run_dir / "metrics.csv").is_file():
         if job.poll() is not None:

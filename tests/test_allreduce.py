@@ -11,12 +11,12 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning_utils import make_trainer
 from torch import nn
 
 from lightning_sync import AllReduceStrategy, ConfigError
 from lightning_sync.data import DigitsDataModule
 from lightning_sync.models import DigitsClassifier
-from lightning_utils import make_trainer
 
 
 def _flat(module: nn.Module) -> torch.Tensor:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import pathlib
+import shutil
 import subprocess
 import time
 
@@ -62,8 +62,15 @@ def test_cli_rejects_a_bad_value_before_anything_starts(tmp_path, capsys):
 
 def test_help_lists_every_knob_case_and_workload():
     text = _parser().format_help()
-    for name in ("network.rate=loopback", "repeats=3", "target_accuracy=0.95", "torch_local_sgd", "gloo_allreduce",
-                 "bandwidth_bound", "--out"):
+    for name in (
+        "network.rate=loopback",
+        "repeats=3",
+        "target_accuracy=0.95",
+        "torch_local_sgd",
+        "gloo_allreduce",
+        "bandwidth_bound",
+        "--out",
+    ):
         assert name in text
 
 
@@ -74,9 +81,15 @@ def test_summary_medians_and_ratios():
         for r, (a, b, f) in enumerate([(40.0, 30.0, 20.0), (50.0, 45.0, 10.0), (60.0, 20.0, 30.0)])
         for case, ms in (("lightning_ddp", a), ("allreduce", b), ("floor", f))
     ]
-    records += [{"workload": "digits", "rate": "10mbit", "case": c, "repeat": 0, "ok": ok, "seconds_to_target": s}
-                for c, ok, s in (("lightning_ddp", True, 8.0), ("periodic", True, 2.0), ("topk", True, None),
-                                 ("floor", False, None))]
+    records += [
+        {"workload": "digits", "rate": "10mbit", "case": c, "repeat": 0, "ok": ok, "seconds_to_target": s}
+        for c, ok, s in (
+            ("lightning_ddp", True, 8.0),
+            ("periodic", True, 2.0),
+            ("topk", True, None),
+            ("floor", False, None),
+        )
+    ]
     rows = {(r["workload"], r["case"]): r for r in summarize(records, cfg)}
     assert rows["latency_bound", "allreduce"]["median"] == 30.0
     assert rows["latency_bound", "allreduce"]["vs_lightning_ddp"] == pytest.approx(0.6)
@@ -85,7 +98,8 @@ def test_summary_medians_and_ratios():
     assert rows["digits", "topk"]["median"] is None and rows["digits", "floor"]["failed"] == 1
     assert time_to_accuracy(list(rows.values()), cfg) == [
         {"case": c, "rate": "10mbit", "seconds_to_target": s, "target": 0.95}
-        for c, s in (("lightning_ddp", 8.0), ("periodic", 2.0), ("topk", None), ("floor", None))]
+        for c, s in (("lightning_ddp", 8.0), ("periodic", 2.0), ("topk", None), ("floor", None))
+    ]
     table = markdown(list(rows.values()), cfg)
     assert "| allreduce | 30.00 | 0.60x | 1.50x |" in table
     assert "| topk | - | - | - | - | - | never |" in table
@@ -99,14 +113,31 @@ def _report(out):
 @pytest.mark.timeout(240)
 def test_tiny_run_on_loopback_writes_json_markdown_and_plots(tmp_path, capsys):
     out = tmp_path / "bench"
-    main(["--out", str(out), "workloads=digits,payload", "cases=torch_ddp,allreduce", "repeats=1", "warmup_steps=2",
-          "target_accuracy=0.5", "max_epochs=3", "eval_every=4", "payload_mb=2", "payload_iters=2", "timeout_s=150"])
+    main(
+        [
+            "--out",
+            str(out),
+            "workloads=digits,payload",
+            "cases=torch_ddp,allreduce",
+            "repeats=1",
+            "warmup_steps=2",
+            "target_accuracy=0.5",
+            "max_epochs=3",
+            "eval_every=4",
+            "payload_mb=2",
+            "payload_iters=2",
+            "timeout_s=150",
+        ]
+    )
     printed = capsys.readouterr().out
     assert printed.count("] loopback ") == 3, printed  # one line per finished run
     results, table = _report(out)
     records = results["records"]
     assert [(r["workload"], r["case"]) for r in records] == [
-        ("digits", "torch_ddp"), ("digits", "allreduce"), ("payload", "allreduce")]
+        ("digits", "torch_ddp"),
+        ("digits", "allreduce"),
+        ("payload", "allreduce"),
+    ]
     assert all(r["ok"] for r in records), records
     for r in records[:2]:
         assert r["step_time_ms"] > 0 and r["seconds_to_target"] > 0 and r["steps_to_target"] % 4 == 0
@@ -116,8 +147,10 @@ def test_tiny_run_on_loopback_writes_json_markdown_and_plots(tmp_path, capsys):
     assert "| torch_ddp |" in table and "| allreduce" in table and "vs torch_ddp" in table
     assert "network loopback" in table and "busbw Mbit/s" in table
     tta = json.loads((out / "time_to_accuracy.json").read_text())
-    assert {(r["case"], r["rate"], r["target"]) for r in tta} == {("torch_ddp", "loopback", 0.5),
-                                                                   ("allreduce", "loopback", 0.5)}
+    assert {(r["case"], r["rate"], r["target"]) for r in tta} == {
+        ("torch_ddp", "loopback", 0.5),
+        ("allreduce", "loopback", 0.5),
+    }
     assert all(r["seconds_to_target"] > 0 for r in tta)
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "digits.png").stat().st_size > 0 and (out / "payload.png").stat().st_size > 0
@@ -142,8 +175,11 @@ def test_a_run_past_its_timeout_fails_cleanly(tmp_path, capsys):
         if not leftover or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    states = {pid: pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] for pid in leftover
-              if pathlib.Path(f"/proc/{pid}/stat").exists()}
+    states = {
+        pid: pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2]
+        for pid in leftover
+        if pathlib.Path(f"/proc/{pid}/stat").exists()
+    }
     assert not leftover, f"processes of the run are still alive after 10 s: {states}"
 
 
@@ -155,8 +191,20 @@ NETNS = os.name == "posix" and os.geteuid() == 0 and shutil.which("ip") is not N
 def test_tiny_run_between_emulated_hosts_at_1gbit(tmp_path):
     out = tmp_path / "bench"
     prefix = f"tb{os.getpid() % 10000:04d}"
-    main(["--out", str(out), "workloads=payload", "repeats=1", "payload_mb=4", "payload_iters=2",
-          "network.rate=1gbit", f"network.prefix={prefix}", "plots=false", "timeout_s=150"])
+    main(
+        [
+            "--out",
+            str(out),
+            "workloads=payload",
+            "repeats=1",
+            "payload_mb=4",
+            "payload_iters=2",
+            "network.rate=1gbit",
+            f"network.prefix={prefix}",
+            "plots=false",
+            "timeout_s=150",
+        ]
+    )
     results, table = _report(out)
     records = {r["case"]: r for r in results["records"]}
     assert all(r["ok"] for r in records.values()) and set(records) == {"gloo_allreduce", "allreduce"}, records

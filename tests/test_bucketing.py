@@ -7,9 +7,9 @@ import time
 
 import pytest
 import torch
+from dist_utils import run_ranks
 from torch import nn
 
-from dist_utils import run_ranks
 from lightning_sync.comm.bucketing import BUCKETINGS, GradientSynchronizer, LaunchTuner, plan_buckets
 from lightning_sync.comm.compression import NoCompression
 from lightning_sync.comm.meter import CommMeter
@@ -39,8 +39,15 @@ def _all_bucketings_agree(rank: int, world: int) -> None:
     for bucketing in BUCKETINGS:
         model = _mlp()
         tuner = LaunchTuner(warmup_rounds=0, trial_rounds=1)
-        sync = GradientSynchronizer(list(model.parameters()), NoCompression(), CommMeter(), bucketing=bucketing,
-                                    bucket_cap_mb=400 / 2**20, first_bucket_mb=100 / 2**20, tuner=tuner)
+        sync = GradientSynchronizer(
+            list(model.parameters()),
+            NoCompression(),
+            CommMeter(),
+            bucketing=bucketing,
+            bucket_cap_mb=400 / 2**20,
+            first_bucket_mb=100 / 2**20,
+            tuner=tuner,
+        )
         grads = []
         for step in range(4):
             sync.start_round()
@@ -116,8 +123,15 @@ def test_missing_gradients_and_gradients_already_in_the_bucket():
 def _views_attached_and_finite_verdict(rank: int, world: int) -> None:
     model = _mlp()
     params = list(model.parameters())
-    sync = GradientSynchronizer(params, NoCompression(), CommMeter(), bucketing="overlap", bucket_cap_mb=1e-4,
-                                first_bucket_mb=1e-4, check_finite=True)
+    sync = GradientSynchronizer(
+        params,
+        NoCompression(),
+        CommMeter(),
+        bucketing="overlap",
+        bucket_cap_mb=1e-4,
+        first_bucket_mb=1e-4,
+        check_finite=True,
+    )
     slots = {id(p): slot for bucket in sync.buckets for p, slot in zip(bucket.params, bucket.slots)}
     assert len(sync.buckets) > 1
     for step, poison in enumerate((None, float("nan"), float("inf"), None)):
@@ -194,8 +208,15 @@ def test_tuner_decision_is_the_same_on_every_rank():
 def _auto_picks_what_is_faster(rank: int, world: int, slow_after: bool) -> None:
     model = _mlp()
     tuner = LaunchTuner(warmup_rounds=1, trial_rounds=3, prefer_after_backward=slow_after)  # prior: the slow one
-    sync = GradientSynchronizer(list(model.parameters()), NoCompression(), CommMeter(), bucketing="auto",
-                                bucket_cap_mb=400 / 2**20, first_bucket_mb=100 / 2**20, tuner=tuner)
+    sync = GradientSynchronizer(
+        list(model.parameters()),
+        NoCompression(),
+        CommMeter(),
+        bucketing="auto",
+        bucket_cap_mb=400 / 2**20,
+        first_bucket_mb=100 / 2**20,
+        tuner=tuner,
+    )
     launch_rest = sync._launch_rest
 
     def _slowed() -> None:  # a launch point that costs 20 ms more than the other, on every rank
@@ -221,7 +242,10 @@ def test_auto_keeps_the_faster_launch_point(slow_after):
 def _decision_survives_a_resume(rank: int, world: int) -> None:
     model = _mlp()
     make = lambda: GradientSynchronizer(  # noqa: E731
-        list(model.parameters()), NoCompression(), CommMeter(), bucketing="auto",
+        list(model.parameters()),
+        NoCompression(),
+        CommMeter(),
+        bucketing="auto",
         tuner=LaunchTuner(warmup_rounds=0, trial_rounds=2, margin=0.0, prefer_after_backward=True),
     )
     sync = make()
@@ -248,9 +272,12 @@ def test_auto_decision_survives_a_resume():
 
 def _prior_follows_the_hosts(rank: int, world: int) -> None:
     params = list(_mlp().parameters())
-    priors = {same: GradientSynchronizer(params, NoCompression(), CommMeter(), bucketing="auto",
-                                         same_host_cpu=same).tuner.prefer_after_backward
-              for same in (None, True, False)}
+    priors = {
+        same: GradientSynchronizer(
+            params, NoCompression(), CommMeter(), bucketing="auto", same_host_cpu=same
+        ).tuner.prefer_after_backward
+        for same in (None, True, False)
+    }
     assert priors == {None: True, True: True, False: False}, priors
 
 

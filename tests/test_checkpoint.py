@@ -17,19 +17,20 @@ are fixed) when a stateful compressor must resume exactly.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_utils import make_trainer
 
 from lightning_sync import AllReduceStrategy, DDPSyncStrategy, PeriodicSyncStrategy
 from lightning_sync.data import DigitsDataModule
 from lightning_sync.errors import CheckpointError
 from lightning_sync.models import DigitsClassifier
-from lightning_utils import make_trainer
 
 
 class _SaveEnd(pl.Callback):

@@ -45,12 +45,19 @@ class _Run:
     proc: subprocess.Popen
 
     @classmethod
-    def start(cls, root: Path, *args: str) -> "_Run":
+    def start(cls, root: Path, *args: str) -> _Run:
         (root / "cwd").mkdir(parents=True)
         with open(root / "stdout.txt", "w") as out, open(root / "stderr.txt", "w") as err:
             # its own session: the rank it launches is in the same process group, killed together on timeout
-            proc = subprocess.Popen(_train_cmd(*args), cwd=root / "cwd", env=_env(), stdout=out, stderr=err,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                _train_cmd(*args),
+                cwd=root / "cwd",
+                env=_env(),
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         return cls(root, proc)
 
     def wait(self, timeout: float) -> tuple[int, str, str]:
@@ -89,14 +96,26 @@ def cli_runs(tmp_path_factory) -> dict[str, _Run]:
     """Starts every CLI run of the module at once (each test waits for its own)."""
     root = tmp_path_factory.mktemp("cli")
     runs = {
-        "single": _Run.start(root / "single", "strategy=ddp", "trainer.devices=2", "experiment=smoke",
-                             f"hydra.run.dir={root / 'single' / 'run'}"),
-        "sweep": _Run.start(root / "sweep", "-m", "strategy=ddp", "strategy.comm_hook=none,fp16", "experiment=smoke",
-                            f"hydra.sweep.dir={root / 'sweep' / 'sweep'}"),
+        "single": _Run.start(
+            root / "single",
+            "strategy=ddp",
+            "trainer.devices=2",
+            "experiment=smoke",
+            f"hydra.run.dir={root / 'single' / 'run'}",
+        ),
+        "sweep": _Run.start(
+            root / "sweep",
+            "-m",
+            "strategy=ddp",
+            "strategy.comm_hook=none,fp16",
+            "experiment=smoke",
+            f"hydra.sweep.dir={root / 'sweep' / 'sweep'}",
+        ),
     }
     for i, (override, _) in enumerate(BAD_INPUTS):
-        runs[f"bad{i}"] = _Run.start(root / f"bad{i}", *override.split(" "), "experiment=smoke",
-                                     f"hydra.run.dir={root / f'bad{i}' / 'run'}")
+        runs[f"bad{i}"] = _Run.start(
+            root / f"bad{i}", *override.split(" "), "experiment=smoke", f"hydra.run.dir={root / f'bad{i}' / 'run'}"
+        )
     yield runs
     for run in runs.values():
         run.kill()
@@ -174,28 +193,52 @@ def test_conf_ships_inside_the_wheel(tmp_path):
     shutil.copytree(
         REPO,
         src,
-        ignore=shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "outputs",
-                                      "multirun", "lightning_logs", "notebooks", "tests", "benchmarks"),
+        ignore=shutil.ignore_patterns(
+            ".git",
+            ".venv",
+            "build",
+            "dist",
+            "*.egg-info",
+            "__pycache__",
+            "outputs",
+            "multirun",
+            "lightning_logs",
+            "notebooks",
+            "tests",
+            "benchmarks",
+        ),
     )
     offline = _env(PIP_NO_INDEX="1")
     pip = [sys.executable, "-m", "pip"]
     built = subprocess.run(
         [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
-        cwd=tmp_path, env=offline, capture_output=True, text=True, timeout=240,
+        cwd=tmp_path,
+        env=offline,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("lightning_sync-*.whl")
     site = tmp_path / "site"
     installed = subprocess.run(
         [*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
-        cwd=tmp_path, env=offline, capture_output=True, text=True, timeout=240,
+        cwd=tmp_path,
+        env=offline,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     check = subprocess.run(
         [sys.executable, "-c", _INSTALLED_CHECK, str(site)],
-        cwd=outside, env=_env(PYTHONPATH=str(site)), capture_output=True, text=True, timeout=240,
+        cwd=outside,
+        env=_env(PYTHONPATH=str(site)),
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert check.returncode == 0, check.stderr[-4000:]
     result = json.loads(check.stdout.strip().splitlines()[-1])
@@ -259,8 +302,9 @@ def test_help_lists_the_groups_and_documents_every_knob_of_the_chosen_strategy(t
     from lightning_sync.conf_store import MODES
     from lightning_sync.config import knob_docs
 
-    proc = subprocess.run(_train_cmd(f"strategy={mode}", "--help"), cwd=tmp_path, env=_env(), capture_output=True,
-                          text=True, timeout=100)
+    proc = subprocess.run(
+        _train_cmd(f"strategy={mode}", "--help"), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=100
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out, flat = proc.stdout, " ".join(proc.stdout.split())
     assert "schema" not in out, out  # the group behind conf/strategy/*.yaml is not a user's choice
@@ -280,15 +324,30 @@ def late_runs(tmp_path_factory) -> dict[str, _Run]:
 
     root = tmp_path_factory.mktemp("cli_late")
     runs = {
-        "first": _Run.start(root / "first", "strategy=ddp", "experiment=smoke", "trainer.limit_train_batches=2",
-                            f"hydra.run.dir={root / 'first' / 'run'}"),
+        "first": _Run.start(
+            root / "first",
+            "strategy=ddp",
+            "experiment=smoke",
+            "trainer.limit_train_batches=2",
+            f"hydra.run.dir={root / 'first' / 'run'}",
+        ),
         # the README's DiLoCo line at 30 epochs, on the model's default inner SGD
-        "diloco": _Run.start(root / "diloco", "strategy=periodic", "strategy.mode=diloco", "strategy.sync_every=8",
-                             "trainer.max_epochs=30", f"hydra.run.dir={root / 'diloco' / 'run'}"),
+        "diloco": _Run.start(
+            root / "diloco",
+            "strategy=periodic",
+            "strategy.mode=diloco",
+            "strategy.sync_every=8",
+            "trainer.max_epochs=30",
+            f"hydra.run.dir={root / 'diloco' / 'run'}",
+        ),
     }
     if not (find_spec("tensorboard") or find_spec("tensorboardX")):
-        runs["tensorboard"] = _Run.start(root / "tensorboard", "logger=tensorboard", "experiment=smoke",
-                                         f"hydra.run.dir={root / 'tensorboard' / 'run'}")
+        runs["tensorboard"] = _Run.start(
+            root / "tensorboard",
+            "logger=tensorboard",
+            "experiment=smoke",
+            f"hydra.run.dir={root / 'tensorboard' / 'run'}",
+        )
     yield runs
     for run in runs.values():
         run.kill()
@@ -305,9 +364,16 @@ def test_resume_from_last_checkpoint(late_runs):
     assert json.loads((first.root / "run" / "summary.json").read_text())["optimizer_steps"] == 2
     # stderr is a file, not a terminal: one plain progress line per epoch, no bar
     assert "epoch 1/1 step 2 | train/loss" in err and "\r" not in err, err[-3000:]
-    resumed = _Run.start(first.root.parent / "resumed", "strategy=ddp", "experiment=smoke", "trainer.max_epochs=2",
-                         "trainer.limit_train_batches=2", f"ckpt_path={ckpt}", "callbacks=early_stopping",
-                         f"hydra.run.dir={first.root.parent / 'resumed' / 'run'}")
+    resumed = _Run.start(
+        first.root.parent / "resumed",
+        "strategy=ddp",
+        "experiment=smoke",
+        "trainer.max_epochs=2",
+        "trainer.limit_train_batches=2",
+        f"ckpt_path={ckpt}",
+        "callbacks=early_stopping",
+        f"hydra.run.dir={first.root.parent / 'resumed' / 'run'}",
+    )
     try:
         code, _, err = resumed.wait(timeout=240)
     finally:

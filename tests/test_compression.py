@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import run_ranks
 
 from lightning_sync.comm.compression import (
     COMPRESSORS,
@@ -22,7 +23,6 @@ from lightning_sync.comm.compression import (
 )
 from lightning_sync.comm.meter import CommMeter, ring_all_reduce_bytes
 from lightning_sync.errors import ConfigError
-from dist_utils import run_ranks
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
@@ -329,10 +329,12 @@ def test_build_compressor_names_and_errors() -> None:
     with pytest.raises(ConfigError, match="compression='zstd' is not allowed") as info:
         build_compressor("zstd")
     assert all(n in str(info.value) for n in COMPRESSORS)
-    for bad, named in ((lambda: TopKCompression(0.0), "topk_density=0.0"),
-                       (lambda: TopKCompression(1.5), "topk_density"),
-                       (lambda: PowerSGDCompression(0), "powersgd_rank=0"),
-                       (lambda: build_compressor("powersgd", powersgd_start_iter=-1), "powersgd_start_iter=-1")):
+    for bad, named in (
+        (lambda: TopKCompression(0.0), "topk_density=0.0"),
+        (lambda: TopKCompression(1.5), "topk_density"),
+        (lambda: PowerSGDCompression(0), "powersgd_rank=0"),
+        (lambda: build_compressor("powersgd", powersgd_start_iter=-1), "powersgd_start_iter=-1"),
+    ):
         with pytest.raises(ConfigError, match=named):
             bad()
 
@@ -370,9 +372,11 @@ def _chunked_ranks(rank: int, world_size: int) -> None:
     meter = CommMeter()
     numel = 300_000  # 1.2 MB of fp32: two chunks of 0.6 MB at min_chunk_mb=0.5
     grad = torch.arange(numel, dtype=torch.float32) * (rank + 1)
-    out = NoCompression(parallel_chunks=2, min_chunk_mb=0.5).average(
-        FlatBucket(index=0, buffer=grad.clone(), shapes=[torch.Size([numel])]), meter
-    ).wait()
+    out = (
+        NoCompression(parallel_chunks=2, min_chunk_mb=0.5)
+        .average(FlatBucket(index=0, buffer=grad.clone(), shapes=[torch.Size([numel])]), meter)
+        .wait()
+    )
     torch.testing.assert_close(out, torch.arange(numel, dtype=torch.float32) * 1.5)
     assert meter.total.calls == 2
     assert meter.total.bytes_sent == ring_all_reduce_bytes(numel * 4, world_size)

@@ -13,6 +13,8 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from dist_utils import run_ranks
+from lightning_utils import make_trainer
 from torch import nn
 
 from lightning_sync import AllReduceStrategy, ConfigError, DDPSyncStrategy
@@ -24,8 +26,6 @@ from lightning_sync.comm.consistency import (
 )
 from lightning_sync.data import DigitsDataModule
 from lightning_sync.models import DigitsClassifier
-from dist_utils import run_ranks
-from lightning_utils import make_trainer
 
 TIMEOUT = pytest.mark.timeout(120)
 

@@ -27,12 +27,12 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning_utils import make_trainer
 
 from lightning_sync._console import _QUIET_LOGGERS, ProgressReport, _DropMessages, quiet_lightning
 from lightning_sync.callbacks import DivergenceGuard, SyncReport
 from lightning_sync.data import DigitsDataModule
 from lightning_sync.models import DigitsClassifier
-from lightning_utils import make_trainer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,9 +47,16 @@ def _env() -> dict[str, str]:
 
 def _compare(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """Runs the compare job in a subprocess, stdout and stderr to pipes (not terminals)."""
-    return subprocess.run([sys.executable, "-m", "lightning_sync.compare", "--out", str(tmp_path / "out"), *args],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_sync.compare", "--out", str(tmp_path / "out"), *args],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- compare CLI
@@ -138,8 +145,9 @@ def test_quiet_lightning_drops_banners_and_keeps_the_rest(quiet):
         logger.removeHandler(records)
     assert records.messages == ["Something a user should see"], records.messages
     with warnings.catch_warnings(record=True) as caught:
-        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec)`",
-                      FutureWarning)
+        warnings.warn(
+            "`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec)`", FutureWarning
+        )
         warnings.warn("It is recommended to use `self.log('train/loss', ..., sync_dist=True)` when logging")
         warnings.warn("a real problem", UserWarning)
     assert [str(w.message) for w in caught] == ["a real problem"]
@@ -154,9 +162,18 @@ def test_quiet_lightning_is_idempotent(quiet):
 # ---------------------------------------------------------------------------------------------------- progress
 def _fit_one_rank(callbacks: list[Any], epochs: int = 2, **model: Any) -> pl.Trainer:
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, limit_train_batches=3,
-                         limit_val_batches=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=callbacks)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        limit_train_batches=3,
+        limit_val_batches=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
     trainer.fit(DigitsClassifier(**model), datamodule=DigitsDataModule(batch_size=16))
     return trainer
 
@@ -276,8 +293,10 @@ def test_divergence_on_one_rank_stops_both_together(check_every, stopped_at, tmp
         AllReduceStrategy(start_method="fork"),
         max_epochs=1,
         limit_train_batches=12,
-        callbacks=[SyncReport(path=str(summary)), DivergenceGuard(path=str(summary), run_name="two-ranks",
-                                                                  check_every=check_every)],
+        callbacks=[
+            SyncReport(path=str(summary)),
+            DivergenceGuard(path=str(summary), run_name="two-ranks", check_every=check_every),
+        ],
     )
     trainer.fit(_NanOnRankOne(bad_batch=5), datamodule=DigitsDataModule(batch_size=16))
     result = json.loads(summary.read_text())
@@ -302,7 +321,10 @@ def test_diloco_case_trains(tmp_path):
     app's default 5 epochs: well above chance and not diverged (the default inner SGD collapses at 30 epochs)."""
     from lightning_sync.compare import CASES, run_case
 
-    summary = run_case(CASES["periodic:diloco/8"] + ["strategy.start_method=fork", "trainer.enable_progress_bar=false",
-                                                     "callbacks=none"], tmp_path)
+    summary = run_case(
+        CASES["periodic:diloco/8"]
+        + ["strategy.start_method=fork", "trainer.enable_progress_bar=false", "callbacks=none"],
+        tmp_path,
+    )
     assert summary["diverged"] is False, summary
     assert summary["test"]["test/acc"] > 0.85, summary

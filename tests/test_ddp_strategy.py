@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import multiprocessing
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning_utils import WORLD, make_trainer
 
 import lightning_sync
 from lightning_sync import DDPSyncStrategy
 from lightning_sync.data import DigitsDataModule
 from lightning_sync.models import DigitsClassifier
-from lightning_utils import WORLD, make_trainer
 
 SEED = 1234
 BATCHES = 10
@@ -38,7 +38,7 @@ class Recorder(pl.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
         self.bytes_sent: list[float] = []
-        self.initial: Optional[torch.Tensor] = None
+        self.initial: torch.Tensor | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.initial = _flat_params(pl_module).clone()

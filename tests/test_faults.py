@@ -56,7 +56,8 @@ def _rank_1_silent(rank: int, world_size: int) -> None:
     # A payload sent in 2 slices, as a compressor sends a large bucket: the first failed slice names the peer.
     payload = torch.ones(1 << 16)
     future = NoCompression(parallel_chunks=2, min_chunk_mb=0.01).average(
-        FlatBucket(index=0, buffer=payload, shapes=[payload.shape]), meter, groups[1])
+        FlatBucket(index=0, buffer=payload, shapes=[payload.shape]), meter, groups[1]
+    )
     with pytest.raises(PeerError, match=r"^all_reduce on rank 0 failed: rank 1 did not answer within 2 s"):
         wait_future(future, "gradient all_reduce", groups[1])
 

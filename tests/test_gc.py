@@ -6,12 +6,12 @@ import gc
 
 import lightning.pytorch as pl
 import pytest
+from lightning_utils import make_trainer
 
 from lightning_sync import AllReduceStrategy, PeriodicSyncStrategy
 from lightning_sync.data import DigitsDataModule
 from lightning_sync.models import DigitsClassifier
 from lightning_sync.strategies._gc import freeze_startup_heap, release_startup_heap
-from lightning_utils import make_trainer
 
 
 def test_freeze_and_release_nest_per_fit():

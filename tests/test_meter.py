@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import run_ranks
+
 from lightning_sync.comm.meter import CommMeter, CommStats, ring_all_reduce_bytes
 
 pytestmark = pytest.mark.timeout(60)

@@ -40,11 +40,24 @@ def test_two_nodes_through_torchrun(strategy, tmp_path):
         procs = []
         for node, host in enumerate(hosts):
             env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=host.interface)
-            argv = [str(torchrun), "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
-                    f"--master_addr={hosts[0].address}", "--master_port=29731",
-                    "-m", "lightning_sync.train", f"strategy={strategy}", "experiment=smoke", "test=false",
-                    "trainer.devices=1", "trainer.num_nodes=2", "strategy.check_consistency_every=1",
-                    "strategy.timeout_s=120", f"hydra.run.dir={tmp_path / f'node{node}'}"]
+            argv = [
+                str(torchrun),
+                "--nnodes=2",
+                "--nproc_per_node=1",
+                f"--node_rank={node}",
+                f"--master_addr={hosts[0].address}",
+                "--master_port=29731",
+                "-m",
+                "lightning_sync.train",
+                f"strategy={strategy}",
+                "experiment=smoke",
+                "test=false",
+                "trainer.devices=1",
+                "trainer.num_nodes=2",
+                "strategy.check_consistency_every=1",
+                "strategy.timeout_s=120",
+                f"hydra.run.dir={tmp_path / f'node{node}'}",
+            ]
             log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 (closed below)
             procs.append((subprocess.Popen(host.command(argv), env=env, stdout=log, stderr=subprocess.STDOUT), log))
         codes = []

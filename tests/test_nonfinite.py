@@ -12,13 +12,13 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning_utils import make_trainer
 
 from lightning_sync import AllReduceStrategy, DDPSyncStrategy, ParameterServerStrategy, PeriodicSyncStrategy
 from lightning_sync.comm.compression import PowerSGDCompression, TopKCompression
 from lightning_sync.comm.nonfinite import drop_grads, grads_are_finite
 from lightning_sync.data import DigitsDataModule
 from lightning_sync.models import DigitsClassifier
-from lightning_utils import make_trainer
 
 TIMEOUT = pytest.mark.timeout(120)
 BAD_BATCH, STEPS = 3, 8
@@ -47,8 +47,12 @@ def test_compressor_memory_forgets_nonfinite_entries():
 
     good_q = torch.ones(3, 1)
     powersgd._memory = {
-        0: _PowerSGDMemory([torch.Size([2, 3])], torch.Generator(), [torch.tensor([[float("nan")], [1.0], [1.0]])],
-                           [torch.tensor([[float("inf"), 1.0, 1.0], [1.0, 1.0, 1.0]])]),
+        0: _PowerSGDMemory(
+            [torch.Size([2, 3])],
+            torch.Generator(),
+            [torch.tensor([[float("nan")], [1.0], [1.0]])],
+            [torch.tensor([[float("inf"), 1.0, 1.0], [1.0, 1.0, 1.0]])],
+        ),
         1: _PowerSGDMemory([torch.Size([2, 3])], torch.Generator(), [good_q], [None]),
     }
     powersgd.forget_nonfinite()
@@ -116,8 +120,15 @@ def _fit(strategy: Any, poison: float, *callbacks: pl.Callback, steps: int = STE
         lambda: ParameterServerStrategy(start_method="fork"),
         lambda: ParameterServerStrategy(start_method="fork", compression="topk", topk_density=0.1, num_servers=2),
     ],
-    ids=["allreduce", "allreduce-topk", "allreduce-powersgd", "ddp", "periodic-gradient", "ps-sync",
-         "ps-sync-topk-2servers"],
+    ids=[
+        "allreduce",
+        "allreduce-topk",
+        "allreduce-powersgd",
+        "ddp",
+        "periodic-gradient",
+        "ps-sync",
+        "ps-sync-topk-2servers",
+    ],
 )
 def test_all_ranks_skip_the_step_together(make_strategy, poison):
     _fit(make_strategy(), poison, _Outcome(skipped=(1, 1)))
@@ -134,8 +145,12 @@ def test_ps_async_skips_the_poisoned_push_alone():
     """In async the servers skip the one push that held the NaN: only rank 1 counts it, and nothing is poisoned.
     (``max_steps`` counts the servers' updates, all workers' pushes: 40 lets rank 1 reach its bad batch however
     far rank 0 runs ahead.)"""
-    _fit(ParameterServerStrategy(start_method="fork", mode="async"), float("nan"), _Outcome((0, 1), identical=False),
-         steps=40)
+    _fit(
+        ParameterServerStrategy(start_method="fork", mode="async"),
+        float("nan"),
+        _Outcome((0, 1), identical=False),
+        steps=40,
+    )
 
 
 @TIMEOUT

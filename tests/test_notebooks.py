@@ -42,8 +42,14 @@ def test_is_a_valid_percent_notebook(source):
 @pytest.mark.parametrize("source", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_runs_in_smoke_mode(source, tmp_path):
     env = dict(os.environ, SMOKE="1", OMP_NUM_THREADS="1", NOTEBOOK_OUT=str(tmp_path / "out"), MPLBACKEND="Agg")
-    proc = subprocess.run([sys.executable, "-c", _RUN_AND_COUNT, str(source)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=580)
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUN_AND_COUNT, str(source)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=580,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed, figures = EXPECTED[source.stem]
     missing = [text for text in printed if text not in proc.stdout]

@@ -11,24 +11,24 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from dist_utils import run_ranks
+from lightning_utils import WORLD, make_trainer
 from torch import nn
 
 from lightning_sync import ConfigError, DDPSyncStrategy, PeriodicSyncStrategy
 from lightning_sync.comm.adaptive import AdaptivePeriod, agree_max, choose_period, comm_fraction
 from lightning_sync.comm.averaging import ModelAverager, average_buffers, average_optimizer_state, make_outer_optimizer
-from lightning_sync.comm.periodic import PeriodicAverager, validate_module_policy
 from lightning_sync.comm.compression import NoCompression
 from lightning_sync.comm.meter import CommMeter, ring_all_reduce_bytes
+from lightning_sync.comm.periodic import PeriodicAverager, validate_module_policy
 from lightning_sync.config import PeriodicConfig
 from lightning_sync.data import DigitsDataModule
 from lightning_sync.models import DigitsClassifier
-from dist_utils import run_ranks
-from lightning_utils import WORLD, make_trainer
 
 TIMEOUT = pytest.mark.timeout(120)
 
@@ -72,10 +72,10 @@ def fit(
     strategy: Any,
     tmp_path: Path,
     name: str,
-    model: Optional[pl.LightningModule] = None,
+    model: pl.LightningModule | None = None,
     callbacks: tuple = (),
-    datamodule: Optional[pl.LightningDataModule] = None,
-    ckpt_path: Optional[str] = None,
+    datamodule: pl.LightningDataModule | None = None,
+    ckpt_path: str | None = None,
     **trainer_kwargs: Any,
 ) -> tuple[pl.LightningModule, dict[str, Any]]:
     """Fits on 2 forked CPU ranks; returns the model (rank 0's weights) and what :class:`Recorder` saw."""
@@ -182,8 +182,14 @@ def test_gradient_mode_every_step_with_manual_optimization_equals_ddp(tmp_path):
     pl.seed_everything(0, verbose=False)
     ddp_model, ddp = fit("ddp_fork", tmp_path, "ddp", model=ManualDigits(), **common)
     pl.seed_everything(0, verbose=False)
-    model, rec = fit(periodic(mode="gradient", sync_every=1), tmp_path, "periodic", model=ManualDigits(),
-                     callbacks=(ReplicasIdentical(),), **common)
+    model, rec = fit(
+        periodic(mode="gradient", sync_every=1),
+        tmp_path,
+        "periodic",
+        model=ManualDigits(),
+        callbacks=(ReplicasIdentical(),),
+        **common,
+    )
     assert rec["steps"] == ddp["steps"] == 6
     assert max_diff(model, ddp_model) < 1e-6
     assert rec["bytes"] == pytest.approx(6 * 4 * digits_params(model) * 2 * (WORLD - 1) / WORLD)
@@ -293,8 +299,14 @@ def test_buffers_are_averaged_at_each_sync(tmp_path, mode):
             assert {"sync/divergence", "sync/period"} <= set(trainer.callback_metrics)
 
     pl.seed_everything(0, verbose=False)
-    fit(periodic(mode=mode, sync_every=sync_every), tmp_path, mode, model=BatchNormDigits(), callbacks=(Check(),),
-        limit_train_batches=12)
+    fit(
+        periodic(mode=mode, sync_every=sync_every),
+        tmp_path,
+        mode,
+        model=BatchNormDigits(),
+        callbacks=(Check(),),
+        limit_train_batches=12,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ per-module policy
@@ -356,13 +368,21 @@ def test_validate_module_policy():
     model = DigitsClassifier()
     assert validate_module_policy(model, None) == {}
     periods = validate_module_policy(model, {"net.4.*": 8, "net.[02].*": 1})
-    assert periods == {"net.0.weight": 1, "net.0.bias": 1, "net.2.weight": 1, "net.2.bias": 1,
-                       "net.4.weight": 8, "net.4.bias": 8}
+    assert periods == {
+        "net.0.weight": 1,
+        "net.0.bias": 1,
+        "net.2.weight": 1,
+        "net.2.bias": 1,
+        "net.4.weight": 8,
+        "net.4.bias": 8,
+    }
     # list forms, and unmatched parameters are simply left to sync_every
     assert validate_module_policy(model, [["net.4.*", 8]]) == {"net.4.weight": 8, "net.4.bias": 8}
     assert validate_module_policy(model, [{"pattern": "*.bias", "every": 2}])["net.0.bias"] == 2
     assert PeriodicSyncStrategy(module_sync_every={"net.4.*": 8}).validate_model(model) == {
-        "net.4.weight": 8, "net.4.bias": 8}
+        "net.4.weight": 8,
+        "net.4.bias": 8,
+    }
     with pytest.raises(ConfigError, match=r"pattern 'head\.\*' matches no parameter"):
         validate_module_policy(model, {"head.*": 8})
     with pytest.raises(ConfigError, match=r"'net\.4\.weight' is matched by 2 patterns"):
@@ -594,7 +614,6 @@ def accuracy_on_test_split(model: pl.LightningModule, datamodule: DigitsDataModu
     return correct / total
 
 
-
 @TIMEOUT
 def test_local_sgd_and_diloco_every_8_match_ddp_accuracy_at_an_eighth_of_the_bytes(tmp_path):
     """Digits, 2 ranks, batch 128 per rank (4 steps per epoch), 30 epochs of SGD (lr 0.1, momentum 0.9): 120 steps.
@@ -671,14 +690,34 @@ def test_diloco_resume_from_checkpoint_is_exact(tmp_path):
 
     common = dict(limit_train_batches=8)
     pl.seed_everything(0, verbose=False)
-    straight, _ = fit(periodic(mode="diloco", sync_every=4), tmp_path, "straight",
-                      model=DigitsClassifier(momentum=0.0), max_epochs=2, **common)
+    straight, _ = fit(
+        periodic(mode="diloco", sync_every=4),
+        tmp_path,
+        "straight",
+        model=DigitsClassifier(momentum=0.0),
+        max_epochs=2,
+        **common,
+    )
     pl.seed_everything(0, verbose=False)
-    fit(periodic(mode="diloco", sync_every=4), tmp_path, "first", model=DigitsClassifier(momentum=0.0),
-        callbacks=(Save(),), max_epochs=1, **common)
+    fit(
+        periodic(mode="diloco", sync_every=4),
+        tmp_path,
+        "first",
+        model=DigitsClassifier(momentum=0.0),
+        callbacks=(Save(),),
+        max_epochs=1,
+        **common,
+    )
     pl.seed_everything(0, verbose=False)
-    resumed, _ = fit(periodic(mode="diloco", sync_every=4), tmp_path, "resumed", model=DigitsClassifier(momentum=0.0),
-                     max_epochs=2, ckpt_path=ckpt, **common)
+    resumed, _ = fit(
+        periodic(mode="diloco", sync_every=4),
+        tmp_path,
+        "resumed",
+        model=DigitsClassifier(momentum=0.0),
+        max_epochs=2,
+        ckpt_path=ckpt,
+        **common,
+    )
     saved = torch.load(ckpt, weights_only=False)["lightning_sync"]
     assert saved["strategy"] == "sync_periodic" and len(saved["ranks"]) == WORLD
     assert max_diff(straight, resumed) == 0.0

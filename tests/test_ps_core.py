@@ -23,8 +23,9 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable, Optional  # noqa: E402
+from typing import Any
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -305,7 +306,7 @@ def test_ps_package_imports_no_lightning():
 
 
 # ---------------------------------------------------------------------------------------------------------- sync
-def _sync_worker(rank: int, port: int, opt_kind: str, steps: int, config: dict, nan_at: Optional[int] = None) -> dict:
+def _sync_worker(rank: int, port: int, opt_kind: str, steps: int, config: dict, nan_at: int | None = None) -> dict:
     """Sync steps on 2 servers; worker 1's gradient holds a NaN at step ``nan_at``, if given."""
     _, server, group = _join(rank, port, 2, 2, timeout_s=10)
     model = _model()
@@ -342,7 +343,7 @@ def _schedule(opt: torch.optim.Optimizer, step: int) -> None:
             group["lr"] *= 0.5
 
 
-def _reference(opt_kind: str, steps: int, num_workers: int = 2, skip: Optional[int] = None) -> list[torch.Tensor]:
+def _reference(opt_kind: str, steps: int, num_workers: int = 2, skip: int | None = None) -> list[torch.Tensor]:
     """One process: average the workers' gradients (worker order, fp32), one optimizer step, as DDP does; no step at
     all at step ``skip``."""
     model = _model()
@@ -483,7 +484,7 @@ def test_ssp_never_lets_a_worker_run_more_than_s_ahead(procs, max_staleness):
 
 
 # ---------------------------------------------------------------------------------------------------------- stop
-def _stopping_worker(rank: int, port: int, mode: str, max_updates: Optional[int], stop_after: Optional[int]) -> dict:
+def _stopping_worker(rank: int, port: int, mode: str, max_updates: int | None, stop_after: int | None) -> dict:
     _, server, group = _join(rank, port, 2, 1, timeout_s=10)
     model, opt, client = _started_sgd_worker(group, rank, mode=mode, max_updates=max_updates)
     pushes, reply = 0, None
@@ -554,7 +555,7 @@ def test_a_worker_with_other_settings_is_refused(procs):
 
 
 # ---------------------------------------------------------------------------------------------------------- resume
-def _resuming_worker(rank: int, port: int, first: int, steps: int, states: Optional[dict], save: bool) -> dict:
+def _resuming_worker(rank: int, port: int, first: int, steps: int, states: dict | None, save: bool) -> dict:
     _, server, group = _join(rank, port, 2, 2, timeout_s=10)
     model = _model()
     opt = _optimizer(model, "two_groups")
@@ -579,7 +580,7 @@ def _resuming_worker(rank: int, port: int, first: int, steps: int, states: Optio
 
 @pytest.mark.timeout(40)
 def test_sync_checkpoint_over_the_transport_resumes_bitwise(procs):
-    def run(tag: str, first: int, steps: int, states: Optional[dict], save: bool) -> dict:
+    def run(tag: str, first: int, steps: int, states: dict | None, save: bool) -> dict:
         port = _free_port()
         for rank in range(2):
             procs.start(f"{tag}{rank}", _resuming_worker, rank, port, first, steps, states, save)
@@ -704,8 +705,9 @@ def test_a_worker_stops_at_once_when_a_peer_already_gave_up(procs):
     late, first = out["worker0"], out["worker1"]
     # worker 1 is stuck at step 5, or at 4 when the server froze before sending its reply to that step
     assert first["step"] in (4, 5) and "PSTimeoutError: server 0 (ps rank 2)" in first["error"], first
-    assert late["step"] == 5 and late["error"].startswith("PSPeerLostError: worker 1 (ps rank 1) failed before this "
-                                                          "PUSH: PSTimeoutError: server 0 (ps rank 2)"), late
+    assert late["step"] == 5 and late["error"].startswith(
+        "PSPeerLostError: worker 1 (ps rank 1) failed before this PUSH: PSTimeoutError: server 0 (ps rank 2)"
+    ), late
     assert late["seconds"] < 1.0, late
 
 

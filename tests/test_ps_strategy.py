@@ -13,12 +13,12 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning_utils import WORLD, make_trainer
 from torch import nn
 
 from lightning_sync import ConfigError, ParameterServerStrategy
 from lightning_sync.data import DigitsDataModule
 from lightning_sync.models import DigitsClassifier
-from lightning_utils import WORLD, make_trainer
 
 TIMEOUT = pytest.mark.timeout(180)
 

@@ -25,8 +25,16 @@ def test_overrides_name_the_case():
     with pytest.raises(ValueError, match="ssp only"):
         parse_mode("async:2")
     out = ps_overrides("ssp:3", workers=2, slow_worker=1, slowdown=2.0, num_servers=2, max_steps=7, extra=["seed=1"])
-    for item in ("strategy=ps", "strategy.mode=ssp", "strategy.max_staleness=3", "trainer.devices=2",
-                 "strategy.slow_worker=1", "strategy.slowdown=2.0", "strategy.num_servers=2", "trainer.max_steps=7"):
+    for item in (
+        "strategy=ps",
+        "strategy.mode=ssp",
+        "strategy.max_staleness=3",
+        "trainer.devices=2",
+        "strategy.slow_worker=1",
+        "strategy.slowdown=2.0",
+        "strategy.num_servers=2",
+        "trainer.max_steps=7",
+    ):
         assert item in out
     assert out[-1] == "seed=1" and not any("slow_worker" in o for o in ps_overrides("sync", slow_worker=-1))
 
@@ -34,10 +42,19 @@ def test_overrides_name_the_case():
 def _write_timeline(run_dir: Path, mode: str, rows: list[tuple[float, int]]) -> None:
     folder = run_dir / TIMELINE_DIR
     folder.mkdir(parents=True)
-    record = {"rank": 0, "workers": 2, "mode": mode, "num_servers": 1, "model_bytes": 100, "batch_size": 8,
-              "first_batch": 10.0, "probes": [],
-              "rows": [{"t": t, "version": v, "staleness": 0, "applied": True, "ingress": [200 * v], "loss": 1.0}
-                       for t, v in rows]}
+    record = {
+        "rank": 0,
+        "workers": 2,
+        "mode": mode,
+        "num_servers": 1,
+        "model_bytes": 100,
+        "batch_size": 8,
+        "first_batch": 10.0,
+        "probes": [],
+        "rows": [
+            {"t": t, "version": v, "staleness": 0, "applied": True, "ingress": [200 * v], "loss": 1.0} for t, v in rows
+        ],
+    }
     (folder / "rank0.json").write_text(json.dumps(record))
 
 
@@ -76,8 +93,9 @@ def test_async_run_records_throughput_staleness_and_accuracy(tmp_path):
 def test_sync_ingress_per_server_sums_to_workers_times_model_bytes(tmp_path):
     runs = []
     for servers in (1, 2):
-        overrides = ps_overrides("sync", workers=WORKERS, slow_worker=-1, num_servers=servers, max_steps=8,
-                                 extra=["test=false"])
+        overrides = ps_overrides(
+            "sync", workers=WORKERS, slow_worker=-1, num_servers=servers, max_steps=8, extra=["test=false"]
+        )
         runs.append(run_ps(f"{servers} servers", overrides, tmp_path / f"s{servers}"))
     for servers, run in zip((1, 2), runs):
         per_server = run.ingress_per_update()

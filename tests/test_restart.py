@@ -33,8 +33,12 @@ def _rank_pids(local_rank: int) -> list[int]:
             env = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"lightning_sync.train" in cmd and b"TORCHELASTIC_RESTART_COUNT=0" in env and \
-                f"LOCAL_RANK={local_rank}".encode() in env and b"torch.distributed.run" not in cmd:
+        if (
+            b"lightning_sync.train" in cmd
+            and b"TORCHELASTIC_RESTART_COUNT=0" in env
+            and f"LOCAL_RANK={local_rank}".encode() in env
+            and b"torch.distributed.run" not in cmd
+        ):
             found.append(int(entry.name))
     return found
 
@@ -49,8 +53,7 @@ def test_killed_rank_restarts_and_the_run_resumes_from_last_checkpoint(tmp_path)
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     log = open(tmp_path / "torchrun.log", "w")  # noqa: SIM115 (closed below)
-    job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
-                           start_new_session=True)
+    job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not list(tmp_path.glob("outputs/*/*/checkpoints/last.ckpt")):
@@ -74,8 +77,10 @@ def test_killed_rank_restarts_and_the_run_resumes_from_last_checkpoint(tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())
     resumed_at = summary["resumed_at_step"]
     final = torch.load(last, weights_only=False)
-    print(f"restarted once; resumed at step {resumed_at}; finished at epoch {final['epoch'] + 1}, step "
-          f"{final['global_step']}")
+    print(
+        f"restarted once; resumed at step {resumed_at}; finished at epoch {final['epoch'] + 1}, step "
+        f"{final['global_step']}"
+    )
     assert "resumed from" in output and f"at step {resumed_at}" in output, output[-3000:]
     assert 0 < resumed_at < final["global_step"]
     assert final["epoch"] + 1 == EPOCHS and summary["optimizer_steps"] == final["global_step"]

@@ -31,16 +31,43 @@ def _write_run(run_dir: Path) -> StudyRun:
     rows = []
     for batch in range(1, 7):
         synced = batch % 2 == 0
-        rows.append({"t": 100.0 + batch, "batch": batch, "seconds": 0.5, "comm_s": 0.2 if synced else 0.0,
-                     "step": batch // 2, "loss": float(7 - batch), "divergence": 0.1 * batch if synced else None,
-                     "period": 2})
-    probes = [{"t": 101.0, "batch": 1, "step": 0, "acc": 0.2, "loss": 2.0, "cost_s": 0.25},
-              {"t": 105.0, "batch": 5, "step": 2, "acc": 0.8, "loss": 0.5, "cost_s": 0.25}]
-    record = {"rank": 0, "workers": 2, "mode": "local_sgd", "model_bytes": 400, "batch_size": 8, "first_batch": 100.5,
-              "rows": rows, "probes": probes}
+        rows.append(
+            {
+                "t": 100.0 + batch,
+                "batch": batch,
+                "seconds": 0.5,
+                "comm_s": 0.2 if synced else 0.0,
+                "step": batch // 2,
+                "loss": float(7 - batch),
+                "divergence": 0.1 * batch if synced else None,
+                "period": 2,
+            }
+        )
+    probes = [
+        {"t": 101.0, "batch": 1, "step": 0, "acc": 0.2, "loss": 2.0, "cost_s": 0.25},
+        {"t": 105.0, "batch": 5, "step": 2, "acc": 0.8, "loss": 0.5, "cost_s": 0.25},
+    ]
+    record = {
+        "rank": 0,
+        "workers": 2,
+        "mode": "local_sgd",
+        "model_bytes": 400,
+        "batch_size": 8,
+        "first_batch": 100.5,
+        "rows": rows,
+        "probes": probes,
+    }
     (run_dir / TIMELINE_DIR / "rank0.json").write_text(json.dumps(record))
-    summary = {"optimizer_steps": 3, "batches": 6, "step_time_ms": 500.0, "bytes_sent_per_step": 1000.0,
-               "comm_seconds_per_step": 0.4, "calls_per_step": 2.0, "test": {"test/acc": 0.75}, "diverged": False}
+    summary = {
+        "optimizer_steps": 3,
+        "batches": 6,
+        "step_time_ms": 500.0,
+        "bytes_sent_per_step": 1000.0,
+        "comm_seconds_per_step": 0.4,
+        "calls_per_step": 2.0,
+        "test": {"test/acc": 0.75},
+        "diverged": False,
+    }
     (run_dir / "summary.json").write_text(json.dumps(summary))
     (run_dir / "metrics.csv").write_text("comm/bytes_sent,step,sync/period\n1000.0,0,2\n,1,\n1000.0,2,2\n")
     return StudyRun.load("case", run_dir)
@@ -90,8 +117,10 @@ def test_tables_name_their_columns(tmp_path):
 def test_measured_time_to_accuracy_is_optional_and_checked(tmp_path):
     assert load_time_to_accuracy(tmp_path / "absent.json") == []
     file = tmp_path / "tta.json"
-    good = [{"case": "allreduce", "rate": "10mbit", "seconds_to_target": 12.5, "target": 0.9},
-            {"case": "topk", "rate": "10mbit", "seconds_to_target": None, "target": 0.9}]
+    good = [
+        {"case": "allreduce", "rate": "10mbit", "seconds_to_target": 12.5, "target": 0.9},
+        {"case": "topk", "rate": "10mbit", "seconds_to_target": None, "target": 0.9},
+    ]
     file.write_text(json.dumps(good))
     assert load_time_to_accuracy(file) == good
     file.write_text(json.dumps([{"case": "x", "rate": 10, "seconds_to_target": 1.0, "target": 0.9}]))
@@ -114,9 +143,16 @@ def test_periodic_cases_pair_diloco_with_its_inner_adamw():
 @pytest.mark.timeout(180)
 def test_real_runs_record_syncs_bytes_and_probes(tmp_path):
     common = ["trainer.max_epochs=1", "++trainer.limit_train_batches=6", "++trainer.limit_val_batches=1", "test=false"]
-    cases = {**periodic_cases(("gradient", "local_sgd"), (2,)), "auto, 5%": [
-        "strategy=periodic", "strategy.mode=local_sgd", "strategy.sync_every=auto", "strategy.max_sync_every=4",
-        "strategy.target_comm_fraction=0.05"]}
+    cases = {
+        **periodic_cases(("gradient", "local_sgd"), (2,)),
+        "auto, 5%": [
+            "strategy=periodic",
+            "strategy.mode=local_sgd",
+            "strategy.sync_every=auto",
+            "strategy.max_sync_every=4",
+            "strategy.target_comm_fraction=0.05",
+        ],
+    }
     runs = run_cases(cases, tmp_path, common=common, probe_every_batches=5)
     assert (tmp_path / "auto_5pct" / TIMELINE_DIR / "rank1.json").is_file()
     gradient, local = runs["gradient/2"], runs["local_sgd/2"]

@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from lightning_sync.bench.config import CASE_HELP, WORKLOADS, BenchConfig, NetworkConfig, parse_overrides
 from lightning_sync.config import knob_docs
@@ -46,8 +46,12 @@ def _knobs_help() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m lightning_sync.bench", description=__doc__,
-                                     epilog=_knobs_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_sync.bench",
+        description=__doc__,
+        epilog=_knobs_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", default=None, help="folder for the report (default: outputs/bench/<timestamp>)")
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. network.rate=1gbit cases=allreduce,torch_ddp")
     return parser
@@ -84,16 +88,21 @@ def run(cfg: BenchConfig, out: Path, records: list[dict[str, Any]]) -> bool:
             print(f"skipped: {problem}", flush=True)
         else:
             rates.append(rate)
-    plan = [(rate, w, r, c) for rate in rates for w in cfg.workloads for r in range(cfg.repeats)
-            for c in cfg.cases_for(w)]
+    plan = [
+        (rate, w, r, c) for rate in rates for w in cfg.workloads for r in range(cfg.repeats) for c in cfg.cases_for(w)
+    ]
     all_ok = True
     index = 0
     for rate in rates:
         with network(rate, cfg.network.prefix) as hosts:
             for _, workload, repeat, case in [p for p in plan if p[0] == rate]:
                 index += 1
-                spec = {"case": case, "workload": workload, "config": asdict(cfg),
-                        "nodes": 1 if case == "single" else 2}
+                spec = {
+                    "case": case,
+                    "workload": workload,
+                    "config": asdict(cfg),
+                    "nodes": 1 if case == "single" else 2,
+                }
                 started = time.perf_counter()
                 record: dict[str, Any] = {"workload": workload, "rate": rate, "case": case, "repeat": repeat}
                 head = f"[{index}/{len(plan)}] {rate} {workload} repeat {repeat + 1}/{cfg.repeats} {case}:"
@@ -111,7 +120,7 @@ def run(cfg: BenchConfig, out: Path, records: list[dict[str, Any]]) -> bool:
     return all_ok
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     try:
         cfg = parse_overrides(args.overrides)
@@ -135,4 +144,3 @@ def main(argv: Optional[list[str]] = None) -> None:
         print("nothing ran")
     if not all_ok:
         sys.exit(1)
-

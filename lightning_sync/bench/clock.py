@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,13 +22,14 @@ class AccuracyClock:
         broadcast: sends rank 0's accuracy to every rank (all ranks call it together).
     """
 
-    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor, target: float, every: int,
-                 broadcast: Callable[[float], float]) -> None:
+    def __init__(
+        self, inputs: torch.Tensor, labels: torch.Tensor, target: float, every: int, broadcast: Callable[[float], float]
+    ) -> None:
         self.inputs, self.labels = inputs, labels
         self.target, self.every, self.broadcast = target, every, broadcast
         self.trajectory: list[tuple[float, int, float]] = []  # (seconds, step, accuracy)
-        self.seconds_to_target: Optional[float] = None
-        self.steps_to_target: Optional[int] = None
+        self.seconds_to_target: float | None = None
+        self.steps_to_target: int | None = None
         self._started = 0.0
         self._paused = 0.0
 
@@ -57,6 +59,9 @@ class AccuracyClock:
         return reached
 
     def result(self) -> dict[str, Any]:
-        return {"seconds_to_target": self.seconds_to_target, "steps_to_target": self.steps_to_target,
-                "final_accuracy": self.trajectory[-1][2] if self.trajectory else None,
-                "trajectory": self.trajectory}
+        return {
+            "seconds_to_target": self.seconds_to_target,
+            "steps_to_target": self.steps_to_target,
+            "final_accuracy": self.trajectory[-1][2] if self.trajectory else None,
+            "trajectory": self.trajectory,
+        }

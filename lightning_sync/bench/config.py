@@ -9,7 +9,7 @@ value and what is allowed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional, get_type_hints
+from typing import Any, get_type_hints
 
 from lightning_sync.errors import ConfigError, check_choice, check_range
 
@@ -58,23 +58,64 @@ CASE_HELP: dict[str, str] = {
 }
 TRAINING_CASES = tuple(c for c in CASE_HELP if c != "gloo_allreduce")
 PAYLOAD_CASES = ("gloo_allreduce", "allreduce")
-DEFAULT_CASES = ("lightning_ddp", "lightning_ddp_view", "torch_ddp", "gloo_allreduce", "allreduce", "periodic",
-                 "torch_local_sgd", "powersgd", "topk", "floor", "single")
+DEFAULT_CASES = (
+    "lightning_ddp",
+    "lightning_ddp_view",
+    "torch_ddp",
+    "gloo_allreduce",
+    "allreduce",
+    "periodic",
+    "torch_local_sgd",
+    "powersgd",
+    "topk",
+    "floor",
+    "single",
+)
 
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
-        Workload("latency_bound", "step_time", {"width": 256, "depth": 40}, 64, TRAINING_CASES,
-                 "MLP 40 x 256 (82 tensors, 10.5 MB of gradients), conf/experiment/latency_bound.yaml"),
-        Workload("compute_bound", "step_time", {"width": 256, "depth": 40}, 512, TRAINING_CASES,
-                 "MLP 40 x 256 at batch 512/rank: backward as long as 10.5 MB takes at 1 Gbit, where overlap pays, "
-                 "conf/experiment/compute_bound.yaml"),
-        Workload("bandwidth_bound", "step_time", {"width": 2048, "depth": 2}, 64, TRAINING_CASES,
-                 "MLP 2 x 2048 (5 tensors, 33.6 MB of gradients), conf/experiment/bandwidth_bound.yaml"),
-        Workload("digits", "time_to_accuracy", {}, 32, TRAINING_CASES,
-                 "digits classifier (conf/model/digits.yaml), trained until its test accuracy reaches the target"),
-        Workload("payload", "bus_bandwidth", {}, 0, PAYLOAD_CASES,
-                 "one float32 gradient payload of payload_mb MiB, all-reduced"),
+        Workload(
+            "latency_bound",
+            "step_time",
+            {"width": 256, "depth": 40},
+            64,
+            TRAINING_CASES,
+            "MLP 40 x 256 (82 tensors, 10.5 MB of gradients), conf/experiment/latency_bound.yaml",
+        ),
+        Workload(
+            "compute_bound",
+            "step_time",
+            {"width": 256, "depth": 40},
+            512,
+            TRAINING_CASES,
+            "MLP 40 x 256 at batch 512/rank: backward as long as 10.5 MB takes at 1 Gbit, where overlap pays, "
+            "conf/experiment/compute_bound.yaml",
+        ),
+        Workload(
+            "bandwidth_bound",
+            "step_time",
+            {"width": 2048, "depth": 2},
+            64,
+            TRAINING_CASES,
+            "MLP 2 x 2048 (5 tensors, 33.6 MB of gradients), conf/experiment/bandwidth_bound.yaml",
+        ),
+        Workload(
+            "digits",
+            "time_to_accuracy",
+            {},
+            32,
+            TRAINING_CASES,
+            "digits classifier (conf/model/digits.yaml), trained until its test accuracy reaches the target",
+        ),
+        Workload(
+            "payload",
+            "bus_bandwidth",
+            {},
+            0,
+            PAYLOAD_CASES,
+            "one float32 gradient payload of payload_mb MiB, all-reduced",
+        ),
     )
 }
 
@@ -145,12 +186,16 @@ class BenchConfig:
             check_choice("cases", name, CASE_HELP)
         for name in self.cases:
             if not any(name in WORKLOADS[w].cases for w in self.workloads):
-                raise ConfigError(f"cases={name!r} is not allowed with workloads={','.join(self.workloads)}; it "
-                                  f"runs with: {', '.join(w for w, spec in WORKLOADS.items() if name in spec.cases)}")
+                raise ConfigError(
+                    f"cases={name!r} is not allowed with workloads={','.join(self.workloads)}; it "
+                    f"runs with: {', '.join(w for w, spec in WORKLOADS.items() if name in spec.cases)}"
+                )
         for name in self.workloads:
             if not self.cases_for(name):
-                raise ConfigError(f"workloads={name!r} has none of cases={','.join(self.cases)}; it runs: "
-                                  f"{', '.join(WORKLOADS[name].cases)}")
+                raise ConfigError(
+                    f"workloads={name!r} has none of cases={','.join(self.cases)}; it runs: "
+                    f"{', '.join(WORKLOADS[name].cases)}"
+                )
         check_range("repeats", self.repeats, low=1, integer=True)
         check_range("steps", self.steps, low=1, integer=True)
         check_range("warmup_steps", self.warmup_steps, low=0, high=self.steps - 1, integer=True)
@@ -191,7 +236,7 @@ def _is_group(value: Any) -> bool:
     return hasattr(value, "__dataclass_fields__")
 
 
-def parse_overrides(overrides: list[str], base: Optional[BenchConfig] = None) -> BenchConfig:
+def parse_overrides(overrides: list[str], base: BenchConfig | None = None) -> BenchConfig:
     """A validated :class:`BenchConfig`: ``base`` (default: the defaults) with ``key=value`` overrides applied.
 
     Raises:

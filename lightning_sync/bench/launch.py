@@ -18,9 +18,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import lightning_sync
 from lightning_sync.netns import EmulatedHost, emulated_hosts
@@ -33,7 +34,7 @@ class RunFailed(RuntimeError):
     """A run that did not produce a result: a node exited non-zero, or the run timed out."""
 
 
-def root_problem(rate: str) -> Optional[str]:
+def root_problem(rate: str) -> str | None:
     """Why ``rate`` cannot run here (``None``: it can). Emulated links need root and iproute2."""
     if rate == "loopback":
         return None
@@ -45,7 +46,7 @@ def root_problem(rate: str) -> Optional[str]:
 
 
 @contextmanager
-def network(rate: str, prefix: str) -> Iterator[Optional[list[EmulatedHost]]]:
+def network(rate: str, prefix: str) -> Iterator[list[EmulatedHost] | None]:
     """The two hosts for ``rate`` (``None`` for loopback); the namespaces are removed on exit, whatever happens."""
     if rate == "loopback":
         yield None
@@ -61,9 +62,19 @@ def _free_port() -> int:
 
 
 def _node_command(node: int, nodes: int, master: str, port: int, spec_path: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc_per_node=1",
-            f"--node_rank={node}", f"--master_addr={master}", f"--master_port={port}",
-            "-m", "lightning_sync.bench.worker", str(spec_path)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nodes}",
+        "--nproc_per_node=1",
+        f"--node_rank={node}",
+        f"--master_addr={master}",
+        f"--master_port={port}",
+        "-m",
+        "lightning_sync.bench.worker",
+        str(spec_path),
+    ]
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
@@ -84,13 +95,20 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 def _cause(path: Path) -> str:
     """The worker's exception line from a node's log (the first one, torchrun's own excluded), else its last line."""
     lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
-    errors = [line for line in lines if re.match(r"(\[rank\d+\]: )?[\w.]*(Error|Exception|Interrupt)\b", line)
-              and "ChildFailedError" not in line]
+    errors = [
+        line
+        for line in lines
+        if re.match(r"(\[rank\d+\]: )?[\w.]*(Error|Exception|Interrupt)\b", line) and "ChildFailedError" not in line
+    ]
     return (errors[:1] or lines[-1:] or ["(empty log)"])[0].strip()
 
 
-def run_nodes(spec: dict[str, Any], run_dir: Path, hosts: Optional[list[EmulatedHost]], timeout_s: float,
-              ) -> dict[str, Any]:
+def run_nodes(
+    spec: dict[str, Any],
+    run_dir: Path,
+    hosts: list[EmulatedHost] | None,
+    timeout_s: float,
+) -> dict[str, Any]:
     """Runs ``spec`` on ``spec["nodes"]`` nodes (default 2) and returns rank 0's result.
 
     Guarantees: when it returns or raises, no process of the run is left.
@@ -111,14 +129,26 @@ def run_nodes(spec: dict[str, Any], run_dir: Path, hosts: Optional[list[Emulated
     try:
         nodes = int(spec.get("nodes", NODES))
         for node in range(nodes):
-            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath,
-                       GLOO_SOCKET_IFNAME="lo" if hosts is None else hosts[node].interface)
+            env = dict(
+                os.environ,
+                OMP_NUM_THREADS="1",
+                PYTHONPATH=pythonpath,
+                GLOO_SOCKET_IFNAME="lo" if hosts is None else hosts[node].interface,
+            )
             argv = _node_command(node, nodes, master, port, spec_path)
             if hosts is not None:
                 argv = hosts[node].command(argv)
             with open(run_dir / f"node{node}.log", "w") as log:
-                procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                              stdin=subprocess.DEVNULL, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        argv,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs):
             if any(p.returncode not in (None, 0) for p in procs):

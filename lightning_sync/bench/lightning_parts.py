@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 from typing_extensions import override
@@ -36,19 +36,21 @@ class TimeToAccuracy(pl.Callback):
     def __init__(self, target: float, every: int) -> None:
         self.target = target
         self.every = every
-        self.clock: Optional[AccuracyClock] = None
+        self.clock: AccuracyClock | None = None
         self._last_step = -1
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         inputs, labels = trainer.datamodule.splits["test"].tensors
-        self.clock = AccuracyClock(inputs, labels, self.target, self.every,
-                                   lambda value: trainer.strategy.broadcast(value, src=0))
+        self.clock = AccuracyClock(
+            inputs, labels, self.target, self.every, lambda value: trainer.strategy.broadcast(value, src=0)
+        )
         self.clock.start()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if self.clock is None or step == self._last_step:
             return

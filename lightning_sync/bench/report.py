@@ -13,7 +13,7 @@ import json
 import math
 import statistics
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from lightning_sync.bench.config import WORKLOADS, BenchConfig
 
@@ -22,7 +22,7 @@ _METRIC_KEY = {"step_time": "step_time_ms", "time_to_accuracy": "seconds_to_targ
 _RATE_MBIT = {"10mbit": 10.0, "100mbit": 100.0, "1gbit": 1000.0}
 
 
-def _median(values: list[Optional[float]]) -> Optional[float]:
+def _median(values: list[float | None]) -> float | None:
     """Median with ``None`` (a run that failed or never reached the target) as +inf; ``None`` if that is inf."""
     if not values:
         return None
@@ -39,9 +39,16 @@ def summarize(records: list[dict[str, Any]], cfg: BenchConfig) -> list[dict[str,
         key = _METRIC_KEY[WORKLOADS[workload].metric]
         values = [r.get(key) if r["ok"] else None for r in runs]
         shown = [_cell(v, ".2f") if r["ok"] else "failed" for v, r in zip(values, runs)]
-        row: dict[str, Any] = {"workload": workload, "rate": rate, "case": case, "metric": key,
-                               "median": _median(values), "repeats": values, "shown": shown,
-                               "failed": sum(not r["ok"] for r in runs)}
+        row: dict[str, Any] = {
+            "workload": workload,
+            "rate": rate,
+            "case": case,
+            "metric": key,
+            "median": _median(values),
+            "repeats": values,
+            "shown": shown,
+            "failed": sum(not r["ok"] for r in runs),
+        }
         for extra in ("step_time_ms", "bytes_sent_per_step", "steps_to_target", "allreduce_s"):
             present = [r[extra] for r in runs if r["ok"] and r.get(extra) is not None]
             if present:
@@ -52,8 +59,14 @@ def summarize(records: list[dict[str, Any]], cfg: BenchConfig) -> list[dict[str,
         rows.append(row)
     for row in rows:
         for anchor in ANCHORS:
-            ref = next((r["median"] for r in rows if (r["workload"], r["rate"], r["case"]) ==
-                        (row["workload"], row["rate"], anchor)), None)
+            ref = next(
+                (
+                    r["median"]
+                    for r in rows
+                    if (r["workload"], r["rate"], r["case"]) == (row["workload"], row["rate"], anchor)
+                ),
+                None,
+            )
             if ref and row["median"] is not None and row["metric"] != "busbw_mbit":
                 row[f"vs_{anchor}"] = row["median"] / ref
         if row["metric"] == "busbw_mbit" and row["median"] is not None and row["rate"] in _RATE_MBIT:
@@ -68,8 +81,16 @@ def _cell(value: Any, spec: str, suffix: str = "") -> str:
 def _table_lines(rows: list[dict[str, Any]], metric: str, anchors: list[str]) -> list[str]:
     if metric == "busbw_mbit":
         header = ["case", "all-reduce s", "busbw Mbit/s", "of link", "repeats (Mbit/s)"]
-        body = [[r["case"], _cell(r.get("median_allreduce_s"), ".3f"), _cell(r["median"], ",.1f"),
-                 _cell(r.get("of_link"), ".1%"), " ".join(_cell(v, ".1f") for v in r["repeats"])] for r in rows]
+        body = [
+            [
+                r["case"],
+                _cell(r.get("median_allreduce_s"), ".3f"),
+                _cell(r["median"], ",.1f"),
+                _cell(r.get("of_link"), ".1%"),
+                " ".join(_cell(v, ".1f") for v in r["repeats"]),
+            ]
+            for r in rows
+        ]
     else:
         time_to = metric == "seconds_to_target"
         header = ["case", "s to target" if time_to else "ms/step", *(f"vs {a}" for a in anchors)]
@@ -77,8 +98,11 @@ def _table_lines(rows: list[dict[str, Any]], metric: str, anchors: list[str]) ->
         header.append("repeats")
         body = []
         for r in rows:
-            cells = [r["case"] + (f" (after backward {r['after_backward']})" if "after_backward" in r else ""),
-                     _cell(r["median"], ".2f"), *(_cell(r.get(f"vs_{a}"), ".2f", "x") for a in anchors)]
+            cells = [
+                r["case"] + (f" (after backward {r['after_backward']})" if "after_backward" in r else ""),
+                _cell(r["median"], ".2f"),
+                *(_cell(r.get(f"vs_{a}"), ".2f", "x") for a in anchors),
+            ]
             if time_to:
                 cells += [_cell(r.get("median_steps_to_target"), ".0f"), _cell(r.get("median_step_time_ms"), ".2f")]
             else:
@@ -99,21 +123,28 @@ def markdown(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
         if spec.metric == "step_time":
             how = f"{cfg.steps} steps ({cfg.warmup_steps} warm-up), batch {spec.batch_size}/rank"
         elif spec.metric == "time_to_accuracy":
-            how = (f"training seconds until test accuracy >= {cfg.target_accuracy:g} (tested every "
-                   f"{cfg.eval_every} steps, clock stopped), batch {spec.batch_size}/rank, at most "
-                   f"{cfg.max_epochs} epochs")
+            how = (
+                f"training seconds until test accuracy >= {cfg.target_accuracy:g} (tested every "
+                f"{cfg.eval_every} steps, clock stopped), batch {spec.batch_size}/rank, at most "
+                f"{cfg.max_epochs} epochs"
+            )
         else:
             how = f"{cfg.payload_mb:g} MiB float32, median of {cfg.payload_iters} all-reduces (slowest rank)"
-        parts.append(f"### {workload}, network {rate}: {spec.about}\n\n2 nodes x 1 rank (torchrun, gloo), {how}; "
-                     f"median of {cfg.repeats} alternating repeats.\n")
+        parts.append(
+            f"### {workload}, network {rate}: {spec.about}\n\n2 nodes x 1 rank (torchrun, gloo), {how}; "
+            f"median of {cfg.repeats} alternating repeats.\n"
+        )
         parts.append("\n".join(_table_lines(group, _METRIC_KEY[spec.metric], anchors)) + "\n")
     return "\n".join(parts)
 
 
 def time_to_accuracy(rows: list[dict[str, Any]], cfg: BenchConfig) -> list[dict[str, Any]]:
     """``[{"case", "rate", "seconds_to_target", "target"}]`` for the time-to-accuracy rows (medians)."""
-    return [{"case": r["case"], "rate": r["rate"], "seconds_to_target": r["median"], "target": cfg.target_accuracy}
-            for r in rows if r["metric"] == "seconds_to_target"]
+    return [
+        {"case": r["case"], "rate": r["rate"], "seconds_to_target": r["median"], "target": cfg.target_accuracy}
+        for r in rows
+        if r["metric"] == "seconds_to_target"
+    ]
 
 
 def write(records: list[dict[str, Any]], cfg: BenchConfig, out: Path) -> tuple[str, list[Path]]:
@@ -164,16 +195,29 @@ def _plots(rows: list[dict[str, Any]], records: list[dict[str, Any]], out: Path,
                 ax.plot(dots, [y] * len(dots), "k.", markersize=4)
             ax.invert_yaxis()
             ax.set_title(f"{workload}, {rate}")
-            ax.set_xlabel({"step_time_ms": "ms per step", "seconds_to_target": "seconds to target accuracy",
-                           "busbw_mbit": "bus bandwidth, Mbit/s"}[subset[0]["metric"]])
+            ax.set_xlabel(
+                {
+                    "step_time_ms": "ms per step",
+                    "seconds_to_target": "seconds to target accuracy",
+                    "busbw_mbit": "bus bandwidth, Mbit/s",
+                }[subset[0]["metric"]]
+            )
             if rate in _RATE_MBIT and subset[0]["metric"] == "busbw_mbit":
                 ax.axvline(_RATE_MBIT[rate], color="tab:red", linestyle="--", label="link rate")
                 ax.legend()
             if curves:
                 ax = axes[1][col]
                 for name in names:
-                    run = next((r for r in records if (r["workload"], r["rate"], r["case"]) == (workload, rate, name)
-                                and r["ok"] and r.get("trajectory")), None)
+                    run = next(
+                        (
+                            r
+                            for r in records
+                            if (r["workload"], r["rate"], r["case"]) == (workload, rate, name)
+                            and r["ok"]
+                            and r.get("trajectory")
+                        ),
+                        None,
+                    )
                     if run is not None:
                         seconds, _, accuracy = zip(*run["trajectory"])
                         ax.plot(seconds, accuracy, label=name)

@@ -26,8 +26,9 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,8 +44,9 @@ TORCH_LOOPS = ("torch_ddp", "torch_local_sgd")
 def _make_module(workload: Workload) -> Any:
     from lightning_sync.models import DigitsClassifier, SyntheticMLP
 
-    return DigitsClassifier(**workload.model) if workload.metric == "time_to_accuracy" else SyntheticMLP(
-        **workload.model)
+    return (
+        DigitsClassifier(**workload.model) if workload.metric == "time_to_accuracy" else SyntheticMLP(**workload.model)
+    )
 
 
 def _make_data(workload: Workload, cfg: BenchConfig, world: int, batch_size: int) -> Any:
@@ -52,8 +54,12 @@ def _make_data(workload: Workload, cfg: BenchConfig, world: int, batch_size: int
 
     if workload.metric == "time_to_accuracy":
         return DigitsDataModule(batch_size=batch_size, seed=cfg.seed)
-    return SyntheticDataModule(in_features=workload.model["width"], batch_size=batch_size,
-                               num_samples=batch_size * world * cfg.steps, seed=cfg.seed)
+    return SyntheticDataModule(
+        in_features=workload.model["width"],
+        batch_size=batch_size,
+        num_samples=batch_size * world * cfg.steps,
+        seed=cfg.seed,
+    )
 
 
 def _loss(workload: Workload, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -70,16 +76,16 @@ def _strategy(case: str, cfg: BenchConfig) -> Any:
 
     timeout = {"timeout_s": cfg.timeout_s}
     if case in ("lightning_ddp", "lightning_ddp_view"):
-        return DDPStrategy(gradient_as_bucket_view=case == "lightning_ddp_view",
-                           timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        return DDPStrategy(
+            gradient_as_bucket_view=case == "lightning_ddp_view", timeout=datetime.timedelta(seconds=cfg.timeout_s)
+        )
     made: dict[str, Callable[[], Any]] = {
         "single": lambda: SingleDeviceStrategy("cpu"),
         "sync_ddp": lambda: lightning_sync.DDPSyncStrategy(**timeout),
         "allreduce": lambda: lightning_sync.AllReduceStrategy(**timeout),
         "allreduce_flat": lambda: lightning_sync.AllReduceStrategy(bucketing="flat", **timeout),
         "allreduce_overlap": lambda: lightning_sync.AllReduceStrategy(bucketing="overlap", **timeout),
-        "periodic": lambda: lightning_sync.PeriodicSyncStrategy(mode="local_sgd", sync_every=cfg.sync_every,
-                                                                **timeout),
+        "periodic": lambda: lightning_sync.PeriodicSyncStrategy(mode="local_sgd", sync_every=cfg.sync_every, **timeout),
         "powersgd": lambda: lightning_sync.AllReduceStrategy(compression="powersgd", powersgd_rank=4, **timeout),
         "topk": lambda: lightning_sync.AllReduceStrategy(compression="topk", topk_density=0.01, **timeout),
         "floor": lambda: NoSyncStrategy(skip_nonfinite=False, **timeout),  # compute and Lightning's loop only
@@ -104,10 +110,19 @@ def _lightning_run(case: str, workload: Workload, cfg: BenchConfig) -> dict[str,
     if accuracy:
         callbacks.append(TimeToAccuracy(cfg.target_accuracy, cfg.eval_every))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=local, num_nodes=world // local, strategy=_strategy(case, cfg),
-        max_steps=-1 if accuracy else cfg.steps, max_epochs=cfg.max_epochs if accuracy else None,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks,
+        accelerator="cpu",
+        devices=local,
+        num_nodes=world // local,
+        strategy=_strategy(case, cfg),
+        max_steps=-1 if accuracy else cfg.steps,
+        max_epochs=cfg.max_epochs if accuracy else None,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
     )
     model = _make_module(workload)
     batch_size = workload.batch_size * (2 if case == "single" else 1)  # single: the 2 ranks' global batch
@@ -160,7 +175,7 @@ def _torch_loop(case: str, workload: Workload, cfg: BenchConfig) -> dict[str, An
             if len(seconds) >= max_steps or (clock is not None and clock.check(module, len(seconds))):
                 max_steps = len(seconds)
                 break
-    timed = seconds[min(cfg.warmup_steps, len(seconds) - 1):]
+    timed = seconds[min(cfg.warmup_steps, len(seconds) - 1) :]
     result: dict[str, Any] = {"step_time_ms": 1e3 * statistics.median(timed)}
     if clock is not None:
         result.update(clock.result())
@@ -184,17 +199,20 @@ def _payload(case: str, cfg: BenchConfig) -> dict[str, Any]:
     numel = int(cfg.payload_mb * MIB) // 4
     grad = torch.ones(numel)
     if case == "gloo_allreduce":
+
         def run() -> None:
             dist.all_reduce(grad)
     else:
         param = nn.Parameter(torch.zeros(numel))
-        sync = GradientSynchronizer([param], NoCompression(), CommMeter(),
-                                    **AllReduceConfig().arguments_for(GradientSynchronizer))
+        sync = GradientSynchronizer(
+            [param], NoCompression(), CommMeter(), **AllReduceConfig().arguments_for(GradientSynchronizer)
+        )
 
         def run() -> None:
             param.grad = grad
             sync.start_round()
             sync.finish()
+
     seconds = []
     for _ in range(cfg.payload_iters + 1):
         dist.barrier()
@@ -206,8 +224,13 @@ def _payload(case: str, cfg: BenchConfig) -> dict[str, Any]:
     median = float(slowest.median())
     n = dist.get_world_size()
     nbytes = numel * 4
-    return {"payload_bytes": nbytes, "allreduce_s": median, "seconds": slowest.tolist(),
-            "algbw_mbit": nbytes * 8 / median / 1e6, "busbw_mbit": nbytes * 2 * (n - 1) / n * 8 / median / 1e6}
+    return {
+        "payload_bytes": nbytes,
+        "allreduce_s": median,
+        "seconds": slowest.tolist(),
+        "algbw_mbit": nbytes * 8 / median / 1e6,
+        "busbw_mbit": nbytes * 2 * (n - 1) / n * 8 / median / 1e6,
+    }
 
 
 def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
@@ -226,7 +249,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     return _lightning_run(case, workload, cfg)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     spec = json.loads(Path(args[0]).read_text())
     result = run_spec(spec)

@@ -18,7 +18,8 @@ numbers.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,11 +96,11 @@ class AdaptivePeriod:
         self.max_every = int(max_every)
         self.smoothing = float(smoothing)
         self.period = self.min_every
-        self.compute_seconds: Optional[float] = None
-        self.comm_seconds: Optional[float] = None
+        self.compute_seconds: float | None = None
+        self.comm_seconds: float | None = None
         self.updates = 0
 
-    def _smooth(self, old: Optional[float], new: float) -> float:
+    def _smooth(self, old: float | None, new: float) -> float:
         return new if old is None else (1.0 - self.smoothing) * old + self.smoothing * new
 
     def update(self, compute_seconds_per_step: float, comm_seconds_per_sync: float) -> int:
@@ -127,7 +128,7 @@ class AdaptivePeriod:
         self.updates = int(state["updates"])
 
 
-def agree_max(values: Sequence[float], meter: CommMeter, group: Optional[ProcessGroup] = None) -> list[float]:
+def agree_max(values: Sequence[float], meter: CommMeter, group: ProcessGroup | None = None) -> list[float]:
     """The element-wise maximum of ``values`` over the group (one small all-reduce through the meter)."""
     tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
     if meter.world_size(group) > 1:

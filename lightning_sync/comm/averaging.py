@@ -30,7 +30,7 @@ When to call which, for which parameters, is :class:`~lightning_sync.comm.period
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,11 +61,11 @@ def _unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
             offset += n
 
 
-def _source_rank(group: Optional[ProcessGroup]) -> int:
+def _source_rank(group: ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_global_rank(group, 0)
 
 
-def average_tensors_(tensors: Sequence[torch.Tensor], meter: CommMeter, group: Optional[ProcessGroup] = None) -> None:
+def average_tensors_(tensors: Sequence[torch.Tensor], meter: CommMeter, group: ProcessGroup | None = None) -> None:
     """Replaces floating ``tensors`` (same list on every rank) by their exact mean over the group, packed per dtype.
 
     Non-floating tensors are broadcast from the group's first rank instead (integers have no exact mean; counters
@@ -93,7 +93,7 @@ def average_tensors_(tensors: Sequence[torch.Tensor], meter: CommMeter, group: O
         _unpack(flat, group_tensors)
 
 
-def average_buffers(buffers: Sequence[torch.Tensor], meter: CommMeter, group: Optional[ProcessGroup] = None) -> None:
+def average_buffers(buffers: Sequence[torch.Tensor], meter: CommMeter, group: ProcessGroup | None = None) -> None:
     """Averages a module's buffers (e.g. BatchNorm running statistics) exactly over the group, in place."""
     average_tensors_(list(buffers), meter, group)
 
@@ -123,7 +123,7 @@ def average_optimizer_state(
     optimizers: Iterable[torch.optim.Optimizer],
     params: Iterable[torch.Tensor],
     meter: CommMeter,
-    group: Optional[ProcessGroup] = None,
+    group: ProcessGroup | None = None,
 ) -> int:
     """Averages the floating per-parameter optimizer state of ``params`` over the group (exact mean, in place).
 
@@ -170,7 +170,7 @@ class ModelAverager:
         compressor: Compressor,
         meter: CommMeter,
         bucket_cap_mb: float = 25.0,
-        group: Optional[ProcessGroup] = None,
+        group: ProcessGroup | None = None,
     ) -> None:
         self.params = list(params)
         self.compressor = compressor

@@ -42,9 +42,10 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
@@ -63,7 +64,7 @@ class _Bucket:
     index: int
     params: list[torch.nn.Parameter]
     buffer: torch.Tensor  # the parameters' gradients back to back, in ``params`` order
-    future: Optional[torch.futures.Future] = None
+    future: torch.futures.Future | None = None
     ready: set[int] = field(default_factory=set)  # ids of params whose gradient of this round is final
     slots: list[torch.Tensor] = field(default_factory=list)  # one view of ``buffer`` per parameter, made once
 
@@ -84,14 +85,15 @@ def _numels(params: list[torch.nn.Parameter]) -> list[int]:
     return [p.numel() for p in params]
 
 
-def _pack(bucket: _Bucket, grads: list[Optional[torch.Tensor]]) -> None:
+def _pack(bucket: _Bucket, grads: list[torch.Tensor | None]) -> None:
     """Writes ``grads`` (``None``: zeros) into ``bucket.buffer`` back to back, undivided.
 
     All present, contiguous and not already in place: one ``torch.cat`` (one kernel for the whole bucket instead of
     a copy per tensor). Otherwise tensor by tensor, skipping gradients that already are their slot.
     """
-    if all(g is not None and g.is_contiguous() and g.data_ptr() != slot.data_ptr()
-           for g, slot in zip(grads, bucket.slots)):
+    if all(
+        g is not None and g.is_contiguous() and g.data_ptr() != slot.data_ptr() for g, slot in zip(grads, bucket.slots)
+    ):
         torch.cat([g.view(-1) for g in grads], out=bucket.buffer)
         return
     for slot, g in zip(bucket.slots, grads):
@@ -124,7 +126,7 @@ class LaunchTuner:
         warmup_rounds: int = LAUNCH_WARMUP_ROUNDS,
         trial_rounds: int = LAUNCH_TRIAL_ROUNDS,
         margin: float = LAUNCH_MARGIN,
-        prefer_after_backward: Optional[bool] = None,
+        prefer_after_backward: bool | None = None,
     ) -> None:
         assert warmup_rounds >= 0 and trial_rounds >= 1 and margin >= 0
         self.warmup_rounds = warmup_rounds
@@ -133,13 +135,17 @@ class LaunchTuner:
         self.prefer_after_backward = prefer_after_backward
         self.rounds = 0
         self.times: dict[bool, list[float]] = {False: [], True: []}
-        self.after_backward: Optional[bool] = None  # the decision, once made
+        self.after_backward: bool | None = None  # the decision, once made
         self.medians_ms: dict[str, float] = {}
 
     def state_dict(self) -> dict[str, Any]:
         """The trials so far and the decision (so a resumed run keeps its launch point instead of re-tuning)."""
-        return {"rounds": self.rounds, "times": {k: list(v) for k, v in self.times.items()},
-                "after_backward": self.after_backward, "medians_ms": dict(self.medians_ms)}
+        return {
+            "rounds": self.rounds,
+            "times": {k: list(v) for k, v in self.times.items()},
+            "after_backward": self.after_backward,
+            "medians_ms": dict(self.medians_ms),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rounds = int(state["rounds"])
@@ -164,10 +170,11 @@ class LaunchTuner:
         self.rounds += 1
         return all(len(v) >= self.trial_rounds for v in self.times.values())
 
-    def decide(self, meter: CommMeter, group: Optional[ProcessGroup]) -> bool:
+    def decide(self, meter: CommMeter, group: ProcessGroup | None) -> bool:
         """Sums the ranks' medians (one small all-reduce) and fixes the launch point; returns it."""
-        medians = torch.tensor([statistics.median(self.times[False]), statistics.median(self.times[True])],
-                               dtype=torch.float64)
+        medians = torch.tensor(
+            [statistics.median(self.times[False]), statistics.median(self.times[True])], dtype=torch.float64
+        )
         meter.all_reduce(medians, group=group)
         n = meter.world_size(group)
         during, after = (1e3 * medians / n).tolist()
@@ -241,14 +248,14 @@ class GradientSynchronizer:
         first_bucket_mb: float = 1.0,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
-        group: Optional[ProcessGroup] = None,
-        tuner: Optional[LaunchTuner] = None,
+        group: ProcessGroup | None = None,
+        tuner: LaunchTuner | None = None,
         check_finite: bool = False,
-        same_host_cpu: Optional[bool] = None,
+        same_host_cpu: bool | None = None,
     ) -> None:
         self.check_settings(bucketing, bucket_cap_mb, first_bucket_mb)
         self.check_finite = check_finite
-        self.grads_finite: Optional[bool] = None  # the last round's verdict (``check_finite``), until the next round
+        self.grads_finite: bool | None = None  # the last round's verdict (``check_finite``), until the next round
         self.params = [p for p in params if p.requires_grad]
         self.compressor = compressor
         self.meter = meter
@@ -263,7 +270,7 @@ class GradientSynchronizer:
             self.tuner.prefer_after_backward = cpu and same_host_cpu is not False
         # Whether this round's buckets launch after backward (flat, naive, and auto when it so decides or tries).
         self.after_backward = bucketing in ("flat", "naive")
-        self._round_started: Optional[float] = None
+        self._round_started: float | None = None
         self.sync_enabled = True
         self._round_active = False
         self._next_launch = 0
@@ -314,8 +321,10 @@ class GradientSynchronizer:
             buffer = torch.zeros(sum(_numels(everything)), dtype=everything[0].dtype, device=everything[0].device)
             run = _Bucket(index=len(buckets), params=everything, buffer=buffer)
             slices = buffer.split([sum(_numels(plan)) for plan in group])
-            members = [_Bucket(index=len(buckets) + k, params=plan, buffer=part)
-                       for k, (plan, part) in enumerate(zip(group, slices))]
+            members = [
+                _Bucket(index=len(buckets) + k, params=plan, buffer=part)
+                for k, (plan, part) in enumerate(zip(group, slices))
+            ]
             buckets += members
             runs.append((run, members))
         return buckets, runs
@@ -366,10 +375,13 @@ class GradientSynchronizer:
         all up to this backward: what launching during backward can slow down reaches past the sync), decides once
         the trials are complete, and sets this round's launch point."""
         assert self.tuner is not None
-        if self.tuner.deciding and self._round_started is not None:
-            if self.tuner.record(self.after_backward, now - self._round_started):
-                if self.tuner.decide(self.meter, self.group):
-                    self.remove_hooks()  # launching after backward: nothing left for them to do
+        if (
+            self.tuner.deciding
+            and self._round_started is not None
+            and self.tuner.record(self.after_backward, now - self._round_started)
+            and self.tuner.decide(self.meter, self.group)
+        ):
+            self.remove_hooks()  # launching after backward: nothing left for them to do
         self.after_backward = self.tuner.next_after_backward()
         self._round_started = now if self.tuner.deciding else None
 
@@ -440,7 +452,7 @@ class GradientSynchronizer:
                     wait_future(bucket.future, "gradient all_reduce", self.group)
         self._next_launch = len(self.buckets)
 
-    def _globally_used(self, local_used: list[bool]) -> Optional[list[bool]]:
+    def _globally_used(self, local_used: list[bool]) -> list[bool] | None:
         """Which parameters any rank used (only with ``find_unused_parameters``); issued after every bucket, so
         all ranks see the same sequence of collectives."""
         if not self.find_unused_parameters:

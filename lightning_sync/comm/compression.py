@@ -16,12 +16,12 @@ from __future__ import annotations
 import functools
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed import ProcessGroup
-
 from typing_extensions import override
 
 from lightning_sync.comm.meter import CommMeter
@@ -84,9 +84,7 @@ class Compressor(ABC):
         self.steps = 0
 
     @abstractmethod
-    def average(
-        self, bucket: FlatBucket, meter: CommMeter, group: Optional[ProcessGroup] = None
-    ) -> torch.futures.Future:
+    def average(self, bucket: FlatBucket, meter: CommMeter, group: ProcessGroup | None = None) -> torch.futures.Future:
         """Starts averaging ``bucket.buffer`` over ``group`` (all ranks must call it with the same bucket layout).
 
         Returns:
@@ -123,7 +121,7 @@ class CastCompression(Compressor):
         min_chunk_mb: the smallest slice, in MiB.
     """
 
-    wire_dtype: ClassVar[Optional[torch.dtype]] = None
+    wire_dtype: ClassVar[torch.dtype | None] = None
 
     def __init__(self, parallel_chunks: int = PARALLEL_CHUNKS, min_chunk_mb: float = MIN_CHUNK_MB) -> None:
         super().__init__()
@@ -137,9 +135,7 @@ class CastCompression(Compressor):
         chunks = max(1, min(self.parallel_chunks, int(nbytes // self.min_chunk_bytes)))
         return list(wire.chunk(chunks)) if chunks > 1 else [wire]
 
-    def average(
-        self, bucket: FlatBucket, meter: CommMeter, group: Optional[ProcessGroup] = None
-    ) -> torch.futures.Future:
+    def average(self, bucket: FlatBucket, meter: CommMeter, group: ProcessGroup | None = None) -> torch.futures.Future:
         n = meter.world_size(group)
         buffer = bucket.buffer
         if n == 1:
@@ -215,9 +211,7 @@ class TopKCompression(Compressor):
         """``k = max(1, ceil(density * numel))``, capped at ``numel`` (float noise is ignored)."""
         return min(numel, max(1, math.ceil(self.density * numel - ROUNDING_SLACK)))
 
-    def average(
-        self, bucket: FlatBucket, meter: CommMeter, group: Optional[ProcessGroup] = None
-    ) -> torch.futures.Future:
+    def average(self, bucket: FlatBucket, meter: CommMeter, group: ProcessGroup | None = None) -> torch.futures.Future:
         n = meter.world_size(group)
         buffer = bucket.buffer
         numel = buffer.numel()
@@ -283,7 +277,7 @@ class _PowerSGDMemory:
     shapes: list[torch.Size]
     generator: torch.Generator
     q: list[torch.Tensor]  # one (m, rank) factor per compressed matrix, identical on all ranks
-    residuals: list[Optional[torch.Tensor]]  # one (n, m) error-feedback residual per compressed matrix
+    residuals: list[torch.Tensor | None]  # one (n, m) error-feedback residual per compressed matrix
 
 
 def _orthonormalize(p: torch.Tensor) -> torch.Tensor:
@@ -388,9 +382,7 @@ class PowerSGDCompression(Compressor):
         return torch.randn(m, self.rank, generator=mem.generator).to(device)
 
     # ------------------------------------------------------------------ averaging
-    def average(
-        self, bucket: FlatBucket, meter: CommMeter, group: Optional[ProcessGroup] = None
-    ) -> torch.futures.Future:
+    def average(self, bucket: FlatBucket, meter: CommMeter, group: ProcessGroup | None = None) -> torch.futures.Future:
         if self.steps < self.start_iter:
             return self._uncompressed.average(bucket, meter, group)
         world = meter.world_size(group)
@@ -405,8 +397,8 @@ class PowerSGDCompression(Compressor):
         plain = [i for i, v in enumerate(views) if not self.is_compressed(v.shape)]
 
         # Remainder: one flat uncompressed all-reduce of the pre-divided tensors.
-        rest: Optional[torch.Tensor] = None
-        rest_fut: Optional[torch.futures.Future] = None
+        rest: torch.Tensor | None = None
+        rest_fut: torch.futures.Future | None = None
         if plain and sum(views[i].numel() for i in plain) > 0:
             rest = torch.cat([views[i].reshape(-1) for i in plain]).mul_(bucket.scale(world))
             rest_fut = meter.all_reduce(rest, group=group, async_op=True).get_future()
@@ -414,8 +406,8 @@ class PowerSGDCompression(Compressor):
         # Matrices (plus residuals), and P = M @ Q for all of them packed into one buffer.
         mats: list[torch.Tensor] = []
         ps: list[torch.Tensor] = []
-        q_flat: Optional[torch.Tensor] = None
-        q_fut: Optional[torch.futures.Future] = None
+        q_flat: torch.Tensor | None = None
+        q_fut: torch.futures.Future | None = None
         if compressed:
             qs = []
             for slot, i in enumerate(compressed):

@@ -13,9 +13,9 @@ sync mode's traffic.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,7 +59,7 @@ def describe(mismatches: Sequence[TensorMismatch], steps: int, limit: int = 8) -
 
 # ------------------------------------------------------------------------------------------------ names
 def named_replicated_state(
-    module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (), only: Optional[Iterable[torch.Tensor]] = None
+    module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (), only: Iterable[torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
     """The floating tensors that a replica holds, by name: parameters, buffers and optimizer state.
 
@@ -108,7 +108,7 @@ def replica_fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def _gather(mine: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
+def _gather(mine: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Every rank's ``mine``, stacked in rank order."""
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
@@ -120,7 +120,7 @@ def _differs(values: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     return (values != reference) & ~(values.isnan() & reference.isnan())
 
 
-def replica_fingerprint_spread(tensors: Iterable[torch.Tensor], group: Optional[ProcessGroup] = None) -> float:
+def replica_fingerprint_spread(tensors: Iterable[torch.Tensor], group: ProcessGroup | None = None) -> float:
     """Largest absolute difference between any rank's fingerprint and rank 0's (0.0: identical replicas)."""
     stacked = _gather(replica_fingerprint(tensors), group)
     return float((stacked - stacked[0]).abs().max())
@@ -129,7 +129,7 @@ def replica_fingerprint_spread(tensors: Iterable[torch.Tensor], group: Optional[
 # ------------------------------------------------------------------------------------------------ the check
 def find_mismatches(
     named: Mapping[str, torch.Tensor],
-    group: Optional[ProcessGroup] = None,
+    group: ProcessGroup | None = None,
     atol: float = 0.0,
     resync: bool = False,
 ) -> list[TensorMismatch]:
@@ -202,7 +202,7 @@ def _first_difference(mine: list[tuple[str, tuple[int, ...], str]], reference: l
     return "has the same tensors as rank 0 in another order"
 
 
-def check_same_structure(named: Iterable[tuple[str, torch.Tensor]], group: Optional[ProcessGroup] = None) -> None:
+def check_same_structure(named: Iterable[tuple[str, torch.Tensor]], group: ProcessGroup | None = None) -> None:
     """Checks that every rank's model has the same tensors: names, shapes and dtypes, in the same order (call on
     every rank, before any collective on the tensors themselves, which would fail or hang on a mismatch).
 
@@ -237,9 +237,9 @@ def check_replicas(
     named: Mapping[str, torch.Tensor],
     steps: int,
     on_mismatch: str = "raise",
-    group: Optional[ProcessGroup] = None,
+    group: ProcessGroup | None = None,
     atol: float = 0.0,
-    pull: Optional[Callable[[], Any]] = None,
+    pull: Callable[[], Any] | None = None,
 ) -> list[TensorMismatch]:
     """Checks that every rank holds the same ``named`` tensors, and acts on a mismatch (call on every rank).
 

@@ -8,7 +8,6 @@ any backend that supports the compressor's collectives, gloo included.
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at run time.
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,7 @@ class DDPHookState:
 
     compressor: Compressor
     meter: CommMeter
-    group: Optional[ProcessGroup] = None
+    group: ProcessGroup | None = None
     calls: int = 0
     _layout_ids: dict[tuple, int] = field(default_factory=dict)
 

@@ -37,9 +37,10 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,7 +84,7 @@ _CALLBACK_PREFIX = re.compile(r"^(?:Got the following error when running the cal
 _RESTATED = re.compile(r"^[\w ]+ on rank \d+ failed: ")  # a PeerError's message, seen through such wrapping
 
 
-def _peers(group: Optional[ProcessGroup]) -> str:
+def _peers(group: ProcessGroup | None) -> str:
     """The other ranks of ``group`` (global ranks): ``"rank 1"``, or ``"one of ranks 1, 2, 3"``."""
     me = dist.get_rank()
     ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
@@ -92,8 +93,8 @@ def _peers(group: Optional[ProcessGroup]) -> str:
 
 
 def peer_error(
-    op: str, group: Optional[ProcessGroup], error: BaseException, timeout_s: Optional[float] = None
-) -> Optional[PeerError]:
+    op: str, group: ProcessGroup | None, error: BaseException, timeout_s: float | None = None
+) -> PeerError | None:
     """``error`` of collective ``op`` restated as a :class:`PeerError` naming the peer, if a peer caused it.
 
     On 2 ranks the peer is named exactly; on more the backend does not say which rank failed to answer, so the
@@ -129,7 +130,7 @@ def peer_error(
     return PeerError(f"{op} on rank {me} failed: {who} {what} (backend: {first})")
 
 
-def wait_future(future: torch.futures.Future, op: str, group: Optional[ProcessGroup] = None) -> Any:
+def wait_future(future: torch.futures.Future, op: str, group: ProcessGroup | None = None) -> Any:
     """``future.wait()``, where a failure that a silent or lost peer caused is raised as a :class:`PeerError`
     naming that peer (the wait takes as long as the backend takes: gloo fails a collective after the group's
     timeout).
@@ -144,7 +145,7 @@ def wait_future(future: torch.futures.Future, op: str, group: Optional[ProcessGr
 
 
 @contextmanager
-def _naming_peer(op: Optional[str], group: Any, timeout_s: Optional[float] = None) -> Iterator[None]:
+def _naming_peer(op: str | None, group: Any, timeout_s: float | None = None) -> Iterator[None]:
     """Raises an error of the block that a silent or lost peer caused as :func:`peer_error` (``op=None``: as it is)."""
     try:
         yield
@@ -163,9 +164,7 @@ def ring_all_reduce_bytes(nbytes: int, world_size: int) -> float:
 class _TimedWork:
     """An async work handle whose completion time is booked on the meter exactly once."""
 
-    def __init__(
-        self, work: Any, meter: CommMeter, started: float, op: Optional[str] = None, group: Any = None
-    ) -> None:
+    def __init__(self, work: Any, meter: CommMeter, started: float, op: str | None = None, group: Any = None) -> None:
         self._work = work
         self._meter = meter
         self._started = started
@@ -173,7 +172,7 @@ class _TimedWork:
         self._group = group
         self._booked = False
         try:
-            self._future: Optional[torch.futures.Future] = work.get_future().then(self._on_done)
+            self._future: torch.futures.Future | None = work.get_future().then(self._on_done)
         except RuntimeError:  # some backends' point-to-point works have no future: book the time at wait()
             self._future = None
 
@@ -188,7 +187,7 @@ class _TimedWork:
                 self._booked = True
                 self._meter._total.seconds += time.perf_counter() - self._started
 
-    def wait(self, timeout: Optional[float] = None) -> bool:
+    def wait(self, timeout: float | None = None) -> bool:
         """Blocks until the collective is done; ``timeout`` (seconds) bounds the wait on the work itself."""
         if self._future is None:
             if timeout is None:
@@ -228,7 +227,7 @@ class CommMeter:
         timeout_s: the process groups' timeout, named in a :class:`PeerError` (``None``: as the backend says).
     """
 
-    def __init__(self, group: Optional[ProcessGroup] = None, timeout_s: Optional[float] = None) -> None:
+    def __init__(self, group: ProcessGroup | None = None, timeout_s: float | None = None) -> None:
         self.group = group
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
@@ -261,11 +260,11 @@ class CommMeter:
             self._total.calls += calls
             self._total.seconds += seconds
 
-    def world_size(self, group: Optional[ProcessGroup] = None) -> int:
+    def world_size(self, group: ProcessGroup | None = None) -> int:
         return dist.get_world_size(group if group is not None else self.group)
 
     def _run(
-        self, sent: float, recv: float, async_op: bool, launch: Any, op: Optional[str] = None, group: Any = None
+        self, sent: float, recv: float, async_op: bool, launch: Any, op: str | None = None, group: Any = None
     ) -> Any:
         started = time.perf_counter()
         with _naming_peer(op, group, self.timeout_s):
@@ -281,23 +280,29 @@ class CommMeter:
         self,
         tensor: torch.Tensor,
         op: ReduceOp.RedOpType = ReduceOp.SUM,
-        group: Optional[ProcessGroup] = None,
+        group: ProcessGroup | None = None,
         async_op: bool = False,
-    ) -> Optional[_TimedWork]:
+    ) -> _TimedWork | None:
         """``dist.all_reduce`` in place, counted as a ring all-reduce."""
         group = group if group is not None else self.group
         n = self.world_size(group)
         wire = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), n)
-        return self._run(wire, wire, async_op, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
-                         "all_reduce", group)
+        return self._run(
+            wire,
+            wire,
+            async_op,
+            lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+            "all_reduce",
+            group,
+        )
 
     def all_gather_into_tensor(
         self,
         output: torch.Tensor,
         tensor: torch.Tensor,
-        group: Optional[ProcessGroup] = None,
+        group: ProcessGroup | None = None,
         async_op: bool = False,
-    ) -> Optional[_TimedWork]:
+    ) -> _TimedWork | None:
         """``dist.all_gather_into_tensor``: each rank's ``tensor`` is concatenated, rank order, into ``output``."""
         group = group if group is not None else self.group
         n = self.world_size(group)
@@ -315,15 +320,21 @@ class CommMeter:
         self,
         tensor: torch.Tensor,
         src: int = 0,
-        group: Optional[ProcessGroup] = None,
+        group: ProcessGroup | None = None,
         async_op: bool = False,
-    ) -> Optional[_TimedWork]:
+    ) -> _TimedWork | None:
         """``dist.broadcast`` from global rank ``src``, counted at the per-rank mean of ``(n-1)/n * S``."""
         group = group if group is not None else self.group
         n = self.world_size(group)
         wire = (n - 1) / n * tensor.numel() * tensor.element_size()
-        return self._run(wire, wire, async_op, lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
-                         "broadcast", group)
+        return self._run(
+            wire,
+            wire,
+            async_op,
+            lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
+            "broadcast",
+            group,
+        )
 
     # Point-to-point takes a group object called directly, with ranks of that group: c10d's ``isend``/``irecv``
     # go through its group registry, which rejects a group built outside it (``ProcessGroupGloo(store, rank,
@@ -337,9 +348,7 @@ class CommMeter:
         nbytes = float(tensor.numel() * tensor.element_size())
         return self._run(nbytes, 0.0, True, lambda: group.send([tensor], int(group_dst), int(tag)))
 
-    def recv_from(
-        self, tensor: torch.Tensor, group_src: Optional[int], group: Any = None, tag: int = 0
-    ) -> _TimedWork:
+    def recv_from(self, tensor: torch.Tensor, group_src: int | None, group: Any = None, tag: int = 0) -> _TimedWork:
         """Asynchronous receive into ``tensor`` from rank ``group_src`` of ``group``, or from any rank if ``None``.
 
         Counted as ``S`` bytes received when launched. After a receive from any rank completes,

@@ -30,9 +30,9 @@ import copy
 import fnmatch
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,7 +55,7 @@ POLICY_FIELD = "module_sync_every"
 
 
 # ------------------------------------------------------------------------------------------------ per-module policy
-def normalize_module_policy(value: Any, field: str = POLICY_FIELD) -> Optional[dict[str, int]]:
+def normalize_module_policy(value: Any, field: str = POLICY_FIELD) -> dict[str, int] | None:
     """``module_sync_every`` as a plain ``{pattern: period}`` dict (``None`` when unset).
 
     Accepts a mapping ``{pattern: period}``, or a list whose items are ``{pattern: period}`` one-entry mappings,
@@ -122,9 +122,7 @@ def match_module_policy(
     return assigned
 
 
-def validate_module_policy(
-    model: Union[nn.Module, Iterable[str]], policy: Any, field: str = POLICY_FIELD
-) -> dict[str, int]:
+def validate_module_policy(model: nn.Module | Iterable[str], policy: Any, field: str = POLICY_FIELD) -> dict[str, int]:
     """Checks a ``module_sync_every`` policy against a model before training (can run before any rank starts).
 
     Args:
@@ -175,11 +173,11 @@ class SyncGroup:
     """
 
     label: str
-    period: Optional[int]
+    period: int | None
     params: list[nn.Parameter]
     buffers: list[torch.Tensor]
     averager: ModelAverager
-    outer: Optional[torch.optim.Optimizer] = None
+    outer: torch.optim.Optimizer | None = None
     since_sync: int = 0
     syncs: int = 0
 
@@ -210,7 +208,7 @@ class PeriodicAverager:
 
     def __init__(
         self,
-        sync_every: Union[int, str] = 8,
+        sync_every: int | str = 8,
         warmup_steps: int = 0,
         outer: bool = False,
         outer_lr: float = 0.7,
@@ -247,13 +245,13 @@ class PeriodicAverager:
         self.groups: list[SyncGroup] = []
         self.steps = 0
         self.last_synced: list[SyncGroup] = []
-        self.last_divergence: Optional[float] = None
-        self.meter: Optional[CommMeter] = None
-        self.group: Optional[ProcessGroup] = None
+        self.last_divergence: float | None = None
+        self.meter: CommMeter | None = None
+        self.group: ProcessGroup | None = None
         self._all_params: list[torch.Tensor] = []
         self._all_buffers: list[torch.Tensor] = []
         self._warmup_step_done = False
-        self._step_started: Optional[float] = None
+        self._step_started: float | None = None
         self._step_comm_start = 0.0
         self._compute_seconds = 0.0
         self._compute_steps = 0
@@ -278,7 +276,7 @@ class PeriodicAverager:
         named_parameters: Iterable[tuple[str, nn.Parameter]],
         named_buffers: Iterable[tuple[str, torch.Tensor]],
         meter: CommMeter,
-        group: Optional[ProcessGroup] = None,
+        group: ProcessGroup | None = None,
     ) -> None:
         """Builds the sync groups and takes the global copy (call on every rank, with identical replicas).
 

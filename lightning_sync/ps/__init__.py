@@ -21,8 +21,8 @@ from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, connect_store, desc
 from lightning_sync.ps.optim_spec import OptimizerSpec, build_shard_optimizer, current_lrs, optimizer_spec
 from lightning_sync.ps.placement import (
     ColocatedServer,
-    abandon_servers,
     ServerProcesses,
+    abandon_servers,
     start_colocated_server,
     start_server_processes,
     start_servers,

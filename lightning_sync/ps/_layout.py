@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -68,7 +69,7 @@ class ShardLayout:
         return ";".join(f"{list(s)}:{d}" for s, d in zip(self.shapes, self.dtypes))
 
     # ---------------------------------------------------------------- bytes
-    def pack(self, tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    def pack(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """A new uint8 buffer with the bytes of ``tensors`` (shard order; ``None`` counts as zeros)."""
         parts = []
         for j in self.order:
@@ -101,7 +102,7 @@ class ShardLayout:
             raise ValueError(f"expected {self.nbytes} bytes (uint8), got {buffer.numel()} of {buffer.dtype}")
 
     # ---------------------------------------------------------------- fp32 form
-    def flat_fp32(self, tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    def flat_fp32(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """A new fp32 vector of all ``tensors`` (``None`` counts as zeros), in layout order."""
         flat = torch.zeros(self.numel, dtype=torch.float32)
         for j, t in enumerate(tensors):

@@ -23,8 +23,9 @@ or silent server raises :class:`~lightning_sync.ps.errors.PSTimeoutError` or
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -78,7 +79,7 @@ class ServerStepOptimizer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)
 
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         result = closure() if closure is not None else None
         self._push(self._optimizer)
         return result
@@ -174,10 +175,10 @@ class PSClient:
         self.versions = [-1] * self.num_servers
         self.stopped = False
         self.stop_reason = ""
-        self.last_reply: Optional[PSReply] = None
+        self.last_reply: PSReply | None = None
         self._replies = [torch.empty(lay.nbytes, dtype=torch.uint8) for lay in self.layouts]
         self._closed = False
-        self._broken: Optional[BaseException] = None
+        self._broken: BaseException | None = None
 
     # ---------------------------------------------------------------- properties
     @property
@@ -195,7 +196,7 @@ class PSClient:
         return HEADER_BYTES + 8 * self.spec.num_groups + self.codec.payload_nbytes(self.layouts[server])
 
     # ---------------------------------------------------------------- requests
-    def init_servers(self, states: Optional[Sequence[dict[str, Any]]] = None) -> None:
+    def init_servers(self, states: Sequence[dict[str, Any]] | None = None) -> None:
         """Sends each server its shard of this worker's parameters, the optimizer spec and the settings.
 
         Called once, by worker 0, before training; pulls that other workers send earlier are answered right after.
@@ -343,10 +344,10 @@ class PSClient:
     def _exchange(
         self,
         kind: Kind,
-        payloads: Optional[Sequence[Optional[torch.Tensor]]] = None,
+        payloads: Sequence[torch.Tensor | None] | None = None,
         flags: int = 0,
         check_open: bool = True,
-    ) -> list[tuple[ReplyHeader, Optional[torch.Tensor]]]:
+    ) -> list[tuple[ReplyHeader, torch.Tensor | None]]:
         if check_open and self._closed:
             raise RuntimeError(f"{kind.name} on a closed PSClient")
         if self._broken is not None:
@@ -361,15 +362,15 @@ class PSClient:
             raise
 
     def _exchange_once(
-        self, kind: Kind, payloads: Optional[Sequence[Optional[torch.Tensor]]], flags: int
-    ) -> list[tuple[ReplyHeader, Optional[torch.Tensor]]]:
+        self, kind: Kind, payloads: Sequence[torch.Tensor | None] | None, flags: int
+    ) -> list[tuple[ReplyHeader, torch.Tensor | None]]:
         group = self.group
         ranks = [group.server_rank(i) for i in range(self.num_servers)]
         headers = [torch.zeros(HEADER_SLOTS, dtype=torch.int64) for _ in ranks]
         what = kind.name
         peer = ranks[0]  # the server being dealt with when an error strikes
         graced = False  # whether the wait that failed already included the grace for a server's report
-        failed: Optional[tuple[int, str]] = None  # (ps rank, report) of a peer that had already given up
+        failed: tuple[int, str] | None = None  # (ps rank, report) of a peer that had already given up
         try:
             reply_works = []
             for i, rank in enumerate(ranks):
@@ -400,7 +401,7 @@ class PSClient:
                 group.wait(work, peer, f"the reply to the {what}", receiving=True, timeout_s=_left(deadline))
             replies = [ReplyHeader.parse(h) for h in headers]
             data_works = []
-            buffers: list[Optional[torch.Tensor]] = []
+            buffers: list[torch.Tensor | None] = []
             for i, reply in enumerate(replies):
                 if reply.payload_nbytes <= 0:
                     buffers.append(None)
@@ -442,7 +443,7 @@ class PSClient:
             return self.group.connect_timeout_s
         return self.group.timeout_s + min(self.group.timeout_s / 4, 5.0)
 
-    def _report_of(self, ps_rank: int, patience_s: float) -> tuple[int, Optional[str]]:
+    def _report_of(self, ps_rank: int, patience_s: float) -> tuple[int, str | None]:
         """``(rank, message)``: the failure message server ``ps_rank`` left in the store (it may write it just after
         closing its connections), waiting up to ``patience_s`` for it; failing that, another member's, which ends
         the wait at once (e.g. a lost worker reported by the launcher, which then stopped the servers)."""
@@ -456,7 +457,7 @@ class PSClient:
                 return other if other is not None else (ps_rank, None)
             time.sleep(0.05)
 
-    def _to_reply(self, answers: list[tuple[ReplyHeader, Optional[torch.Tensor]]], push: bool) -> PSReply:
+    def _to_reply(self, answers: list[tuple[ReplyHeader, torch.Tensor | None]], push: bool) -> PSReply:
         applied, skipped = push, False
         stop_code, stop_worker = StopCode.NONE, -1
         for i, (header, payload) in enumerate(answers):

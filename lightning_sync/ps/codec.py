@@ -20,7 +20,8 @@ server does not have.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -72,7 +73,7 @@ class GradientCodec:
         return k * (torch.empty(0, dtype=self._index_dtype(layout.numel)).element_size() + 4)
 
     # ---------------------------------------------------------------- worker side
-    def encode(self, server: int, layout: ShardLayout, grads: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    def encode(self, server: int, layout: ShardLayout, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """One shard's gradients (shard order; ``None`` = zeros) as a new uint8 buffer for ``server``.
 
         Guarantees: the buffer has :meth:`payload_nbytes` bytes; with ``topk`` and error feedback, the residual of

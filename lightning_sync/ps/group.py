@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime
 import math
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -101,9 +101,9 @@ class PSGroup:
         num_servers: int,
         timeout_s: float,
         *,
-        connect_timeout_s: Optional[float] = None,
+        connect_timeout_s: float | None = None,
         prefix: str = DEFAULT_PREFIX,
-        meter: Optional[CommMeter] = None,
+        meter: CommMeter | None = None,
     ) -> None:
         for name, value in (("num_workers", num_workers), ("num_servers", num_servers)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -148,7 +148,7 @@ class PSGroup:
         """PS rank of server ``server``."""
         return server_ps_rank(server, self.num_workers)
 
-    def name(self, ps_rank: Optional[int] = None) -> str:
+    def name(self, ps_rank: int | None = None) -> str:
         """How errors name a member (this one by default)."""
         return describe(self.ps_rank if ps_rank is None else ps_rank, self.num_workers)
 
@@ -164,7 +164,7 @@ class PSGroup:
         except RuntimeError as exc:
             raise self._translate(exc, dst, "a send", False, 0.0) from exc
 
-    def recv(self, tensor: torch.Tensor, src: Optional[int], tag: int) -> Any:
+    def recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> Any:
         """Launches a metered receive from PS rank ``src`` (any rank if ``None``); wait with :meth:`wait`.
 
         Raises:
@@ -180,9 +180,7 @@ class PSGroup:
             raise PSError(f"{self.name()} has left the PS group (closed)")
         return self.pg
 
-    def wait(
-        self, work: Any, peer: Optional[int], what: str, *, receiving: bool, timeout_s: Optional[float] = None
-    ) -> None:
+    def wait(self, work: Any, peer: int | None, what: str, *, receiving: bool, timeout_s: float | None = None) -> None:
         """Waits for a send (``receiving=False``) or receive for at most ``timeout_s`` (default: the group's).
 
         Raises:
@@ -196,7 +194,7 @@ class PSGroup:
         except (RuntimeError, TimeoutError) as exc:
             raise self._translate(exc, peer, what, receiving, time.monotonic() - started) from exc
 
-    def _translate(self, exc: BaseException, peer: Optional[int], what: str, receiving: bool, waited: float) -> PSError:
+    def _translate(self, exc: BaseException, peer: int | None, what: str, receiving: bool, waited: float) -> PSError:
         text = str(exc)
         who = "no member" if peer is None else self.name(peer)
         if "Connection closed" in text or "closed by peer" in text or "Connection reset" in text:
@@ -209,7 +207,7 @@ class PSGroup:
         return PSError(f"{self.name()} failed talking to {who} ({what}): {text}")
 
     # ---------------------------------------------------------------- failure reports
-    def report_failure(self, message: str, ps_rank: Optional[int] = None) -> None:
+    def report_failure(self, message: str, ps_rank: int | None = None) -> None:
         """Best effort: leaves ``message`` in the store so that peers can quote why this member (or ``ps_rank``, for
         a member whose process is gone) stopped, and counts it (:meth:`first_reported_failure` reads the count in
         one store round trip)."""
@@ -221,7 +219,7 @@ class PSGroup:
         except Exception:  # noqa: BLE001 - the store may be gone with its host; the report is only a courtesy
             self._store_lost = True
 
-    def first_reported_failure(self) -> Optional[tuple[int, str]]:
+    def first_reported_failure(self) -> tuple[int, str] | None:
         """``(ps_rank, message)`` of another member that has reported a failure, if any (the lowest rank).
 
         One store round trip when none has (the usual case), so a member can ask before every exchange and stop at
@@ -241,7 +239,7 @@ class PSGroup:
                 return rank, report
         return None
 
-    def reported_failure(self, ps_rank: int) -> Optional[str]:
+    def reported_failure(self, ps_rank: int) -> str | None:
         """The message a member left with :meth:`report_failure`, if any (best effort, never blocks long)."""
         if self._store_lost:
             return None

@@ -28,13 +28,13 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from lightning_sync.ps.errors import PSError, PSTimeoutError
 from lightning_sync.ps.group import DEFAULT_PREFIX
 from lightning_sync.ps.server import run_server
-
 
 # A server needs torch and lightning_sync.ps only. ``python -m lightning_sync.ps`` would first run the package's
 # __init__, which imports Lightning to register the strategies (seconds of start-up and hundreds of MB per server);
@@ -68,7 +68,7 @@ class ServerProcesses:
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
 
-    def exit_codes(self) -> list[Optional[int]]:
+    def exit_codes(self) -> list[int | None]:
         """Each server's exit code, ``None`` while it runs (negative: killed by that signal)."""
         return [p.poll() for p in self.processes]
 
@@ -156,10 +156,10 @@ def start_server_processes(
     num_servers: int,
     *,
     timeout_s: float,
-    connect_timeout_s: Optional[float] = None,
+    connect_timeout_s: float | None = None,
     prefix: str = DEFAULT_PREFIX,
-    env: Optional[Mapping[str, str]] = None,
-    python: Optional[str] = None,
+    env: Mapping[str, str] | None = None,
+    python: str | None = None,
 ) -> ServerProcesses:
     """Starts ``num_servers`` dedicated server processes that join the PS group through the store at
     ``host:port`` (hosted by worker 0, e.g. :func:`~lightning_sync.ps.group.connect_store`).
@@ -222,8 +222,8 @@ class ColocatedServer:
 
     def __init__(self, server: int, target: Any) -> None:
         self.server = server
-        self.error: Optional[BaseException] = None
-        self.stats: Optional[dict[str, Any]] = None
+        self.error: BaseException | None = None
+        self.stats: dict[str, Any] | None = None
         self._target = target
         self.thread = threading.Thread(target=self._run, name=f"ps-server-{server}", daemon=True)
 
@@ -273,7 +273,7 @@ def start_colocated_server(
     num_servers: int,
     *,
     timeout_s: float,
-    connect_timeout_s: Optional[float] = None,
+    connect_timeout_s: float | None = None,
     prefix: str = DEFAULT_PREFIX,
 ) -> ColocatedServer:
     """Starts server ``server`` (PS rank ``num_workers + server``) in a daemon thread of this process.
@@ -318,7 +318,7 @@ def start_servers(
     *,
     timeout_s: float,
     prefix: str = DEFAULT_PREFIX,
-) -> Optional[Any]:
+) -> Any | None:
     """Starts the servers that worker ``worker`` is responsible for under ``placement`` (call on every worker).
 
     ``dedicated``: worker 0 starts all ``num_servers`` processes. ``colocated``: worker ``r < num_servers`` runs
@@ -335,13 +335,11 @@ def start_servers(
     if placement == "dedicated" and worker == 0:
         return start_server_processes(host, port, num_workers, num_servers, timeout_s=timeout_s, prefix=prefix)
     if placement == "colocated" and worker < num_servers:
-        return start_colocated_server(
-            host, port, worker, num_workers, num_servers, timeout_s=timeout_s, prefix=prefix
-        )
+        return start_colocated_server(host, port, worker, num_workers, num_servers, timeout_s=timeout_s, prefix=prefix)
     return None
 
 
-def abandon_servers(group: Optional[Any], servers: Optional[Any], lost: dict[int, str]) -> None:
+def abandon_servers(group: Any | None, servers: Any | None, lost: dict[int, str]) -> None:
     """Workers' processes are gone (``{ps_rank: how}``, e.g. ``{1: "killed by SIGKILL"}``): reports each in the
     store and stops ``servers`` (the handle this process holds, if any), so that a worker blocked on them (a sync
     step waits for the lost worker's push until ``timeout_s``) stops now, quoting the report. Meant for a launcher

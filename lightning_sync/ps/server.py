@@ -36,7 +36,8 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -94,7 +95,7 @@ class ServerShard:
         self.version = 0
         self.clocks = [0] * num_workers
         self.staleness_history: list[list[int]] = [[] for _ in range(num_workers)]
-        self._packed: Optional[torch.Tensor] = None
+        self._packed: torch.Tensor | None = None
         self._packed_version = -1
 
     # ---------------------------------------------------------------- arithmetic
@@ -198,9 +199,9 @@ class ParameterServer:
         self.group = group
         self.server = group.ps_rank - group.num_workers
         self.num_workers = group.num_workers
-        self.shard: Optional[ServerShard] = None
-        self.config: Optional[PSConfig] = None
-        self.codec: Optional[GradientCodec] = None
+        self.shard: ServerShard | None = None
+        self.config: PSConfig | None = None
+        self.codec: GradientCodec | None = None
         self.checksum = 0
         self.num_groups = 0
         self.initialized_by = -1
@@ -283,7 +284,7 @@ class ParameterServer:
             raise PSTimeoutError(self._silence_message(time.monotonic() - started)) from exc
         return Request.parse(header), work.source_rank()
 
-    def _recv_payload(self, request: Request, worker: int) -> Optional[torch.Tensor]:
+    def _recv_payload(self, request: Request, worker: int) -> torch.Tensor | None:
         if request.payload_nbytes <= 0:
             return None
         payload = torch.empty(request.payload_nbytes, dtype=torch.uint8)
@@ -335,8 +336,8 @@ class ParameterServer:
 
     # ---------------------------------------------------------------- replying
     def _reply(
-        self, kind: Kind, worker: int, *, payload: Optional[torch.Tensor] = None, flags: int = 0, staleness: int = -1
-    ) -> tuple[ReplyHeader, Optional[torch.Tensor]]:
+        self, kind: Kind, worker: int, *, payload: torch.Tensor | None = None, flags: int = 0, staleness: int = -1
+    ) -> tuple[ReplyHeader, torch.Tensor | None]:
         total = self.group.meter.total
         clocks = self.shard.clocks if self.shard is not None else [0] * self.num_workers
         live_clocks = [clocks[w] for w in range(self.num_workers) if self.live[w]]
@@ -358,11 +359,11 @@ class ParameterServer:
         )
         return header, payload
 
-    def _error_reply(self, kind: Kind, message: str) -> tuple[ReplyHeader, Optional[torch.Tensor]]:
+    def _error_reply(self, kind: Kind, message: str) -> tuple[ReplyHeader, torch.Tensor | None]:
         payload = torch.frombuffer(bytearray(message.encode()), dtype=torch.uint8)
         return ReplyHeader(kind=kind, status=Status.ERROR, payload_nbytes=payload.numel()), payload
 
-    def _send_replies(self, replies: list[tuple[int, tuple[ReplyHeader, Optional[torch.Tensor]]]]) -> None:
+    def _send_replies(self, replies: list[tuple[int, tuple[ReplyHeader, torch.Tensor | None]]]) -> None:
         """Launches the replies without waiting for them to be taken.
 
         A worker takes a reply's data only once it has every server's reply header, so waiting here could stall
@@ -387,7 +388,7 @@ class ParameterServer:
         return self._reply(kind, worker, payload=self.shard.packed(), flags=flags, staleness=staleness)
 
     # ---------------------------------------------------------------- requests
-    def _handle(self, request: Request, worker: int, payload: Optional[torch.Tensor]) -> None:
+    def _handle(self, request: Request, worker: int, payload: torch.Tensor | None) -> None:
         kind = request.kind
         if kind == Kind.INIT:
             self._on_init(worker, payload)
@@ -443,7 +444,7 @@ class ParameterServer:
             f"{self.checksum}); every worker must build PSClient with the same config, model and optimizer"
         )
 
-    def _on_init(self, worker: int, payload: Optional[torch.Tensor]) -> None:
+    def _on_init(self, worker: int, payload: torch.Tensor | None) -> None:
         if self.shard is not None:
             raise _Refused(f"{self.group.name()} was already initialized by worker {self.initialized_by}")
         if payload is None:
@@ -473,7 +474,7 @@ class ParameterServer:
         self.deferred_pulls = {}
         self._send_replies(replies)
 
-    def _on_push(self, request: Request, worker: int, payload: Optional[torch.Tensor]) -> None:
+    def _on_push(self, request: Request, worker: int, payload: torch.Tensor | None) -> None:
         assert self.shard is not None and self.config is not None and self.codec is not None
         if self.stopped:
             self.rejected_pushes += 1
@@ -580,7 +581,7 @@ def run_server(
     num_servers: int,
     *,
     timeout_s: float,
-    connect_timeout_s: Optional[float] = None,
+    connect_timeout_s: float | None = None,
     prefix: str = DEFAULT_PREFIX,
 ) -> dict[str, Any]:
     """Joins the PS group as server ``server`` through the store at ``host:port`` and serves until the end.
@@ -613,7 +614,7 @@ def run_server(
         group.close()
 
 
-def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_sync.ps", description="One parameter server of a lightning_sync PS group."
     )
@@ -629,7 +630,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``python -m lightning_sync.ps``: exit code 0 after a clean end, 1 after an error."""
     args = _parse_args(argv)
     if args.parent_pid is not None:
@@ -664,7 +665,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def exit_after(argv: Optional[Sequence[str]] = None) -> None:
+def exit_after(argv: Sequence[str] | None = None) -> None:
     """Runs :func:`main` and ends the process with its exit code at once.
 
     A dedicated server has nothing to clean up once the loop returned; skipping the interpreter's teardown (seconds

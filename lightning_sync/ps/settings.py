@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any
 
 #: Sync modes of the server loop.
 MODES = ("sync", "async", "ssp")
@@ -43,7 +43,7 @@ class PSConfig:
 
     mode: str = "sync"
     max_staleness: int = 0
-    max_updates: Optional[int] = None
+    max_updates: int | None = None
     compression: str = "none"
     topk_density: float = 0.01
     error_feedback: bool = True

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def shard_by_bytes(sizes: Sequence[int], num_servers: int) -> list[int]:

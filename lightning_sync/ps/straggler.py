@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 
 class Straggler:
@@ -24,7 +23,7 @@ class Straggler:
         ValueError: ``slowdown < 1`` or a rank is negative.
     """
 
-    def __init__(self, worker: int, slow_worker: Optional[int] = None, slowdown: float = 1.0) -> None:
+    def __init__(self, worker: int, slow_worker: int | None = None, slowdown: float = 1.0) -> None:
         if isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
             raise ValueError(f"worker={worker!r} must be an integer >= 0")
         bad_slow = isinstance(slow_worker, bool) or not isinstance(slow_worker, int) or slow_worker < 0
@@ -36,7 +35,7 @@ class Straggler:
         self.slow_worker = slow_worker
         self.slowdown = float(slowdown)
         self.slept_s = 0.0
-        self._started: Optional[float] = None
+        self._started: float | None = None
 
     @property
     def active(self) -> bool:

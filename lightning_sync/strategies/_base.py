@@ -9,8 +9,9 @@ dependency, Lightning's ``popen`` launcher (and the ``_configure_launcher`` hook
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, ClassVar, Optional, Union
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -61,14 +62,14 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, DDPStrategy):
 
     def __init__(
         self,
-        config: Optional[StrategyConfig] = None,
+        config: StrategyConfig | None = None,
         *,
-        accelerator: Optional[Accelerator] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
         **knobs: Any,
     ) -> None:
         try:
@@ -81,7 +82,7 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, DDPStrategy):
             process_group_backend=process_group_backend, start_method=self.config.start_method,
             timeout=timedelta(seconds=self.config.timeout_s), **self._torch_ddp_kwargs(),
         )  # fmt: skip
-        self.meter: Optional[CommMeter] = None
+        self.meter: CommMeter | None = None
         self._sync_steps = 0
         self._steps_unlogged = 0
         self.skipped_steps = 0
@@ -167,14 +168,15 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, DDPStrategy):
         self,
         optimizer: Optimizer,
         closure: Callable[[], Any],
-        model: Optional[Union[pl.LightningModule, nn.Module]] = None,
+        model: pl.LightningModule | nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
         """Runs the step (on :meth:`_optimizer_to_step`, the closure wrapped by :meth:`_closure_with_sync`), then the
         mode's end-of-step work, and checks replicas if asked to."""
         stepping = self._optimizer_to_step(optimizer)
-        output = super().optimizer_step(stepping, self._skipping_nonfinite(self._closure_with_sync(closure), optimizer),
-                                        model, **kwargs)
+        output = super().optimizer_step(
+            stepping, self._skipping_nonfinite(self._closure_with_sync(closure), optimizer), model, **kwargs
+        )
         self._sync_steps += 1
         self._steps_unlogged += 1
         self.on_sync_step_end()
@@ -236,6 +238,6 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, DDPStrategy):
         return metrics
 
     # ------------------------------------------------------------------ checkpoint (see _checkpoint)
-    def _active_compressor(self) -> Optional[Compressor]:
+    def _active_compressor(self) -> Compressor | None:
         """The compressor whose memory belongs in checkpoints (``None``: none yet, or the mode has none)."""
         return None

@@ -12,8 +12,9 @@ read, a checkpoint without lightning_sync state, and one from another strategy o
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any
 
 import torch.distributed as dist
 from typing_extensions import override
@@ -32,10 +33,10 @@ class SyncStateCheckpointing:
     """Mixin of :class:`~lightning_sync.strategies._base.SyncStrategyBase`: saves and restores every rank's sync
     state with Lightning's checkpoints."""
 
-    _pending_sync_state: Optional[dict[str, Any]] = None
-    _pending_optimizer_states: Optional[list[dict[str, Any]]] = None
+    _pending_sync_state: dict[str, Any] | None = None
+    _pending_optimizer_states: list[dict[str, Any]] | None = None
     _comm_resumed: CommStats = CommStats()
-    _comm_before_training: Optional[CommStats] = None
+    _comm_before_training: CommStats | None = None
 
     @property
     def keeps_replicas_identical(self) -> bool:
@@ -86,7 +87,7 @@ class SyncStateCheckpointing:
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
         """Adds every rank's sync state to the checkpoint (gathered to rank 0, which writes the file)."""
         checkpoint[_CHECKPOINT_KEY] = {"strategy": self.strategy_name, "ranks": self._gather_sync_states()}
@@ -102,7 +103,7 @@ class SyncStateCheckpointing:
         return states
 
     @override
-    def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         """Loads the checkpoint and keeps this rank's sync state to restore once the strategy is set up.
 
         Raises:

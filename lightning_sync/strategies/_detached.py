@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
-
 from typing_extensions import override
 
 from lightning_sync.strategies._base import SyncStrategyBase
@@ -24,7 +23,7 @@ class DetachableCollectives(SyncStrategyBase):
     """
 
     _detached = False
-    _loop_limits: Optional[tuple[pl.Trainer, Any, Optional[int]]] = None
+    _loop_limits: tuple[pl.Trainer, Any, int | None] | None = None
 
     def _hand_the_end_to_the_mode(self, trainer: pl.Trainer) -> None:
         """For a fit whose ranks will detach: no validation during fit (its metric syncs would tie the ranks) and no

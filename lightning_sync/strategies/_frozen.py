@@ -23,14 +23,15 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 LAUNCHER_PID_ENV = "LIGHTNING_SYNC_LAUNCHER_PID"
 """Set for the ``popen`` children of a main process: its pid (so a child knows its parent is the job's main)."""
 
 
-def _stat_fields(pid: int) -> Optional[list[str]]:
+def _stat_fields(pid: int) -> list[str] | None:
     """The fields of ``/proc/<pid>/stat`` after the command name (state first, then the parent pid), if any."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -56,8 +57,11 @@ def kill_if_stopped(pid: int, who: str) -> bool:
     """
     if not is_stopped(pid):
         return False
-    print(f"error: {who}, pid {pid}, is frozen (stopped by a signal): killing it so that the job ends",
-          file=sys.stderr, flush=True)
+    print(
+        f"error: {who}, pid {pid}, is frozen (stopped by a signal): killing it so that the job ends",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -19,7 +19,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -28,8 +29,14 @@ from typing_extensions import override
 from lightning_sync.strategies import _frozen
 
 # Command-line flags of a Hydra app that select the config, with whether they take a value.
-_HYDRA_CONFIG_FLAGS = {"--config-path": True, "-cp": True, "--config-name": True, "-cn": True, "--config-dir": True,
-                       "-cd": True}
+_HYDRA_CONFIG_FLAGS = {
+    "--config-path": True,
+    "-cp": True,
+    "--config-name": True,
+    "-cn": True,
+    "--config-dir": True,
+    "-cd": True,
+}
 
 
 def _hydra_in_use() -> bool:
@@ -103,8 +110,12 @@ class _ChildObserver(threading.Thread):
     printed.
     """
 
-    def __init__(self, procs: list[subprocess.Popen], grace_s: float,
-                 on_lost: Optional[list[Callable[[dict[int, int]], None]]] = None) -> None:
+    def __init__(
+        self,
+        procs: list[subprocess.Popen],
+        grace_s: float,
+        on_lost: list[Callable[[dict[int, int]], None]] | None = None,
+    ) -> None:
         super().__init__(daemon=True, name="lightning-sync-child-observer")
         self._procs = procs
         self._grace_s = grace_s
@@ -127,8 +138,11 @@ class _ChildObserver(threading.Thread):
         else:
             return
         for local_rank, code in failed.items():
-            print(f"error: rank {local_rank} (local) was lost: {describe_exit(code)}; stopping the job",
-                  file=sys.stderr, flush=True)
+            print(
+                f"error: rank {local_rank} (local) was lost: {describe_exit(code)}; stopping the job",
+                file=sys.stderr,
+                flush=True,
+            )
         for handler in list(self._on_lost):
             try:
                 handler(failed)
@@ -148,7 +162,7 @@ class HydraJobSubprocessLauncher(_SubprocessScriptLauncher):
     - The child observer can be stood down (:meth:`stop_observing`) by the main process's own failure handling.
     """
 
-    _observer: Optional[_ChildObserver] = None
+    _observer: _ChildObserver | None = None
     observer_grace_s: float = 30.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -199,7 +213,7 @@ class HydraJobSubprocessLauncher(_SubprocessScriptLauncher):
         codes = {local_rank: proc.poll() for local_rank, proc in enumerate(self.procs, start=1)}
         return {rank: code for rank, code in codes.items() if code not in (None, 0)}
 
-    def wait_children(self, timeout: Optional[float] = None) -> dict[int, int]:
+    def wait_children(self, timeout: float | None = None) -> dict[int, int]:
         """Waits for the children to exit (between the jobs of a sweep, so ports and cores are free again).
 
         Args:

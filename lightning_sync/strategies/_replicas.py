@@ -6,7 +6,8 @@ mixin says what each mode must keep identical and who is the authority when ``on
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -37,10 +38,11 @@ class ReplicaChecking:
         """
         if self.world_size == 1:
             return []
-        return check_replicas(self.tensors_to_check(), self._sync_steps, self.config.on_mismatch, atol=atol,
-                              pull=self._authority_pull())
+        return check_replicas(
+            self.tensors_to_check(), self._sync_steps, self.config.on_mismatch, atol=atol, pull=self._authority_pull()
+        )
 
-    def _authority_pull(self) -> Optional[Callable[[], Any]]:
+    def _authority_pull(self) -> Callable[[], Any] | None:
         """How ``on_mismatch="resync"`` fetches the authoritative parameters before rank 0's (``None``: rank 0 is
         the authority)."""
         return None

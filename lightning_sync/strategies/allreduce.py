@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any, Callable, Generator, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -35,9 +36,9 @@ class AllReduceStrategy(SyncStrategyBase):
     config_class = AllReduceConfig
     strategy_name = "sync_allreduce"
 
-    def __init__(self, config: Optional[AllReduceConfig] = None, **kwargs: Any) -> None:
+    def __init__(self, config: AllReduceConfig | None = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
-        self.synchronizer: Optional[GradientSynchronizer] = None
+        self.synchronizer: GradientSynchronizer | None = None
         self._synced = False
 
     @override
@@ -98,8 +99,9 @@ class AllReduceStrategy(SyncStrategyBase):
         if was_deciding and not tuner.deciding:
             times = ", ".join(f"{k.replace('_', ' ')} {v:.2f} ms" for k, v in tuner.medians_ms.items())
             point = self.synchronizer.launch_point.replace("_", " ")
-            rank_zero_info(f"lightning_sync: bucketing=auto launches buckets {point} (median step, mean over ranks: "
-                           f"{times})")
+            rank_zero_info(
+                f"lightning_sync: bucketing=auto launches buckets {point} (median step, mean over ranks: {times})"
+            )
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
@@ -173,7 +175,7 @@ class AllReduceStrategy(SyncStrategyBase):
             self.synchronizer.load_state_dict(state["synchronizer"])
 
     @override
-    def _active_compressor(self) -> Optional[Compressor]:
+    def _active_compressor(self) -> Compressor | None:
         return None if self.synchronizer is None else self.synchronizer.compressor
 
     @override

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional
+from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -38,9 +38,9 @@ class DDPSyncStrategy(SyncStrategyBase):
     config_class = DDPConfig
     strategy_name = "sync_ddp"
 
-    def __init__(self, config: Optional[DDPConfig] = None, **kwargs: Any) -> None:
+    def __init__(self, config: DDPConfig | None = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
-        self.hook_state: Optional[DDPHookState] = None
+        self.hook_state: DDPHookState | None = None
 
     @override
     def _torch_ddp_kwargs(self) -> dict[str, Any]:
@@ -76,5 +76,5 @@ class DDPSyncStrategy(SyncStrategyBase):
             self.hook_state.compressor.advance()
 
     @override
-    def _active_compressor(self) -> Optional[Compressor]:
+    def _active_compressor(self) -> Compressor | None:
         return None if self.hook_state is None else self.hook_state.compressor

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -45,10 +45,10 @@ class PeriodicSyncStrategy(AllReduceStrategy):
     config_class = PeriodicConfig
     strategy_name = "sync_periodic"
 
-    def __init__(self, config: Optional[PeriodicConfig] = None, **kwargs: Any) -> None:
+    def __init__(self, config: PeriodicConfig | None = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
-        self._accumulating: Optional[tuple[pl.Trainer, int]] = None
-        self._logged_period: Optional[int] = None
+        self._accumulating: tuple[pl.Trainer, int] | None = None
+        self._logged_period: int | None = None
         self._sync_metrics: dict[str, float] = {}
 
     @override
@@ -56,7 +56,7 @@ class PeriodicSyncStrategy(AllReduceStrategy):
         """Checks the bucketing and compression knobs, and builds the averager (``local_sgd``/``diloco``), whose
         constructor checks the schedule."""
         super()._check_algorithm_knobs()
-        self.averager: Optional[PeriodicAverager] = self._parts.averager
+        self.averager: PeriodicAverager | None = self._parts.averager
 
     @property
     @override
@@ -76,7 +76,7 @@ class PeriodicSyncStrategy(AllReduceStrategy):
         return int(self.config.sync_every) if self.averager is None else self.averager.period
 
     @property
-    def last_divergence(self) -> Optional[float]:
+    def last_divergence(self) -> float | None:
         """This rank's divergence from the average at the last step's sync (``None``: no sync then)."""
         return None if self.averager is None else self.averager.last_divergence
 

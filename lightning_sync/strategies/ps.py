@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -53,16 +54,16 @@ class ParameterServerStrategy(DetachableCollectives):
     strategy_name = "sync_ps"
     skips_nonfinite_steps = True  # the push carries the check and the servers skip (see _skipping_nonfinite)
 
-    def __init__(self, config: Optional[ParameterServerConfig] = None, **kwargs: Any) -> None:
+    def __init__(self, config: ParameterServerConfig | None = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
-        self.client: Optional[PSClient] = None
-        self.servers: Optional[Any] = None  # the handle of the servers this rank started, if any
+        self.client: PSClient | None = None
+        self.servers: Any | None = None  # the handle of the servers this rank started, if any
         self.last_reply: Any = None
-        self.final_server_states: Optional[list[dict[str, Any]]] = None
-        self._group: Optional[PSGroup] = None
+        self.final_server_states: list[dict[str, Any]] | None = None
+        self._group: PSGroup | None = None
         self._resume_state: dict[str, Any] = {}
-        self._straggler: Optional[Straggler] = None
-        self._logged: Optional[tuple[int, tuple[int, ...]]] = None
+        self._straggler: Straggler | None = None
+        self._logged: tuple[int, tuple[int, ...]] | None = None
 
     @override
     def _check_algorithm_knobs(self) -> None:
@@ -97,28 +98,37 @@ class ParameterServerStrategy(DetachableCollectives):
 
     def _check_module(self, trainer: pl.Trainer) -> None:
         if not trainer.lightning_module.automatic_optimization:
-            raise ConfigError("strategy=ps does not support manual optimization: the servers own the optimizer "
-                              "step, so optimizer.step() in training_step has nothing to run")
+            raise ConfigError(
+                "strategy=ps does not support manual optimization: the servers own the optimizer "
+                "step, so optimizer.step() in training_step has nothing to run"
+            )
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
-            raise ConfigError("strategy=ps does not support precision='16-mixed': each worker's GradScaler would "
-                              "never see the servers' steps; use 32 or bf16-mixed")
+            raise ConfigError(
+                "strategy=ps does not support precision='16-mixed': each worker's GradScaler would "
+                "never see the servers' steps; use 32 or bf16-mixed"
+            )
 
     def _join_servers(self) -> None:
         """Agrees on a store prefix for this fit, starts this rank's servers, and joins the PS group."""
         cfg, env, world = self.config, self.cluster_environment, self.world_size
         assert env is not None and self.meter is not None
         prefix, host, port = f"lightning_sync/ps/{self.broadcast(uuid.uuid4().hex)}", env.main_address, env.main_port
-        self.servers = start_servers(cfg.placement, self.global_rank, host, port, world, cfg.num_servers,
-                                     timeout_s=cfg.timeout_s, prefix=prefix)
+        self.servers = start_servers(
+            cfg.placement, self.global_rank, host, port, world, cfg.num_servers, timeout_s=cfg.timeout_s, prefix=prefix
+        )
         store = connect_store(host, port, is_host=False, timeout_s=cfg.timeout_s)
-        self._group = PSGroup(store, self.global_rank, world, cfg.num_servers, cfg.timeout_s, prefix=prefix,
-                              meter=self.meter)
+        self._group = PSGroup(
+            store, self.global_rank, world, cfg.num_servers, cfg.timeout_s, prefix=prefix, meter=self.meter
+        )
         self._straggler = Straggler(self.global_rank, cfg.slow_worker if cfg.slow_worker >= 0 else None, cfg.slowdown)
         handlers = getattr(self.launcher, "on_child_lost", None)  # popen: a lost worker rank stops the servers
         if handlers is not None and self.servers is not None:
             first = self.node_rank * self.num_processes
-            handlers.append(lambda lost: abandon_servers(
-                self._group, self.servers, {first + rank: describe_exit(code) for rank, code in lost.items()}))
+            handlers.append(
+                lambda lost: abandon_servers(
+                    self._group, self.servers, {first + rank: describe_exit(code) for rank, code in lost.items()}
+                )
+            )
 
     @override
     def configure_ddp(self) -> None:
@@ -228,7 +238,7 @@ class ParameterServerStrategy(DetachableCollectives):
         return state
 
     @override
-    def _authority_pull(self) -> Optional[Any]:
+    def _authority_pull(self) -> Any | None:
         """The servers hold the authoritative parameters: ``on_mismatch="resync"`` pulls them."""
         return None if self.client is None else self.client.pull
 
