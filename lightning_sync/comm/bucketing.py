@@ -13,24 +13,27 @@ by :meth:`GradientSynchronizer.finish`:
     collectives even when gradients arrive in a different order. :meth:`finish` launches what is left, waits for
     all, and writes the averages back to ``.grad``.
 ``flat``
-    One buffer per dtype, packed and averaged after backward.
+    The same buckets, launched one after the other right after backward.
 ``naive``
     One blocking average per parameter after backward (the textbook loop; kept to compare against).
 ``auto``
-    The buckets of ``overlap`` launched during backward, or, after backward, the whole buffer at once (as
-    ``flat`` sends it; bucket by bucket with a compressor that keeps per-bucket memory), whichever this machine
-    runs faster. Overlap pays off when communication runs on its own hardware (a GPU's copy engines, a slow network
-    that leaves the CPU idle); on a CPU backend with few cores, gloo's transfers compete with backward for the
-    same cores and memory bandwidth, and launching after backward is faster. ``auto`` times both on the first
+    The same buckets, launched during backward (as ``overlap``) or right after it (as ``flat``), whichever this
+    machine runs faster. Overlap pays off when communication runs on its own hardware (a GPU's copy engines, a slow
+    network that leaves the CPU idle); on a CPU backend with few cores, gloo's transfers compete with backward for
+    the same cores and memory bandwidth, and launching after backward is faster. ``auto`` times both on the first
     sync rounds (see :class:`LaunchTuner`) and keeps the clearly faster one, agreed by all ranks; a close call goes
     to the prior: after backward when the ranks share one machine's CPU cores (gloo on loopback), during backward
-    across machines or on GPU (``same_host_cpu``). The decision is in
-    :meth:`GradientSynchronizer.state_dict`, so a resumed run keeps it. Like ``cudnn.benchmark``, the choice rests
-    on timing: on 3 or more ranks the two launch points may differ in the last bit of a sum (gloo's ring adds in an
-    order that depends on the layout); pick a fixed bucketing where two runs must match bit for bit.
+    across machines or on GPU (``same_host_cpu``). The decision is in :meth:`GradientSynchronizer.state_dict`, so a
+    resumed run keeps it.
 
-Each bucket is packed with one ``torch.cat`` when it launches, then divided by the world size in place; all paths
-share that divide, so on 2 ranks (where a sum does not depend on order) every bucketing gives the same bits.
+The launch point decides only *when* a bucket is sent, never how gradients are packed, divided or summed: ``overlap``,
+``flat`` and ``auto`` pack the same buckets (the layout depends on ``bucket_cap_mb`` and ``first_bucket_mb`` alone),
+divide each by the world size in place, and hand each to the compressor as one payload, so every rank issues the
+same collectives over the same slices whatever the launch point. That is what makes them agree bit for bit on any
+number of ranks: on 3 or more, gloo's ring adds the ranks' shares of an element in an order that depends on where
+the element sits in its collective, so a payload cut differently (one buffer instead of buckets) rounds differently.
+``naive`` cuts its payloads per parameter and matches the others on 2 ranks only
+(where a sum does not depend on order).
 
 Parameters without a gradient on this rank (unused or conditionally used) take part with zeros, so no rank waits for
 a bucket that never fills. With ``find_unused_parameters=True`` the ranks also all-reduce a used-mask, and a
@@ -39,7 +42,6 @@ parameter that no rank used keeps ``grad=None`` (as torch DDP does); otherwise i
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -222,8 +224,8 @@ class GradientSynchronizer:
         compressor: averages each bucket (``NoCompression`` for an exact mean).
         meter: counts the traffic.
         bucketing: ``overlap``, ``flat``, ``naive`` or ``auto`` (see the module docstring).
-        bucket_cap_mb: bucket size for ``overlap``.
-        first_bucket_mb: size of the first bucket for ``overlap``.
+        bucket_cap_mb: bucket size (every bucketing but ``naive``).
+        first_bucket_mb: size of the first bucket (every bucketing but ``naive``).
         find_unused_parameters: all-reduce a used-mask so that parameters no rank used keep ``grad=None``.
         gradient_as_bucket_view: after a round, make each ``.grad`` a view into its bucket instead of copying the
             average out (saves one copy of all gradients per step; the next round overwrites those views, so keep a
@@ -276,13 +278,11 @@ class GradientSynchronizer:
         self._next_launch = 0
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         ordered = list(reversed(self.params))  # backward visits layers last to first
-        if bucketing in ("overlap", "auto"):
-            plans = plan_buckets(ordered, bucket_cap_mb * MIB, first_bucket_mb * MIB)
-        elif bucketing == "flat":
-            plans = plan_buckets(ordered, math.inf, math.inf)
-        else:
+        if bucketing == "naive":
             plans = [[i] for i in range(len(ordered))]
-        self.buckets, self._runs = self._make_buckets([[ordered[i] for i in plan] for plan in plans])
+        else:  # one layout for every launch point: it alone decides how a gradient is summed (module docstring)
+            plans = plan_buckets(ordered, bucket_cap_mb * MIB, first_bucket_mb * MIB)
+        self.buckets, self._buffers = self._make_buckets([[ordered[i] for i in plan] for plan in plans])
         self._where = {id(p): b for b in self.buckets for p in b.params}
         if bucketing in ("overlap", "auto"):
             for p in self.params:
@@ -300,13 +300,9 @@ class GradientSynchronizer:
         check_range("first_bucket_mb", first_bucket_mb, low=0, low_open=True)
 
     @staticmethod
-    def _make_buckets(
-        plans: list[list[torch.nn.Parameter]],
-    ) -> tuple[list[_Bucket], list[tuple[_Bucket, list[_Bucket]]]]:
-        """The buckets, and *runs*: maximal sequences of consecutive buckets of one dtype and device. A run is one
-        buffer (returned as a bucket over all its parameters, with its member buckets) whose members' buffers are
-        consecutive slices of it, so it can be packed and averaged as one payload (after backward), or its members
-        one by one (during backward)."""
+    def _make_buckets(plans: list[list[torch.nn.Parameter]]) -> tuple[list[_Bucket], list[torch.Tensor]]:
+        """The buckets, and the buffers they live in: one per maximal sequence of consecutive buckets of one dtype
+        and device, whose buckets' buffers are consecutive slices of it (so it can be zeroed in one fill)."""
         groups: list[list[list[torch.nn.Parameter]]] = []
         for plan in plans:
             head = groups[-1][0][0] if groups else None
@@ -315,19 +311,17 @@ class GradientSynchronizer:
             else:
                 groups.append([plan])
         buckets: list[_Bucket] = []
-        runs: list[tuple[_Bucket, list[_Bucket]]] = []
+        buffers: list[torch.Tensor] = []
         for group in groups:
-            everything = [p for plan in group for p in plan]
-            buffer = torch.zeros(sum(_numels(everything)), dtype=everything[0].dtype, device=everything[0].device)
-            run = _Bucket(index=len(buckets), params=everything, buffer=buffer)
+            head = group[0][0]
+            buffer = torch.zeros(sum(sum(_numels(plan)) for plan in group), dtype=head.dtype, device=head.device)
             slices = buffer.split([sum(_numels(plan)) for plan in group])
-            members = [
+            buckets += [
                 _Bucket(index=len(buckets) + k, params=plan, buffer=part)
                 for k, (plan, part) in enumerate(zip(group, slices))
             ]
-            buckets += members
-            runs.append((run, members))
-        return buckets, runs
+            buffers.append(buffer)
+        return buckets, buffers
 
     # ------------------------------------------------------------------ round control
     @contextmanager
@@ -361,8 +355,8 @@ class GradientSynchronizer:
             return
         every = all(missing)
         if every:
-            for run, _ in self._runs:
-                run.buffer.zero_()  # one fill per run instead of one per parameter
+            for buffer in self._buffers:
+                buffer.zero_()  # one fill per buffer instead of one per parameter
         for bucket in self.buckets:
             for p, slot in zip(bucket.params, bucket.slots):
                 if p.grad is None:
@@ -438,14 +432,7 @@ class GradientSynchronizer:
     def _launch_rest(self) -> None:
         """Completes and launches, in index order, every bucket not launched yet; each bucket is launched before the
         next is packed, so packing overlaps the transfers already in flight."""
-        if self._next_launch == 0 and self.bucketing == "auto" and not self.compressor.keeps_bucket_state:
-            # Nothing launched during backward: each run goes as one payload, as flat would send it.
-            for run, members in self._runs:
-                self._pack_and_launch(run)
-                for bucket in members:
-                    bucket.future = run.future
-                run.future = None
-        for bucket in self.buckets[self._next_launch :]:
+        for bucket in self.buckets[self._next_launch :]:  # the same payloads as during backward: the same bits
             if bucket.future is None:
                 self._pack_and_launch(bucket)
                 if self.bucketing == "naive":
