@@ -11,6 +11,7 @@ collective                     bytes sent                    bytes received
 ============================  ============================  ============================
 ``all_reduce``                 ``2 (n-1)/n * S``             ``2 (n-1)/n * S``
 ``all_gather`` (S per rank)    ``(n-1) * S``                 ``(n-1) * S``
+``all_to_all`` (S in all)      ``(n-1)/n * S``               ``(n-1)/n * S``
 ``broadcast``                  ``(n-1)/n * S`` (mean)        ``(n-1)/n * S`` (mean)
 ``send_to`` / ``recv_from``    ``S`` / ``0``                 ``0`` / ``S``
 ============================  ============================  ============================
@@ -313,6 +314,28 @@ class CommMeter:
             async_op,
             lambda: _all_gather_single(output, tensor, group=group, async_op=async_op),
             "all_gather",
+            group,
+        )
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> _TimedWork | None:
+        """``dist.all_to_all_single`` with equal splits: block ``j`` of ``tensor`` goes to rank ``j``, and block
+        ``j`` of ``output`` comes from rank ``j``; counted as ``(n-1)/n * S`` sent and received (a rank keeps its
+        own block)."""
+        group = group if group is not None else self.group
+        n = self.world_size(group)
+        wire = (n - 1) / n * tensor.numel() * tensor.element_size()
+        return self._run(
+            wire,
+            wire,
+            async_op,
+            lambda: dist.all_to_all_single(output, tensor, group=group, async_op=async_op),
+            "all_to_all",
             group,
         )
 

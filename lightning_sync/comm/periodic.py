@@ -12,6 +12,16 @@ Lightning strategy, or a plain training loop) then only reports what happened:
   groups that are due;
 * :meth:`PeriodicAverager.finish` at the end of training: syncs every group with unsynced steps.
 
+Streaming DiLoCo (:mod:`lightning_sync.comm.streaming`): with ``fragments=k`` every sync group is split into up to
+``k`` fragments strided by layer, each with its own global copy, compressor and outer optimizer; fragment ``f`` of a
+group with period ``p`` syncs every ``p`` steps, first after ``(f + 1) * p // k`` steps, so one fragment syncs every
+``p / k`` steps. With ``sync_delay=τ`` a fragment's outer all-reduce starts ``τ`` steps before its sync step and runs
+on a worker thread while the inner steps go on; at the sync step its result is applied and the fragment's
+parameters become ``fragment_alpha * local + (1 - fragment_alpha) * global``. ``outer_compression`` chooses the
+codec of the pseudo-gradients (int8/int4: :mod:`lightning_sync.comm.quantized`). With ``fragments=1``,
+``sync_delay=0``, ``fragment_alpha=0`` and ``outer_compression="none"`` the schedule and every operation are
+DiLoCo's (and local SGD's) as without them.
+
 A *step* is one optimizer step. Group parameters travel as deltas from the global copy through the compressor
 (:class:`~lightning_sync.comm.averaging.ModelAverager`); buffers and optimizer state are averaged exactly.
 
@@ -40,7 +50,6 @@ from torch.distributed import ProcessGroup
 
 from lightning_sync.comm.adaptive import AdaptivePeriod, agree_max
 from lightning_sync.comm.averaging import (
-    ModelAverager,
     average_buffers,
     average_optimizer_state,
     make_outer_optimizer,
@@ -48,6 +57,16 @@ from lightning_sync.comm.averaging import (
 )
 from lightning_sync.comm.compression import Compressor, NoCompression
 from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.quantized import outer_compressor_factory
+from lightning_sync.comm.streaming import (
+    InFlight,
+    OuterSyncWorker,
+    StreamingAverager,
+    layer_of,
+    new_stream_group,
+    stagger_offsets,
+    strided_fragments,
+)
 from lightning_sync.errors import ConfigError, check_range
 
 DEFAULT_GROUP = "*"
@@ -159,10 +178,12 @@ def _check_every_pattern_used(
 # ------------------------------------------------------------------------------------------------ the averager
 @dataclass
 class SyncGroup:
-    """Parameters (and buffers) synced together, with their own period and global copy.
+    """Parameters (and buffers) synced together, with their own period and global copy: a ``module_sync_every``
+    group, or one fragment of it (``fragments > 1``).
 
     Attributes:
-        label: the ``module_sync_every`` pattern, or ``"*"`` for the parameters no pattern matches.
+        label: the ``module_sync_every`` pattern, or ``"*"`` for the parameters no pattern matches; a fragment's
+            label adds ``#f`` (``"*#0"``).
         period: a fixed period, or ``None`` for the default group (which follows ``sync_every``, maybe adaptive).
         params: the parameters (those with ``requires_grad``).
         buffers: the module buffers synced with this group.
@@ -170,16 +191,26 @@ class SyncGroup:
         outer: DiLoCo's outer optimizer over ``averager.anchors`` (``None`` for local SGD).
         since_sync: optimizer steps since this group was last synced.
         syncs: how many times this group was synced.
+        offset: ``since_sync`` at the start of the local phase (staggers the fragments of a group).
+        fragments: how many fragments its ``module_sync_every`` group was split into.
+        in_flight: its outer sync between launch and apply (``sync_delay > 0``).
+        mixed: its parameters differ from the global copy since the last apply (``fragment_alpha > 0``).
+        skipped: outer steps skipped for a non-finite pseudo-gradient.
     """
 
     label: str
     period: int | None
     params: list[nn.Parameter]
     buffers: list[torch.Tensor]
-    averager: ModelAverager
+    averager: StreamingAverager
     outer: torch.optim.Optimizer | None = None
     since_sync: int = 0
     syncs: int = 0
+    offset: int = 0
+    fragments: int = 1
+    in_flight: InFlight | None = None
+    mixed: bool = False
+    skipped: int = 0
 
 
 class PeriodicAverager:
@@ -201,6 +232,16 @@ class PeriodicAverager:
         max_sync_every: ``sync_every="auto"``: the largest period.
         new_compressor: makes each group's compressor (each keeps its own memory); default: exact averages.
         bucket_cap_mb: size of the flat buckets the deltas travel in.
+        fragments: streaming DiLoCo: split each sync group into this many fragments, strided by layer, that sync
+            in turn (at most one per layer; ``<=`` every period).
+        sync_delay: steps between the launch of a fragment's outer all-reduce and its apply (``0 <= sync_delay <
+            period / fragments`` for every period).
+        fragment_alpha: on apply, the parameters become ``alpha * local + (1 - alpha) * global``, in [0, 1).
+        outer_compression: codec of the pseudo-gradients: ``none`` (the ``new_compressor``'s), ``bf16``,
+            ``fp16``, ``int8``, ``int4``.
+        skip_nonfinite: an averaged pseudo-gradient holding a NaN or Inf skips that group's outer step (on every
+            rank: the average is identical on all).
+        timeout_s: the longest wait for an outer sync in flight (and the timeout of the worker's process group).
 
     Raises:
         ConfigError: an argument out of range, named as the knob of the same name.
@@ -221,6 +262,12 @@ class PeriodicAverager:
         max_sync_every: int = 64,
         new_compressor: Callable[[], Compressor] = NoCompression,
         bucket_cap_mb: float = 25.0,
+        fragments: int = 1,
+        sync_delay: int = 0,
+        fragment_alpha: float = 0.0,
+        outer_compression: str = "none",
+        skip_nonfinite: bool = True,
+        timeout_s: float | None = None,
     ) -> None:
         if sync_every != "auto":
             if isinstance(sync_every, bool) or not isinstance(sync_every, int):
@@ -242,6 +289,15 @@ class PeriodicAverager:
         self.average_optimizer_state = bool(average_optimizer_state)
         self.new_compressor = new_compressor
         self.bucket_cap_mb = float(bucket_cap_mb)
+        self._check_streaming(fragments, sync_delay, fragment_alpha, outer_compression, new_compressor)
+        self.fragments, self.sync_delay = int(fragments), int(sync_delay)
+        self.fragment_alpha = float(fragment_alpha)
+        self.outer_compression = outer_compression
+        if outer_compression != "none":
+            self.new_compressor = outer_compressor_factory(outer_compression)
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self.timeout_s = timeout_s
+        self._worker: OuterSyncWorker | None = None
         self.groups: list[SyncGroup] = []
         self.steps = 0
         self.last_synced: list[SyncGroup] = []
@@ -255,6 +311,42 @@ class PeriodicAverager:
         self._step_comm_start = 0.0
         self._compute_seconds = 0.0
         self._compute_steps = 0
+
+    def _check_streaming(
+        self,
+        fragments: int,
+        sync_delay: int,
+        fragment_alpha: float,
+        outer_compression: str,
+        new_compressor: Callable[[], Compressor],
+    ) -> None:
+        """Checks the streaming knobs against each other and against every period (fixed ones, or the smallest
+        adaptive one)."""
+        check_range("fragments", fragments, low=1, integer=True)
+        check_range("sync_delay", sync_delay, low=0, integer=True)
+        check_range("fragment_alpha", fragment_alpha, low=0, high=1, high_open=True)
+        outer_compressor_factory(outer_compression)
+        base = new_compressor().name
+        if outer_compression != "none" and base != "none":
+            raise ConfigError(
+                f"outer_compression={outer_compression!r} is not allowed with compression={base!r}; the "
+                "pseudo-gradients take one codec: set compression=none, or outer_compression=none"
+            )
+        periods = [("sync_every", self.sync_every)] if self.adaptive is None else []
+        if self.adaptive is not None:
+            periods.append(("min_sync_every", self.adaptive.min_every))
+        periods += [(f"{POLICY_FIELD}[{pattern!r}]", every) for pattern, every in self.policy.items()]
+        for field, period in periods:
+            if fragments > period:
+                raise ConfigError(
+                    f"fragments={fragments} is not allowed with {field}={period}; it must be <= {field} (each "
+                    "fragment syncs at its own step of the period)"
+                )
+            if sync_delay * fragments >= period:
+                raise ConfigError(
+                    f"sync_delay={sync_delay} is not allowed with {field}={period} and fragments={fragments}; it "
+                    f"must be >= 0 and < {field} / fragments = {period / fragments:g}"
+                )
 
     # ------------------------------------------------------------------ schedule
     @property
@@ -278,7 +370,8 @@ class PeriodicAverager:
         meter: CommMeter,
         group: ProcessGroup | None = None,
     ) -> None:
-        """Builds the sync groups and takes the global copy (call on every rank, with identical replicas).
+        """Builds the sync groups (and their fragments) and takes the global copy (call on every rank, with identical
+        replicas). With ``sync_delay > 0`` it also makes the outer syncs' process group (a collective call).
 
         Raises:
             ConfigError: a ``module_sync_every`` pattern matches no parameter, or a parameter matches two.
@@ -293,14 +386,43 @@ class PeriodicAverager:
         self._all_params = [p for _, p in named if p.requires_grad]
         self._all_buffers = [b for _, b in named_buffers]
         self.groups = []
+        sync_group = group
+        if self.sync_delay > 0:
+            sync_group = new_stream_group(group, self.timeout_s)
+            self._worker = OuterSyncWorker()
         for label, period in [(DEFAULT_GROUP, None), *self.policy.items()]:
-            params = [p for n, p in named if p.requires_grad and param_pattern.get(n, DEFAULT_GROUP) == label]
-            buffers = [b for n, b in named_buffers if buffer_pattern.get(n, DEFAULT_GROUP) == label]
-            averager = ModelAverager(params, self.new_compressor(), meter, self.bucket_cap_mb, group)
-            outer = None
-            if self.outer and averager.anchors:
-                outer = make_outer_optimizer(averager, self.outer_lr, self.outer_momentum, self.outer_nesterov)
-            self.groups.append(SyncGroup(label, period, params, buffers, averager, outer))
+            members = [(n, p) for n, p in named if p.requires_grad and param_pattern.get(n, DEFAULT_GROUP) == label]
+            buffers = [(n, b) for n, b in named_buffers if buffer_pattern.get(n, DEFAULT_GROUP) == label]
+            split = strided_fragments([n for n, _ in members], self.fragments)
+            offsets = stagger_offsets(self.period if period is None else period, len(split))
+            layers = [{layer_of(members[i][0]) for i in indices} for indices in split]
+            for f, (indices, offset) in enumerate(zip(split, offsets)):
+                params = [members[i][1] for i in indices]
+                # a buffer goes with its module's fragment; one of a module without parameters, with the last
+                mine = [
+                    b
+                    for n, b in buffers
+                    if layer_of(n) in layers[f]
+                    or (f == len(split) - 1 and not any(layer_of(n) in other for other in layers))
+                ]
+                averager = StreamingAverager(params, self.new_compressor(), meter, self.bucket_cap_mb, sync_group)
+                outer = None
+                if self.outer and averager.anchors:
+                    outer = make_outer_optimizer(averager, self.outer_lr, self.outer_momentum, self.outer_nesterov)
+                name = label if len(split) == 1 else f"{label}#{f}"
+                self.groups.append(
+                    SyncGroup(
+                        name,
+                        period,
+                        params,
+                        mine,
+                        averager,
+                        outer,
+                        since_sync=offset,
+                        offset=offset,
+                        fragments=len(split),
+                    )
+                )
 
     def start_step(self) -> None:
         """Marks the start of an optimizer step's compute (for ``sync_every="auto"``; a no-op while one runs)."""
@@ -312,14 +434,15 @@ class PeriodicAverager:
         """Call after every optimizer step, on every rank: syncs what is due.
 
         After a warmup step (gradients were all-reduced) the buffers are averaged, and after the last one every
-        group's global copy is reset to the (identical) replicas. After a local step every group whose period is
-        up is synced.
+        group's global copy is reset to the (identical) replicas. After a local step the outer syncs in flight
+        whose ``sync_delay`` is up are applied; then every group whose period is up is synced (``sync_delay=0``),
+        or every group ``sync_delay`` steps before its period is up has its outer sync launched.
 
         Args:
             optimizers: the optimizers whose state ``average_optimizer_state`` averages.
 
         Returns:
-            The groups synced now (empty after a warmup step or when none was due).
+            The groups synced (applied) now (empty after a warmup step or when none was due).
         """
         self._measure_compute()
         self._warmup_step_done = self.in_warmup
@@ -330,24 +453,43 @@ class PeriodicAverager:
             if self.steps == self.warmup_steps:
                 for group in self.groups:
                     group.averager.reset_anchor_()
-                    group.since_sync = 0
+                    group.since_sync = group.offset
             return []
         for group in self.groups:
             group.since_sync += 1
-        due = [group for group in self.groups if group.since_sync >= self._period_of(group)]
-        if due:
-            self.sync_groups(due, optimizers)
-        return due
+        ready = [
+            group
+            for group in self.groups
+            if group.in_flight is not None and self.steps - group.in_flight.launched_at >= self.sync_delay
+        ]
+        if ready:
+            self._apply(ready, optimizers)
+        if self.sync_delay == 0:
+            due = [group for group in self.groups if group.since_sync >= self._period_of(group)]
+            if due:
+                self.sync_groups(due, optimizers)
+            return [*ready, *due]
+        for group in self.groups:
+            if group.in_flight is None and group.since_sync >= self._period_of(group) - self.sync_delay:
+                group.in_flight = group.averager.launch_(self._sign, self.steps, self._worker)
+        return ready
 
     def finish(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[SyncGroup]:
-        """Syncs every group with unsynced local steps, so all ranks end with the common model (every rank)."""
-        pending = [group for group in self.groups if group.since_sync > 0] if self.steps > self.warmup_steps else []
+        """Applies the outer syncs in flight, then syncs every group with unsynced local steps (or mixed
+        parameters), so all ranks end with the common model (every rank)."""
+        if self.steps <= self.warmup_steps:
+            return []
+        ready = [group for group in self.groups if group.in_flight is not None]
+        if ready:
+            self._apply(ready, optimizers)
+        pending = [group for group in self.groups if group.since_sync > 0 or group.mixed]
         if pending:
             self.sync_groups(pending, optimizers)
-        return pending
+        return [*ready, *(group for group in pending if all(group is not r for r in ready))]
 
     def sync_groups(self, groups: Sequence[SyncGroup], optimizers: Sequence[torch.optim.Optimizer] = ()) -> float:
-        """Syncs ``groups`` now (every rank must call it with the same groups, in the same order).
+        """Syncs ``groups`` now, launch and apply, each parameter loading the global copy (every rank must call it
+        with the same groups, in the same order).
 
         Returns:
             This rank's divergence ``||params - average||`` over the groups' parameters, at sync time.
@@ -356,12 +498,38 @@ class PeriodicAverager:
         comm_start = meter.total.seconds
         squared = 0.0
         for group in groups:
-            if self.outer:
-                squared += group.averager.outer_step_(group.outer) if group.outer is not None else 0.0
-            else:
-                squared += group.averager.average_()
-            group.since_sync = 0
-            group.syncs += 1
+            group.in_flight = group.averager.launch_(self._sign, self.steps)
+            squared += self._apply_one(group, alpha=0.0)
+        return self._after_apply(groups, optimizers, squared, lambda: meter.total.seconds - comm_start)
+
+    def _apply(self, groups: Sequence[SyncGroup], optimizers: Sequence[torch.optim.Optimizer]) -> float:
+        """Applies the outer syncs in flight of ``groups`` (with ``fragment_alpha``); ``sync_every="auto"`` counts
+        the seconds this waited, not the transfer hidden behind the inner steps."""
+        started = time.perf_counter()
+        squared = sum(self._apply_one(group, self.fragment_alpha) for group in groups)
+        return self._after_apply(groups, optimizers, squared, lambda: time.perf_counter() - started)
+
+    def _apply_one(self, group: SyncGroup, alpha: float) -> float:
+        """Applies ``group``'s outer sync in flight; returns this rank's squared divergence at launch."""
+        flight, group.in_flight = group.in_flight, None
+        assert flight is not None
+        squared = group.averager.complete_(flight, self.timeout_s)
+        applied = group.averager.apply_(flight, group.outer, alpha, self.skip_nonfinite, self.timeout_s)
+        group.since_sync = 0
+        group.syncs += 1
+        group.skipped += int(not applied)
+        group.mixed = applied and alpha > 0
+        return squared
+
+    def _after_apply(
+        self,
+        groups: Sequence[SyncGroup],
+        optimizers: Sequence[torch.optim.Optimizer],
+        squared: float,
+        comm_seconds: Callable[[], float],
+    ) -> float:
+        """Averages the groups' buffers (and optimizer state), records the sync, adapts the period."""
+        meter = self._require_meter()
         buffers = [b for group in groups for b in group.buffers]
         if buffers:
             average_buffers(buffers, meter, self.group)
@@ -369,13 +537,26 @@ class PeriodicAverager:
             average_optimizer_state(optimizers, [p for group in groups for p in group.params], meter, self.group)
         self.last_synced = list(groups)
         self.last_divergence = math.sqrt(squared)
-        if self.adaptive is not None and any(group.label == DEFAULT_GROUP for group in groups):
-            self._adapt(meter.total.seconds - comm_start)
+        default = [group for group in groups if group.period is None]
+        if self.adaptive is not None and default:
+            # one fragment's comm every period/k steps: as much per step as k fragments' every period
+            self._adapt(comm_seconds() * default[0].fragments)
         return self.last_divergence
+
+    @property
+    def _sign(self) -> float:
+        """DiLoCo averages ``global - local`` (a pseudo-gradient), local SGD ``local - global``."""
+        return -1.0 if self.outer else 1.0
+
+    @property
+    def skipped_outer_steps(self) -> int:
+        """Outer steps skipped so far for a non-finite pseudo-gradient (``skip_nonfinite``), over all groups."""
+        return sum(group.skipped for group in self.groups)
 
     def synced_tensors(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[torch.Tensor]:
         """What must be identical on every rank right after the last :meth:`step`: everything after a warmup
-        step, the synced groups' parameters and floating buffers after a sync, nothing after a local step.
+        step, the synced groups' parameters (unless ``fragment_alpha`` mixed them with local ones) and floating
+        buffers after a sync, nothing after a local step.
 
         Args:
             optimizers: also list their floating per-parameter state of those parameters where it is identical:
@@ -384,11 +565,26 @@ class PeriodicAverager:
         if self._warmup_step_done:
             params, buffers = self._all_params, self._all_buffers
         else:
-            params = [p for group in self.last_synced for p in group.params]
+            params = [p for group in self.last_synced if not group.mixed for p in group.params]
             buffers = [b for group in self.last_synced for b in group.buffers]
         same_state = self._warmup_step_done or self.average_optimizer_state
         state = optimizer_state_tensors(optimizers, params) if same_state else []
         return [*params, *(b for b in buffers if b.is_floating_point()), *state]
+
+    def synced_global_copies(self) -> dict[str, torch.Tensor]:
+        """The global copies of the groups synced by the last :meth:`step`, by name (``global_copy[*#0][0]``):
+        identical on every rank after a sync, also where ``fragment_alpha`` leaves the parameters mixed."""
+        return {
+            f"global_copy[{group.label}][{i}]": anchor
+            for group in self.last_synced
+            for i, anchor in enumerate(group.averager.anchors)
+        }
+
+    def close(self) -> None:
+        """Drops the outer-sync worker thread (after the jobs it has)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
 
     # ------------------------------------------------------------------ adaptive period
     def _measure_compute(self) -> None:
@@ -414,7 +610,15 @@ class PeriodicAverager:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """Step counts, each group's global copy, compressor memory and outer optimizer, and the adaptive period."""
+        """Step counts, each group's global copy, compressor memory and outer optimizer, and the adaptive period.
+
+        An outer sync in flight is drained (waited for, at most ``timeout_s``) and its average saved unapplied, so
+        the resumed run applies it at the step the uninterrupted run does.
+        """
+        flights = [
+            None if group.in_flight is None else group.averager.flight_state(group.in_flight, self.timeout_s)
+            for group in self.groups
+        ]
         return {
             "steps": self.steps,
             "groups": [
@@ -424,8 +628,11 @@ class PeriodicAverager:
                     "syncs": group.syncs,
                     "averager": group.averager.state_dict(),
                     "outer": copy.deepcopy(group.outer.state_dict()) if group.outer is not None else None,
+                    "in_flight": flight,
+                    "mixed": group.mixed,
+                    "skipped": group.skipped,
                 }
-                for group in self.groups
+                for group, flight in zip(self.groups, flights)
             ],
             "adaptive": self.adaptive.state_dict() if self.adaptive is not None else None,
         }
@@ -439,7 +646,7 @@ class PeriodicAverager:
         if labels != [group.label for group in self.groups]:
             raise ValueError(
                 f"checkpoint has sync groups {labels}, this run has {[g.label for g in self.groups]}; resume with "
-                "the same module_sync_every"
+                "the same module_sync_every and fragments"
             )
         for group, saved in zip(self.groups, state["groups"]):
             group.since_sync = int(saved["since_sync"])
@@ -447,3 +654,7 @@ class PeriodicAverager:
             group.averager.load_state_dict(saved["averager"])
             if group.outer is not None and saved["outer"] is not None:
                 group.outer.load_state_dict(saved["outer"])
+            flight = saved.get("in_flight")
+            group.in_flight = None if flight is None else group.averager.load_flight_state(flight)
+            group.mixed = bool(saved.get("mixed", False))
+            group.skipped = int(saved.get("skipped", 0))
