@@ -2,7 +2,7 @@
 
 This module is a leaf: it imports nothing from :mod:`lightning_sync.comm` (the strategies build the comm objects
 from these configs). The dataclasses are also the Hydra schema of the ``strategy/`` group
-(:mod:`lightning_sync.conf_store`), so a knob's default lives here only and ``conf/strategy/*.yaml`` holds just what
+(:mod:`lightning_sync.apps.conf_store`), so a knob's default lives here only and ``conf/strategy/*.yaml`` holds just what
 differs. ``python -c "import lightning_sync.config as c; help(c.AllReduceConfig)"`` lists every knob.
 
 Validation is split by ownership, and each check runs once, in the launching process, before any rank starts:
@@ -229,6 +229,25 @@ class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
     """``local_sgd``/``diloco``: per-module periods, ``{glob pattern: period}`` matched (fnmatch, case-sensitive)
     against the LightningModule's full parameter names, e.g. ``{"backbone.*": 1, "head.*": 8}``. Parameters matched
     by no pattern use ``sync_every``; a pattern matching no parameter, or a parameter matched twice, is an error."""
+    fragments: int = 1
+    """``local_sgd``/``diloco`` (streaming DiLoCo): split each sync group into this many fragments, strided by layer
+    (layer i joins fragment i % fragments), each with its own global copy and outer optimizer state; each fragment
+    syncs every period, staggered so that one fragment syncs every period/fragments steps and the largest single
+    transfer is about 1/fragments of the model. At most every period; a group with fewer layers gets one fragment
+    per layer."""
+    sync_delay: int = 0
+    """``local_sgd``/``diloco`` (streaming DiLoCo): inner steps between the start of a fragment's outer all-reduce
+    and the apply of its result; the transfer runs in the background (on gloo as well) meanwhile. ``0 <=
+    sync_delay < period / fragments``."""
+    fragment_alpha: float = 0.0
+    """``local_sgd``/``diloco`` (streaming DiLoCo): on apply, a fragment's parameters become ``alpha * local + (1 -
+    alpha) * global``, keeping part of the ``sync_delay`` local steps (0: load the global copy); in [0, 1). The
+    streaming DiLoCo paper found 0.5 robust for sync_delay < 5."""
+    outer_compression: str = "none"
+    """``local_sgd``/``diloco``: codec of the outer all-reduce of the pseudo-gradients: ``none`` (as
+    ``compression``), ``bf16``, ``fp16``, ``int8`` or ``int4`` (block-wise fp32 scales per 256 entries,
+    round-to-nearest, summed in fp32: an all-to-all reduce-scatter of the codes, then an all-gather of the
+    requantized sums). Not together with a ``compression`` other than ``none``."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -244,6 +263,10 @@ class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
         for name, bad, why in (
             ("warmup_steps", self.warmup_steps != 0, "gradient accumulation has no local steps to warm up"),
             ("module_sync_every", self.module_sync_every is not None, "gradients are synced as one model"),
+            ("fragments", self.fragments != 1, "gradients are synced as one model"),
+            ("sync_delay", self.sync_delay != 0, "the optimizer step needs the synced gradients"),
+            ("fragment_alpha", self.fragment_alpha != 0.0, "there is no global copy to mix with"),
+            ("outer_compression", self.outer_compression != "none", "there is no outer step; use compression"),
         ):
             if bad:
                 raise ConfigError(

@@ -31,10 +31,12 @@ class PeriodicSyncStrategy(AllReduceStrategy):
     :class:`~lightning_sync.comm.periodic.PeriodicAverager` owns the schedule (period, ``warmup_steps`` of
     per-step gradient all-reduce, per-module periods, adaptive period) and the averaging (plain average, or DiLoCo's
     outer optimizer). At the end of ``fit`` every group with unsynced steps is synced once more, so the model
-    returned is the common one; between syncs each rank validates its own replica.
+    returned is the common one; between syncs each rank validates its own replica. Streaming DiLoCo's knobs
+    (``fragments``, ``sync_delay``, ``fragment_alpha``, ``outer_compression``) are the averager's.
 
     Logged per optimizer step: ``sync/period`` at the first step, when it changes and at every sync, and
-    ``sync/divergence`` (this rank's distance from the average, measured at sync time) at every sync.
+    ``sync/divergence`` (this rank's distance from the average, measured at sync time) at every sync, and
+    ``sync/skipped_outer_steps`` when an outer step was skipped for a non-finite pseudo-gradient.
 
     Args:
         config: a :class:`~lightning_sync.config.PeriodicConfig` (``None``: its defaults).
@@ -49,6 +51,7 @@ class PeriodicSyncStrategy(AllReduceStrategy):
         super().__init__(config, **kwargs)
         self._accumulating: tuple[pl.Trainer, int] | None = None
         self._logged_period: int | None = None
+        self._logged_skips = 0
         self._sync_metrics: dict[str, float] = {}
 
     @override
@@ -159,6 +162,10 @@ class PeriodicSyncStrategy(AllReduceStrategy):
             self._logged_period = period
         if divergence is not None:
             self._sync_metrics["sync/divergence"] = divergence
+        skips = 0 if self.averager is None else self.averager.skipped_outer_steps
+        if skips != self._logged_skips:
+            self._sync_metrics["sync/skipped_outer_steps"] = float(skips)
+            self._logged_skips = skips
 
     @override
     def step_metrics(self, write: bool) -> dict[str, float]:
@@ -178,11 +185,14 @@ class PeriodicSyncStrategy(AllReduceStrategy):
     @override
     def tensors_to_check(self) -> dict[str, torch.Tensor]:
         """Everything after a gradient-synced step, optimizer state included; after a local step only the groups
-        just synced, if any (with their optimizer state if ``average_optimizer_state``)."""
+        (fragments) just synced, if any: their global copy, and their parameters unless ``fragment_alpha`` mixed
+        them (with their optimizer state if ``average_optimizer_state``)."""
         if self.averager is None:
             return super().tensors_to_check()
         synced = self.averager.synced_tensors(self.optimizers)
-        return named_replicated_state(self.lightning_module, self.optimizers, only=synced)
+        named = named_replicated_state(self.lightning_module, self.optimizers, only=synced)
+        named.update(self.averager.synced_global_copies())
+        return named
 
     # ------------------------------------------------------------------ checkpoint
     @property
@@ -214,7 +224,10 @@ class PeriodicSyncStrategy(AllReduceStrategy):
 
     @override
     def teardown(self) -> None:
-        """Restores the Trainer's ``accumulate_grad_batches`` (``gradient`` mode), then tears down as usual."""
+        """Restores the Trainer's ``accumulate_grad_batches`` (``gradient`` mode), stops the outer-sync worker, then
+        tears down as usual."""
+        if self.averager is not None:
+            self.averager.close()
         if self._accumulating is not None:
             trainer, accumulate = self._accumulating
             trainer.accumulate_grad_batches = accumulate
