@@ -7,7 +7,11 @@ gloo ranks (asserting inside the ranks); one runs it inside a Lightning Trainer.
 
 from __future__ import annotations
 
+import copy
 import math
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -19,7 +23,7 @@ from lightning_sync import ConfigError
 from lightning_sync.algorithms import build_parts
 from lightning_sync.comm.averaging import ModelAverager, make_outer_optimizer
 from lightning_sync.comm.compression import FlatBucket, NoCompression
-from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.meter import CommMeter, PeerError
 from lightning_sync.comm.periodic import PeriodicAverager
 from lightning_sync.comm.quantized import BLOCK, Int4Compression, Int8Compression
 from lightning_sync.comm.streaming import stagger_offsets, strided_fragments
@@ -258,3 +262,188 @@ def _bytes_ranks(rank: int, world: int) -> None:
 @pytest.mark.timeout(120)
 def test_int4_sends_at_most_a_seventh_and_four_fragments_a_quarter_per_transfer():
     run_ranks(_bytes_ranks)
+
+
+# ---------------------------------------------------------------------------------------------------------- in flight
+def _fragment_flat(group) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in group.params])
+
+
+def _anchor_flat(group) -> torch.Tensor:
+    """The global copy in parameter order (the buckets may hold the parameters in another order)."""
+    by_param = {}
+    for anchor, params in zip(group.averager.anchors, group.averager._bucket_params):
+        offset = 0
+        for p in params:
+            by_param[id(p)] = anchor[offset : offset + p.numel()]
+            offset += p.numel()
+    return torch.cat([by_param[id(p)] for p in group.params])
+
+
+def _delay_ranks(rank: int, world: int, alpha: float) -> None:
+    loop = Loop(rank, PeriodicAverager(sync_every=4, outer=True, fragments=2, sync_delay=1, fragment_alpha=alpha))
+    groups = {group.label: group for group in loop.averager.groups}
+    schedule = []
+    for _ in range(9):
+        loop.averager.start_step()
+        loop.inner_step()
+        local = {label: _fragment_flat(group) for label, group in groups.items()}
+        launched = {label for label, group in groups.items() if group.in_flight is None}
+        synced = [group.label for group in loop.averager.step([loop.opt])]
+        launched -= {label for label, group in groups.items() if group.in_flight is None}
+        schedule.append((sorted(launched), synced))
+        for label in synced:
+            group = groups[label]
+            anchor = _anchor_flat(group)
+            rows = both_ranks(anchor)
+            assert torch.equal(rows[0], rows[1]), "the global copy differs between ranks after an apply"
+            mixed = local[label].lerp(anchor, 1.0 - alpha) if alpha else anchor
+            assert torch.allclose(_fragment_flat(group), mixed, rtol=0, atol=1e-6)
+            if alpha == 0:
+                rows = both_ranks(_fragment_flat(group))
+                assert torch.equal(rows[0], rows[1]), "a fragment's replicas differ right after its apply"
+    # fragment 0 syncs at steps 2, 6 (launched at 1, 5), fragment 1 at 4, 8 (launched at 3, 7)
+    assert schedule == [
+        (["*#0"], []),
+        ([], ["*#0"]),
+        (["*#1"], []),
+        ([], ["*#1"]),
+        (["*#0"], []),
+        ([], ["*#0"]),
+        (["*#1"], []),
+        ([], ["*#1"]),
+        (["*#0"], []),
+    ], schedule
+    loop.averager.finish([loop.opt])
+    rows = both_ranks(flat(loop.model))
+    assert torch.equal(rows[0], rows[1]), "finish leaves the replicas different"
+    loop.averager.close()
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_delayed_outer_sync_launches_then_applies_with_alpha(alpha):
+    run_ranks(_delay_ranks, alpha)
+
+
+def _resume_ranks(rank: int, world: int, knobs: dict) -> None:
+    straight = Loop(rank, PeriodicAverager(**knobs))
+    straight.run(12)
+    straight.averager.finish([straight.opt])
+    straight.averager.close()
+
+    first = Loop(rank, PeriodicAverager(**knobs))
+    first.run(5)  # fragment 0 was launched at step 5: in flight
+    assert [group.in_flight is not None for group in first.averager.groups] == [True, False]
+    saved = copy.deepcopy(
+        (first.averager.state_dict(), first.model.state_dict(), first.opt.state_dict(), first.gen.get_state())
+    )
+    assert saved[0]["groups"][0]["in_flight"]["launched_at"] == 5
+    first.averager.close()
+
+    resumed = Loop(rank, PeriodicAverager(**knobs))
+    resumed.model.load_state_dict(saved[1])
+    resumed.opt.load_state_dict(saved[2])
+    resumed.gen.set_state(saved[3])
+    resumed.averager.load_state_dict(saved[0])
+    resumed.run(7)
+    resumed.averager.finish([resumed.opt])
+    resumed.averager.close()
+    assert torch.equal(flat(resumed.model), flat(straight.model)), "resume with a fragment in flight is not exact"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_resume_with_a_fragment_in_flight_equals_the_uninterrupted_run(codec):
+    knobs = dict(sync_every=4, outer=True, fragments=2, sync_delay=1, fragment_alpha=0.5, outer_compression=codec)
+    run_ranks(_resume_ranks, knobs)
+
+
+# ---------------------------------------------------------------------------------------------------------- faults
+def _nonfinite_ranks(rank: int, world: int, delay: int, codec: str) -> None:
+    averager = PeriodicAverager(sync_every=4, outer=True, fragments=2, sync_delay=delay, outer_compression=codec)
+    loop = Loop(rank, averager)
+    first, second = averager.groups
+    start = _fragment_flat(first).clone()
+    for step in range(1, 9):
+        averager.start_step()
+        loop.inner_step()
+        launching = step == 2 - delay  # fragment 0 is launched at step 2 - delay and applied at step 2
+        if launching and rank == 1:
+            kept = first.params[0].detach().clone()
+            with torch.no_grad():
+                first.params[0][0, 0] = math.nan
+        synced = [group.label for group in averager.step([loop.opt])]
+        if launching and rank == 1 and delay:
+            with torch.no_grad():
+                first.params[0].copy_(kept)  # only the pseudo-gradient holds the NaN
+        if step == 2:
+            assert synced == ["*#0"]
+            assert (first.skipped, second.skipped, averager.skipped_outer_steps) == (1, 0, 1)
+            assert torch.equal(_fragment_flat(first), start), "a skipped fragment returns to its global copy"
+            assert not first.outer.state, "the outer optimizer stepped on a non-finite pseudo-gradient"
+            rows = both_ranks(_fragment_flat(first))
+            assert torch.equal(rows[0], rows[1])
+    assert (first.syncs, second.syncs, averager.skipped_outer_steps) == (2, 2, 1)
+    assert first.outer.state and bool(flat(loop.model).isfinite().all())
+    averager.close()
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delay,codec", [(0, "none"), (1, "int4")])
+def test_nonfinite_pseudo_gradient_skips_that_fragments_outer_step_on_every_rank(delay, codec):
+    run_ranks(_nonfinite_ranks, delay, codec)
+
+
+FROZEN_TIMEOUT_S = 4.0
+
+
+def _frozen_ranks(rank: int, world: int, stamp: str, result: str) -> None:
+    averager = PeriodicAverager(sync_every=4, outer=True, fragments=2, sync_delay=1, timeout_s=FROZEN_TIMEOUT_S)
+    loop = Loop(rank, averager)
+    dist.barrier()
+    if rank == 1:  # frozen before it launches fragment 0 (step 1): rank 0's outer sync stays in flight
+        with open(stamp, "w") as out:
+            out.write(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    started = time.monotonic()
+    try:
+        loop.run(3)  # launch at step 1, apply (wait) at step 2
+    except PeerError as error:
+        with open(result, "w") as out:
+            out.write(f"{time.monotonic() - started} {error}")
+    finally:
+        with open(stamp) as inp:
+            os.kill(int(inp.read()), signal.SIGKILL)
+    os._exit(0)  # the stream group still holds the failed collective: leave without tearing it down
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_frozen_peer_during_an_in_flight_outer_sync_fails_within_timeout_s(tmp_path):
+    import torch.multiprocessing as mp
+    from dist_utils import _entry
+
+    stamp, result = str(tmp_path / "pid"), tmp_path / "result"
+    ctx = mp.get_context("fork")
+    errors = ctx.SimpleQueue()
+    procs = [
+        ctx.Process(target=_entry, args=(rank, 2, str(tmp_path / "pg"), _frozen_ranks, (stamp, str(result)), errors))
+        for rank in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    assert errors.empty(), errors.get()
+    assert result.is_file(), "rank 0 did not fail with a PeerError"
+    seconds, message = result.read_text().split(" ", 1)
+    print(f"frozen peer: rank 0 failed after {float(seconds):.1f} s (timeout_s={FROZEN_TIMEOUT_S:g}): {message}")
+    assert float(seconds) < FROZEN_TIMEOUT_S + 10, seconds
+    assert f"rank 1 did not answer within {FROZEN_TIMEOUT_S:g} s" in message, message
