@@ -25,7 +25,7 @@ $(PY):
 $(VENV)/.installed: $(PY) pyproject.toml
 	$(PIP) install --upgrade 'setuptools>=70.1' wheel
 	$(PIP) install $(TORCH)
-	$(PIP) install $(TORCH) -e '.[test]'
+	$(PIP) install $(TORCH) -e '.[apps,test]'
 	touch $@
 
 # Any non-zero pytest exit, 5 ("no tests ran") included, fails the target and so `make` and .ci/run (nothing masks it).

@@ -5,7 +5,7 @@ launching buckets during backward (``overlap``), after it (``flat``) and as ``au
 one run and the figure is the median step time over rounds (rank 0). ``--rate`` picks the network:
 
 * ``loopback``: both ranks on 127.0.0.1. Gloo's transfers are CPU work on the cores backward uses.
-* a tc rate such as ``1gbit``: each rank in its own network namespace (:func:`lightning_sync.netns.emulated_hosts`),
+* a tc rate such as ``1gbit``: each rank in its own network namespace (:func:`lightning_sync.apps.netns.emulated_hosts`),
   with a ``tbf`` rate limit on both ends of every link. The link, not the CPU, bounds the transfer, and the CPU is
   idle while it waits.
 
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from lightning_sync.netns import burst_bytes, emulated_hosts
+from lightning_sync.apps.netns import burst_bytes, emulated_hosts
 
 MODES = ("ddp", "overlap", "flat", "auto")
 

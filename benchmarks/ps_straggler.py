@@ -7,7 +7,7 @@
 run alternately, ``--rounds`` times, so a slow patch of the machine hits every mode alike. Per mode it reports the
 median over the rounds of the
 training throughput (samples per second over all workers, from the servers' version on worker 0's clock, the first
-``--skip`` of the updates and all of start-up left out: :meth:`lightning_sync.ps_study.PSRun.throughput`), its
+``--skip`` of the updates and all of start-up left out: :meth:`lightning_sync.apps.ps_study.PSRun.throughput`), its
 ratio to sync, the staleness of every push (mean and max over the rounds), worker 0's median step time and the final
 test accuracy. A table goes to stdout and everything measured to ``<out>/results.json``.
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.rounds < 1 or args.epochs < 1:
         sys.exit("error: --rounds and --epochs must be >= 1")
-    from lightning_sync.ps_study import format_table, ps_overrides, run_ps, summarize
+    from lightning_sync.apps.ps_study import format_table, ps_overrides, run_ps, summarize
 
     out = Path(args.out)
     runs, records = [], []

@@ -1,19 +1,19 @@
 """lightning_sync: PyTorch Lightning strategies that keep data-parallel replicas in sync in different ways.
 
-Importing the package registers the strategies with Lightning's ``StrategyRegistry`` (``sync_ddp``, ...), so
-``Trainer(strategy="sync_ddp")`` works as well as passing an object.
-
-One exception keeps the command-line tools quick to answer: while Python locates a ``python -m
-lightning_sync.<tool>`` module (``sys.argv[0]`` is then ``"-m"``), the strategies, and with them torch and
-Lightning, are not imported here. The tool checks its arguments first and imports what it needs after; the public
-names below still resolve on first use (and register the strategies then).
+Importing the package registers the strategies with Lightning's ``StrategyRegistry`` (``sync_ddp``,
+``sync_allreduce``, ``sync_periodic``, ``sync_ps``), so ``Trainer(strategy="sync_allreduce")`` works as well as
+passing an object. The import itself stays light: if Lightning is already imported, the strategies are registered
+at once; otherwise they are registered the moment ``lightning.pytorch`` finishes importing (see
+:mod:`lightning_sync._registration`), which is always before a ``Trainer`` can read the registry. That keeps the
+command-line tools' argument checks quick without ever skipping the registry.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import Any
+
+from lightning_sync._registration import register_when_lightning_loads
 
 __version__ = "0.1.0"
 
@@ -44,7 +44,6 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_PUBLIC])
 
 
-if sys.argv[:1] != ["-m"]:
-    importlib.import_module("lightning_sync.strategies")  # registers the strategies with Lightning
+register_when_lightning_loads()
 
-__all__ = sorted(_PUBLIC)
+__all__ = sorted(_PUBLIC)  # noqa: PLE0605

@@ -23,7 +23,7 @@
 #   meter every mode goes through,
 # - the final test accuracy.
 #
-# Each case records a timeline on rank 0 (`lightning_sync.study.Timeline`): the time and loss of every batch, and
+# Each case records a timeline on rank 0 (`lightning_sync.apps.study.Timeline`): the time and loss of every batch, and
 # every 5 batches a probe of the validation accuracy of the parameters rank 0 holds (in `local_sgd` and `diloco`
 # its own replica between syncs; about a millisecond, left out of the time axis). A second section compares the
 # ways the `allreduce` mode can bucket gradients on a latency-bound model.
@@ -49,8 +49,8 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from lightning_sync.compare import available_cases
-from lightning_sync.study import format_runs, run_cases
+from lightning_sync.apps.compare import available_cases
+from lightning_sync.apps.study import format_runs, run_cases
 
 # %% [markdown]
 # ## 1. All modes on the digits classifier

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from lightning_sync.study import format_runs, periodic_cases, run_cases
+from lightning_sync.apps.study import format_runs, periodic_cases, run_cases
 
 MODES = ("gradient", "local_sgd", "diloco")
 COLORS = {"gradient": "tab:blue", "local_sgd": "tab:orange", "diloco": "tab:green"}

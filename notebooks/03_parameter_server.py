@@ -25,7 +25,7 @@
 # Three workers train the digits classifier; worker 2 is made 3x slower (`strategy.slow_worker=2
 # strategy.slowdown=3`: after each push it sleeps twice what its whole step took). Every mode gets the same sample
 # budget. Each worker records every push (time, server version, staleness, server ingress) and worker 0 probes the
-# validation accuracy every quarter second (`lightning_sync.ps_study`). We look at (a) throughput and accuracy
+# validation accuracy every quarter second (`lightning_sync.apps.ps_study`). We look at (a) throughput and accuracy
 # against wall time, (b) the staleness of the updates, and (c) how many bytes each server receives per update with
 # one and with two servers. For a careful, alternating and repeated measurement run
 # `python benchmarks/ps_straggler.py`.
@@ -48,7 +48,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
-from lightning_sync.ps_study import format_table, ps_overrides, run_ps, staleness_histogram, summarize
+from lightning_sync.apps.ps_study import format_table, ps_overrides, run_ps, staleness_histogram, summarize
 
 MODES = ("sync", "async", "ssp:2")
 COLORS = {"sync": "tab:blue", "async": "tab:orange", "ssp:2": "tab:green"}

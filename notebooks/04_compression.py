@@ -47,7 +47,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from lightning_sync.study import (
+from lightning_sync.apps.study import (
     LINK_RATES,
     format_cell,
     format_link_model,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_sync.compare import CASES, run_case
+from lightning_sync.apps.compare import CASES, run_case
 
 COMPRESSED = ["allreduce+fp16", "allreduce+bf16", "allreduce+topk1%", "allreduce+powersgd4"]
 COMMON = ["strategy.start_method=fork", "trainer.max_epochs=30", "trainer.limit_val_batches=0", "seed=0"]

@@ -15,8 +15,8 @@ from lightning_utils import make_trainer
 from torch import nn
 
 from lightning_sync import AllReduceStrategy, ConfigError
-from lightning_sync.data import DigitsDataModule
-from lightning_sync.models import DigitsClassifier
+from lightning_sync.examples.data import DigitsDataModule
+from lightning_sync.examples.models import DigitsClassifier
 
 
 def _flat(module: nn.Module) -> torch.Tensor:

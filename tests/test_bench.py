@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from lightning_sync.bench.cli import _parser, main
-from lightning_sync.bench.config import BenchConfig, parse_overrides
-from lightning_sync.bench.report import markdown, summarize, time_to_accuracy
+from lightning_sync.apps.bench.cli import _parser, main
+from lightning_sync.apps.bench.config import BenchConfig, parse_overrides
+from lightning_sync.apps.bench.report import markdown, summarize, time_to_accuracy
 from lightning_sync.errors import ConfigError
 
 

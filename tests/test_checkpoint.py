@@ -28,9 +28,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_utils import make_trainer
 
 from lightning_sync import AllReduceStrategy, DDPSyncStrategy, PeriodicSyncStrategy
-from lightning_sync.data import DigitsDataModule
 from lightning_sync.errors import CheckpointError
-from lightning_sync.models import DigitsClassifier
+from lightning_sync.examples.data import DigitsDataModule
+from lightning_sync.examples.models import DigitsClassifier
 
 
 class _SaveEnd(pl.Callback):

@@ -123,7 +123,7 @@ def cli_runs(tmp_path_factory) -> dict[str, _Run]:
 
 def _digits_step_bytes() -> float:
     """Bytes one rank sends per step for the default digits MLP on 2 ranks: a ring all-reduce of its fp32 grads."""
-    from lightning_sync.models import DigitsClassifier
+    from lightning_sync.examples.models import DigitsClassifier
 
     grad_bytes = sum(p.numel() * 4 for p in DigitsClassifier().parameters())
     return 2 * (2 - 1) / 2 * grad_bytes
@@ -167,7 +167,7 @@ def _check_no_leftovers(run: _Run, expected: list[str]) -> None:
 _INSTALLED_CHECK = """
 import json, os, sys
 site = os.path.realpath(sys.argv[1])
-import lightning_sync, lightning_sync.train as train
+import lightning_sync, lightning_sync.apps.train as train
 from hydra import compose, initialize_config_dir
 assert os.path.realpath(lightning_sync.__file__).startswith(site + os.sep), lightning_sync.__file__
 assert os.path.realpath(train.CONFIG_DIR).startswith(site + os.sep), train.CONFIG_DIR
@@ -299,7 +299,7 @@ def test_bad_input_fails_fast_with_one_line(cli_runs, index):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["ddp", "allreduce", "periodic", "ps"])
 def test_help_lists_the_groups_and_documents_every_knob_of_the_chosen_strategy(tmp_path, mode):
-    from lightning_sync.conf_store import MODES
+    from lightning_sync.apps.conf_store import MODES
     from lightning_sync.config import knob_docs
 
     proc = subprocess.run(

@@ -16,9 +16,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import lightning_sync
+from lightning_sync.apps.train import CONFIG_DIR, build
 from lightning_sync.config import StrategyConfig
 from lightning_sync.errors import ConfigError
-from lightning_sync.train import CONFIG_DIR, build
 
 CONF = Path(CONFIG_DIR)
 GROUPS = ("strategy", "model", "data", "trainer", "logger", "callbacks", "experiment")
@@ -103,7 +103,7 @@ def test_every_registered_strategy_has_a_yaml():
 
 
 def test_hydra_modes_match_the_registered_strategies():
-    from lightning_sync.conf_store import MODES
+    from lightning_sync.apps.conf_store import MODES
 
     assert {f"sync_{mode}" for mode in MODES} == set(lightning_sync.STRATEGIES)
     for mode, (target, config_class) in MODES.items():
@@ -144,8 +144,8 @@ def test_config_errors_come_before_lightning_is_imported(knobs, message, importe
     import sys
 
     probe = (
-        "import sys; sys.argv = ['-m']; import lightning_sync.train as t; "
-        "from lightning_sync.conf_store import check_strategy_knobs\n"
+        "import sys; sys.argv = ['-m']; import lightning_sync.apps.train as t; "
+        "from lightning_sync.apps.conf_store import check_strategy_knobs\n"
         f"try:\n    check_strategy_knobs({knobs!r})\n"
         "except Exception as e:\n    print(type(e).__name__, e)\n"
         "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))"
@@ -240,7 +240,7 @@ def test_bad_values_direct_dataclass():
     ],
 )
 def test_unknown_group_option_is_one_line_config_error(argv, named):
-    from lightning_sync.train import _check_group_choices
+    from lightning_sync.apps.train import _check_group_choices
 
     with pytest.raises(ConfigError) as info:
         _check_group_choices(argv)
@@ -264,7 +264,6 @@ def test_unknown_group_option_is_one_line_config_error(argv, named):
     ],
 )
 def test_group_option_check_leaves_the_rest_to_hydra(argv):
-    from lightning_sync.train import _check_group_choices
+    from lightning_sync.apps.train import _check_group_choices
 
     _check_group_choices(argv)  # raises nothing
-

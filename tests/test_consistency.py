@@ -24,8 +24,8 @@ from lightning_sync.comm.consistency import (
     find_mismatches,
     named_replicated_state,
 )
-from lightning_sync.data import DigitsDataModule
-from lightning_sync.models import DigitsClassifier
+from lightning_sync.examples.data import DigitsDataModule
+from lightning_sync.examples.models import DigitsClassifier
 
 TIMEOUT = pytest.mark.timeout(120)
 

@@ -2,7 +2,7 @@
 
 - ``python -m lightning_sync.compare --help`` works, and ``--smoke`` prints only progress, result lines and the table
   (Lightning's banners silenced in the parent and the forked ranks; real warnings still shown).
-- :class:`~lightning_sync._console.ProgressReport`: a plain line per epoch off a terminal, a bar on one; the Hydra
+- :class:`~lightning_sync.apps._console.ProgressReport`: a plain line per epoch off a terminal, a bar on one; the Hydra
   app's ``trainer.enable_progress_bar`` (null follows the terminal, true/false force it).
 - :class:`~lightning_sync.callbacks.DivergenceGuard`: its rule (not finite, exploded, collapsed), all ranks stopping
   together when only one sees the bad loss (2 forked ranks), and a model whose learning rate really diverges
@@ -29,10 +29,10 @@ import pytest
 import torch
 from lightning_utils import make_trainer
 
-from lightning_sync._console import _QUIET_LOGGERS, ProgressReport, _DropMessages, quiet_lightning
+from lightning_sync.apps._console import _QUIET_LOGGERS, ProgressReport, _DropMessages, quiet_lightning
 from lightning_sync.callbacks import DivergenceGuard, SyncReport
-from lightning_sync.data import DigitsDataModule
-from lightning_sync.models import DigitsClassifier
+from lightning_sync.examples.data import DigitsDataModule
+from lightning_sync.examples.models import DigitsClassifier
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -208,7 +208,7 @@ def test_progress_report_bar_on_a_terminal():
 def test_hydra_app_progress_bar_follows_the_terminal(setting, isatty, bar, plain, tmp_path, monkeypatch):
     from omegaconf import OmegaConf
 
-    from lightning_sync.train import _make_callbacks
+    from lightning_sync.apps.train import _make_callbacks
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: isatty, raising=False)
     cfg = OmegaConf.create({"callbacks": {}})
@@ -224,7 +224,7 @@ def test_hydra_app_checkpoint_callback_goes_to_the_run_folder(tmp_path):
     from hydra import compose, initialize_config_dir
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
-    from lightning_sync.train import CONFIG_DIR, _make_callbacks
+    from lightning_sync.apps.train import CONFIG_DIR, _make_callbacks
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=["callbacks=early_stopping"])
@@ -319,7 +319,7 @@ def test_no_divergence_is_recorded_as_such(tmp_path):
 def test_diloco_case_trains(tmp_path):
     """The compare job's DiLoCo case (AdamW inside, the paper's outer Nesterov lr 0.7 momentum 0.9) at the Hydra
     app's default 5 epochs: well above chance and not diverged (the default inner SGD collapses at 30 epochs)."""
-    from lightning_sync.compare import CASES, run_case
+    from lightning_sync.apps.compare import CASES, run_case
 
     summary = run_case(
         CASES["periodic:diloco/8"]

@@ -17,8 +17,8 @@ from lightning_utils import WORLD, make_trainer
 
 import lightning_sync
 from lightning_sync import DDPSyncStrategy
-from lightning_sync.data import DigitsDataModule
-from lightning_sync.models import DigitsClassifier
+from lightning_sync.examples.data import DigitsDataModule
+from lightning_sync.examples.models import DigitsClassifier
 
 SEED = 1234
 BATCHES = 10

@@ -27,8 +27,8 @@ from lightning_utils import make_trainer
 from lightning_sync import AllReduceStrategy
 from lightning_sync.comm.compression import FlatBucket, NoCompression
 from lightning_sync.comm.meter import CommMeter, PeerError, wait_future
-from lightning_sync.data import SyntheticDataModule
-from lightning_sync.models import SyntheticMLP
+from lightning_sync.examples.data import SyntheticDataModule
+from lightning_sync.examples.models import SyntheticMLP
 
 TIMEOUT_S = 15.0  # also the rendezvous timeout: rank 1 must import torch and Lightning within it (~12 s when loaded)
 pytestmark = pytest.mark.skipif(not HAS_PROC, reason="needs /proc")

@@ -1,6 +1,6 @@
 """Two emulated hosts, one rank each, launched by torchrun on each "node": the multi-node path a cluster takes.
 
-Each host is a network namespace on a bridge (lightning_sync.netns, 1 Gbit links); torchrun runs the Hydra app in
+Each host is a network namespace on a bridge (lightning_sync.apps.netns, 1 Gbit links); torchrun runs the Hydra app in
 each with ``--nnodes=2 --node_rank=i``, and Lightning's TorchElastic environment picks up the ranks. Needs root and
 iproute2; skipped otherwise.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_sync.netns import burst_bytes, emulated_hosts
+from lightning_sync.apps.netns import burst_bytes, emulated_hosts
 
 pytestmark = pytest.mark.skipif(
     os.name != "posix" or os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
@@ -48,7 +48,7 @@ def test_two_nodes_through_torchrun(strategy, tmp_path):
                 f"--master_addr={hosts[0].address}",
                 "--master_port=29731",
                 "-m",
-                "lightning_sync.train",
+                "lightning_sync.apps.train",
                 f"strategy={strategy}",
                 "experiment=smoke",
                 "test=false",

@@ -27,8 +27,8 @@ from lightning_sync.comm.compression import NoCompression
 from lightning_sync.comm.meter import CommMeter, ring_all_reduce_bytes
 from lightning_sync.comm.periodic import PeriodicAverager, validate_module_policy
 from lightning_sync.config import PeriodicConfig
-from lightning_sync.data import DigitsDataModule
-from lightning_sync.models import DigitsClassifier
+from lightning_sync.examples.data import DigitsDataModule
+from lightning_sync.examples.models import DigitsClassifier
 
 TIMEOUT = pytest.mark.timeout(120)
 

@@ -17,8 +17,8 @@ from lightning_utils import WORLD, make_trainer
 from torch import nn
 
 from lightning_sync import ConfigError, ParameterServerStrategy
-from lightning_sync.data import DigitsDataModule
-from lightning_sync.models import DigitsClassifier
+from lightning_sync.examples.data import DigitsDataModule
+from lightning_sync.examples.models import DigitsClassifier
 
 TIMEOUT = pytest.mark.timeout(180)
 

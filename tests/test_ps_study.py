@@ -1,4 +1,4 @@
-"""lightning_sync.ps_study: the parameter-server experiment helpers, on real (tiny) runs of 2 forked workers."""
+"""lightning_sync.apps.ps_study: the parameter-server experiment helpers, on real (tiny) runs of 2 forked workers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_sync.ps_study import (
+from lightning_sync.apps.ps_study import (
     TIMELINE_DIR,
     PSRun,
     format_table,

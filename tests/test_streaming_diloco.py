@@ -447,3 +447,54 @@ def test_frozen_peer_during_an_in_flight_outer_sync_fails_within_timeout_s(tmp_p
     print(f"frozen peer: rank 0 failed after {float(seconds):.1f} s (timeout_s={FROZEN_TIMEOUT_S:g}): {message}")
     assert float(seconds) < FROZEN_TIMEOUT_S + 10, seconds
     assert f"rank 1 did not answer within {FROZEN_TIMEOUT_S:g} s" in message, message
+
+
+# ---------------------------------------------------------------------------------------------------------- Lightning
+def _fit_digits(tmp_path, epochs: int, callbacks=(), ckpt_path=None):
+    import lightning.pytorch as pl
+    from lightning_utils import make_trainer
+
+    from lightning_sync import PeriodicSyncStrategy
+    from lightning_sync.examples.data import DigitsDataModule
+    from lightning_sync.examples.models import DigitsClassifier
+
+    strategy = PeriodicSyncStrategy(
+        start_method="fork",
+        mode="diloco",
+        sync_every=4,
+        fragments=2,
+        sync_delay=1,
+        fragment_alpha=0.5,
+        outer_compression="int8",
+        check_consistency_every=1,
+    )
+    pl.seed_everything(0, verbose=False)
+    model = DigitsClassifier(momentum=0.0)  # Lightning restores rank 0's inner optimizer state on every rank
+    trainer = make_trainer(
+        strategy, max_epochs=epochs, limit_train_batches=7, num_sanity_val_steps=0, callbacks=list(callbacks)
+    )
+    trainer.fit(model, datamodule=DigitsDataModule(batch_size=32), ckpt_path=ckpt_path)
+    return model
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_lightning_streaming_diloco_resumes_exactly_with_a_fragment_in_flight(tmp_path):
+    """7 steps per epoch: fragment 1 (launched at step 7) is in flight when the epoch-1 checkpoint is saved. The
+    replica check runs at every step (global copies after every apply)."""
+    import lightning.pytorch as pl
+
+    ckpt = str(tmp_path / "epoch0.ckpt")
+
+    class Save(pl.Callback):
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            trainer.save_checkpoint(ckpt)
+
+    straight = _fit_digits(tmp_path, epochs=2)
+    _fit_digits(tmp_path, epochs=1, callbacks=(Save(),))
+    resumed = _fit_digits(tmp_path, epochs=2, ckpt_path=ckpt)
+    saved = torch.load(ckpt, weights_only=False)["lightning_sync"]
+    groups = saved["ranks"][0]["averager"]["groups"]
+    assert [group["in_flight"] is not None for group in groups] == [False, True]
+    a, b = straight.state_dict(), resumed.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resume with a fragment in flight is not exact"

@@ -1,4 +1,4 @@
-"""lightning_sync.study: the notebooks' experiment helpers, on written run folders and on real 2-rank runs."""
+"""lightning_sync.apps.study: the notebooks' experiment helpers, on written run folders and on real 2-rank runs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_sync.study import (
+from lightning_sync.apps.study import (
     TIMELINE_DIR,
     StudyRun,
     Timeline,

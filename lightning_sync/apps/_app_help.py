@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from lightning_sync.conf_store import MODES
+from lightning_sync.apps.conf_store import MODES
 from lightning_sync.config import knob_docs
 
 _WIDTH = 110

@@ -1,7 +1,7 @@
 """The main job: train the digits classifier with each sync mode and print one comparison table.
 
 ``python -m lightning_sync.compare`` (or ``lightning-sync-compare``) runs every case of :data:`CASES` through the
-same Hydra config as ``lightning_sync.train`` (2 CPU ranks, same seed and epochs), one after the other, and prints
+same Hydra config as ``lightning_sync.apps.train`` (2 CPU ranks, same seed and epochs), one after the other, and prints
 mode, test accuracy, median step time and bytes sent per rank per optimizer step. Results also go to
 ``<out>/results.json`` and ``<out>/results.md``; each case's run folder holds its metrics.csv and config.
 
@@ -54,7 +54,7 @@ CASES: dict[str, list[str]] = {
 
 def available_cases() -> dict[str, list[str]]:
     """The cases whose strategy config exists in this installation."""
-    from lightning_sync.train import CONFIG_DIR
+    from lightning_sync.apps.train import CONFIG_DIR
 
     names = {p.stem for p in Path(CONFIG_DIR, "strategy").glob("*.yaml")}
     return {k: v for k, v in CASES.items() if v[0].split("=", 1)[1] in names}
@@ -76,7 +76,7 @@ def run_case(overrides: list[str], run_dir: Path, callbacks: Sequence[Any] = ())
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
-    from lightning_sync.train import CONFIG_DIR, run
+    from lightning_sync.apps.train import CONFIG_DIR, run
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("config", overrides=overrides)
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.epochs < 1:
         sys.exit(f"error: --epochs={args.epochs} is not allowed; it must be >= 1")
-    from lightning_sync._console import ProgressReport, quiet_lightning
+    from lightning_sync.apps._console import ProgressReport, quiet_lightning
 
     quiet_lightning()
     cases = available_cases()

@@ -9,6 +9,7 @@ knob that is not a field is rejected when the config is composed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import field, make_dataclass
 from typing import Any
 
@@ -53,6 +54,12 @@ def check_strategy_knobs(strategy: Any) -> None:
     if config_class is None:  # another strategy class: its own constructor checks it
         return
     knobs = {key: value for key, value in strategy.items() if key != "_target_"}
+    known = {field.name for field in dataclasses.fields(config_class)}
+    unknown = sorted(set(knobs) - known)
+    if unknown:
+        raise ConfigError(
+            f"strategy.{unknown[0]} is not a knob of {config_class.__name__}; known knobs: {', '.join(sorted(known))}"
+        )
     try:
         config = config_class(**knobs)
         from lightning_sync.algorithms import build_parts

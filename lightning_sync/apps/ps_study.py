@@ -1,7 +1,7 @@
 """Parameter-server experiments through Lightning: run ``strategy=ps`` cases and read what every worker saw.
 
 Shared by ``benchmarks/ps_straggler.py`` and ``notebooks/03_parameter_server.py``. One case is one Hydra config run
-in this process with forked ranks (:func:`lightning_sync.compare.run_case`), with a :class:`PSTimeline` callback
+in this process with forked ranks (:func:`lightning_sync.apps.compare.run_case`), with a :class:`PSTimeline` callback
 in every worker. After each push a worker notes the time, the servers' version, the push's staleness and every
 server's ingress so far (all from the strategy's ``last_reply``, a :class:`~lightning_sync.ps.PSReply`); worker 0
 can also probe the validation accuracy every few seconds. Each worker writes its notes to
@@ -19,7 +19,7 @@ the numbers the benchmark and the notebook report:
 Times come from ``time.monotonic``, one clock for all processes of a host: the timelines are for single-host
 experiments.
 
-    from lightning_sync.ps_study import ps_overrides, run_ps
+    from lightning_sync.apps.ps_study import ps_overrides, run_ps
     run = run_ps("async", ps_overrides("async", epochs=10), "outputs/ps/async")
     print(run.throughput(), run.test_accuracy, run.staleness())
 """
@@ -37,7 +37,14 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_sync.study import Timeline, batch_loss, format_cell, markdown_table, read_timelines, run_with_timeline
+from lightning_sync.apps.study import (
+    Timeline,
+    batch_loss,
+    format_cell,
+    markdown_table,
+    read_timelines,
+    run_with_timeline,
+)
 
 TIMELINE_DIR = "ps_timeline"
 """The folder, inside a run folder, of the workers' timelines (``rank<r>.json``)."""
@@ -124,7 +131,7 @@ class PSTimeline(Timeline):
     the reply was not to an applied push, e.g. the pull after the stop), ``applied``, ``ingress`` (each server's
     bytes received so far) and ``loss`` (the batch's training loss). Worker 0 with ``probe_every_s`` also evaluates
     the model on the datamodule's validation split every ``probe_every_s`` seconds, as
-    :class:`~lightning_sync.study.Timeline` does, noting the servers' version with each probe.
+    :class:`~lightning_sync.apps.study.Timeline` does, noting the servers' version with each probe.
 
     Args:
         out_dir: where to write ``rank<r>.json`` (created if missing).
@@ -320,7 +327,7 @@ def run_ps(
 ) -> PSRun:
     """Runs one parameter-server case (see :func:`ps_overrides`) and reads back what its workers recorded.
 
-    Lightning's banners and known-harmless warnings are silenced (:func:`lightning_sync._console.quiet_lightning`).
+    Lightning's banners and known-harmless warnings are silenced (:func:`lightning_sync.apps._console.quiet_lightning`).
 
     Args:
         name: the case's name in tables and plots.

@@ -1,9 +1,9 @@
 """Experiments through Lightning: run cases of the Hydra config and read back what each run saw, batch by batch.
 
 Shared by the notebooks (``notebooks/01_overview``, ``02_periodic``, ``04_compression``) and, through
-:class:`Timeline`, :func:`run_with_timeline` and the table helpers, by :mod:`lightning_sync.ps_study`. One case is
+:class:`Timeline`, :func:`run_with_timeline` and the table helpers, by :mod:`lightning_sync.apps.ps_study`. One case is
 one Hydra config (overrides on ``conf/config.yaml``) trained in this process with forked ranks
-(:func:`lightning_sync.compare.run_case`), with a :class:`Timeline` callback in every rank. A timeline notes the
+(:func:`lightning_sync.apps.compare.run_case`), with a :class:`Timeline` callback in every rank. A timeline notes the
 time, training loss and seconds in collectives of every batch (and a ``periodic`` strategy's divergence and
 period), and rank 0 probes the validation accuracy of the parameters it holds every few batches, without any
 collective. :func:`run_cases` runs several cases and reads each back into a :class:`StudyRun`: its
@@ -17,7 +17,7 @@ The time axis of a run (:meth:`StudyRun.loss_curve`, :meth:`StudyRun.accuracy_cu
 into a model of the same training on a slower link; :func:`load_time_to_accuracy` reads the measured numbers that
 ``python -m lightning_sync.bench`` writes (emulated links need root), if any.
 
-    from lightning_sync.study import run_cases, format_runs
+    from lightning_sync.apps.study import run_cases, format_runs
     runs = run_cases({"ddp": ["strategy=ddp"], "allreduce": ["strategy=allreduce"]}, "outputs/study",
                      common=["trainer.max_epochs=5"])
     print(format_runs(runs.values()))
@@ -43,7 +43,7 @@ from typing_extensions import override
 
 TIMELINE_DIR = "timeline"
 """The folder, inside a run folder, of the ranks' timelines (``rank<r>.json``)."""
-DEFAULT_TIME_TO_ACCURACY = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "time_to_accuracy.json"
+DEFAULT_TIME_TO_ACCURACY = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "time_to_accuracy.json"
 """Where ``python -m lightning_sync.bench`` writes its measured time to accuracy, in a checkout."""
 LINK_RATES: dict[str, float] = {"10mbit": 10e6, "100mbit": 100e6, "1gbit": 1e9}
 """Link rates in bits per second for :func:`modelled_step_seconds`, named as the benchmark's ``network.rate``."""
@@ -242,10 +242,10 @@ def run_with_timeline(
         quiet: no per-epoch progress lines (otherwise: the run's progress on stderr).
 
     Returns:
-        ``(summary, wall seconds of the whole case)``: the summary as :func:`lightning_sync.train.run` returns it.
+        ``(summary, wall seconds of the whole case)``: the summary as :func:`lightning_sync.apps.train.run` returns it.
     """
-    from lightning_sync._console import ProgressReport, quiet_lightning
-    from lightning_sync.compare import run_case
+    from lightning_sync.apps._console import ProgressReport, quiet_lightning
+    from lightning_sync.apps.compare import run_case
 
     quiet_lightning()
     for old in timeline.out_dir.glob("rank*.json"):
@@ -459,13 +459,13 @@ def run_cases(
     name with ``/``, ``:``, ``%``, spaces and other punctuation replaced (``auto, target 2%`` -> ``auto_target_2pct``).
 
     Args:
-        cases: ``{name: Hydra overrides}`` (e.g. :data:`lightning_sync.compare.CASES`).
+        cases: ``{name: Hydra overrides}`` (e.g. :data:`lightning_sync.apps.compare.CASES`).
         out: the parent folder of the run folders.
         common: overrides for every case, applied last (epochs, batch limits, seed).
         probe_every_batches: rank 0's validation probes (see :class:`Timeline`).
         quiet: no per-epoch progress lines.
     """
-    from lightning_sync.compare import case_dir_name
+    from lightning_sync.apps.compare import case_dir_name
 
     return {
         name: run_study(

@@ -20,18 +20,18 @@ from typing import Any, NoReturn
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_sync._app_help import group_options, register_help_resolvers
-from lightning_sync.conf_store import check_strategy_knobs, register_strategy_schemas
+from lightning_sync.apps._app_help import group_options, register_help_resolvers
+from lightning_sync.apps.conf_store import check_strategy_knobs, register_strategy_schemas
 from lightning_sync.errors import ConfigError, check_range
 
 
 def _config_dir() -> str:
     """``conf/`` beside the package in a checkout, or ``lightning_sync/conf`` in an installed wheel."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "conf", here / "conf"):
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package.parent / "conf", package / "conf"):
         if (candidate / "config.yaml").is_file():
             return str(candidate)
-    raise FileNotFoundError(f"no Hydra config found beside {here}")
+    raise FileNotFoundError(f"no Hydra config found beside {package}")
 
 
 def _run_stamp() -> str:
@@ -74,7 +74,7 @@ def build(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> tuple[Any, Any, Any
     Args:
         cfg: the composed config.
         callbacks: more callbacks for the Trainer, after the run's own; a
-            :class:`~lightning_sync._console.ProgressReport` among them replaces the default one.
+            :class:`~lightning_sync.apps._console.ProgressReport` among them replaces the default one.
     """
     import lightning.pytorch as pl
 
@@ -151,7 +151,7 @@ def _make_callbacks(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, An
     """
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_sync._console import ProgressReport
+    from lightning_sync.apps._console import ProgressReport
     from lightning_sync.callbacks import DivergenceGuard, SyncReport
 
     summary = str(run_dir / "summary.json")

@@ -1,3 +1,3 @@
-from lightning_sync.bench.cli import main
+from lightning_sync.apps.bench.cli import main
 
 main()

@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from lightning_sync.bench.config import CASE_HELP, WORKLOADS, BenchConfig, NetworkConfig, parse_overrides
+from lightning_sync.apps.bench.config import CASE_HELP, WORKLOADS, BenchConfig, NetworkConfig, parse_overrides
 from lightning_sync.config import knob_docs
 from lightning_sync.errors import ConfigError
 
@@ -79,7 +79,7 @@ def run(cfg: BenchConfig, out: Path, records: list[dict[str, Any]]) -> bool:
     Rates that need root are skipped with a note when not root. Nothing is left behind on any exit: each run's
     processes are killed and each rate's namespaces deleted.
     """
-    from lightning_sync.bench.launch import RunFailed, network, root_problem, run_nodes
+    from lightning_sync.apps.bench.launch import RunFailed, network, root_problem, run_nodes
 
     rates = []
     for rate in cfg.network.rate:
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         all_ok = run(cfg, out, records)
     finally:
         if records:
-            from lightning_sync.bench.report import write
+            from lightning_sync.apps.bench.report import write
 
             text, files = write(records, cfg, out)
             print("\n" + text)

@@ -1,6 +1,6 @@
 """Runs one benchmark run as two torchrun nodes of one rank each: both on loopback, or one per emulated host.
 
-An emulated host is a network namespace behind a rate-limited link (:mod:`lightning_sync.netns`, root only), so
+An emulated host is a network namespace behind a rate-limited link (:mod:`lightning_sync.apps.netns`, root only), so
 traffic between the nodes crosses a link of the chosen rate, shaped (tbf) on both ends. Every node's output goes to
 ``node<i>.log`` in the run's folder. A run is bounded by ``timeout_s``; when one node fails the other is stopped at
 once, and on any exit (error, timeout, Ctrl-C) every process of the run is killed before the namespaces go.
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning_sync
-from lightning_sync.netns import EmulatedHost, emulated_hosts
+from lightning_sync.apps.netns import EmulatedHost, emulated_hosts
 
 NODES = 2
 _POLL_S = 0.1
@@ -72,7 +72,7 @@ def _node_command(node: int, nodes: int, master: str, port: int, spec_path: Path
         f"--master_addr={master}",
         f"--master_port={port}",
         "-m",
-        "lightning_sync.bench.worker",
+        "lightning_sync.apps.bench.worker",
         str(spec_path),
     ]
 

@@ -7,7 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_sync.bench.clock import AccuracyClock
+from lightning_sync.apps.bench.clock import AccuracyClock
 from lightning_sync.strategies.allreduce import AllReduceStrategy
 
 

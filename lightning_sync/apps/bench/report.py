@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from lightning_sync.bench.config import WORKLOADS, BenchConfig
+from lightning_sync.apps.bench.config import WORKLOADS, BenchConfig
 
 ANCHORS = ("lightning_ddp", "torch_ddp", "floor")
 _METRIC_KEY = {"step_time": "step_time_ms", "time_to_accuracy": "seconds_to_target", "bus_bandwidth": "busbw_mbit"}

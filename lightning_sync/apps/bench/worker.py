@@ -1,6 +1,6 @@
-"""One rank of one benchmark run, started by torchrun: ``python -m lightning_sync.bench.worker <spec.json>``.
+"""One rank of one benchmark run, started by torchrun: ``python -m lightning_sync.apps.bench.worker <spec.json>``.
 
-The spec names the case, the workload and the benchmark config (:mod:`lightning_sync.bench.launch` writes it).
+The spec names the case, the workload and the benchmark config (:mod:`lightning_sync.apps.bench.launch` writes it).
 Rank 0 writes the run's measurements to ``spec["result"]``. Three kinds of run:
 
 * a Lightning case (ours, Lightning's DDP, the no-communication floor): a Trainer on the ranks torchrun made;
@@ -35,14 +35,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_sync.bench.clock import AccuracyClock
-from lightning_sync.bench.config import WORKLOADS, BenchConfig, NetworkConfig, Workload
+from lightning_sync.apps.bench.clock import AccuracyClock
+from lightning_sync.apps.bench.config import WORKLOADS, BenchConfig, NetworkConfig, Workload
 
 TORCH_LOOPS = ("torch_ddp", "torch_local_sgd")
 
 
 def _make_module(workload: Workload) -> Any:
-    from lightning_sync.models import DigitsClassifier, SyntheticMLP
+    from lightning_sync.examples.models import DigitsClassifier, SyntheticMLP
 
     return (
         DigitsClassifier(**workload.model) if workload.metric == "time_to_accuracy" else SyntheticMLP(**workload.model)
@@ -50,7 +50,7 @@ def _make_module(workload: Workload) -> Any:
 
 
 def _make_data(workload: Workload, cfg: BenchConfig, world: int, batch_size: int) -> Any:
-    from lightning_sync.data import DigitsDataModule, SyntheticDataModule
+    from lightning_sync.examples.data import DigitsDataModule, SyntheticDataModule
 
     if workload.metric == "time_to_accuracy":
         return DigitsDataModule(batch_size=batch_size, seed=cfg.seed)
@@ -72,7 +72,7 @@ def _strategy(case: str, cfg: BenchConfig) -> Any:
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
     import lightning_sync
-    from lightning_sync.bench.lightning_parts import NoSyncStrategy
+    from lightning_sync.apps.bench.lightning_parts import NoSyncStrategy
 
     timeout = {"timeout_s": cfg.timeout_s}
     if case in ("lightning_ddp", "lightning_ddp_view"):
@@ -96,8 +96,8 @@ def _strategy(case: str, cfg: BenchConfig) -> Any:
 def _lightning_run(case: str, workload: Workload, cfg: BenchConfig) -> dict[str, Any]:
     import lightning.pytorch as pl
 
-    from lightning_sync._console import quiet_lightning
-    from lightning_sync.bench.lightning_parts import TimeToAccuracy
+    from lightning_sync.apps._console import quiet_lightning
+    from lightning_sync.apps.bench.lightning_parts import TimeToAccuracy
     from lightning_sync.callbacks import SyncReport
 
     quiet_lightning()

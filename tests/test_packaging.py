@@ -1,0 +1,109 @@
+"""The package as a user installs and imports it: the core stands alone, and the registry names always work.
+
+- ``import lightning_sync`` in a user's own package, run as ``python -m pkg.train``, registers all four ``sync_*``
+  names with Lightning (the import is light: Lightning loads later and the names register then).
+- The core (strategies, comm, ps) imports neither scikit-learn, Hydra nor matplotlib: those are the ``apps`` extra.
+- An unknown strategy knob added with ``+strategy.<knob>=`` is a one-line config error.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=110)
+
+
+def test_registry_names_work_from_a_user_package_run_with_dash_m(tmp_path):
+    package = tmp_path / "userpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("import lightning_sync  # noqa: F401\n")
+    (package / "train.py").write_text(
+        textwrap.dedent(
+            """
+            import sys
+            import lightning as L
+
+            assert "lightning_sync.strategies" in sys.modules, "registration did not run when Lightning loaded"
+            for name in ("sync_ddp", "sync_allreduce", "sync_periodic", "sync_ps"):
+                trainer = L.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False,
+                                    enable_progress_bar=False, enable_model_summary=False)
+                print(name, type(trainer.strategy).__name__)
+            """
+        )
+    )
+    result = _run(["-m", "userpkg.train"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("sync_")]
+    assert lines == [
+        "sync_ddp DDPSyncStrategy",
+        "sync_allreduce AllReduceStrategy",
+        "sync_periodic PeriodicSyncStrategy",
+        "sync_ps ParameterServerStrategy",
+    ]
+
+
+def test_import_lightning_sync_alone_loads_neither_torch_nor_lightning(tmp_path):
+    code = "import sys, lightning_sync; print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))"
+    result = _run(["-c", code], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_core_works_without_the_apps_extra(tmp_path):
+    """As after ``pip install .`` with no extras: scikit-learn, Hydra and matplotlib cannot be imported at all, and
+    the core still imports, registers and trains under a plain ``lightning.Trainer``."""
+    code = textwrap.dedent(
+        """
+        import importlib.abc, importlib.machinery, sys
+
+        BLOCKED = {"sklearn", "hydra", "omegaconf", "matplotlib"}
+
+        class Hide(importlib.abc.MetaPathFinder):
+            # PathFinder, blind to the apps extra's packages: as if they were not installed
+
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in BLOCKED:
+                    return None
+                return importlib.machinery.PathFinder.find_spec(name, path, target)
+
+        sys.meta_path[:] = [Hide() if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+        import torch
+        import lightning as L
+        from lightning.pytorch.demos.boring_classes import BoringModel
+        import lightning_sync
+        import lightning_sync.comm.bucketing, lightning_sync.comm.periodic, lightning_sync.ps
+        import lightning_sync.callbacks, lightning_sync.algorithms, lightning_sync.config
+        for name in ("sync_ddp", "sync_allreduce", "sync_periodic", "sync_ps"):
+            trainer = L.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False, max_steps=2,
+                                enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+            if name == "sync_allreduce":
+                trainer.fit(BoringModel())
+        apps = sorted(m for m in sys.modules if m.startswith(("lightning_sync.apps", "lightning_sync.examples")))
+        print("apps", apps)
+        """
+    )
+    result = _run(["-c", code], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "apps []"
+
+
+def test_unknown_knob_added_with_plus_is_a_one_line_error(tmp_path):
+    result = _run(["-m", "lightning_sync.train", "strategy=ddp", "+strategy.no_such_knob=1"], tmp_path)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "strategy.no_such_knob" in lines[0] and "DDPConfig" in lines[0] and "bucket_cap_mb" in lines[0]
+    assert "Traceback" not in result.stderr
