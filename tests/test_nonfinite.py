@@ -7,6 +7,7 @@ rank's (max |diff| 0), and that it counted the expected skipped steps.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,9 +17,9 @@ from lightning_utils import make_trainer
 
 from lightning_sync import AllReduceStrategy, DDPSyncStrategy, ParameterServerStrategy, PeriodicSyncStrategy
 from lightning_sync.comm.compression import PowerSGDCompression, TopKCompression
-from lightning_sync.comm.nonfinite import drop_grads, grads_are_finite
-from lightning_sync.data import DigitsDataModule
-from lightning_sync.models import DigitsClassifier
+from lightning_sync.comm.nonfinite import NonFiniteStepWarning, drop_grads, grads_are_finite
+from lightning_sync.examples.data import DigitsDataModule
+from lightning_sync.examples.models import DigitsClassifier
 
 TIMEOUT = pytest.mark.timeout(120)
 BAD_BATCH, STEPS = 3, 8
@@ -101,6 +102,32 @@ class _Outcome(pl.Callback):
         assert diff == 0.0, diff
 
 
+class _Warned(pl.Callback):
+    """Records, on every rank, the NonFiniteStepWarnings of the fit; at its end asserts that ``ranks`` (each rank that
+    should warn) warned exactly once, naming ``mode`` and ``global_step={step}``, and that the other ranks did not."""
+
+    def __init__(self, mode: str, step: int, ranks: tuple[int, ...] = (0,), alone: bool = False) -> None:
+        self.mode, self.step, self.ranks, self.alone = mode, step, ranks, alone
+        self._catching: Any = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._catching = warnings.catch_warnings(record=True)
+        self.caught = self._catching.__enter__()
+        warnings.simplefilter("always", NonFiniteStepWarning)  # the test run ignores UserWarning otherwise
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self._catching.__exit__(None, None, None)
+        rank = trainer.global_rank
+        messages = [str(w.message) for w in self.caught if issubclass(w.category, NonFiniteStepWarning)]
+        if rank not in self.ranks:
+            assert not messages, (rank, messages)
+            return
+        assert len(messages) == 1, (rank, messages)
+        who = f"rank {rank} alone" if self.alone else "every rank"
+        expected = f"lightning_sync {self.mode}: skipped the optimizer step at global_step={self.step} on {who}"
+        assert messages[0].startswith(expected), (messages[0], expected)
+
+
 def _fit(strategy: Any, poison: float, *callbacks: pl.Callback, steps: int = STEPS, **trainer_kwargs: Any) -> None:
     pl.seed_everything(0, verbose=False)
     trainer = make_trainer(strategy, callbacks=list(callbacks), max_steps=steps, **trainer_kwargs)
@@ -110,34 +137,49 @@ def _fit(strategy: Any, poison: float, *callbacks: pl.Callback, steps: int = STE
 @TIMEOUT
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize(
-    "make_strategy",
+    ("make_strategy", "mode", "step"),
     [
-        lambda: AllReduceStrategy(start_method="fork"),
-        lambda: AllReduceStrategy(start_method="fork", compression="topk", topk_density=0.1),
-        lambda: AllReduceStrategy(start_method="fork", compression="powersgd", powersgd_rank=1, powersgd_start_iter=1),
-        lambda: DDPSyncStrategy(start_method="fork"),
-        lambda: PeriodicSyncStrategy(start_method="fork", mode="gradient", sync_every=2),
-        lambda: ParameterServerStrategy(start_method="fork"),
-        lambda: ParameterServerStrategy(start_method="fork", compression="topk", topk_density=0.1, num_servers=2),
-    ],
-    ids=[
-        "allreduce",
-        "allreduce-topk",
-        "allreduce-powersgd",
-        "ddp",
-        "periodic-gradient",
-        "ps-sync",
-        "ps-sync-topk-2servers",
+        pytest.param(lambda: AllReduceStrategy(start_method="fork"), "allreduce", BAD_BATCH, id="allreduce"),
+        pytest.param(
+            lambda: AllReduceStrategy(start_method="fork", compression="topk", topk_density=0.1),
+            "allreduce",
+            BAD_BATCH,
+            id="allreduce-topk",
+        ),
+        pytest.param(
+            lambda: AllReduceStrategy(
+                start_method="fork", compression="powersgd", powersgd_rank=1, powersgd_start_iter=1
+            ),
+            "allreduce",
+            BAD_BATCH,
+            id="allreduce-powersgd",
+        ),
+        pytest.param(lambda: DDPSyncStrategy(start_method="fork"), "ddp", BAD_BATCH, id="ddp"),
+        pytest.param(  # two batches per step: batch 3 is in step 1
+            lambda: PeriodicSyncStrategy(start_method="fork", mode="gradient", sync_every=2),
+            "periodic (gradient)",
+            BAD_BATCH // 2,
+            id="periodic-gradient",
+        ),
+        pytest.param(lambda: ParameterServerStrategy(start_method="fork"), "ps (sync)", BAD_BATCH, id="ps-sync"),
+        pytest.param(
+            lambda: ParameterServerStrategy(start_method="fork", compression="topk", topk_density=0.1, num_servers=2),
+            "ps (sync)",
+            BAD_BATCH,
+            id="ps-sync-topk-2servers",
+        ),
     ],
 )
-def test_all_ranks_skip_the_step_together(make_strategy, poison):
-    _fit(make_strategy(), poison, _Outcome(skipped=(1, 1)))
+@pytest.mark.e2e
+def test_all_ranks_skip_the_step_together(make_strategy, mode, step, poison):
+    """Both ranks skip, and rank 0 alone warns, once, naming the mode and the step."""
+    _fit(make_strategy(), poison, _Outcome(skipped=(1, 1)), _Warned(mode, step))
 
 
 @TIMEOUT
 def test_local_steps_skip_on_the_rank_alone_and_the_sync_still_agrees():
     strategy = PeriodicSyncStrategy(start_method="fork", mode="local_sgd", sync_every=4)
-    _fit(strategy, float("nan"), _Outcome(skipped=(0, 1)))
+    _fit(strategy, float("nan"), _Outcome(skipped=(0, 1)), _Warned("periodic (local_sgd)", BAD_BATCH, (1,), True))
 
 
 @TIMEOUT
@@ -149,6 +191,7 @@ def test_ps_async_skips_the_poisoned_push_alone():
         ParameterServerStrategy(start_method="fork", mode="async"),
         float("nan"),
         _Outcome((0, 1), identical=False),
+        _Warned("ps (async)", BAD_BATCH, (1,), alone=True),
         steps=40,
     )
 

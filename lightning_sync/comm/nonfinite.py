@@ -10,6 +10,9 @@ Skipping is done by dropping the gradients (``param.grad = None``): PyTorch's op
 gradient untouched (no momentum, weight decay or step-count update), whatever the optimizer and however Lightning
 calls ``step``. With AMP's ``GradScaler`` nothing is dropped: the scaler sees the same non-finite gradients on every
 rank, skips the step itself and lowers its scale, as it must.
+
+Every skipped step is said out loud, as a :class:`NonFiniteStepWarning` naming the mode and the step: once, on rank 0,
+for a step every rank skipped together; on the rank itself for a step it skipped alone.
 """
 
 from __future__ import annotations
@@ -17,6 +20,25 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+
+
+class NonFiniteStepWarning(UserWarning):
+    """An optimizer step was skipped because its gradients held a NaN or an Inf (``skip_nonfinite``)."""
+
+
+def skipped_step_message(mode: str, step: int, rank: int | None = None) -> str:
+    """The warning for one skipped step.
+
+    Args:
+        mode: the sync mode that skipped it (``allreduce``, ``periodic (local_sgd)``, ``ps (async)``, ...).
+        step: the trainer's ``global_step`` at the skipped step (the number of optimizer steps before it).
+        rank: the rank that skipped it alone; ``None`` when every rank skipped it together.
+    """
+    who = "every rank" if rank is None else f"rank {rank} alone"
+    return (
+        f"lightning_sync {mode}: skipped the optimizer step at global_step={step} on {who}: its gradients hold a NaN "
+        "or an Inf (skip_nonfinite=True), so the parameters and optimizer state stay as they were"
+    )
 
 
 def grads_are_finite(params: Iterable[torch.nn.Parameter]) -> bool:

@@ -9,6 +9,7 @@ dependency, Lightning's ``popen`` launcher (and the ``_configure_launcher`` hook
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -18,6 +19,7 @@ import torch
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -26,7 +28,7 @@ from lightning_sync.callbacks import SyncMetricsLogger
 from lightning_sync.comm.compression import Compressor
 from lightning_sync.comm.consistency import check_same_structure
 from lightning_sync.comm.meter import CommMeter
-from lightning_sync.comm.nonfinite import drop_grads, grads_are_finite
+from lightning_sync.comm.nonfinite import NonFiniteStepWarning, drop_grads, grads_are_finite, skipped_step_message
 from lightning_sync.config import StrategyConfig
 from lightning_sync.errors import ConfigError
 from lightning_sync.strategies._checkpoint import SyncStateCheckpointing
@@ -203,7 +205,7 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, DDPStrategy):
             output = closure()
             params = [p for group in optimizer.param_groups for p in group["params"]]
             if not self._synced_grads_finite(params):
-                self.skipped_steps += 1
+                self._count_skipped_step(alone=not self._syncs_gradients)
                 if getattr(self.precision_plugin, "scaler", None) is None:
                     drop_grads(params)
                 compressor = self._active_compressor()
@@ -212,6 +214,24 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, DDPStrategy):
             return output
 
         return run
+
+    @property
+    def _syncs_gradients(self) -> bool:
+        """Whether the coming optimizer step all-reduces gradients (a mode with local steps says no for those)."""
+        return True
+
+    def _count_skipped_step(self, alone: bool) -> None:
+        """Counts an optimizer step skipped for a NaN or Inf gradient and warns, naming the mode and the step: on
+        rank 0 for a step every rank skipped together, on this rank for one it skipped ``alone``."""
+        self.skipped_steps += 1
+        mode = self.strategy_name.removeprefix("sync_")
+        if getattr(self.config, "mode", None):
+            mode += f" ({self.config.mode})"
+        step = self.lightning_module.trainer.global_step
+        if alone:
+            warnings.warn(skipped_step_message(mode, step, self.global_rank), NonFiniteStepWarning, stacklevel=2)
+        else:
+            rank_zero_warn(skipped_step_message(mode, step), category=NonFiniteStepWarning)
 
     def _synced_grads_finite(self, params: list[nn.Parameter]) -> bool:
         """Whether the (synced) gradients of ``params`` hold no NaN or Inf; a mode whose sync already checked them

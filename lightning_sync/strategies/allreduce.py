@@ -46,11 +46,6 @@ class AllReduceStrategy(SyncStrategyBase):
         self._parts = build_parts(self.config)
 
     @property
-    def _syncs_gradients(self) -> bool:
-        """Whether the coming optimizer step all-reduces gradients (always, here)."""
-        return True
-
-    @property
     def _broadcasts_buffers(self) -> bool:
         """Whether rank 0's buffers are broadcast before every training step."""
         return self.config.broadcast_buffers

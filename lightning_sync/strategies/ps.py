@@ -185,7 +185,8 @@ class ParameterServerStrategy(DetachableCollectives):
         if trainer.should_stop and not self.client.stopped:  # e.g. EarlyStopping here: stop every worker
             self.client.request_stop()
         self.last_reply = self.client.push(current_lrs(optimizer))
-        self.skipped_steps += int(self.last_reply.skipped)  # a NaN or Inf gradient (skip_nonfinite)
+        if self.last_reply.skipped:  # a NaN or Inf gradient (skip_nonfinite): in sync every worker skipped it
+            self._count_skipped_step(alone=self.config.mode != "sync")
         if self._straggler is not None:  # after the push: the whole step, round trip included, takes slowdown x
             self._straggler.step_end()
         if self.last_reply.stop:
