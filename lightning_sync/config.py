@@ -163,15 +163,16 @@ class GradientSyncKnobs(CompressionKnobs):
     bucketing: str = "auto"
     """``auto``: the ``overlap`` buckets, launched during backward or right after it, whichever the first sync
     rounds measure faster on this machine (all ranks agree); ``overlap``: buckets launched during backward as their
-    last gradient lands; ``flat``: one buffer after backward; ``naive``: the textbook per-parameter all-reduce loop
-    (kept for comparison)."""
+    last gradient lands; ``flat``: the same buckets, launched right after backward; ``naive``: the textbook
+    per-parameter all-reduce loop (kept for comparison). ``auto``, ``overlap`` and ``flat`` send the same buckets, so
+    they end with the same bits on any number of ranks."""
     bucket_cap_mb: float = 4.0
     """Bucket size in MiB. Smaller than DDP's 25: on a 1 Gbit link the 10.5 MB latency-bound MLP stepped in 108 ms
     with 1, 2 or 4 MiB and in 121 ms with 25, whose second bucket waits for the end of backward (the benchmark's
-    ``allreduce_overlap`` case); after backward a run goes as one payload whatever the cap."""
+    ``allreduce_overlap`` case). Every launch point sends these buckets (``flat`` too)."""
     first_bucket_mb: float = 1.0
     """Size of the first bucket in MiB, small so that communication starts early in backward (``overlap``,
-    ``auto``)."""
+    ``auto``; ``flat`` uses the same buckets)."""
     find_unused_parameters: bool = False
     """All-reduce a used-mask each step so that a parameter no rank used keeps ``grad=None`` (as DDP); without it
     such a parameter gets a zero gradient. Parameters unused on some ranks never hang either way."""
