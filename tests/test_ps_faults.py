@@ -31,6 +31,22 @@ def test_lost_process_fails_the_job_in_time_and_leaves_no_orphan(tmp_path, targe
     assert not outcome.left, f"orphans: {outcome.left}"
 
 
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+def test_a_lost_worker_ends_an_async_job_in_time_naming_it(tmp_path, mode, how):
+    """The server serves the healthy worker meanwhile (tests/test_ps_stall.py shows its steps rising) and declares
+    the lost one lost once: after ``timeout_s`` when frozen, at once when its connection closes."""
+    overrides = ["strategy=ps", f"strategy.mode={mode}", f"strategy.timeout_s={TIMEOUT_S}", "trainer.max_epochs=1000"]
+    outcome = run_and_hit([*overrides, "test=false"], tmp_path / "run", "rank1", how, wait_s=TIMEOUT_S + 30)
+    print(f"{mode} worker1 {how.name}: exit code {outcome.returncode} after {outcome.seconds:.1f} s")
+    assert outcome.returncode != 0
+    assert outcome.seconds < TIMEOUT_S + 10, outcome.seconds
+    assert "worker 1 (ps rank 1)" in outcome.stderr, outcome.stderr[-3000:]
+    assert not outcome.left, f"orphans: {outcome.left}"
+
+
 @pytest.mark.timeout(150)
 def test_a_lost_worker_ends_the_job_in_seconds_not_after_timeout_s(tmp_path):
     """With ``timeout_s=120``: the server of a sync step would wait that long for the killed worker's push, and rank

@@ -71,6 +71,16 @@ def describe(ps_rank: int, num_workers: int) -> str:
     return f"server {ps_rank - num_workers} (ps rank {ps_rank})"
 
 
+class _Seconds:
+    """A c10d work whose ``wait`` takes seconds, as the meter's works do."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def wait(self, timeout: float) -> None:
+        self.work.wait(_seconds(timeout))
+
+
 class PSGroup:
     """One member's handle on the PS group.
 
@@ -174,6 +184,21 @@ class PSGroup:
             return self.meter.recv_from(tensor, src, self._live_pg(), tag)
         except RuntimeError as exc:
             raise self._translate(exc, src, "a receive", True, 0.0) from exc
+
+    def receive(self, tensor: torch.Tensor, src: int, tag: int, what: str, *, timeout_s: float | None = None) -> None:
+        """Receives a CPU tensor from PS rank ``src`` and waits for it (bounded as :meth:`wait`); the bytes are booked
+        on the meter once they have arrived, so a receive posted long before its message does not count it ahead.
+
+        Raises:
+            PSTimeoutError, PSPeerLostError: as :meth:`wait`.
+        """
+        started = time.perf_counter()
+        try:
+            work = self._live_pg().recv([tensor], int(src), int(tag))
+        except RuntimeError as exc:
+            raise self._translate(exc, src, what, True, 0.0) from exc
+        self.wait(_Seconds(work), src, what, receiving=True, timeout_s=timeout_s)
+        self.meter.record(0.0, float(tensor.numel() * tensor.element_size()), time.perf_counter() - started)
 
     def _live_pg(self) -> Any:
         if self.pg is None:

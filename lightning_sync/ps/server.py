@@ -22,10 +22,15 @@ it at once. The server keeps serving pulls, state and stats requests until every
 ``max_updates`` on one server may arrive after it on another, so the last round can be applied to some shards and
 not to others; every worker still sees the stop at its next reply.
 
-Failure: every wait is bounded by ``timeout_s``. If no request arrives for ``timeout_s``, or a live worker that the
-server is not itself holding back stays silent that long, or a reply cannot be delivered, the loop raises an error
-naming the worker, leaves the message in the store for the peers, and returns control (a dedicated process exits
-with code 1). Before the first request (the initial parameters) the bound is ``connect_timeout_s``.
+Failure: no worker can stall the loop. Each worker has a receiving thread of its own, which takes that worker's
+requests (header, then data) and hands the loop only complete ones; the loop launches replies without waiting for
+them to be taken (a worker takes a reply before it sends its next request). So a worker that freezes between
+requests, in the middle of one, or before taking its reply holds up nothing but itself, and the loop goes on
+serving the others. A live worker that the server is not itself holding back (a pending sync gradient, a withheld
+ssp reply) and that completes no request for ``timeout_s`` is declared lost, once: the loop raises an error naming
+it, leaves the message in the store for the peers, and returns control (a dedicated process exits with code 1).
+The same happens when no request at all arrives for ``timeout_s`` (``connect_timeout_s`` before the initial
+parameters), or a worker's connection closes.
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -215,6 +222,8 @@ class ParameterServer:
         self.rejected_pushes = 0
         self.skipped_updates = 0  # sync steps or async/ssp pushes skipped for a NaN or Inf gradient
         self._inflight: dict[int, list[tuple[Kind, Any]]] = {}  # worker -> sends of its last reply
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (worker, request, data, error) of each receiver
+        self._last_request = time.monotonic()
 
     # ---------------------------------------------------------------- public
     @property
@@ -230,11 +239,11 @@ class ParameterServer:
             PSPeerLostError: a worker's connection closed while the server was talking to it.
         """
         try:
+            self._start_receivers()
             while any(self.live):
-                request, worker = self._next_request()
-                self.last_contact[worker] = time.monotonic()
+                worker, request, payload = self._next_request()
+                self.last_contact[worker] = self._last_request = time.monotonic()
                 self._settle(worker)  # a worker only sends again once it has taken our previous reply
-                payload = self._recv_payload(request, worker)
                 try:
                     self._handle(request, worker, payload)
                 except _Refused as refusal:
@@ -273,24 +282,65 @@ class ParameterServer:
         return out
 
     # ---------------------------------------------------------------- receiving
-    def _next_request(self) -> tuple[Request, int]:
-        header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
-        work = self.group.recv(header, None, TAG_REQUEST)
-        timeout = self.group.timeout_s if self.shard is not None else self.group.connect_timeout_s
-        started = time.monotonic()
-        try:
-            self.group.wait(work, None, "a request", receiving=True, timeout_s=timeout)
-        except PSTimeoutError as exc:
-            raise PSTimeoutError(self._silence_message(time.monotonic() - started)) from exc
-        return Request.parse(header), work.source_rank()
+    def _start_receivers(self) -> None:
+        for worker in range(self.num_workers):
+            name = f"lightning_sync-ps-server{self.server}-recv{worker}"
+            threading.Thread(target=self._receive_from, args=(worker,), name=name, daemon=True).start()
 
-    def _recv_payload(self, request: Request, worker: int) -> torch.Tensor | None:
-        if request.payload_nbytes <= 0:
-            return None
-        payload = torch.empty(request.payload_nbytes, dtype=torch.uint8)
-        work = self.group.recv(payload, worker, TAG_REQUEST_DATA)
-        self.group.wait(work, worker, f"the payload of its {request.kind.name} request", receiving=True)
-        return payload
+    def _receive_from(self, worker: int) -> None:
+        """Receiving thread of ``worker``: its requests, each complete (header and data), into the inbox, until its
+        goodbye or an error.
+
+        The loop, not this thread, decides when the worker is lost (after ``timeout_s`` of silence it is not itself
+        the cause of); this thread's waits are only a backstop, longer than any silence the loop tolerates (a gloo
+        wait that times out closes every connection of the member, so it must not end one the loop still serves).
+        """
+        backstop = max(self.group.connect_timeout_s, self.group.timeout_s) + 2 * self.group.timeout_s
+        try:
+            while True:
+                header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
+                self.group.receive(header, worker, TAG_REQUEST, "a request", timeout_s=backstop)
+                request, payload = Request.parse(header), None
+                if request.payload_nbytes > 0:
+                    payload = torch.empty(request.payload_nbytes, dtype=torch.uint8)
+                    what = f"the data of its {request.kind.name} request"
+                    self.group.receive(payload, worker, TAG_REQUEST_DATA, what, timeout_s=backstop)
+                self._inbox.put((worker, request, payload, None))
+                if request.kind == Kind.BYE:
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop, which raises it
+            self._inbox.put((worker, None, None, exc))
+
+    def _next_request(self) -> tuple[int, Request, torch.Tensor | None]:
+        """The next complete request of any worker; raises once a worker is lost (see the module docstring)."""
+        while True:
+            try:
+                worker, request, payload, error = self._inbox.get(timeout=self._patience())
+            except queue.Empty:
+                self._check_silent_workers()
+                waited = time.monotonic() - self._last_request
+                if waited >= self._bound():
+                    raise PSTimeoutError(self._silence_message(waited)) from None
+                continue
+            if error is not None:
+                raise error
+            assert request is not None
+            return worker, request, payload
+
+    def _bound(self) -> float:
+        return self.group.timeout_s if self.shard is not None else self.group.connect_timeout_s
+
+    def _patience(self) -> float:
+        """Seconds until a worker would be declared lost, or the server would give up waiting for any request."""
+        deadlines = [self._last_request + self._bound()]
+        if self.shard is not None:
+            held = self._waiting_on_us()
+            deadlines += [
+                self.last_contact[w] + self.group.timeout_s
+                for w in range(self.num_workers)
+                if self.live[w] and w not in held
+            ]
+        return max(min(deadlines) - time.monotonic(), 0.0) + 0.01
 
     def _waiting_on_us(self) -> set[int]:
         return set(self.pending) | self.withheld | set(self.deferred_pulls)

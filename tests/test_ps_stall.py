@@ -1,0 +1,90 @@
+"""No worker can stall the parameter server: a worker that freezes (SIGSTOP) between requests, or in the middle of
+one (its request header sent, the data not), does not hold up the server's loop. In async the healthy worker goes
+on training until the server declares the frozen one lost, after ``timeout_s``, once, naming it; then every
+worker ends within seconds.
+
+Plain torch.distributed (no Lightning): a dedicated server process and two worker processes, forked.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import signal  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from test_ps_core import (  # noqa: E402
+    _backward,
+    _free_port,
+    _join_dedicated,
+    _server_process,
+    _started_sgd_worker,
+    procs,  # noqa: E402, F401 - the fixture
+)
+
+import lightning_sync.ps as ps  # noqa: E402
+from lightning_sync.ps._protocol import TAG_REQUEST, Kind, Request  # noqa: E402
+
+TIMEOUT_S = 4.0
+FREEZE_AT = 5  # worker 1 freezes before its push number FREEZE_AT
+MAX_PUSHES = 4000
+
+
+def _worker(rank: int, port: int, mode: str, where: str, signalled: Any, pushed_at: Any, count: Any) -> dict:
+    """Pushes until an error; worker 1 freezes itself at push ``FREEZE_AT``: ``between`` requests, or
+    ``mid_request`` (a push header announcing data, then nothing). Worker 0 books the time of every push reply."""
+    group = _join_dedicated(rank, port, 1, TIMEOUT_S)
+    model, opt, client = _started_sgd_worker(group, rank, mode=mode, max_staleness=1)
+    try:
+        for step in range(MAX_PUSHES):
+            _backward(model, rank, step)
+            if rank == 1 and step == FREEZE_AT:
+                if where == "mid_request":
+                    header = Request(Kind.PUSH, 1, client.versions[0], 4096, client.checksums[0], 0).header()
+                    group.send(header, group.server_rank(0), TAG_REQUEST).wait()
+                signalled.value = time.monotonic()
+                os.kill(os.getpid(), signal.SIGSTOP)
+            client.push(ps.current_lrs(opt))
+            if rank == 0:
+                pushed_at[count.value] = time.monotonic()
+                count.value += 1
+            time.sleep(0.01)
+    except ps.PSError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "at": time.monotonic()}
+    return {"error": None}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+@pytest.mark.parametrize("where", ["between", "mid_request"])
+def test_a_frozen_worker_neither_stalls_the_server_nor_chains_waits(procs, mode, where):  # noqa: F811
+    port = _free_port()
+    signalled = procs.ctx.Value("d", 0.0)
+    pushed_at, count = procs.ctx.Array("d", MAX_PUSHES, lock=False), procs.ctx.Value("i", 0, lock=False)
+    procs.start("server", _server_process, port, 0, 2, 1, TIMEOUT_S)
+    for rank in range(2):
+        procs.start(f"worker{rank}", _worker, rank, port, mode, where, signalled, pushed_at, count)
+    server = procs.ok(["server"], timeout=40)["server"]
+    assert "error" in server, server
+    assert "worker 1 (ps rank 1)" in server["error"] and "worker 0 (ps rank 0)" not in server["error"], server
+    lost_after = server["at"] - signalled.value
+    assert TIMEOUT_S - 0.5 <= lost_after <= TIMEOUT_S + 3.0, lost_after  # declared lost after timeout_s, once
+    survivor = procs.ok(["worker0"], timeout=TIMEOUT_S + 5)["worker0"]
+    assert survivor["error"] and "worker 1 (ps rank 1)" in survivor["error"], survivor  # the reason reaches it
+    assert survivor["at"] - server["at"] <= 3.0, survivor["at"] - server["at"]
+    times = torch.tensor(list(pushed_at[: count.value]))
+    frozen = int(((times > signalled.value + 0.5) & (times < signalled.value + TIMEOUT_S - 0.5)).sum())
+    print(
+        f"{mode} {where}: server declared worker 1 lost {lost_after:.2f} s after the freeze; worker 0 pushed "
+        f"{frozen} times while it was frozen; worker 0 ended {survivor['at'] - server['at']:.2f} s after the server"
+    )
+    if mode == "async":
+        assert frozen >= 10, frozen  # the healthy worker went on training while the other was frozen
+    else:
+        assert frozen <= 2, frozen  # ssp (max_staleness=1) holds the healthy worker back: at most s+1 pushes ahead
