@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_sync.apps.tables import markdown_table, write_provenance
+
 # Each case: Hydra overrides on top of conf/config.yaml.
 CASES: dict[str, list[str]] = {
     "ddp": ["strategy=ddp"],
@@ -114,13 +116,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 f"{b / ref:.3f}" if (b is not None and ref) else "-",
             )
         )
-    widths = [max([len(h), 22 if i == 0 else 8, *(len(c[i]) for c in cells)]) for i, h in enumerate(header)]
-
-    def line(values: Sequence[str]) -> str:
-        first, *rest = values
-        return "| " + " | ".join([first.ljust(widths[0]), *(v.rjust(w) for v, w in zip(rest, widths[1:]))]) + " |"
-
-    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
+    return markdown_table(header, cells, align="lrrrr", pad=True)
 
 
 def _result_line(index: int, total: int, row: dict[str, Any], seconds: float) -> str:
@@ -194,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=2))
     (out / "results.md").write_text(table + "\n")
+    write_provenance(out)
     epochs = "smoke" if args.smoke else args.epochs
     extra = f", overrides: {' '.join(args.overrides)}" if args.overrides else ""
     print(f"\nDigits classifier, 2 CPU ranks (gloo), {epochs} epochs, seed {args.seed}{extra}")

@@ -41,6 +41,8 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from lightning_sync.apps.tables import markdown_table  # the one table writer; ps_study and notebooks import it here
+
 TIMELINE_DIR = "timeline"
 """The folder, inside a run folder, of the ranks' timelines (``rank<r>.json``)."""
 DEFAULT_TIME_TO_ACCURACY = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "time_to_accuracy.json"
@@ -505,13 +507,6 @@ def periodic_cases(
 def format_cell(value: Any, spec: str, suffix: str = "") -> str:
     """``value`` formatted with ``spec`` (and ``suffix``); ``-`` for ``None``."""
     return "-" if value is None else format(value, spec) + suffix
-
-
-def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
-    """A Markdown table of already formatted cells."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
-    return "\n".join(lines)
 
 
 def _accuracy_cell(run: StudyRun) -> str:

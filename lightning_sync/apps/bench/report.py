@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_sync.apps.bench.config import WORKLOADS, BenchConfig
+from lightning_sync.apps.tables import markdown_table
 
 ANCHORS = ("lightning_ddp", "torch_ddp", "floor")
 _METRIC_KEY = {"step_time": "step_time_ms", "time_to_accuracy": "seconds_to_target", "bus_bandwidth": "busbw_mbit"}
@@ -109,8 +110,7 @@ def _table_lines(rows: list[dict[str, Any]], metric: str, anchors: list[str]) ->
                 cells.append(_cell(r.get("median_bytes_sent_per_step"), ",.0f"))
             cells.append(" ".join("never" if text == "-" and time_to else text for text in r["shown"]))
             body.append(cells)
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return lines + ["| " + " | ".join(cells) + " |" for cells in body]
+    return markdown_table(header, body).splitlines()
 
 
 def markdown(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
