@@ -84,7 +84,9 @@ def build(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> tuple[Any, Any, Any
     try:
         strategy = hydra.utils.instantiate(cfg.strategy)
         datamodule = hydra.utils.instantiate(cfg.data)
-        model = hydra.utils.instantiate(cfg.model)
+        # model config fields left null that the data decides (e.g. the text's vocab_size): the data's values
+        filled = {k: v for k, v in getattr(datamodule, "model_kwargs", {}).items() if cfg.model.get(k, 0) is None}
+        model = hydra.utils.instantiate(cfg.model, **filled)
         validate_model = getattr(strategy, "validate_model", None)
         if validate_model is not None:  # e.g. per-module sync patterns against the real parameter names
             validate_model(model)
@@ -221,7 +223,10 @@ def run(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     if not trainer.is_global_zero:
         return {}
     # With fork/spawn the callbacks ran in the ranks, not here: the file rank 0 wrote is the record.
-    return read_summary(report.path) or report.summary
+    summary = read_summary(report.path) or report.summary
+    if getattr(datamodule, "unigram_entropy", None) is not None:  # a text's baseline, beside the model's loss
+        summary["unigram"] = {"loss": datamodule.unigram_entropy, "bpc": datamodule.unigram_bits}
+    return summary
 
 
 def _ckpt_path(cfg: DictConfig) -> str | None:
@@ -308,6 +313,8 @@ def _summary_line(summary: dict[str, Any]) -> str:
     if "bytes_sent_per_step" in summary:
         parts.append(f"bytes_sent_per_step={summary['bytes_sent_per_step']:.0f}")
     parts += [f"{k}={v:.4f}" for k, v in summary.get("test", {}).items()]
+    if "unigram" in summary:
+        parts.append(f"(unigram baseline: loss={summary['unigram']['loss']:.4f} bpc={summary['unigram']['bpc']:.4f})")
     return "summary: " + " ".join(parts)
 
 

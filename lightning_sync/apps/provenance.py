@@ -1,0 +1,107 @@
+"""Where a result comes from: the code, the command, the software and the CPU, recorded beside every results file.
+
+:func:`provenance` is what the compare job, the benchmark and the notebooks store with their numbers, so that two
+tables from two machines (or two commits) can be told apart and explained. It reads only local facts (``git``,
+package metadata, ``/proc/cpuinfo``, ``/proc/loadavg``) and records no host name or user name.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+PACKAGES = ("torch", "lightning", "numpy", "scikit-learn", "lightning-sync")
+"""The distributions whose versions a record holds, besides Python's."""
+_REPO = Path(__file__).resolve().parents[2]
+
+
+def _git(*args: str) -> str | None:
+    """``git <args>``'s output in the checkout this package runs from; ``None`` outside one or without git."""
+    try:
+        proc = subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def git_state() -> dict[str, Any]:
+    """``{"commit": full hash or None, "dirty": True if tracked files differ from it (None: unknown),
+    "dirty_files": the first 20 of them}``."""
+    commit = (_git("rev-parse", "HEAD") or "").strip() or None
+    status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
+    files = [line[3:] for line in (status or "").splitlines()]
+    return {"commit": commit, "dirty": None if status is None else bool(status), "dirty_files": files[:20]}
+
+
+def cpu_info(path: str | Path = "/proc/cpuinfo") -> dict[str, Any]:
+    """The CPU's model name, logical CPUs and feature flags (sorted), from ``/proc/cpuinfo`` (Linux); on other
+    systems the model is :func:`platform.processor` and the flags are empty."""
+    file = Path(path)
+    model, flags, count = platform.processor() or None, [], 0
+    if file.is_file():
+        for line in file.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            key, value = key.strip(), value.strip()
+            if key == "processor":
+                count += 1
+            elif key == "model name" and count <= 1:
+                model = value
+            elif key in ("flags", "Features") and not flags:
+                flags = sorted(value.split())
+    return {"model": model, "logical_cpus": count or os.cpu_count(), "flags": flags}
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """A record of where a result comes from, to store beside it (JSON-ready).
+
+    Args:
+        argv: the arguments after the interpreter (``None``: this process's own command line).
+
+    Returns:
+        ``{"command", "commit", "dirty", "dirty_files", "date", "python", "versions": {name: version}, "machine"
+        (one line), "platform", "cpu": {"model", "logical_cpus", "flags"}, "load_average"}``; ``command`` is the command line as a shell would take it,
+        with ``python -m <module>`` for a module run.
+    """
+    if argv is None:  # the interpreter's own command line: ``python -m pkg.mod args`` as typed
+        orig = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+        command = shlex.join([Path(orig[0]).name, *orig[1:]])
+    else:
+        command = shlex.join([Path(sys.executable).name, *argv])
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    cpu = cpu_info()
+    return {
+        "command": command,
+        **git_state(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "python": platform.python_version(),
+        "versions": {name: _version(name) for name in PACKAGES},
+        "machine": f"{platform.system()} {platform.machine()}, {cpu['logical_cpus']} CPUs, {cpu['model']}",
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "load_average": load,
+    }
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    """One line of a record for a report's footer: commit (``+dirty``), Python, the packages and the CPU."""
+    commit = (record.get("commit") or "unknown")[:10] + ("+dirty" if record.get("dirty") else "")
+    packages = " ".join(f"{k} {v}" for k, v in record.get("versions", {}).items() if v)
+    return f"commit {commit}; Python {record.get('python')}; {packages}; CPU {record.get('cpu', {}).get('model')}"
