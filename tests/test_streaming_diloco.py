@@ -65,6 +65,10 @@ class Loop:
         loss = (self.model(x) - x).pow(2).mean()
         self.opt.zero_grad()
         loss.backward()
+        if self.averager.in_warmup:  # as the owner does: warmup steps all-reduce the gradients
+            for p in self.model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
         self.opt.step()
 
     def run(self, steps: int) -> list[list[str]]:
@@ -359,6 +363,39 @@ def _resume_ranks(rank: int, world: int, knobs: dict) -> None:
 def test_resume_with_a_fragment_in_flight_equals_the_uninterrupted_run(codec):
     knobs = dict(sync_every=4, outer=True, fragments=2, sync_delay=1, fragment_alpha=0.5, outer_compression=codec)
     run_ranks(_resume_ranks, knobs)
+
+
+def _composition_ranks(rank: int, world: int) -> None:
+    knobs = dict(fragments=2, sync_delay=1, outer=True)
+    averager = PeriodicAverager(sync_every=4, warmup_steps=2, module_sync_every={"3.*": 8}, **knobs)
+    loop = Loop(rank, averager)
+    assert [(g.label, g.period, g.offset) for g in averager.groups] == [
+        ("*#0", None, 2),
+        ("*#1", None, 0),
+        ("3.*", 8, 0),
+    ]
+    synced = loop.run(10)  # 2 warmup steps, then the staggered fragments; the one-layer group "3.*" every 8
+    assert synced == [[], [], [], ["*#0"], [], ["*#1"], [], ["*#0"], [], ["*#1", "3.*"]], synced
+    loop.averager.finish([loop.opt])
+    rows = both_ranks(flat(loop.model))
+    assert torch.equal(rows[0], rows[1])
+    averager.close()
+
+    averager = PeriodicAverager(sync_every="auto", min_sync_every=4, max_sync_every=16, **knobs)
+    loop = Loop(rank, averager)
+    synced = loop.run(16)
+    assert averager.adaptive is not None and averager.adaptive.compute_seconds is not None
+    assert sum(len(s) for s in synced) >= 2 and 4 <= averager.period <= 16
+    loop.averager.finish([loop.opt])
+    rows = both_ranks(flat(loop.model))
+    assert torch.equal(rows[0], rows[1])
+    averager.close()
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_fragments_compose_with_module_groups_warmup_and_auto():
+    run_ranks(_composition_ranks)
 
 
 # ---------------------------------------------------------------------------------------------------------- faults

@@ -591,6 +591,8 @@ class PeriodicAverager:
         if self._step_started is None or self.meter is None:
             return
         comm = self.meter.total.seconds - self._step_comm_start
+        if any(group.in_flight is not None for group in self.groups):
+            comm = 0.0  # the worker's transfer, booked on the meter meanwhile, ran beside this compute
         self._compute_seconds += max(time.perf_counter() - self._step_started - comm, 0.0)
         self._compute_steps += 1
         self._step_started = None

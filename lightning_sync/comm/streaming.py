@@ -22,6 +22,7 @@ compressor whose second collective needs the first one's result (int8/int4) runs
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -170,8 +171,12 @@ class StreamingAverager(ModelAverager):
         return flight
 
     def _average_buckets(self, buckets: Sequence[FlatBucket]) -> None:
-        for future in [self.compressor.average(bucket, self.meter, self.group) for bucket in buckets]:
-            wait_future(future, "outer sync", self.group)
+        """The worker's job: average every bucket and wait (on a GPU, with the buckets' device current in the
+        worker thread, where the current device is not inherited)."""
+        device = buckets[0].buffer.device if buckets else torch.device("cpu")
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            for future in [self.compressor.average(bucket, self.meter, self.group) for bucket in buckets]:
+                wait_future(future, "outer sync", self.group)
 
     def complete_(self, flight: InFlight, timeout_s: float | None = None) -> float:
         """Waits for ``flight``'s average (at most ``timeout_s`` plus a grace, when run on the worker); idempotent.
