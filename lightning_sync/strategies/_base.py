@@ -43,8 +43,8 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, DDPStrategy):
 
     Args:
         config: the strategy's config dataclass (``config_class``); ``None`` for its defaults.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend: Lightning's own, as for ``DDPStrategy``.
+        accelerator: Lightning's own, as for ``DDPStrategy``; so are ``parallel_devices``, ``cluster_environment``,
+            ``checkpoint_io``, ``precision_plugin`` and ``process_group_backend``.
         **knobs: fields of ``config_class``, overriding ``config``'s.
 
     Raises:
