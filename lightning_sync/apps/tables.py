@@ -3,8 +3,9 @@
 :func:`markdown_table` is the one table writer: the main job (``compare``), the benchmark's report, the notebooks'
 study tables and the parameter-server study all format their tables with it.
 
-:func:`provenance` is what a results folder records beside its ``results.json`` (``provenance.json``): the command,
-the commit, the date and the versions it ran with.
+Each table on the results page names where it comes from: the ``provenance`` record
+(:func:`lightning_sync.apps.provenance.provenance`: command, commit, date, versions, machine) that ``compare`` and
+the benchmark store in their ``results.json``, or a ``provenance.json`` beside the results file.
 
 ``python -m lightning_sync.apps.tables`` writes ``docs/results.md`` from the results files under
 ``benchmarks/results/`` (or the folders given): every ``results.json`` written by ``compare``, the benchmark or
@@ -20,24 +21,18 @@ when the page on disk differs from what the results files give (for CI: the page
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import shlex
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 _ALIGN = {"l": ":---", "r": "---:", "c": ":---:", "-": "---"}
-_PACKAGES = ("torch", "lightning", "lightning-sync")
 PROVENANCE_FILE = "provenance.json"
 DEFAULT_SOURCES = ("benchmarks/results",)
 DEFAULT_OUT = "docs/results.md"
-COMPARE_TITLE = "Main job: every sync mode on the digits"
+COMPARE_TITLE = "Main job: every sync mode, over seeds"
 
 
 # ------------------------------------------------------------------------------------------------------ the writer
@@ -91,56 +86,17 @@ def _rule(letter: str, width: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ provenance
-def provenance(command: Sequence[str] | str | None = None, cwd: str | Path | None = None) -> dict[str, Any]:
-    """Where a result comes from: the command, the commit, the date (UTC), Python, the packages and the machine.
+def write_provenance(out: str | Path, argv: Sequence[str] | None = None) -> Path:
+    """Writes :func:`lightning_sync.apps.provenance.provenance` as ``<out>/provenance.json``; returns its path.
 
-    Args:
-        command: The command that produced the result; ``None`` takes this process's ``sys.argv`` as
-            ``python -m <module> ...`` when run as a module, else as given.
-        cwd: The working tree whose commit is recorded (the current directory by default).
-
-    Returns:
-        A JSON-ready dict. ``commit`` is ``None`` outside a git checkout; ``dirty`` says whether tracked files differ
-        from that commit.
+    For results whose ``results.json`` cannot hold a ``provenance`` key of its own (a table kept as Markdown).
     """
-    if command is None:
-        command = _this_command()
-    elif not isinstance(command, str):
-        command = shlex.join(command)
-    commit = _git(["rev-parse", "HEAD"], cwd)
-    dirty = bool(_git(["status", "--porcelain", "--untracked-files=no"], cwd)) if commit else None
-    versions = {}
-    for name in _PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return {
-        "command": command,
-        "commit": commit,
-        "dirty": dirty,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "python": platform.python_version(),
-        "versions": versions,
-        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
-    }
+    from lightning_sync.apps.provenance import provenance
 
-
-def write_provenance(out: str | Path, command: Sequence[str] | str | None = None) -> Path:
-    """Writes :func:`provenance` as ``<out>/provenance.json`` and returns its path."""
     path = Path(out) / PROVENANCE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(provenance(command), indent=1) + "\n")
+    path.write_text(json.dumps(provenance(argv), indent=1) + "\n")
     return path
-
-
-def _this_command() -> str:
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if spec is not None and spec.name:
-        name = spec.name.removesuffix(".__main__")
-        return shlex.join(["python", "-m", name, *sys.argv[1:]])
-    return shlex.join(["python", *sys.argv])
 
 
 def _git(args: list[str], cwd: str | Path | None) -> str | None:
@@ -173,17 +129,16 @@ def provenance_line(record: dict[str, Any] | None, path: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ the page
-def render_results(path: Path) -> tuple[str, str]:
-    """``(title, tables)`` for one ``results.json``, by the shape its writer gives it.
+def render_results(path: Path, data: Any) -> tuple[str, str]:
+    """``(title, tables)`` for one ``results.json`` (``data``, as read from ``path``), by the shape its writer gives it.
 
     Raises:
         ValueError: The file is not one of the known results files.
     """
-    data = json.loads(path.read_text())
-    if isinstance(data, list) and all(isinstance(r, dict) and "mode" in r for r in data):
-        from lightning_sync.apps.compare import format_table
+    if isinstance(data, dict) and "workloads" in data:
+        from lightning_sync.apps import compare
 
-        return COMPARE_TITLE, format_table(data)
+        return COMPARE_TITLE, compare.format_results(data).replace("### ", "#### ")
     if isinstance(data, dict) and {"config", "summary", "records"} <= data.keys():
         from lightning_sync.apps.bench.config import BenchConfig
         from lightning_sync.apps.bench.report import markdown
@@ -205,8 +160,10 @@ def results_page(sources: Sequence[str | Path]) -> str:
         files = [source] if source.is_file() else sorted(source.rglob("*")) if source.is_dir() else []
         for path in files:
             if path.name == "results.json":
-                title, tables = render_results(path)
-                record = _read_json(path.parent / PROVENANCE_FILE)
+                data = json.loads(path.read_text())
+                title, tables = render_results(path, data)
+                embedded = data.get("provenance") if isinstance(data, dict) else None
+                record = embedded or _read_json(path.parent / PROVENANCE_FILE)
             elif path.suffix == ".md" and (path.with_suffix(".provenance.json")).exists():
                 record = _read_json(path.with_suffix(".provenance.json"))
                 title = record.get("title") or path.stem
