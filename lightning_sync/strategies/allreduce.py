@@ -24,7 +24,8 @@ class AllReduceStrategy(SyncStrategyBase):
     At setup rank 0's parameters and buffers are broadcast, so ranks seeded differently still start identical.
     Gradients are averaged once per optimizer step, before gradient clipping and ``on_before_optimizer_step``; with
     ``bucketing="overlap"`` the communication runs during backward, and with ``"auto"`` (the default) during or
-    right after backward, whichever the first sync rounds measure faster. Non-final micro-batches of
+    right after backward, whichever the first sync rounds measure faster. Every launch point sends the same buckets,
+    so the parameters come out bit for bit the same whichever it is. Non-final micro-batches of
     ``accumulate_grad_batches`` send nothing. Manual optimization, several optimizers and precision plugins work.
 
     Args:
