@@ -1,5 +1,6 @@
 # Developer and CI entry points. `make test` = `make setup` + the test suite (.ci/run calls `make test`);
-# `make compare` = `make setup` + the main job (every sync mode on the digits, one table in outputs/compare/).
+# `make compare` = `make setup` + the main job (the digits with every sync mode and the language model with DDP and
+# the byte-saving modes, seeds 0,1,2; mean [min, max] tables in outputs/compare/).
 #
 # torch is pinned and installed first: this machine has the CPU wheel of torch 2.13.0 on disk, while an unpinned
 # torch (or one pulled in by another package) would download a multi-GB CUDA build.
