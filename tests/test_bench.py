@@ -25,7 +25,11 @@ from lightning_sync.errors import ConfigError
         ("network.rate=2mbit", "network.rate='2mbit'", "loopback, 10mbit, 100mbit, 1gbit"),
         ("network.rate=loopback,fast", "network.rate='fast'", "1gbit"),
         ("cases=allreduce,nope", "cases='nope'", "torch_local_sgd"),
-        ("workloads=resnet", "workloads='resnet'", "latency_bound, compute_bound, bandwidth_bound, digits, payload"),
+        (
+            "workloads=resnet",
+            "workloads='resnet'",
+            "latency_bound, compute_bound, bandwidth_bound, digits, char_lm, payload",
+        ),
         ("repeats=0", "repeats=0", ">= 1"),
         ("repeats=two", "repeats='two'", "an integer"),
         ("target_accuracy=1.5", "target_accuracy=1.5", "(0, 1]"),
@@ -213,3 +217,87 @@ def test_tiny_run_between_emulated_hosts_at_1gbit(tmp_path):
     assert "network 1gbit" in table and "of link" in table
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert prefix not in namespaces
+
+
+@pytest.mark.unit
+def test_char_lm_cases_put_the_target_setter_first_and_need_it():
+    cfg = parse_overrides(["workloads=char_lm", "cases=allreduce,diloco,lightning_ddp,floor"])
+    assert cfg.cases_for("char_lm") == ["lightning_ddp", "allreduce", "diloco", "floor"]
+    default = parse_overrides(["workloads=char_lm"]).cases_for("char_lm")
+    assert default[0] == "lightning_ddp" and {"diloco", "ps_async", "torch_local_sgd", "single"} <= set(default)
+    with pytest.raises(ConfigError, match=r"cases=allreduce,topk is not allowed with workloads=char_lm.*lightning_ddp"):
+        parse_overrides(["workloads=char_lm", "cases=allreduce,topk"])
+    with pytest.raises(ConfigError, match=r"give_up_factor=0.5"):
+        parse_overrides(["workloads=char_lm", "give_up_factor=0.5"])
+
+
+@pytest.mark.unit
+def test_our_cases_read_bench_knobs_and_give_periodic_eval_points():
+    from lightning_sync.apps.bench.config import OUR_CASES, sync_period
+
+    cfg = parse_overrides(["workloads=char_lm", "sync_every=4", "diloco_sync_every=24"])
+    assert OUR_CASES["diloco"].arguments(cfg) == {"mode": "diloco", "sync_every": 24}
+    assert [sync_period(c, cfg) for c in ("periodic", "diloco", "torch_local_sgd", "topk", "ps_async")] == [
+        4,
+        24,
+        4,
+        1,
+        1,
+    ]
+
+
+def _lm_record(case, repeat, trajectory, rate="10mbit", **extra):
+    return {
+        "workload": "char_lm",
+        "rate": rate,
+        "case": case,
+        "repeat": repeat,
+        "ok": True,
+        "trajectory": trajectory,
+        "seconds_to_target": None,
+        "steps_to_target": None,
+        **extra,
+    }
+
+
+@pytest.mark.unit
+def test_targets_come_from_ddp_and_time_is_read_off_trajectories():
+    from lightning_sync.apps.bench.cli import Targets
+
+    cfg = parse_overrides(["workloads=char_lm", "budget_steps=16", "give_up_factor=2"])
+    targets = Targets(cfg)
+    assert targets.spec("char_lm", "10mbit") == {}
+    ddp = _lm_record("lightning_ddp", 0, [(4.0, 8, 2.9), (8.0, 16, 2.5)])
+    targets.observe(ddp)
+    assert ddp["seconds_to_target"] == 8.0 and ddp["steps_to_target"] == 16 and ddp["target_loss"] == 2.5
+    assert targets.spec("char_lm", "10mbit") == {"target": 2.5, "give_up_s": 16.0}
+    assert targets.spec("char_lm", "1gbit") == {"target": 2.5, "give_up_s": None}
+    floor = _lm_record("floor", 0, [(1.0, 8, 3.0), (2.0, 16, 2.7)])
+    targets.observe(floor)
+    assert floor["seconds_at_budget"] == 2.0 and floor["seconds_to_target"] is None
+
+
+@pytest.mark.unit
+def test_char_lm_table_gives_median_spread_bounds_and_bytes():
+    cfg = parse_overrides(["workloads=char_lm", "budget_steps=16", "repeats=2"])
+    records = []
+    for repeat, (ddp_s, diloco_s) in enumerate([(10.0, 1.0), (12.0, 3.0)]):
+        common = {"target_loss": 2.5}
+        records += [
+            _lm_record("lightning_ddp", repeat, [(ddp_s, 16, 2.5)], seconds_to_target=ddp_s, steps_to_target=16,
+                       final_loss=2.5, wire_bytes_per_step=1.7e6, wire_over_meter=1.03, **common),
+            _lm_record("diloco", repeat, [(diloco_s, 32, 2.45)], seconds_to_target=diloco_s, steps_to_target=32,
+                       final_loss=2.45, bytes_sent_per_step=1.0e5, wire_bytes_per_step=1.04e5, **common),
+            _lm_record("topk", repeat, [(20.0, 48, 2.8)], final_loss=2.8, gave_up=True, **common),
+            _lm_record("floor", repeat, [(0.5, 16, 2.9)], seconds_at_budget=0.5, final_loss=2.9, **common),
+        ]  # fmt: skip
+    rows = {r["case"]: r for r in summarize(records, cfg)}
+    assert rows["diloco"]["median"] == 2.0 and rows["diloco"]["spread"] == [1.0, 3.0]
+    assert rows["diloco"]["vs_lightning_ddp"] == pytest.approx(2.0 / 11.0)
+    assert rows["diloco"]["vs_floor"] == pytest.approx(4.0) and rows["floor"]["median"] == 0.5
+    assert rows["topk"]["median"] is None
+    table = markdown(list(rows.values()), cfg)
+    assert "<= 2.5000 nats/char" in table and "wire/meter" in table
+    assert "| diloco | 2.00 | 1.00-3.00 | 0.18x | 4.00x | 32 | 2.4500 |" in table
+    assert "100,000 (ring)" in table and "| topk | not reached |" in table and "never never" in table
+    assert "| floor (bound: s for budget_steps) | 0.50 |" in table

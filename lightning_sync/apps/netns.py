@@ -17,6 +17,7 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 _UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
@@ -32,6 +33,39 @@ class EmulatedHost:
     def command(self, argv: list[str]) -> list[str]:
         """``argv`` run inside this host's namespace."""
         return ["ip", "netns", "exec", self.namespace, *argv]
+
+
+class InterfaceCounters:
+    """The bytes a network interface transmitted and received between :meth:`start` and :meth:`stop`.
+
+    Reads the kernel's counters in ``/sys/class/net/<interface>/statistics/``: every frame that crossed the
+    interface, headers included (Ethernet, IP, TCP; a TSO/GSO segment counts once, at its full length). Read from
+    inside a host's namespace (``ip netns exec`` mounts that namespace's sysfs), they count that host's traffic on
+    the emulated link only; loopback traffic inside the namespace is not on them.
+
+    Args:
+        interface: the interface name, e.g. the host's ``GLOO_SOCKET_IFNAME``.
+    """
+
+    def __init__(self, interface: str) -> None:
+        self.interface = interface
+        self._base = Path("/sys/class/net", interface, "statistics")
+        self._at_start: tuple[int, int] | None = None
+        self.tx_bytes: int | None = None
+        self.rx_bytes: int | None = None
+
+    def read(self) -> tuple[int, int]:
+        """``(tx_bytes, rx_bytes)`` now. Raises ``OSError`` naming the file when the interface is not here."""
+        return tuple(int((self._base / name).read_text()) for name in ("tx_bytes", "rx_bytes"))  # type: ignore[return-value]
+
+    def start(self) -> None:
+        self._at_start = self.read()
+
+    def stop(self) -> None:
+        if self._at_start is None:
+            return
+        tx, rx = self.read()
+        self.tx_bytes, self.rx_bytes = tx - self._at_start[0], rx - self._at_start[1]
 
 
 def burst_bytes(rate: str) -> int:

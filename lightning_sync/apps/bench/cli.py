@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import signal
 import sys
 import time
@@ -24,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from lightning_sync.apps.bench.config import CASE_HELP, WORKLOADS, BenchConfig, NetworkConfig, parse_overrides
+from lightning_sync.apps.bench.config import BOUNDS, CASE_HELP, WORKLOADS, BenchConfig, NetworkConfig, parse_overrides
 from lightning_sync.config import knob_docs
 from lightning_sync.errors import ConfigError
 
@@ -63,9 +64,69 @@ def _value_text(workload: str, result: dict[str, Any]) -> str:
         return f"{result['step_time_ms']:.2f} ms/step"
     if metric == "bus_bandwidth":
         return f"{result['allreduce_s']:.3f} s, busbw {result['busbw_mbit']:,.0f} Mbit/s"
+    wire = result.get("wire_over_meter")
+    wire_text = f", wire/meter {wire:.3f}" if wire else ""
+    if metric == "time_to_loss":
+        trajectory = result.get("trajectory") or [(0.0, 0, math.nan)]
+        seconds, steps, final = trajectory[-1]
+        if result["case"] in BOUNDS:
+            return f"{seconds:.2f} s for {steps} steps (final loss {final:.4f}){wire_text}"
+        if result.get("seconds_to_target") is None:
+            return (
+                f"target {result.get('target_loss')} not reached in {steps} steps (final loss {final:.4f}){wire_text}"
+            )
+        return (
+            f"{result['seconds_to_target']:.2f} s to loss {result['target_loss']:.4f} ({result['steps_to_target']} "
+            f"steps){wire_text}"
+        )
     if result.get("seconds_to_target") is None:
         return f"target not reached (final accuracy {result.get('final_accuracy') or 0:.3f})"
     return f"{result['seconds_to_target']:.2f} s to target ({result['steps_to_target']} steps)"
+
+
+class Targets:
+    """The target of each time-to-loss workload and the time Lightning DDP took at each rate.
+
+    The first ``lightning_ddp`` run of a workload sets its target: the validation loss it ends its budget with (DDP
+    is exact, so its loss curve is the same at every rate). Every later run of that workload stops at the target,
+    or once its training time passes ``give_up_factor`` times DDP's time at the same rate.
+    """
+
+    def __init__(self, cfg: BenchConfig) -> None:
+        self.cfg = cfg
+        self.target: dict[str, float] = {}
+        self.ddp_seconds: dict[tuple[str, str], float] = {}
+
+    def spec(self, workload: str, rate: str) -> dict[str, Any]:
+        """What a run's spec needs: ``target`` and ``give_up_s`` (when known)."""
+        if WORKLOADS[workload].metric != "time_to_loss" or workload not in self.target:
+            return {}
+        ddp = self.ddp_seconds.get((workload, rate))
+        return {
+            "target": self.target[workload],
+            "give_up_s": None if ddp is None else ddp * self.cfg.give_up_factor,
+        }
+
+    def observe(self, record: dict[str, Any]) -> None:
+        """Takes the target and DDP's time from a ``lightning_ddp`` record, and fills in a record's time to the
+        target and its time at ``budget_steps`` from its trajectory."""
+        from lightning_sync.apps.bench.clock import first_reaching
+
+        workload = record["workload"]
+        trajectory = record.get("trajectory")
+        if WORKLOADS[workload].metric != "time_to_loss" or not record.get("ok") or not trajectory:
+            return
+        if record["case"] == "lightning_ddp":
+            self.target.setdefault(workload, trajectory[-1][2])
+            self.ddp_seconds[workload, record["rate"]] = trajectory[-1][0]
+        target = self.target.get(workload)
+        record["target_loss"] = target
+        at_budget = [seconds for seconds, step, _ in trajectory if step == self.cfg.budget_steps]
+        record["seconds_at_budget"] = at_budget[0] if at_budget else None
+        if target is not None and record.get("seconds_to_target") is None and not record.get("gave_up"):
+            reached = first_reaching(trajectory, target, lower_is_better=True)
+            if reached is not None:
+                record["seconds_to_target"], record["steps_to_target"] = reached
 
 
 def _raise_exit(signum: int, _frame: Any) -> None:
@@ -93,6 +154,7 @@ def run(cfg: BenchConfig, out: Path, records: list[dict[str, Any]]) -> bool:
     ]
     all_ok = True
     index = 0
+    targets = Targets(cfg)
     for rate in rates:
         with network(rate, cfg.network.prefix) as hosts:
             for _, workload, repeat, case in [p for p in plan if p[0] == rate]:
@@ -102,6 +164,8 @@ def run(cfg: BenchConfig, out: Path, records: list[dict[str, Any]]) -> bool:
                     "workload": workload,
                     "config": asdict(cfg),
                     "nodes": 1 if case == "single" else 2,
+                    "wire": hosts is not None and case != "single",
+                    **targets.spec(workload, rate),
                 }
                 started = time.perf_counter()
                 record: dict[str, Any] = {"workload": workload, "rate": rate, "case": case, "repeat": repeat}
@@ -109,7 +173,8 @@ def run(cfg: BenchConfig, out: Path, records: list[dict[str, Any]]) -> bool:
                 try:
                     result = run_nodes(spec, out / "runs" / f"{rate}_{workload}_{case}_{repeat}", hosts, cfg.timeout_s)
                     record.update(ok=True, **result)
-                    text = _value_text(workload, result)
+                    targets.observe(record)
+                    text = _value_text(workload, record)
                 except RunFailed as error:
                     all_ok = False
                     record.update(ok=False, error=str(error))

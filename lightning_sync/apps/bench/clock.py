@@ -1,4 +1,8 @@
-"""Time to accuracy: training wall time until a replica first reaches a target test accuracy (no Lightning)."""
+"""Time to a target: training wall time until a replica first scores a target (no Lightning).
+
+Two scores: test accuracy (digits, higher is better) and validation loss (char_lm, lower is better). The clock is
+stopped while a replica is scored, so scoring costs no training time.
+"""
 
 from __future__ import annotations
 
@@ -11,25 +15,70 @@ import torch.distributed as dist
 from torch import nn
 
 
-class AccuracyClock:
-    """Training wall time until a replica reaches a target test accuracy, with the clock stopped while testing.
+def accuracy_of(inputs: torch.Tensor, labels: torch.Tensor) -> Callable[[nn.Module], float]:
+    """A scorer: the model's accuracy on ``inputs`` against ``labels``."""
+
+    def score(model: nn.Module) -> float:
+        return float((model(inputs).argmax(dim=1) == labels).float().mean())
+
+    return score
+
+
+def loss_of(batches: list[Any]) -> Callable[[nn.Module], float]:
+    """A scorer: the mean of ``model.loss(batch)`` over ``batches`` (equal-sized batches weigh alike)."""
+
+    def score(model: nn.Module) -> float:
+        return sum(float(model.loss(batch)) for batch in batches) / len(batches)
+
+    return score
+
+
+def first_reaching(
+    trajectory: list[tuple[float, int, float]], target: float, lower_is_better: bool
+) -> tuple[float, int] | None:
+    """``(seconds, step)`` of the first point of ``trajectory`` (``(seconds, step, score)``) at the target."""
+    for seconds, step, value in trajectory:
+        if (value <= target) if lower_is_better else (value >= target):
+            return seconds, step
+    return None
+
+
+class TargetClock:
+    """Training wall time until a replica reaches a target score, with the clock stopped while scoring.
+
+    Every ``every`` optimizer steps all ranks meet (the wait counts as training time: a rank that is ahead waits
+    for the others, as it would at a collective), rank 0 scores its replica, and its score is broadcast, so every
+    rank takes the same decision.
 
     Args:
-        inputs: the test split's inputs.
-        labels: the test split's labels.
-        target: the accuracy to reach.
-        every: test every this many optimizer steps.
-        broadcast: sends rank 0's accuracy to every rank (all ranks call it together).
+        score: rank 0's score of a model (accuracy, or a validation loss).
+        target: the score to reach; ``None``: run the whole budget (the score is still recorded).
+        every: score every this many optimizer steps.
+        broadcast: sends rank 0's value to every rank (all ranks call it together).
+        lower_is_better: a loss (``True``) or an accuracy (``False``).
+        give_up_s: stop when this much training time has passed without reaching the target (``None``: never).
+        alone: whether this rank decides alone (a detached mode such as ps async, where ranks do not meet): then
+            it scores its own replica and no rank waits for another (``None``: never).
     """
 
     def __init__(
-        self, inputs: torch.Tensor, labels: torch.Tensor, target: float, every: int, broadcast: Callable[[float], float]
+        self,
+        score: Callable[[nn.Module], float],
+        target: float | None,
+        every: int,
+        broadcast: Callable[[float], float],
+        lower_is_better: bool = False,
+        give_up_s: float | None = None,
+        alone: Callable[[], bool] | None = None,
     ) -> None:
-        self.inputs, self.labels = inputs, labels
-        self.target, self.every, self.broadcast = target, every, broadcast
-        self.trajectory: list[tuple[float, int, float]] = []  # (seconds, step, accuracy)
+        self.score, self.target, self.every, self.broadcast = score, target, every, broadcast
+        self.lower_is_better = lower_is_better
+        self.give_up_s = give_up_s
+        self.alone = alone or (lambda: False)
+        self.trajectory: list[tuple[float, int, float]] = []  # (seconds, step, score)
         self.seconds_to_target: float | None = None
         self.steps_to_target: int | None = None
+        self.gave_up = False
         self._started = 0.0
         self._paused = 0.0
 
@@ -37,31 +86,41 @@ class AccuracyClock:
         self._started = time.perf_counter()
 
     def check(self, model: nn.Module, step: int) -> bool:
-        """At every ``every``-th step: tests rank 0's replica; returns whether the target is reached (same answer
-        on every rank)."""
+        """At every ``every``-th step: scores rank 0's replica; returns whether to stop (the target is reached,
+        or ``give_up_s`` has passed); the same answer on every rank."""
         if step % self.every:
             return False
+        alone = self.alone()
+        if not alone:
+            self.broadcast(0.0)  # the ranks meet, clock running
         paused_at = time.perf_counter()
         elapsed = paused_at - self._started - self._paused
-        accuracy = 0.0
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        value = 0.0
+        if alone or not dist.is_initialized() or dist.get_rank() == 0:
             was_training = model.training
             model.eval()
             with torch.no_grad():
-                accuracy = float((model(self.inputs).argmax(dim=1) == self.labels).float().mean())
+                value = self.score(model)
             model.train(was_training)
-        accuracy = float(self.broadcast(accuracy))
-        self.trajectory.append((elapsed, step, accuracy))
-        reached = accuracy >= self.target
+        if not alone:
+            value = float(self.broadcast(value))
+        self.trajectory.append((elapsed, step, value))
+        reached = self.target is not None and first_reaching(
+            [(elapsed, step, value)], self.target, self.lower_is_better
+        )
         if reached and self.seconds_to_target is None:
             self.seconds_to_target, self.steps_to_target = elapsed, step
+        give_up = self.give_up_s is not None and elapsed > self.give_up_s
+        self.gave_up = self.gave_up or (give_up and not reached)
         self._paused += time.perf_counter() - paused_at
-        return reached
+        return bool(reached) or give_up
 
     def result(self) -> dict[str, Any]:
+        final = self.trajectory[-1][2] if self.trajectory else None
         return {
             "seconds_to_target": self.seconds_to_target,
             "steps_to_target": self.steps_to_target,
-            "final_accuracy": self.trajectory[-1][2] if self.trajectory else None,
+            "final_loss" if self.lower_is_better else "final_accuracy": final,
+            "gave_up": self.gave_up,
             "trajectory": self.trajectory,
         }

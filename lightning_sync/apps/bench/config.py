@@ -24,11 +24,15 @@ class Workload:
     Attributes:
         name: the ``workloads=`` name.
         metric: ``step_time`` (median ms per optimizer step), ``time_to_accuracy`` (training seconds until the
-            test accuracy reaches ``target_accuracy``) or ``bus_bandwidth`` (one gradient payload all-reduced).
-        model: keyword arguments of the example module (``SyntheticMLP`` or ``DigitsClassifier``).
+            test accuracy reaches ``target_accuracy``), ``time_to_loss`` (training seconds until the validation
+            loss reaches the loss Lightning DDP ends its budget with) or ``bus_bandwidth`` (one gradient payload
+            all-reduced).
+        model: keyword arguments of the example module (``SyntheticMLP``, ``DigitsClassifier`` or ``CharGPT``).
         batch_size: samples per batch per rank.
         cases: the cases that make sense for it.
         about: one line for the report.
+        defaults: the cases it runs when ``cases=`` is empty (empty: :data:`DEFAULT_CASES`).
+        data: keyword arguments of the example data module.
     """
 
     name: str
@@ -37,9 +41,67 @@ class Workload:
     batch_size: int
     cases: tuple[str, ...]
     about: str
+    defaults: tuple[str, ...] = ()
+    data: dict[str, Any] = field(default_factory=dict)
 
 
-# Every case's name and what it runs; the first six of TRAINING_CASES are the anchors.
+@dataclass(frozen=True)
+class OurCase:
+    """A case that runs one of our strategies.
+
+    Attributes:
+        strategy: the class name in :mod:`lightning_sync` (``AllReduceStrategy``, ...).
+        knobs: its keyword arguments; a value ``"$name"`` is the benchmark knob ``name`` (e.g. ``"$sync_every"``).
+        about: one line for ``--help``.
+    """
+
+    strategy: str
+    knobs: dict[str, Any]
+    about: str
+
+    def arguments(self, cfg: Any) -> dict[str, Any]:
+        """The knobs with every ``"$name"`` replaced by ``cfg.name``."""
+        return {
+            k: getattr(cfg, v[1:]) if isinstance(v, str) and v.startswith("$") else v for k, v in self.knobs.items()
+        }
+
+
+# Our strategies as cases: adding one (e.g. a periodic mode with more knobs) is one line here.
+OUR_CASES: dict[str, OurCase] = {
+    "sync_ddp": OurCase("DDPSyncStrategy", {}, "our DDPSyncStrategy (torch DDP through the meter)"),
+    "allreduce": OurCase("AllReduceStrategy", {}, "our AllReduceStrategy, defaults (bucketing=auto)"),
+    "allreduce_flat": OurCase("AllReduceStrategy", {"bucketing": "flat"}, "our AllReduceStrategy(bucketing='flat')"),
+    "allreduce_overlap": OurCase(
+        "AllReduceStrategy", {"bucketing": "overlap"}, "our AllReduceStrategy(bucketing='overlap')"
+    ),
+    "periodic": OurCase(
+        "PeriodicSyncStrategy",
+        {"mode": "local_sgd", "sync_every": "$sync_every"},
+        "our PeriodicSyncStrategy(mode='local_sgd', sync_every=sync_every)",
+    ),
+    "diloco": OurCase(
+        "PeriodicSyncStrategy",
+        {"mode": "diloco", "sync_every": "$diloco_sync_every"},
+        "our PeriodicSyncStrategy(mode='diloco', sync_every=diloco_sync_every), outer SGD lr 0.7, Nesterov 0.9",
+    ),
+    "powersgd": OurCase(
+        "AllReduceStrategy",
+        {"compression": "powersgd", "powersgd_rank": 4},
+        "our AllReduceStrategy(compression='powersgd', powersgd_rank=4)",
+    ),
+    "topk": OurCase(
+        "AllReduceStrategy",
+        {"compression": "topk", "topk_density": 0.01},
+        "our AllReduceStrategy(compression='topk', topk_density=0.01)",
+    ),
+    "ps_async": OurCase(
+        "ParameterServerStrategy",
+        {"mode": "async"},
+        "our ParameterServerStrategy(mode='async'), one dedicated server on node 0",
+    ),
+}
+
+# Every case's name and what it runs; the first six are the anchors and bounds.
 CASE_HELP: dict[str, str] = {
     "lightning_ddp": "Lightning's own 'ddp' strategy, its defaults",
     "lightning_ddp_view": "Lightning's DDPStrategy(gradient_as_bucket_view=True)",
@@ -48,13 +110,7 @@ CASE_HELP: dict[str, str] = {
     "floor": "2 ranks that never communicate (each trains alone on its shard): the compute-only step time",
     "single": "one process with the global batch (2 x batch size), no communication: DDP's computation alone",
     "gloo_allreduce": "raw dist.all_reduce of the payload (payload workload only)",
-    "sync_ddp": "our DDPSyncStrategy (torch DDP through the meter)",
-    "allreduce": "our AllReduceStrategy, defaults (bucketing=auto)",
-    "allreduce_flat": "our AllReduceStrategy(bucketing='flat')",
-    "allreduce_overlap": "our AllReduceStrategy(bucketing='overlap')",
-    "periodic": "our PeriodicSyncStrategy(mode='local_sgd', sync_every=sync_every)",
-    "powersgd": "our AllReduceStrategy(compression='powersgd', powersgd_rank=4)",
-    "topk": "our AllReduceStrategy(compression='topk', topk_density=0.01)",
+    **{name: case.about for name, case in OUR_CASES.items()},
 }
 TRAINING_CASES = tuple(c for c in CASE_HELP if c != "gloo_allreduce")
 PAYLOAD_CASES = ("gloo_allreduce", "allreduce")
@@ -71,6 +127,33 @@ DEFAULT_CASES = (
     "floor",
     "single",
 )
+LM_CASES = (
+    "lightning_ddp",
+    "torch_ddp",
+    "torch_local_sgd",
+    "allreduce",
+    "powersgd",
+    "topk",
+    "periodic",
+    "diloco",
+    "ps_async",
+    "floor",
+    "single",
+)
+"""``char_lm``'s default cases: the anchors, ours, and the two bounds."""
+BOUNDS = ("floor", "single")
+"""Cases that run the budget without a target: what DDP's steps cost without communication."""
+
+
+def sync_period(case: str, cfg: Any) -> int:
+    """Optimizer steps between two syncs of a periodic case (1 for every other): the replicas agree only then."""
+    if case == "torch_local_sgd":
+        return int(cfg.sync_every)
+    spec = OUR_CASES.get(case)
+    if spec is None or spec.knobs.get("mode") not in ("local_sgd", "diloco"):
+        return 1
+    return int(spec.arguments(cfg)["sync_every"])
+
 
 WORKLOADS: dict[str, Workload] = {
     w.name: w
@@ -109,6 +192,17 @@ WORKLOADS: dict[str, Workload] = {
             "digits classifier (conf/model/digits.yaml), trained until its test accuracy reaches the target",
         ),
         Workload(
+            "char_lm",
+            "time_to_loss",
+            {},
+            16,
+            TRAINING_CASES,
+            "character-level GPT (conf/model/char_gpt.yaml, CPython's reference text): training seconds until the "
+            "validation loss reaches the one Lightning DDP ends budget_steps with",
+            LM_CASES,
+            {"val_windows": 64},
+        ),
+        Workload(
             "payload",
             "bus_bandwidth",
             {},
@@ -145,11 +239,12 @@ class BenchConfig:
 
     workloads: list[str] = field(default_factory=lambda: ["latency_bound"])
     """Which workloads: ``latency_bound``, ``compute_bound``, ``bandwidth_bound`` (step time), ``digits`` (time to
-    accuracy), ``payload`` (bus bandwidth of one all-reduce)."""
+    accuracy), ``char_lm`` (time to a validation loss), ``payload`` (bus bandwidth of one all-reduce)."""
     cases: list[str] = field(default_factory=list)
     """Which cases, run in this order in every repeat (A B A B); a workload runs those that apply to it. Empty:
     lightning_ddp, lightning_ddp_view, torch_ddp, (payload:) gloo_allreduce, allreduce, periodic, torch_local_sgd,
-    powersgd, topk, floor, single."""
+    powersgd, topk, floor, single; char_lm: lightning_ddp (always first: its final loss is the target), torch_ddp,
+    torch_local_sgd, allreduce, powersgd, topk, periodic, diloco, ps_async, floor, single."""
     repeats: int = 3
     """Rounds over all cases; the report gives the median over them."""
     steps: int = 60
@@ -164,6 +259,16 @@ class BenchConfig:
     """Digits: a run that has not reached the target by then reports ``null``."""
     sync_every: int = 8
     """``periodic`` and ``torch_local_sgd``: optimizer steps per model average."""
+    diloco_sync_every: int = 16
+    """``diloco``: inner optimizer steps per outer step."""
+    budget_steps: int = 96
+    """char_lm: Lightning DDP's optimizer steps; the validation loss it ends with is every case's target, and the
+    bounds (floor, single) run as many."""
+    max_steps_factor: float = 3.0
+    """char_lm: a case that has not reached the target stops after this many times budget_steps."""
+    give_up_factor: float = 2.0
+    """char_lm: a case that has not reached the target stops once its training time passes this many times
+    Lightning DDP's at the same rate (it is then reported as not reaching the target)."""
     payload_mb: float = 25.0
     """Payload workload: MiB of float32 gradient all-reduced."""
     payload_iters: int = 5
@@ -203,6 +308,15 @@ class BenchConfig:
         check_range("eval_every", self.eval_every, low=1, integer=True)
         check_range("max_epochs", self.max_epochs, low=1, integer=True)
         check_range("sync_every", self.sync_every, low=1, integer=True)
+        check_range("diloco_sync_every", self.diloco_sync_every, low=1, integer=True)
+        check_range("budget_steps", self.budget_steps, low=1, integer=True)
+        check_range("max_steps_factor", self.max_steps_factor, low=1)
+        check_range("give_up_factor", self.give_up_factor, low=1)
+        if "char_lm" in self.workloads and self.cases and "lightning_ddp" not in self.cases:
+            raise ConfigError(
+                f"cases={','.join(self.cases)} is not allowed with workloads=char_lm; it must include lightning_ddp "
+                "(the loss it ends its budget with is the target)"
+            )
         check_range("payload_mb", self.payload_mb, low=0, low_open=True)
         check_range("payload_iters", self.payload_iters, low=1, integer=True)
         check_range("timeout_s", self.timeout_s, low=0, low_open=True)
@@ -210,8 +324,14 @@ class BenchConfig:
         self.network.validate()
 
     def cases_for(self, workload: str) -> list[str]:
-        """The chosen cases (or the default ones) that apply to ``workload``, in the chosen order."""
-        return [c for c in self.cases or DEFAULT_CASES if c in WORKLOADS[workload].cases]
+        """The chosen cases (or the default ones) that apply to ``workload``, in the chosen order; for a
+        time-to-loss workload, ``lightning_ddp`` first (its run sets the target)."""
+        spec = WORKLOADS[workload]
+        chosen = [c for c in self.cases or spec.defaults or DEFAULT_CASES if c in spec.cases]
+        if spec.metric == "time_to_loss" and "lightning_ddp" in chosen:
+            chosen.remove("lightning_ddp")
+            chosen.insert(0, "lightning_ddp")
+        return chosen
 
 
 def _convert(name: str, text: str, kind: Any) -> Any:

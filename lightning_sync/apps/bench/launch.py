@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -163,4 +164,29 @@ def run_nodes(
         failed = next((i for i, c in enumerate(codes) if c != 0), 0)
         log = run_dir / f"node{failed}.log"
         raise RunFailed(f"node exit codes {codes}: {_cause(log)} (log: {log})")
-    return json.loads(result_path.read_text())
+    result = json.loads(result_path.read_text())
+    if spec.get("wire"):
+        result.update(wire_totals([result_path.with_name(f"{result_path.name}.rank{r}") for r in range(nodes)]))
+    return result
+
+
+def wire_totals(paths: list[Path]) -> dict[str, Any]:
+    """The ranks' wire counters and meter totals over training (``<result>.rank<r>`` files), added up.
+
+    Returns:
+        ``wire_bytes_per_step``: bytes the hosts' interfaces sent per optimizer step, mean over hosts (beside the
+        meter's ``bytes_sent_per_step`` of rank 0); ``wire_over_meter``: all bytes sent on the link over the
+        meter's bytes that cross it (ring-formula or compressed payload; ps: the remote worker's pushes and
+        replies); and the per-rank numbers under ``wire``.
+    """
+    parts = [json.loads(p.read_text()) for p in paths if p.is_file()]
+    if len(parts) != len(paths) or any(p["tx_bytes"] is None or not p["steps"] for p in parts):
+        return {"wire": parts, "wire_bytes_per_step": None, "wire_over_meter": None}
+    tx = sum(p["tx_bytes"] for p in parts)
+    cross = sum(p["meter_cross_host"] for p in parts)
+    return {
+        "wire": parts,
+        "wire_bytes_per_step": statistics.mean(p["tx_bytes"] / p["steps"] for p in parts),
+        "meter_cross_host_bytes": cross,
+        "wire_over_meter": tx / cross if cross else None,
+    }

@@ -15,11 +15,16 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from lightning_sync.apps.bench.config import WORKLOADS, BenchConfig
+from lightning_sync.apps.bench.config import BOUNDS, OUR_CASES, WORKLOADS, BenchConfig
 from lightning_sync.apps.tables import markdown_table
 
 ANCHORS = ("lightning_ddp", "torch_ddp", "floor")
-_METRIC_KEY = {"step_time": "step_time_ms", "time_to_accuracy": "seconds_to_target", "bus_bandwidth": "busbw_mbit"}
+_METRIC_KEY = {
+    "step_time": "step_time_ms",
+    "time_to_accuracy": "seconds_to_target",
+    "time_to_loss": "seconds_to_target",
+    "bus_bandwidth": "busbw_mbit",
+}
 _RATE_MBIT = {"10mbit": 10.0, "100mbit": 100.0, "1gbit": 1000.0}
 
 
@@ -37,7 +42,8 @@ def summarize(records: list[dict[str, Any]], cfg: BenchConfig) -> list[dict[str,
     keys = list(dict.fromkeys((r["workload"], r["rate"], r["case"]) for r in records))
     for workload, rate, case in keys:
         runs = [r for r in records if (r["workload"], r["rate"], r["case"]) == (workload, rate, case)]
-        key = _METRIC_KEY[WORKLOADS[workload].metric]
+        metric = WORKLOADS[workload].metric
+        key = "seconds_at_budget" if metric == "time_to_loss" and case in BOUNDS else _METRIC_KEY[metric]
         values = [r.get(key) if r["ok"] else None for r in runs]
         shown = [_cell(v, ".2f") if r["ok"] else "failed" for v, r in zip(values, runs)]
         row: dict[str, Any] = {
@@ -50,7 +56,21 @@ def summarize(records: list[dict[str, Any]], cfg: BenchConfig) -> list[dict[str,
             "shown": shown,
             "failed": sum(not r["ok"] for r in runs),
         }
-        for extra in ("step_time_ms", "bytes_sent_per_step", "steps_to_target", "allreduce_s"):
+        done = [v for v in values if v is not None]
+        if len(done) > 1:
+            row["spread"] = [min(done), max(done)]
+        if metric == "time_to_loss":
+            row["target_loss"] = next((r.get("target_loss") for r in runs if r.get("target_loss") is not None), None)
+            row["steps_run"] = [r["trajectory"][-1][1] if r.get("trajectory") else None for r in runs]
+        for extra in (
+            "step_time_ms",
+            "bytes_sent_per_step",
+            "steps_to_target",
+            "allreduce_s",
+            "final_loss",
+            "wire_bytes_per_step",
+            "wire_over_meter",
+        ):
             present = [r[extra] for r in runs if r["ok"] and r.get(extra) is not None]
             if present:
                 row[f"median_{extra}"] = statistics.median(present)
@@ -77,6 +97,55 @@ def summarize(records: list[dict[str, Any]], cfg: BenchConfig) -> list[dict[str,
 
 def _cell(value: Any, spec: str, suffix: str = "") -> str:
     return "-" if value is None else format(value, spec) + suffix
+
+
+def _payload_kind(case: str) -> str:
+    """What the meter's bytes of ``case`` are: a compressed payload, the ring formula's payload, or none."""
+    ours = OUR_CASES.get(case)
+    if ours is not None and ours.knobs.get("compression", "none") != "none":
+        return "compressed"
+    if ours is not None or case.startswith(("lightning_ddp", "torch_")):
+        return "ring" if ours is None or ours.strategy != "ParameterServerStrategy" else "push"
+    return ""
+
+
+def _loss_table(rows: list[dict[str, Any]], anchors: list[str]) -> str:
+    """The time-to-loss table: median and spread, ratios to the anchors and to the floor, bytes meter and wire."""
+    header = [
+        "case",
+        "s to target",
+        "spread (min-max)",
+        *(f"vs {a}" for a in anchors),
+        "steps to target",
+        "final loss",
+        "ms/step",
+        "meter bytes/step",
+        "wire bytes/step",
+        "wire/meter",
+        "repeats (s)",
+    ]
+    body = []
+    for r in rows:
+        bound = r["case"] in BOUNDS
+        kind = _payload_kind(r["case"])
+        meter = r.get("median_bytes_sent_per_step")
+        spread = r.get("spread")
+        body.append(
+            [
+                r["case"] + (" (bound: s for budget_steps)" if bound else ""),
+                _cell(r["median"], ".2f") if r["median"] is not None or bound else "not reached",
+                "-" if not spread else f"{spread[0]:.2f}-{spread[1]:.2f}",
+                *(_cell(r.get(f"vs_{a}"), ".2f", "x") for a in anchors),
+                "-" if bound else _cell(r.get("median_steps_to_target"), ".0f"),
+                _cell(r.get("median_final_loss"), ".4f"),
+                _cell(r.get("median_step_time_ms"), ".1f"),
+                "-" if meter is None else f"{meter:,.0f} ({kind})" if kind else f"{meter:,.0f}",
+                _cell(r.get("median_wire_bytes_per_step"), ",.0f"),
+                _cell(r.get("median_wire_over_meter"), ".3f"),
+                " ".join("never" if text == "-" and not bound else text for text in r["shown"]),
+            ]
+        )
+    return markdown_table(header, body, align="l" + "r" * (len(header) - 2) + "l")
 
 
 def _table_lines(rows: list[dict[str, Any]], metric: str, anchors: list[str]) -> list[str]:
@@ -122,6 +191,19 @@ def markdown(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
         anchors = [a for a in ANCHORS if any(r["case"] == a for r in group)]
         if spec.metric == "step_time":
             how = f"{cfg.steps} steps ({cfg.warmup_steps} warm-up), batch {spec.batch_size}/rank"
+        elif spec.metric == "time_to_loss":
+            target = next((r.get("target_loss") for r in group if r.get("target_loss") is not None), None)
+            how = (
+                f"training seconds until rank 0's validation loss <= {_cell(target, '.4f')} nats/char, the loss "
+                f"lightning_ddp ends {cfg.budget_steps} steps with (scored every {cfg.eval_every} steps and at a "
+                f"periodic case's syncs, clock stopped), batch {spec.batch_size}/rank; a case stops unreached after "
+                f"{cfg.max_steps_factor:g}x the steps or {cfg.give_up_factor:g}x lightning_ddp's time. Bounds: "
+                f"`floor` and `single` run {cfg.budget_steps} steps; `vs floor` is a case's time over floor's. "
+                "Meter bytes: rank 0's payload per step as the meter books it (ring: the ring all-reduce formula's "
+                "share; compressed: the compressed payload; push: the ps worker's gradient push); wire bytes: "
+                "bytes the hosts' interfaces sent per step (mean of the 2 hosts); wire/meter: all bytes sent on "
+                "the link over the meter's bytes that cross it"
+            )
         elif spec.metric == "time_to_accuracy":
             how = (
                 f"training seconds until test accuracy >= {cfg.target_accuracy:g} (tested every "
@@ -134,7 +216,10 @@ def markdown(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
             f"### {workload}, network {rate}: {spec.about}\n\n2 nodes x 1 rank (torchrun, gloo), {how}; "
             f"median of {cfg.repeats} alternating repeats.\n"
         )
-        parts.append("\n".join(_table_lines(group, _METRIC_KEY[spec.metric], anchors)) + "\n")
+        if spec.metric == "time_to_loss":
+            parts.append(_loss_table(group, anchors) + "\n")
+        else:
+            parts.append("\n".join(_table_lines(group, _METRIC_KEY[spec.metric], anchors)) + "\n")
     return "\n".join(parts)
 
 
@@ -143,7 +228,7 @@ def time_to_accuracy(rows: list[dict[str, Any]], cfg: BenchConfig) -> list[dict[
     return [
         {"case": r["case"], "rate": r["rate"], "seconds_to_target": r["median"], "target": cfg.target_accuracy}
         for r in rows
-        if r["metric"] == "seconds_to_target"
+        if WORKLOADS[r["workload"]].metric == "time_to_accuracy"
     ]
 
 
@@ -159,7 +244,11 @@ def write(records: list[dict[str, Any]], cfg: BenchConfig, out: Path) -> tuple[s
     rows = summarize(records, cfg)
     text = markdown(rows, cfg)
     files = [out / "results.json", out / "results.md"]
-    files[0].write_text(json.dumps({"config": asdict(cfg), "summary": rows, "records": records}, indent=1))
+    from lightning_sync.apps.provenance import provenance
+
+    files[0].write_text(
+        json.dumps({"config": asdict(cfg), "summary": rows, "records": records, "provenance": provenance()}, indent=1)
+    )
     files[1].write_text(text)
     tta = time_to_accuracy(rows, cfg)
     if tta:
@@ -183,7 +272,8 @@ def _plots(rows: list[dict[str, Any]], records: list[dict[str, Any]], out: Path,
     for workload in dict.fromkeys(r["workload"] for r in rows):
         group = [r for r in rows if r["workload"] == workload]
         rates = list(dict.fromkeys(r["rate"] for r in group))
-        curves = WORKLOADS[workload].metric == "time_to_accuracy"
+        loss = WORKLOADS[workload].metric == "time_to_loss"
+        curves = WORKLOADS[workload].metric in ("time_to_accuracy", "time_to_loss")
         fig, axes = plt.subplots(1 + curves, len(rates), figsize=(5.5 * len(rates), 4 * (1 + curves)), squeeze=False)
         for col, rate in enumerate(rates):
             subset = [r for r in group if r["rate"] == rate]
@@ -198,7 +288,8 @@ def _plots(rows: list[dict[str, Any]], records: list[dict[str, Any]], out: Path,
             ax.set_xlabel(
                 {
                     "step_time_ms": "ms per step",
-                    "seconds_to_target": "seconds to target accuracy",
+                    "seconds_to_target": "seconds to target",
+                    "seconds_at_budget": "seconds",
                     "busbw_mbit": "bus bandwidth, Mbit/s",
                 }[subset[0]["metric"]]
             )
@@ -221,10 +312,13 @@ def _plots(rows: list[dict[str, Any]], records: list[dict[str, Any]], out: Path,
                     if run is not None:
                         seconds, _, accuracy = zip(*run["trajectory"])
                         ax.plot(seconds, accuracy, label=name)
-                ax.axhline(target, color="gray", linestyle=":", label=f"target {target:g}")
+                goal = next((r.get("target_loss") for r in subset if r.get("target_loss")), None) if loss else target
+                if goal is not None:
+                    ax.axhline(goal, color="gray", linestyle=":", label=f"target {goal:.4g}")
                 ax.set_xlabel("training seconds (first repeat)")
-                ax.set_ylabel("test accuracy")
-                ax.set_ylim(0.5, 1.0)
+                ax.set_ylabel("validation loss, nats/char" if loss else "test accuracy")
+                if not loss:
+                    ax.set_ylim(0.5, 1.0)
                 ax.legend(fontsize=7)
         fig.tight_layout()
         path = out / f"{workload}.png"

@@ -9,9 +9,13 @@ Rank 0 writes the run's measurements to ``spec["result"]``. Three kinds of run:
 * the payload workload: one gradient payload all-reduced by our synchronizer or by ``dist.all_reduce``.
 
 Step time is rank 0's median over the steps after ``warmup_steps`` (forward, backward, sync, optimizer step; data
-loading excluded). Time to accuracy is rank 0's training wall time from the first step until rank 0's replica first
-scores ``target_accuracy`` on the test split; the test runs every ``eval_every`` optimizer steps with the clock
-stopped, and rank 0 broadcasts the decision, so all ranks stop together.
+loading excluded). Time to accuracy (digits) and time to loss (char_lm) are rank 0's training wall time from the
+first step until rank 0's replica first scores the target (test accuracy, validation loss); the score is taken every
+``eval_every`` optimizer steps (for a periodic case, at its syncs) with the clock stopped, and rank 0 broadcasts it,
+so all ranks stop together (in ps async every rank scores its own replica and stops on its own).
+
+Between emulated hosts (``spec["wire"]``) every rank also reads its interface's byte counters over the training
+phase and writes them, with its meter's totals, to ``<result>.rank<r>``; the launcher adds them up.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import datetime
 import json
+import math
 import statistics
 import sys
 import time
@@ -35,26 +40,33 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_sync.apps.bench.clock import AccuracyClock
-from lightning_sync.apps.bench.config import WORKLOADS, BenchConfig, NetworkConfig, Workload
+from lightning_sync.apps.bench.clock import TargetClock, accuracy_of, loss_of
+from lightning_sync.apps.bench.config import (
+    BOUNDS,
+    OUR_CASES,
+    WORKLOADS,
+    BenchConfig,
+    NetworkConfig,
+    Workload,
+    sync_period,
+)
+from lightning_sync.apps.netns import InterfaceCounters
 
 TORCH_LOOPS = ("torch_ddp", "torch_local_sgd")
+_TIMED = ("time_to_accuracy", "time_to_loss")
 
 
-def _make_module(workload: Workload) -> Any:
-    from lightning_sync.examples.models import DigitsClassifier, SyntheticMLP
-
-    return (
-        DigitsClassifier(**workload.model) if workload.metric == "time_to_accuracy" else SyntheticMLP(**workload.model)
-    )
-
-
-def _make_data(workload: Workload, cfg: BenchConfig, world: int, batch_size: int) -> Any:
+def _make_module_and_data(workload: Workload, cfg: BenchConfig, world: int, batch_size: int) -> tuple[Any, Any]:
+    """The workload's module (initial weights from ``cfg.seed``) and its data module."""
     from lightning_sync.examples.data import DigitsDataModule, SyntheticDataModule
+    from lightning_sync.examples.models import DigitsClassifier, SyntheticMLP, build_char_lm
 
+    if workload.metric == "time_to_loss":
+        return build_char_lm(cfg.seed, data={**workload.data, "batch_size": batch_size}, **workload.model)
+    torch.manual_seed(cfg.seed)
     if workload.metric == "time_to_accuracy":
-        return DigitsDataModule(batch_size=batch_size, seed=cfg.seed)
-    return SyntheticDataModule(
+        return DigitsClassifier(**workload.model), DigitsDataModule(batch_size=batch_size, seed=cfg.seed)
+    return SyntheticMLP(**workload.model), SyntheticDataModule(
         in_features=workload.model["width"],
         batch_size=batch_size,
         num_samples=batch_size * world * cfg.steps,
@@ -62,10 +74,34 @@ def _make_data(workload: Workload, cfg: BenchConfig, world: int, batch_size: int
     )
 
 
-def _loss(workload: Workload, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def _loss(workload: Workload, module: nn.Module, net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The training loss of ``net`` (``module``, possibly wrapped in DDP) on one batch."""
+    if workload.metric == "time_to_loss":
+        logits = net(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     if workload.metric == "time_to_accuracy":
-        return F.cross_entropy(output, target)
-    return F.mse_loss(output, target)
+        return F.cross_entropy(net(x), y)
+    return F.mse_loss(net(x), y)
+
+
+def _scorer(workload: Workload) -> Callable[[Any], Callable[[nn.Module], float]]:
+    """``datamodule -> score``: test accuracy (digits) or validation loss over the fixed windows (char_lm)."""
+    if workload.metric == "time_to_loss":
+        return lambda data: loss_of(list(data.val_dataloader()))
+    return lambda data: accuracy_of(*data.splits["test"].tensors)
+
+
+def _clock_for(
+    case: str, workload: Workload, cfg: BenchConfig, spec: dict[str, Any]
+) -> tuple[float | None, int, bool, float | None, int | None]:
+    """``(target, every, lower_is_better, give_up_s, max_steps)`` of a timed run; ``max_steps`` ``None``: epochs."""
+    if workload.metric == "time_to_accuracy":
+        return cfg.target_accuracy, cfg.eval_every, False, None, None
+    every = math.lcm(cfg.eval_every, sync_period(case, cfg))
+    target = spec.get("target")
+    if case in BOUNDS or case == "lightning_ddp" or target is None:
+        return None, every, True, None, cfg.budget_steps
+    return target, every, True, spec.get("give_up_s"), math.ceil(cfg.budget_steps * cfg.max_steps_factor)
 
 
 def _strategy(case: str, cfg: BenchConfig) -> Any:
@@ -74,30 +110,32 @@ def _strategy(case: str, cfg: BenchConfig) -> Any:
     import lightning_sync
     from lightning_sync.apps.bench.lightning_parts import NoSyncStrategy
 
-    timeout = {"timeout_s": cfg.timeout_s}
     if case in ("lightning_ddp", "lightning_ddp_view"):
         return DDPStrategy(
             gradient_as_bucket_view=case == "lightning_ddp_view", timeout=datetime.timedelta(seconds=cfg.timeout_s)
         )
-    made: dict[str, Callable[[], Any]] = {
-        "single": lambda: SingleDeviceStrategy("cpu"),
-        "sync_ddp": lambda: lightning_sync.DDPSyncStrategy(**timeout),
-        "allreduce": lambda: lightning_sync.AllReduceStrategy(**timeout),
-        "allreduce_flat": lambda: lightning_sync.AllReduceStrategy(bucketing="flat", **timeout),
-        "allreduce_overlap": lambda: lightning_sync.AllReduceStrategy(bucketing="overlap", **timeout),
-        "periodic": lambda: lightning_sync.PeriodicSyncStrategy(mode="local_sgd", sync_every=cfg.sync_every, **timeout),
-        "powersgd": lambda: lightning_sync.AllReduceStrategy(compression="powersgd", powersgd_rank=4, **timeout),
-        "topk": lambda: lightning_sync.AllReduceStrategy(compression="topk", topk_density=0.01, **timeout),
-        "floor": lambda: NoSyncStrategy(skip_nonfinite=False, **timeout),  # compute and Lightning's loop only
-    }
-    return made[case]()
+    if case == "single":
+        return SingleDeviceStrategy("cpu")
+    if case == "floor":  # compute and Lightning's loop only
+        return NoSyncStrategy(skip_nonfinite=False, timeout_s=cfg.timeout_s)
+    ours = OUR_CASES[case]
+    return getattr(lightning_sync, ours.strategy)(**ours.arguments(cfg), timeout_s=cfg.timeout_s)
 
 
-def _lightning_run(case: str, workload: Workload, cfg: BenchConfig) -> dict[str, Any]:
+def _cross_host(case: str, node: int, sent: float, recv: float) -> float:
+    """The meter's bytes of this rank that cross the link: what it sent, as every collective's bytes reach a peer
+    on the other host; for ps, whose server runs on node 0, node 0's worker talks to it over loopback, and another
+    node's worker sends its pushes and receives the server's replies over the link."""
+    if case in OUR_CASES and OUR_CASES[case].strategy == "ParameterServerStrategy":
+        return 0.0 if node == 0 else sent + recv
+    return sent
+
+
+def _lightning_run(case: str, workload: Workload, cfg: BenchConfig, spec: dict[str, Any]) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from lightning_sync.apps._console import quiet_lightning
-    from lightning_sync.apps.bench.lightning_parts import TimeToAccuracy
+    from lightning_sync.apps.bench.lightning_parts import TimeToTarget, WireBytes
     from lightning_sync.callbacks import SyncReport
 
     quiet_lightning()
@@ -106,16 +144,21 @@ def _lightning_run(case: str, workload: Workload, cfg: BenchConfig) -> dict[str,
     world = int(os.environ["WORLD_SIZE"])
     report = SyncReport(warmup_steps=cfg.warmup_steps)
     callbacks: list[Any] = [report]
-    accuracy = workload.metric == "time_to_accuracy"
-    if accuracy:
-        callbacks.append(TimeToAccuracy(cfg.target_accuracy, cfg.eval_every))
+    timed = workload.metric in _TIMED
+    max_steps = cfg.steps
+    if timed:
+        target, every, lower, give_up_s, max_steps = _clock_for(case, workload, cfg, spec)
+        callbacks.append(TimeToTarget(_scorer(workload), target, every, lower, give_up_s))
+    counters = _counters(spec)
+    if counters is not None:
+        callbacks.append(WireBytes(counters))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=local,
         num_nodes=world // local,
         strategy=_strategy(case, cfg),
-        max_steps=-1 if accuracy else cfg.steps,
-        max_epochs=cfg.max_epochs if accuracy else None,
+        max_steps=-1 if max_steps is None else max_steps,
+        max_epochs=cfg.max_epochs if max_steps is None else None,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -124,25 +167,60 @@ def _lightning_run(case: str, workload: Workload, cfg: BenchConfig) -> dict[str,
         num_sanity_val_steps=0,
         callbacks=callbacks,
     )
-    model = _make_module(workload)
     batch_size = workload.batch_size * (2 if case == "single" else 1)  # single: the 2 ranks' global batch
-    trainer.fit(model, datamodule=_make_data(workload, cfg, world, batch_size))
+    model, data = _make_module_and_data(workload, cfg, world, batch_size)
+    trainer.fit(model, datamodule=data)
     result = {k: report.summary.get(k) for k in ("step_time_ms", "bytes_sent_per_step", "launch_point")}
-    if accuracy:
-        result.update(callbacks[-1].clock.result())
+    if timed:
+        result.update(callbacks[1].clock.result())
+    if counters is not None:
+        steps = report.summary.get("optimizer_steps") or 0
+        sent = (report.summary.get("bytes_sent_per_step") or 0.0) * steps
+        recv = (report.summary.get("bytes_recv_per_step") or 0.0) * steps
+        if case.startswith("lightning_ddp"):  # no meter: the ring formula's payload of the gradients, every step
+            sent = recv = _ring_payload(model) * steps
+        _write_rank_wire(spec, counters, steps, sent, recv, _cross_host(case, trainer.node_rank, sent, recv))
     return result
 
 
-def _torch_loop(case: str, workload: Workload, cfg: BenchConfig) -> dict[str, Any]:
+def _ring_payload(module: nn.Module) -> float:
+    """Bytes one rank sends in a ring all-reduce of ``module``'s parameters (or gradients), as the meter books it."""
+    from lightning_sync.comm.meter import ring_all_reduce_bytes
+
+    nbytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    return ring_all_reduce_bytes(nbytes, dist.get_world_size())
+
+
+def _counters(spec: dict[str, Any]) -> InterfaceCounters | None:
+    """This rank's interface counters when the run is between emulated hosts (else ``None``)."""
+    if not spec.get("wire"):
+        return None
+    return InterfaceCounters(os.environ["GLOO_SOCKET_IFNAME"])
+
+
+def _write_rank_wire(
+    spec: dict[str, Any], counters: InterfaceCounters, steps: int, sent: float, recv: float, cross: float
+) -> None:
+    """Writes this rank's wire counters and meter totals over the training phase to ``<result>.rank<r>``."""
+    part = {
+        "tx_bytes": counters.tx_bytes,
+        "rx_bytes": counters.rx_bytes,
+        "steps": steps,
+        "meter_sent": sent,
+        "meter_recv": recv,
+        "meter_cross_host": cross,
+    }
+    Path(f"{spec['result']}.rank{os.environ.get('RANK', '0')}").write_text(json.dumps(part))
+
+
+def _torch_loop(case: str, workload: Workload, cfg: BenchConfig, spec: dict[str, Any]) -> dict[str, Any]:
     """The anchors without Lightning: DDP, or torch's post-local SGD (PeriodicModelAverager, no warmup)."""
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
     from torch.distributed.optim import PostLocalSGDOptimizer
     from torch.utils.data import DataLoader, DistributedSampler
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(cfg.seed)
-    module = _make_module(workload)
-    data = _make_data(workload, cfg, world, workload.batch_size)
+    module, data = _make_module_and_data(workload, cfg, world, workload.batch_size)
     data.setup("fit")
     train = data.splits["train"]
     sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
@@ -155,11 +233,18 @@ def _torch_loop(case: str, workload: Workload, cfg: BenchConfig) -> dict[str, An
         for tensor in module.state_dict().values():
             dist.broadcast(tensor, src=0)
         optimizer = PostLocalSGDOptimizer(optimizer, PeriodicModelAverager(period=cfg.sync_every, warmup_steps=0))
-    accuracy = workload.metric == "time_to_accuracy"
-    max_steps = cfg.max_epochs * len(loader) if accuracy else cfg.steps
+    timed = workload.metric in _TIMED
+    max_steps: int | None = cfg.steps
     clock = None
-    if accuracy:
-        clock = AccuracyClock(*data.splits["test"].tensors, cfg.target_accuracy, cfg.eval_every, _broadcast_float)
+    if timed:
+        target, every, lower, give_up_s, max_steps = _clock_for(case, workload, cfg, spec)
+        clock = TargetClock(_scorer(workload)(data), target, every, _broadcast_float, lower, give_up_s)
+    if max_steps is None:
+        max_steps = cfg.max_epochs * len(loader)
+    counters = _counters(spec)
+    if counters is not None:
+        counters.start()
+    if clock is not None:
         clock.start()
     seconds: list[float] = []
     epoch = 0
@@ -169,14 +254,20 @@ def _torch_loop(case: str, workload: Workload, cfg: BenchConfig) -> dict[str, An
         for x, y in loader:
             started = time.perf_counter()
             optimizer.zero_grad()
-            _loss(workload, net(x), y).backward()
+            _loss(workload, module, net, x, y).backward()
             optimizer.step()
             seconds.append(time.perf_counter() - started)
             if len(seconds) >= max_steps or (clock is not None and clock.check(module, len(seconds))):
                 max_steps = len(seconds)
                 break
-    timed = seconds[min(cfg.warmup_steps, len(seconds) - 1) :]
-    result: dict[str, Any] = {"step_time_ms": 1e3 * statistics.median(timed)}
+    if counters is not None:
+        counters.stop()
+        # no meter here: the ring formula's payload per step (DDP: every step; local SGD: the parameters at syncs)
+        syncs = len(seconds) if case == "torch_ddp" else len(seconds) // cfg.sync_every
+        payload = _ring_payload(module) * syncs
+        _write_rank_wire(spec, counters, len(seconds), payload, payload, payload)
+    timed_steps = seconds[min(cfg.warmup_steps, len(seconds) - 1) :]
+    result: dict[str, Any] = {"step_time_ms": 1e3 * statistics.median(timed_steps)}
     if clock is not None:
         result.update(clock.result())
     return result
@@ -243,10 +334,12 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     if case in TORCH_LOOPS or workload.metric == "bus_bandwidth":
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))
         try:
-            return _payload(case, cfg) if workload.metric == "bus_bandwidth" else _torch_loop(case, workload, cfg)
+            if workload.metric == "bus_bandwidth":
+                return _payload(case, cfg)
+            return _torch_loop(case, workload, cfg, spec)
         finally:
             dist.destroy_process_group()
-    return _lightning_run(case, workload, cfg)
+    return _lightning_run(case, workload, cfg, spec)
 
 
 def main(argv: list[str] | None = None) -> None:

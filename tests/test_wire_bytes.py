@@ -1,0 +1,84 @@
+"""Bytes measured on the wire against the meter's bytes, between two emulated hosts (root with iproute2 only).
+
+Each run reads both hosts' interface counters over its training phase; the bytes sent on the link must match what
+the meter books as crossing it, within TCP/IP framing, for a dense mode, a compressed one and the parameter server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from lightning_sync.apps.bench.cli import main
+from lightning_sync.apps.bench.launch import wire_totals
+from lightning_sync.apps.netns import InterfaceCounters
+
+NETNS = os.name == "posix" and os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+
+
+@pytest.mark.unit
+def test_interface_counters_count_what_crosses_the_interface():
+    counters = InterfaceCounters("lo")
+    counters.start()
+    subprocess.run(["python3", "-c", "import socket; socket.create_connection(('127.0.0.1', 9), 1)"], check=False)
+    counters.stop()
+    assert counters.tx_bytes is not None and counters.tx_bytes >= 0 and counters.rx_bytes >= 0
+    with pytest.raises(OSError, match="nosuchif0"):
+        InterfaceCounters("nosuchif0").read()
+
+
+@pytest.mark.unit
+def test_wire_totals_add_the_ranks_and_divide_by_what_crosses(tmp_path):
+    parts = [
+        {"tx_bytes": 1_100, "rx_bytes": 2_090, "steps": 10, "meter_sent": 500.0, "meter_recv": 500.0,
+         "meter_cross_host": 0.0},
+        {"tx_bytes": 1_000, "rx_bytes": 1_100, "steps": 10, "meter_sent": 1000.0, "meter_recv": 1000.0,
+         "meter_cross_host": 2000.0},
+    ]  # fmt: skip
+    paths = [tmp_path / f"result.json.rank{r}" for r in range(2)]
+    for path, part in zip(paths, parts):
+        path.write_text(json.dumps(part))
+    totals = wire_totals(paths)
+    assert totals["wire_bytes_per_step"] == pytest.approx(105.0)
+    assert totals["wire_over_meter"] == pytest.approx(2_100 / 2_000)
+    paths[1].unlink()  # a rank that wrote nothing: no ratio rather than a wrong one
+    assert wire_totals(paths)["wire_over_meter"] is None
+
+
+@pytest.mark.netns
+@pytest.mark.e2e
+@pytest.mark.skipif(not NETNS, reason="needs root with iproute2 (ip netns, tc) to emulate hosts")
+@pytest.mark.timeout(900)
+def test_wire_bytes_agree_with_the_meter_for_dense_compressed_and_ps(tmp_path):
+    out = tmp_path / "bench"
+    prefix = f"tw{os.getpid() % 10000:04d}"
+    main(
+        [
+            "--out",
+            str(out),
+            "workloads=char_lm",
+            "cases=lightning_ddp,allreduce,topk,ps_async",
+            "budget_steps=16",
+            "repeats=1",
+            "network.rate=1gbit",
+            f"network.prefix={prefix}",
+            "plots=false",
+            "timeout_s=300",
+        ]
+    )
+    records = {r["case"]: r for r in json.loads((out / "results.json").read_text())["records"]}
+    assert set(records) == {"lightning_ddp", "allreduce", "topk", "ps_async"}
+    for case, record in records.items():
+        assert record["ok"], record
+        ratio = record["wire_over_meter"]
+        # headers of TCP/IP/Ethernet (66 bytes per segment, fewer with TSO), the ACKs of what the host receives,
+        # gloo's and the store's messages: a few percent over the payload, never under it
+        assert ratio is not None and 1.0 <= ratio <= 1.10, (case, ratio, record["wire"])
+        assert record["wire_bytes_per_step"] > 0
+    # the compressed payload is what crosses: topk's wire bytes are a small share of allreduce's
+    assert records["topk"]["wire_bytes_per_step"] < 0.2 * records["allreduce"]["wire_bytes_per_step"]
+    assert prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
