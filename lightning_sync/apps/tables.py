@@ -140,10 +140,9 @@ def render_results(path: Path, data: Any) -> tuple[str, str]:
 
         return COMPARE_TITLE, compare.format_results(data).replace("### ", "#### ")
     if isinstance(data, dict) and {"config", "summary", "records"} <= data.keys():
-        from lightning_sync.apps.bench.config import BenchConfig
         from lightning_sync.apps.bench.report import markdown
 
-        cfg = BenchConfig(**data["config"])
+        cfg = _bench_config(data["config"])
         return "Benchmark: " + ", ".join(cfg.workloads), markdown(data["summary"], cfg).replace("### ", "#### ")
     if isinstance(data, dict) and {"args", "summary", "runs"} <= data.keys():
         from lightning_sync.apps.ps_study import format_table as ps_table
@@ -151,6 +150,19 @@ def render_results(path: Path, data: Any) -> tuple[str, str]:
         modes = data["args"].get("modes") or ["sync"]
         return "Parameter server under a straggler", ps_table(data["summary"], reference=modes[0])
     raise ValueError(f"{path}: not a results file of compare, the benchmark or ps_straggler")
+
+
+def _bench_config(saved: dict[str, Any]) -> Any:
+    """The :class:`BenchConfig` a results file was written with (fields it no longer knows are left out)."""
+    from dataclasses import fields
+
+    from lightning_sync.apps.bench.config import BenchConfig, NetworkConfig
+
+    values = {f.name: saved[f.name] for f in fields(BenchConfig) if f.name in saved}
+    if isinstance(values.get("network"), dict):
+        known = {f.name for f in fields(NetworkConfig)}
+        values["network"] = NetworkConfig(**{k: v for k, v in values["network"].items() if k in known})
+    return BenchConfig(**values)
 
 
 def results_page(sources: Sequence[str | Path]) -> str:
