@@ -84,6 +84,18 @@ OUR_CASES: dict[str, OurCase] = {
         {"mode": "diloco", "sync_every": "$diloco_sync_every"},
         "our PeriodicSyncStrategy(mode='diloco', sync_every=diloco_sync_every), outer SGD lr 0.7, Nesterov 0.9",
     ),
+    "streaming_diloco": OurCase(
+        "PeriodicSyncStrategy",
+        {
+            "mode": "diloco",
+            "sync_every": "$diloco_sync_every",
+            "fragments": 4,
+            "sync_delay": 2,
+            "fragment_alpha": 0.5,
+            "outer_compression": "int4",
+        },
+        "diloco with fragments=4, sync_delay=2, fragment_alpha=0.5, outer_compression='int4' (streaming DiLoCo)",
+    ),
     "powersgd": OurCase(
         "AllReduceStrategy",
         {"compression": "powersgd", "powersgd_rank": 4},
@@ -136,6 +148,7 @@ LM_CASES = (
     "topk",
     "periodic",
     "diloco",
+    "streaming_diloco",
     "ps_async",
     "floor",
     "single",
