@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_sync.apps.tables import markdown_table, write_provenance
+from lightning_sync.apps.tables import markdown_table
 
 # Each case: Hydra overrides on top of conf/config.yaml.
 CASES: dict[str, list[str]] = {
@@ -406,7 +406,6 @@ def main(argv: list[str] | None = None) -> None:
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    write_provenance(out)
     text = format_results(results)
     (out / "results.md").write_text(text + "\n")
     extra = f"; overrides: {' '.join(args.overrides)}" if args.overrides else ""
