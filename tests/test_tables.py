@@ -2,7 +2,6 @@
 
 - ``markdown_table``: header, rule with alignment, rows; padding for plain text; a wrong column count is refused.
 - No other module of the package writes a Markdown table rule of its own.
-- ``write_provenance`` puts the provenance record beside a results file.
 - ``results_page``: a table per results file (compare, bench, a committed .md with its provenance), each with its
   command and provenance, embedded in results.json or beside it; ``--check`` fails when the page differs from what
   the files give.
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_sync.apps.tables import main, markdown_table, results_page, write_provenance
+from lightning_sync.apps.tables import main, markdown_table, results_page
 
 pytestmark = pytest.mark.unit
 
@@ -61,14 +60,6 @@ def test_no_other_module_writes_a_table_rule():
         if rule.search(line)
     ]
     assert found == []
-
-
-def test_write_provenance_records_command_commit_and_versions(tmp_path):
-    path = write_provenance(tmp_path / "out", ["-m", "lightning_sync.compare", "--seeds", "0"])
-    record = json.loads(path.read_text())
-    assert record["command"].endswith("-m lightning_sync.compare --seeds 0")
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    assert record["commit"] == head and record["versions"]["torch"] and record["date"].endswith("UTC")
 
 
 def _results(tmp_path: Path) -> Path:

@@ -86,19 +86,6 @@ def _rule(letter: str, width: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ provenance
-def write_provenance(out: str | Path, argv: Sequence[str] | None = None) -> Path:
-    """Writes :func:`lightning_sync.apps.provenance.provenance` as ``<out>/provenance.json``; returns its path.
-
-    For results whose ``results.json`` cannot hold a ``provenance`` key of its own (a table kept as Markdown).
-    """
-    from lightning_sync.apps.provenance import provenance
-
-    path = Path(out) / PROVENANCE_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(provenance(argv), indent=1) + "\n")
-    return path
-
-
 def _git(args: list[str], cwd: str | Path | None) -> str | None:
     try:
         done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=False)
