@@ -68,43 +68,44 @@ def test_compare_help_works(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-_PROGRESS = re.compile(r"\[\d+/2\] \S+ \| epoch 1/1 step 4 \| .*\| eta \d+:\d\d")
-_RESULT = re.compile(r"\[\d+/2\] \S+ +test acc +\d+\.\d\d% +\d+\.\d\d ms/step +[\d,]+ bytes/step +\(\d+ s\)$")
+_PROGRESS = re.compile(r"\[\d+/2\] digits \S+ s0 \| epoch 1/1 step 4 \| .*\| eta \d+:\d\d")
+_RESULT = re.compile(
+    r"\[\d+/2\] digits \S+ s0 +test acc % +\d+\.\d\d +\d+\.\d\d ms/step +[\d,]+ bytes/step +\(\d+ s\)$"
+)
 
 
 @pytest.mark.timeout(300)
 def test_compare_smoke_prints_only_progress_results_and_table(tmp_path):
-    proc = _compare(tmp_path, "--smoke", "--cases", "ddp,allreduce")
+    proc = _compare(tmp_path, "--smoke", "--workloads", "digits", "--cases", "ddp,allreduce")
     assert proc.returncode == 0, proc.stderr[-4000:]
     err = [line for line in proc.stderr.splitlines() if line.strip()]
     out = [line for line in proc.stdout.splitlines() if line.strip()]
     # stderr: one progress line per case (rank 0 of each forked run); nothing from Lightning
     assert len(err) == 2 and all(_PROGRESS.match(line) for line in err), proc.stderr
-    assert err[0].startswith("[1/2] ddp |") and "all runs" in err[0], err  # time left for the whole job
-    assert err[1].startswith("[2/2] allreduce |"), err
-    # stdout: one result line per case, then the heading and the table
+    assert err[0].startswith("[1/2] digits ddp s0 |") and "all runs" in err[0], err  # time left for the whole job
+    assert err[1].startswith("[2/2] digits allreduce s0 |"), err
+    # stdout: one result line per run, then the heading, the table, its legend and the job's time
     assert all(_RESULT.match(line) for line in out[:2]), out
-    assert out[2].startswith("Digits classifier, 2 CPU ranks") and len(out) == 2 + 1 + 4, out
-    assert all(line.startswith("|") for line in out[3:]), out
-    rows = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert [r["mode"] for r in rows] == ["ddp", "allreduce"] and all(r["diverged"] is False for r in rows), rows
+    assert out[2].startswith("### Digits classifier") and "2 CPU ranks" in out[2] and len(out) == 2 + 1 + 4 + 2, out
+    assert all(line.startswith("|") for line in out[3:7]), out
+    runs = json.loads((tmp_path / "out" / "results.json").read_text())["workloads"]["digits"]["runs"]
+    assert list(runs) == ["ddp", "allreduce"] and all(r["diverged"] is False for v in runs.values() for r in v), runs
 
 
 @pytest.mark.timeout(300)
 def test_compare_shows_a_real_divergence(tmp_path):
     """SGD at lr 5 (momentum 0.9) blows the digits MLP's loss up within the first epoch."""
-    proc = _compare(tmp_path, "--epochs", "3", "--cases", "ddp", "model.lr=5")
+    proc = _compare(tmp_path, "--epochs", "3", "--workloads", "digits", "--seeds", "0", "--cases", "ddp", "model.lr=5")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = json.loads((tmp_path / "out" / "ddp" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "out" / "digits" / "ddp" / "seed0" / "summary.json").read_text())
     assert summary["diverged"] is True and summary["diverged_reason"] in ("exploded", "not finite"), summary
     step = summary["diverged_at_step"]
     assert 0 < step < 18, summary  # within the first epoch (18 steps)
     assert step <= summary["optimizer_steps"] < step + 10, summary  # stopped at the next exchange
     assert "test" not in summary, summary  # a diverged model is not tested
     assert f"DIVERGED ({summary['diverged_reason']}): run " in proc.stderr and f"step {step} " in proc.stderr
-    assert re.search(rf"^\[1/1\] ddp +DIVERGED at step {step} ", proc.stdout, re.MULTILINE), proc.stdout
-    assert re.search(rf"\| ddp +\| diverged at step {step} \|", proc.stdout), proc.stdout
-    assert "%" not in proc.stdout.split("Digits classifier")[1], proc.stdout  # no accuracy for it
+    assert re.search(rf"^\[1/1\] digits ddp s0 +DIVERGED at step {step} ", proc.stdout, re.MULTILINE), proc.stdout
+    assert re.search(r"\| ddp +\| +diverged \|", proc.stdout), proc.stdout
 
 
 # ---------------------------------------------------------------------------------------------------- quieting

@@ -16,6 +16,7 @@ EXPECTED = {
     "02_periodic": (("test acc", "bytes sent/batch", "mean divergence", "comm share"), 3),
     "03_parameter_server": (("test acc", "ms/step", "samples/s"), 3),
     "04_compression": (("test acc", "bytes sent/step", "modelled ms/batch 10mbit"), 2),
+    "05_language_model": (("test loss nats/char", "meter bytes/step", "modelled s to target 10mbit"), 3),
 }
 # Runs a notebook source as __main__, then reports how many matplotlib figures it left open (Agg backend).
 _RUN_AND_COUNT = (

@@ -120,7 +120,11 @@ class Timeline(pl.Callback):
         now = time.monotonic()
         if self._first_batch is None:
             self._first_batch = now
-            self._meta.update(batch_size=_batch_size(batch), cpu_at_first_batch=time.process_time())
+            self._meta.update(
+                batch_size=_batch_size(batch),
+                batch_elements=_batch_elements(batch),
+                cpu_at_first_batch=time.process_time(),
+            )
         self._batch_start = (now, _comm_seconds(trainer))
 
     def _row(self, trainer: pl.Trainer, outputs: Any) -> dict[str, Any] | None:
@@ -176,6 +180,8 @@ class Timeline(pl.Callback):
         with torch.no_grad():
             logits = pl_module(x)
         pl_module.train(was_training)
+        # a classifier's (N, classes) or a language model's (N, T, vocab) against (N,) or (N, T) targets
+        logits, y = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
         self._probes.append({
             "t": now,
             "batch": len(self._rows),
@@ -215,6 +221,12 @@ def _batch_size(batch: Any) -> int | None:
     """Samples in a batch: the first dimension of its first tensor (``None`` if it has none)."""
     first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
     return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.ndim > 0 else None
+
+
+def _batch_elements(batch: Any) -> int | None:
+    """Elements of a batch's first tensor: samples, or a language model's tokens (windows x length)."""
+    first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+    return int(first.numel()) if isinstance(first, torch.Tensor) else None
 
 
 def read_timelines(folder: str | Path) -> list[dict[str, Any]]:
@@ -310,6 +322,11 @@ class StudyRun:
     def test_accuracy(self) -> float | None:
         """``test/acc`` of the final model (``None`` if the run was not tested)."""
         return self.summary.get("test", {}).get("test/acc")
+
+    @property
+    def test_loss(self) -> float | None:
+        """``test/loss`` of the final model (``None`` if the run was not tested)."""
+        return self.summary.get("test", {}).get("test/loss")
 
     @property
     def step_time_ms(self) -> float | None:
@@ -419,6 +436,26 @@ class StudyRun:
         """Mean of rank 0's ``divergence`` over its syncs (``None``: no sync)."""
         values = self.series("divergence")[1]
         return statistics.fmean(values) if values else None
+
+    def probe_loss_curve(self, x: str = "batch") -> tuple[list[float], list[float]]:
+        """``(x, validation loss)`` of rank 0's probes (see :meth:`loss_curve` for ``x``; ``x="tokens"``: the
+        elements every rank has trained on together, e.g. characters for a language model)."""
+        probes = self.timeline["probes"]
+        if x == "tokens":
+            return [p["batch"] * self.tokens_per_batch for p in probes], [p["loss"] for p in probes]
+        return self._x(probes, x), [p["loss"] for p in probes]
+
+    @property
+    def tokens_per_batch(self) -> int:
+        """Elements of one training batch over all ranks (a language model's characters: ranks x windows x
+        length); rank 0's first batch times the ranks."""
+        elements = self.timeline.get("batch_elements") or self.timeline.get("batch_size") or 0
+        return int(elements) * int(self.timeline.get("workers", 1))
+
+    def batches_to_loss(self, target: float) -> int | None:
+        """Training batches before rank 0's first probe with validation loss at or below ``target`` (``None``:
+        never reached)."""
+        return next((p["batch"] for p in self.timeline["probes"] if p["loss"] <= target), None)
 
     def batches_to_accuracy(self, target: float) -> int | None:
         """Training batches before rank 0's first probe at or above ``target`` (``None``: never reached)."""
@@ -627,3 +664,60 @@ def load_time_to_accuracy(path: str | Path | None = None) -> list[dict[str, Any]
             if name not in record or not isinstance(value, types) or isinstance(value, bool):
                 raise ValueError(f"{file}: record {i} has {name}={value!r}; {expected}")
     return records
+
+
+# ---------------------------------------------------------------------------------------------------- seeds
+def seed_cases(cases: Mapping[str, Sequence[str]], seeds: Iterable[int]) -> dict[str, list[str]]:
+    """``{"<case> s<seed>": overrides + seed=<seed>}``: every case once per seed, seed by seed (so a drift of the
+    machine's load spreads over all cases alike). Read them back by case with :func:`by_case`."""
+    return {f"{name} s{seed}": [*overrides, f"seed={seed}"] for seed in seeds for name, overrides in cases.items()}
+
+
+def by_case(runs: Mapping[str, StudyRun]) -> dict[str, list[StudyRun]]:
+    """The runs of :func:`seed_cases` grouped by case (the name before `` s<seed>``), in first-seen order."""
+    grouped: dict[str, list[StudyRun]] = {}
+    for name, run in runs.items():
+        grouped.setdefault(name.rsplit(" s", 1)[0], []).append(run)
+    return grouped
+
+
+def seed_band(
+    curves: Sequence[tuple[Sequence[float], Sequence[float]]], points: int = 50
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """``(x, mean, low, high)`` of several seeds' curves ``(x, y)``, each interpolated linearly on a common grid of
+    ``points`` values of x over the range every curve covers (empty lists if they share none)."""
+    import numpy as np
+
+    curves = [(np.asarray(x, float), np.asarray(y, float)) for x, y in curves if len(x)]
+    if not curves:
+        return [], [], [], []
+    start, end = max(x[0] for x, _ in curves), min(x[-1] for x, _ in curves)
+    if end < start:
+        return [], [], [], []
+    grid = np.linspace(start, end, points) if end > start else np.array([start])
+    values = np.stack([np.interp(grid, x, y) for x, y in curves])
+    return grid.tolist(), values.mean(0).tolist(), values.min(0).tolist(), values.max(0).tolist()
+
+
+def modelled_time_to_loss(run: StudyRun, target: float, bits_per_second: float) -> float | None:
+    """The batches rank 0 needed to reach validation loss ``target`` times :func:`modelled_step_seconds`
+    (``None``: not reached, or a figure is missing)."""
+    batches, step = run.batches_to_loss(target), modelled_step_seconds(run, bits_per_second)
+    return None if batches is None or step is None else batches * step
+
+
+def load_bench_rows(workload: str, root: str | Path | None = None) -> list[dict[str, Any]]:
+    """The summary rows of ``workload`` in every benchmark ``results.json`` under ``root`` (``python -m
+    lightning_sync.bench``; default: ``benchmarks/results`` of the checkout), or ``[]`` if there are none.
+
+    Each row is the benchmark's (``case``, ``rate``, ``median``, ``spread``, ``target_loss``,
+    ``median_bytes_sent_per_step``, ``median_wire_bytes_per_step``, ``median_wire_over_meter``, ...) plus ``file``:
+    the results file it came from.
+    """
+    folder = Path(root) if root is not None else DEFAULT_TIME_TO_ACCURACY.parent
+    rows = []
+    for file in sorted(folder.rglob("results.json")) if folder.is_dir() else []:
+        data = json.loads(file.read_text())
+        if isinstance(data, dict) and {"config", "summary"} <= data.keys():
+            rows += [{**r, "file": str(file)} for r in data["summary"] if r.get("workload") == workload]
+    return rows

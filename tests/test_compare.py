@@ -1,0 +1,129 @@
+"""The main job's seeds: mean and min-max spread over seeds, ties when ranges overlap, and the table and
+results file both workloads give."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lightning_sync.apps.compare import (
+    LM_CASES,
+    Spread,
+    aggregate,
+    format_results,
+    format_table,
+    spread,
+    verdict,
+    workloads,
+)
+
+
+@pytest.mark.unit
+def test_spread_is_mean_and_range_of_the_values_that_exist():
+    s = spread([0.9, None, 0.8, float("nan"), 1.0])
+    assert s == Spread(mean=pytest.approx(0.9), low=0.8, high=1.0, n=3)
+    assert spread([None, None]) is None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("case", "reference", "higher", "expected"),
+    [
+        ((0.95, 0.96), (0.90, 0.94), True, "better"),
+        ((0.95, 0.96), (0.90, 0.95), True, "tie"),  # touching ranges are a tie
+        ((0.80, 0.85), (0.90, 0.94), True, "worse"),
+        ((1.40, 1.45), (1.50, 1.60), False, "better"),  # a loss: lower is better
+        ((1.70, 1.80), (1.50, 1.60), False, "worse"),
+        ((1.55, 1.58), (1.50, 1.60), False, "tie"),  # inside
+    ],
+)
+def test_verdict_against_the_reference(case, reference, higher, expected):
+    a = Spread(sum(case) / 2, *case, n=3)
+    b = Spread(sum(reference) / 2, *reference, n=3)
+    assert verdict(a, b, higher) == expected
+    assert verdict(None, b, higher) == "-"
+
+
+def _summary(seed, value, metric="test/acc", diverged=False, ms=10.0, sent=1000.0):
+    s = {"seed": seed, "diverged": diverged, "step_time_ms": ms, "bytes_sent_per_step": sent}
+    if not diverged:
+        s["test"] = {metric: value}
+    return s
+
+
+@pytest.mark.unit
+def test_aggregate_and_table_of_the_digits():
+    work = workloads()["digits"]
+    runs = {
+        "ddp": [_summary(0, 0.96), _summary(1, 0.97, ms=12.0), _summary(2, 0.965, ms=11.0)],
+        "allreduce+fp16": [_summary(s, v, sent=500.0) for s, v in enumerate((0.95, 0.962, 0.958))],
+        "periodic:diloco/8": [_summary(0, None, diverged=True), _summary(1, 0.90), _summary(2, 0.91)],
+    }
+    rows = {r["case"]: r for r in aggregate(work, runs)}
+    assert rows["ddp"]["vs_ddp"] == "reference" and rows["ddp"]["mean"] == pytest.approx(0.965)
+    assert rows["ddp"]["step_time_ms_median"] == 11.0 and rows["ddp"]["seeds"] == [0, 1, 2]
+    assert rows["allreduce+fp16"]["vs_ddp"] == "tie"  # 0.962 >= ddp's min 0.96
+    assert rows["periodic:diloco/8"]["vs_ddp"] == "worse" and rows["periodic:diloco/8"]["diverged_seeds"] == [0]
+    assert rows["periodic:diloco/8"]["values"] == [None, 0.90, 0.91]
+    table = format_table(work, list(rows.values()))
+    assert "96.50 [96.00, 97.00]" in table
+    assert "90.50 [90.00, 91.00] (diverged: seed 0)" in table
+    assert "| tie " in table and "| worse " in table
+    assert "0.500" in table  # fp16's meter bytes against ddp's
+
+
+@pytest.mark.unit
+def test_a_loss_ranks_lower_as_better_and_the_results_render():
+    work = workloads()["char_lm"]
+    runs = {
+        "ddp": [_summary(s, v, "test/loss") for s, v in enumerate((1.50, 1.52, 1.55))],
+        "periodic:local_sgd/8": [_summary(s, v, "test/loss") for s, v in enumerate((1.40, 1.45, 1.48))],
+    }
+    rows = aggregate(work, runs)
+    assert [r["vs_ddp"] for r in rows] == ["reference", "better"]
+    results = {"seeds": [0, 1, 2], "sizes": {}, "workloads": {"char_lm": {"title": work.title, "rows": rows}}}
+    text = format_results(results)
+    assert text.startswith("### Character language model") and "seeds 0, 1, 2" in text
+    assert "1.523 [1.500, 1.550]" in text and "| better " in text
+
+
+@pytest.mark.unit
+def test_both_workloads_run_over_three_seeds_by_default():
+    from lightning_sync.apps.compare import DEFAULT_SEEDS, _parser
+
+    assert len(DEFAULT_SEEDS) >= 3
+    assert _parser().parse_args([]).workloads == "digits,char_lm"
+    assert "ddp" in LM_CASES and len(LM_CASES) >= 3
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_smoke_run_gives_both_tables_and_a_results_file_with_provenance(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    args = ["--smoke", "--seeds", "0,1", "--cases", "ddp,periodic:local_sgd/8", "--out", str(tmp_path / "out")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_sync.compare", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "### Digits classifier" in proc.stdout and "### Character language model" in proc.stdout, proc.stdout
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["seeds"] == [0, 1]
+    prov = results["provenance"]
+    assert prov["commit"] and "lightning_sync.compare" in prov["command"] and prov["cpu"]["flags"]
+    assert {"torch", "lightning", "numpy", "scikit-learn"} <= prov["versions"].keys()
+    for name in ("digits", "char_lm"):
+        block = results["workloads"][name]
+        assert [len(v) for v in block["runs"].values()] == [2, 2], block["runs"]
+        assert [r["case"] for r in block["rows"]] == ["ddp", "periodic:local_sgd/8"]
+        assert all(len(r["values"]) == 2 for r in block["rows"])
+    lm = results["workloads"]["char_lm"]["runs"]["ddp"]
+    assert all(r["unigram"]["loss"] > 3 and "test/loss" in r["test"] for r in lm), lm
