@@ -2,9 +2,9 @@
 
 Each sync mode subclasses :class:`SyncStrategyBase`, which is a Lightning ``DDPStrategy`` and so inherits process
 group setup, sampler injection, launchers and teardown. The algorithms live in :mod:`lightning_sync.comm`; this
-class only connects them to the Lightning lifecycle, through Lightning's public API. The one deliberate private
-dependency, Lightning's ``popen`` launcher (and the ``_configure_launcher`` hook that picks it), is confined to
-:mod:`lightning_sync.strategies._launcher`.
+class only connects them to the Lightning lifecycle. The Lightning internals it needs (the hooks that pick the
+launcher and register DDP communication hooks, changes to the Trainer's loop limits) are reached through
+:mod:`lightning_sync.strategies._lightning`, and nowhere else.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins import CheckpointIO, ClusterEnvironment, Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
@@ -34,11 +33,12 @@ from lightning_sync.errors import ConfigError
 from lightning_sync.strategies._checkpoint import SyncStateCheckpointing
 from lightning_sync.strategies._gc import freeze_startup_heap, release_startup_heap
 from lightning_sync.strategies._launcher import configure_launcher
+from lightning_sync.strategies._lightning import LightningDDPHooks, insert_callback_first
 from lightning_sync.strategies._replicas import ReplicaChecking
 from lightning_sync.strategies._torchelastic import join_restarted_torchelastic_group
 
 
-class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, DDPStrategy):
+class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, LightningDDPHooks):
     """Base of the lightning_sync strategies.
 
     Args:
@@ -100,9 +100,9 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, DDPStrategy):
 
     # ------------------------------------------------------------------ launch and setup
     @override
-    def _configure_launcher(self) -> None:
+    def configure_launcher(self) -> None:
         """Lightning's launcher for the start method, Hydra-aware for ``popen`` (see ``_launcher``)."""
-        configure_launcher(self, super()._configure_launcher)
+        configure_launcher(self, super().configure_launcher)
 
     @override
     def setup_distributed(self) -> None:
@@ -141,7 +141,7 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, DDPStrategy):
             self.load_sync_state_dict(self._pending_sync_state)
             self._pending_sync_state = None
         if not any(isinstance(cb, SyncMetricsLogger) for cb in trainer.callbacks):
-            trainer.callbacks.insert(0, SyncMetricsLogger())  # first: other callbacks see this step's metrics
+            insert_callback_first(trainer, SyncMetricsLogger())  # other callbacks see this step's metrics
 
     @override
     def on_train_start(self) -> None:

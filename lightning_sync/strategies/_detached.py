@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_sync.strategies._base import SyncStrategyBase
+from lightning_sync.strategies._lightning import loop_limits, set_loop_limits
 
 
 class DetachableCollectives(SyncStrategyBase):
@@ -28,14 +29,13 @@ class DetachableCollectives(SyncStrategyBase):
     def _hand_the_end_to_the_mode(self, trainer: pl.Trainer) -> None:
         """For a fit whose ranks will detach: no validation during fit (its metric syncs would tie the ranks) and no
         epoch limit (the mode ends the run by setting ``should_stop``). :meth:`_restore_loop_limits` undoes it."""
-        self._loop_limits = (trainer, trainer.limit_val_batches, trainer.fit_loop.max_epochs)
-        trainer.limit_val_batches = 0
-        trainer.fit_loop.max_epochs = -1
+        self._loop_limits = (trainer, *loop_limits(trainer))
+        set_loop_limits(trainer, limit_val_batches=0, max_epochs=-1)
 
     def _restore_loop_limits(self) -> None:
         if self._loop_limits is not None:
             trainer, limit_val, max_epochs = self._loop_limits
-            trainer.limit_val_batches, trainer.fit_loop.max_epochs = limit_val, max_epochs
+            set_loop_limits(trainer, limit_val, max_epochs)
             self._loop_limits = None
 
     def end_detached_run(self) -> None:

@@ -21,11 +21,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from lightning_sync.strategies._lightning import launcher_children, replace_launch
 
 LAUNCHER_PID_ENV = "LIGHTNING_SYNC_LAUNCHER_PID"
 """Set for the ``popen`` children of a main process: its pid (so a child knows its parent is the job's main)."""
@@ -102,12 +103,12 @@ def kill_frozen_ranks(launcher: Any, rank: int, error: BaseException) -> None:
     """After this rank failed with ``error``: kills the frozen ranks it sees (see the module docstring).
 
     Args:
-        launcher: the rank's launcher (a ``popen`` main process's holds its children as ``procs``).
+        launcher: the rank's launcher (a ``popen`` main process's holds its children).
         rank: this rank (global).
         error: what it failed with; said on stderr before a ``fork``/``spawn`` sibling is killed, since the
             launching process reports whichever rank it sees end first, which may be the killed one.
     """
-    children = [proc for proc in getattr(launcher, "procs", []) if isinstance(proc, subprocess.Popen)]
+    children = launcher_children(launcher)
     if any(proc.poll() is None and is_stopped(proc.pid) for proc in children):
         stop_observing = getattr(launcher, "stop_observing", None)
         if stop_observing is not None:  # this process handles its children now: the observer must not act on them
@@ -164,4 +165,4 @@ def end_frozen_ranks_on_failure(launcher: Any, strategy: Any, popen: bool) -> No
         popen: whether ``launcher`` starts its ranks with ``popen`` (else ``fork``/``spawn``).
     """
     if launcher is not None and not isinstance(launcher.launch, _Launch):
-        launcher.launch = _Launch(launcher, strategy, popen)
+        replace_launch(launcher, _Launch(launcher, strategy, popen))

@@ -1,9 +1,7 @@
 """A ``popen`` launcher that re-runs a Hydra job, not the whole command line.
 
-This module is the one place where lightning_sync relies on Lightning internals, on purpose: the launcher class
-``_SubprocessScriptLauncher`` and the strategy's ``_configure_launcher`` hook with its ``_start_method`` and
-``_launcher`` attributes (Lightning has no public way to choose a launcher). Tested with the ``lightning`` range
-pinned in ``pyproject.toml``.
+The Lightning internals it builds on (the ``popen`` launcher class, the hook that sets a strategy's launcher) are
+reached through :mod:`lightning_sync.strategies._lightning`.
 
 Lightning's subprocess launcher starts ranks 1..n-1 by re-running ``sys.argv``. Under ``hydra -m`` that re-runs the
 whole sweep inside every child, and each child also writes a new output folder. This launcher starts each child on
@@ -22,11 +20,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
 from lightning_sync.strategies import _frozen
+from lightning_sync.strategies._lightning import PopenLauncher, set_launcher
 
 # Command-line flags of a Hydra app that select the config, with whether they take a value.
 _HYDRA_CONFIG_FLAGS = {
@@ -155,7 +152,7 @@ class _ChildObserver(threading.Thread):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-class HydraJobSubprocessLauncher(_SubprocessScriptLauncher):
+class HydraJobSubprocessLauncher(PopenLauncher):
     """Lightning's ``popen`` launcher, with two changes.
 
     - A child under Hydra runs the parent's job, never its sweep.
@@ -172,14 +169,9 @@ class HydraJobSubprocessLauncher(_SubprocessScriptLauncher):
         grace for the main process."""
 
     @override
-    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-        if not self.cluster_environment.creates_processes_externally:
-            self._call_children_scripts()
-            self._observer = _ChildObserver(self.procs, self.observer_grace_s, self.on_child_lost)
-            self._observer.start()
-        _set_num_threads_if_needed(num_processes=self.num_processes)
-        return function(*args, **kwargs)
+    def watch_children(self) -> None:
+        self._observer = _ChildObserver(self.children, self.observer_grace_s, self.on_child_lost)
+        self._observer.start()
 
     def stop_observing(self) -> None:
         """Disarms the child observer (no-op when there is none)."""
@@ -187,12 +179,12 @@ class HydraJobSubprocessLauncher(_SubprocessScriptLauncher):
             self._observer.disarm()
 
     @override
-    def _call_children_scripts(self) -> None:
+    def start_children(self) -> None:
         if not _hydra_in_use():
-            super()._call_children_scripts()
+            super().start_children()
             return
-        self._check_can_spawn_children()
-        self.procs = []
+        self.check_can_start_children()
+        self.children = []
         env = self.cluster_environment
         os.environ.update(
             MASTER_ADDR=env.main_address,
@@ -206,11 +198,11 @@ class HydraJobSubprocessLauncher(_SubprocessScriptLauncher):
             if os.environ.get("PL_GLOBAL_SEED") is None:
                 child_env.pop("PL_GLOBAL_SEED", None)
             command, cwd = hydra_job_command(local_rank)
-            self.procs.append(subprocess.Popen(command, env=child_env, cwd=cwd))
+            self.children.append(subprocess.Popen(command, env=child_env, cwd=cwd))
 
     def exited_children(self) -> dict[int, int]:
         """``{local_rank: exit_code}`` of the children that have already exited with an error (now, no waiting)."""
-        codes = {local_rank: proc.poll() for local_rank, proc in enumerate(self.procs, start=1)}
+        codes = {local_rank: proc.poll() for local_rank, proc in enumerate(self.children, start=1)}
         return {rank: code for rank, code in codes.items() if code not in (None, 0)}
 
     def wait_children(self, timeout: float | None = None) -> dict[int, int]:
@@ -225,7 +217,7 @@ class HydraJobSubprocessLauncher(_SubprocessScriptLauncher):
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         codes = {}
-        for local_rank, proc in enumerate(self.procs, start=1):
+        for local_rank, proc in enumerate(self.children, start=1):
             try:
                 codes[local_rank] = proc.wait(timeout=None if deadline is None else max(deadline - time.monotonic(), 0))
             except subprocess.TimeoutExpired:
@@ -239,9 +231,9 @@ def configure_launcher(strategy: Any, lightning_default: Callable[[], None]) -> 
 
     Args:
         strategy: a Lightning ``DDPStrategy``, before launch.
-        lightning_default: the strategy's inherited ``_configure_launcher`` (used for the other start methods).
+        lightning_default: Lightning's way to set the launcher (used for the other start methods).
     """
-    if strategy._start_method != "popen":
+    if strategy.config.start_method != "popen":
         lightning_default()
         return _frozen.end_frozen_ranks_on_failure(strategy.launcher, strategy, popen=False)
     assert strategy.cluster_environment is not None
@@ -249,5 +241,5 @@ def configure_launcher(strategy: Any, lightning_default: Callable[[], None]) -> 
     # Long enough for the main process to report its own error (its waits end within timeout_s), short enough that
     # a job whose rank is gone never hangs for minutes with the default timeout_s of 600.
     launcher.observer_grace_s = min(strategy.config.timeout_s + 5.0, _MAX_OBSERVER_GRACE_S)
-    strategy._launcher = launcher
+    set_launcher(strategy, launcher)
     _frozen.end_frozen_ranks_on_failure(launcher, strategy, popen=True)  # a failing rank kills the frozen ones

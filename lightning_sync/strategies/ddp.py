@@ -58,7 +58,7 @@ class DDPSyncStrategy(SyncStrategyBase):
         self._new_compressor = build_parts(self.config).new_compressor
 
     @override
-    def _register_ddp_hooks(self) -> None:
+    def register_ddp_hooks(self) -> None:
         """Registers the metered compressor hook on the DDP model, whatever the device.
 
         Guarantees: after this, every gradient bucket DDP reduces goes through ``self.hook_state.compressor`` and

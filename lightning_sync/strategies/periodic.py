@@ -16,6 +16,7 @@ from lightning_sync.comm.consistency import named_replicated_state
 from lightning_sync.comm.periodic import PeriodicAverager, validate_module_policy
 from lightning_sync.config import PeriodicConfig
 from lightning_sync.errors import CheckpointError, ConfigError
+from lightning_sync.strategies._lightning import set_accumulate_grad_batches
 from lightning_sync.strategies.allreduce import AllReduceStrategy
 
 
@@ -117,7 +118,7 @@ class PeriodicSyncStrategy(AllReduceStrategy):
             )
         if self._accumulating is None:
             self._accumulating = (trainer, int(trainer.accumulate_grad_batches))
-            trainer.accumulate_grad_batches = self._accumulating[1] * int(self.config.sync_every)
+            set_accumulate_grad_batches(trainer, self._accumulating[1] * int(self.config.sync_every))
 
     @override
     def configure_ddp(self) -> None:
@@ -230,6 +231,6 @@ class PeriodicSyncStrategy(AllReduceStrategy):
             self.averager.close()
         if self._accumulating is not None:
             trainer, accumulate = self._accumulating
-            trainer.accumulate_grad_batches = accumulate
+            set_accumulate_grad_batches(trainer, accumulate)
             self._accumulating = None
         super().teardown()

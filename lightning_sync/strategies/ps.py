@@ -71,7 +71,7 @@ class ParameterServerStrategy(DetachableCollectives):
 
     # ------------------------------------------------------------------ launch and setup
     @override
-    def _configure_launcher(self) -> None:
+    def configure_launcher(self) -> None:
         """Checks the placement and ``slow_worker`` against the number of ranks (before any rank starts)."""
         world, cfg = self.num_processes * self.num_nodes, self.config
         if cfg.placement == "colocated" and cfg.num_servers > world:
@@ -81,7 +81,7 @@ class ParameterServerStrategy(DetachableCollectives):
             )
         if cfg.slow_worker >= world:
             raise ConfigError(f"strategy.slow_worker={cfg.slow_worker} is not allowed; the ranks are 0..{world - 1}")
-        super()._configure_launcher()
+        super().configure_launcher()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

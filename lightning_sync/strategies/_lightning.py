@@ -1,0 +1,165 @@
+"""Every private or unstable Lightning API that lightning_sync uses, in one module.
+
+Lightning has no public way to choose a strategy's launcher, to register DDP communication hooks from a subclass,
+or to change the Trainer's loop limits during ``fit``. The strategies need all three, so they reach into Lightning
+here and nowhere else: every other module calls the small functions and classes below. ``make lint`` fails when a
+private Lightning name (or one of the unstable uses listed in :data:`UNSTABLE_USES`) appears in another file, and
+pytest turns a ``DeprecationWarning`` that names one of them into an error.
+
+Verified for the Lightning versions in :data:`LIGHTNING_VERIFIED` (the ``lightning`` range in ``pyproject.toml`` is
+:data:`LIGHTNING_RANGE`). A new Lightning release is checked against this module first.
+
+What is used, and where Lightning defines it:
+
+- ``DDPStrategy._configure_launcher`` and ``DDPStrategy._register_ddp_hooks``: overridden, forwarded to
+  :meth:`LightningDDPHooks.configure_launcher` and :meth:`LightningDDPHooks.register_ddp_hooks`.
+- ``DDPStrategy._launcher``: set by :func:`set_launcher`.
+- ``lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher``: the ``popen`` launcher,
+  subclassed by :class:`PopenLauncher` (its ``launch`` is a copy of Lightning's with a hook where Lightning starts
+  its child observer; its ``_call_children_scripts`` and ``_check_can_spawn_children`` are reached through
+  :meth:`PopenLauncher.start_children` and :meth:`PopenLauncher.check_can_start_children`; its ``procs`` list
+  through :attr:`PopenLauncher.children` and :func:`launcher_children`).
+- ``lightning.fabric.utilities.distributed._set_num_threads_if_needed``: called by :meth:`PopenLauncher.launch`.
+- ``launcher.launch``: replaced on one launcher instance by :func:`replace_launch`.
+- ``Trainer.limit_val_batches``, ``Trainer.fit_loop.max_epochs`` and ``Trainer.accumulate_grad_batches``: written
+  during ``fit`` by :func:`set_loop_limits` and :func:`set_accumulate_grad_batches`.
+- ``Trainer.callbacks``: a callback inserted first by :func:`insert_callback_first`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+LIGHTNING_VERIFIED = ("2.6.0", "2.6.6")
+"""Lightning releases this module was read against and the test suite passed with."""
+LIGHTNING_RANGE = ">=2.6,<2.7"
+"""The ``lightning`` requirement in ``pyproject.toml``."""
+
+PRIVATE_NAMES = (
+    "_configure_launcher",
+    "_register_ddp_hooks",
+    "_launcher",
+    "_start_method",
+    "_SubprocessScriptLauncher",
+    "_call_children_scripts",
+    "_check_can_spawn_children",
+    "_set_num_threads_if_needed",
+)
+"""The private Lightning names used in this module (and only here)."""
+
+UNSTABLE_USES = (
+    "launcher.procs",
+    "launcher.launch (replaced)",
+    "Trainer.limit_val_batches (written)",
+    "Trainer.fit_loop.max_epochs (written)",
+    "Trainer.accumulate_grad_batches (written)",
+    "Trainer.callbacks.insert",
+)
+"""Public-looking Lightning attributes used in ways Lightning does not document; also confined to this module."""
+
+
+class LightningDDPHooks(DDPStrategy):
+    """A ``DDPStrategy`` whose private hooks forward to methods of ours, which subclasses override instead."""
+
+    @override
+    def _configure_launcher(self) -> None:
+        self.configure_launcher()
+
+    def configure_launcher(self) -> None:
+        """Sets ``self.launcher`` before launch (Lightning's: a launcher for the start method)."""
+        super()._configure_launcher()
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        self.register_ddp_hooks()
+
+    def register_ddp_hooks(self) -> None:
+        """Registers communication hooks on the ``DistributedDataParallel`` model (Lightning's: its ``ddp_comm_*``)."""
+        super()._register_ddp_hooks()
+
+
+def set_launcher(strategy: DDPStrategy, launcher: Any) -> None:
+    """Makes ``launcher`` the launcher of ``strategy`` (from :meth:`LightningDDPHooks.configure_launcher`)."""
+    strategy._launcher = launcher
+
+
+class PopenLauncher(_SubprocessScriptLauncher):
+    """Lightning's ``popen`` launcher, its private parts behind names of ours.
+
+    :meth:`launch` is Lightning's, except that :meth:`watch_children` replaces Lightning's child observer (which
+    cannot be stood down). Subclasses override :meth:`start_children` and :meth:`watch_children`.
+    """
+
+    @property
+    def children(self) -> list[subprocess.Popen]:
+        """The child ranks this process started (local ranks 1..n-1, in order)."""
+        return self.procs
+
+    @children.setter
+    def children(self, procs: list[subprocess.Popen]) -> None:
+        self.procs = procs
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            self.watch_children()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+    def watch_children(self) -> None:
+        """Called once the children are started, to watch them (here: nothing watches them)."""
+
+    @override
+    def _call_children_scripts(self) -> None:
+        self.start_children()
+
+    def start_children(self) -> None:
+        """Starts local ranks 1..n-1 (Lightning's: each re-runs this process's command line)."""
+        super()._call_children_scripts()
+
+    def check_can_start_children(self) -> None:
+        """Raises ``RuntimeError`` if children were started already or this is not local rank 0."""
+        self._check_can_spawn_children()
+
+
+def launcher_children(launcher: Any) -> list[subprocess.Popen]:
+    """The child processes a ``popen`` launcher started (empty for other launchers and ``None``)."""
+    return [proc for proc in getattr(launcher, "procs", []) if isinstance(proc, subprocess.Popen)]
+
+
+def replace_launch(launcher: Any, launch: Callable[..., Any]) -> None:
+    """Replaces ``launcher.launch`` on this instance (the strategy calls it to run every rank's function)."""
+    launcher.launch = launch
+
+
+def loop_limits(trainer: pl.Trainer) -> tuple[Any, int | None]:
+    """``(limit_val_batches, fit_loop.max_epochs)`` of ``trainer``, as :func:`set_loop_limits` takes them."""
+    return trainer.limit_val_batches, trainer.fit_loop.max_epochs
+
+
+def set_loop_limits(trainer: pl.Trainer, limit_val_batches: Any, max_epochs: int | None) -> None:
+    """Sets the Trainer's validation batch limit and its fit loop's epoch limit (``-1``: none), during ``fit``."""
+    trainer.limit_val_batches = limit_val_batches
+    trainer.fit_loop.max_epochs = max_epochs
+
+
+def set_accumulate_grad_batches(trainer: pl.Trainer, batches: int) -> None:
+    """Sets how many batches the Trainer accumulates per optimizer step (read by its loops at every batch)."""
+    trainer.accumulate_grad_batches = batches
+
+
+def insert_callback_first(trainer: pl.Trainer, callback: Any) -> None:
+    """Puts ``callback`` first among the Trainer's callbacks, so its hooks run before the others'."""
+    trainer.callbacks.insert(0, callback)
