@@ -31,7 +31,7 @@ def job_processes(run_dir: Path, main_pid: int) -> dict[str, int]:
     """``{"rank0": pid, "rank1": pid, "server0": pid}`` of a 2-rank job (whichever of them exist now)."""
     found = {}
     for pid, cmd in _cmdlines().items():
-        if f"hydra.run.dir={run_dir}" in cmd and "lightning_sync.apps.train" in cmd:
+        if f"hydra.run.dir={run_dir}" in cmd and "lightning_sync.train" in cmd:
             found["rank0" if pid == main_pid else "rank1"] = pid
         elif f"--parent-pid {main_pid}" in cmd and "--server 0" in cmd:
             found["server0"] = pid
