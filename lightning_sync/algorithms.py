@@ -47,6 +47,13 @@ def ps_settings(cfg: ParameterServerConfig, max_updates: int | None = None) -> P
     """
     if cfg.mode != "ssp" and cfg.max_staleness != ParameterServerConfig.max_staleness:
         raise ConfigError(f"max_staleness={cfg.max_staleness} is not allowed with mode={cfg.mode!r}; it is for ssp")
+    if cfg.mode == "sync" and cfg.push_scale != "auto":
+        raise ConfigError(
+            f"push_scale={cfg.push_scale!r} is not allowed with mode='sync' (a sync step averages the gradients); "
+            "it is for async and ssp"
+        )
+    if isinstance(cfg.push_scale, str) and cfg.push_scale != "auto":
+        raise ConfigError(f"push_scale={cfg.push_scale!r} is not allowed; it must be a number > 0, or 'auto'")
     try:
         return PSConfig(
             cfg.mode,
@@ -56,6 +63,7 @@ def ps_settings(cfg: ParameterServerConfig, max_updates: int | None = None) -> P
             cfg.topk_density,
             cfg.error_feedback,
             cfg.skip_nonfinite,
+            push_scale=None if cfg.push_scale == "auto" else cfg.push_scale,
         )
     except ValueError as error:
         raise ConfigError(str(error)) from None

@@ -306,6 +306,10 @@ class ParameterServerConfig(StrategyConfig):
     """For experiments: the worker rank to slow down (-1: none)."""
     slowdown: float = 1.0
     """For experiments: ``slow_worker`` sleeps so that its steps take this many times as long (>= 1)."""
+    push_scale: Any = "auto"
+    """``async``/``ssp``: what one push's gradient is multiplied by before the server's optimizer step, a number > 0
+    or ``auto``: ``1/W`` (W workers) for SGD-family optimizers, so W pushes move as far as one sync step, and ``1``
+    for scale-invariant ones (Adam family, RMSprop, Adagrad), whose step a factor would not change."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -18,7 +18,13 @@ from lightning_sync.ps.client import PSClient, PSReply, ServerStepOptimizer
 from lightning_sync.ps.codec import GradientCodec
 from lightning_sync.ps.errors import PSError, PSPeerLostError, PSServerError, PSTimeoutError
 from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, connect_store, describe, server_ps_rank
-from lightning_sync.ps.optim_spec import OptimizerSpec, build_shard_optimizer, current_lrs, optimizer_spec
+from lightning_sync.ps.optim_spec import (
+    OptimizerSpec,
+    build_shard_optimizer,
+    current_lrs,
+    default_push_scale,
+    optimizer_spec,
+)
 from lightning_sync.ps.placement import (
     ColocatedServer,
     ServerProcesses,
@@ -56,6 +62,7 @@ __all__ = [
     "build_shard_optimizer",
     "connect_store",
     "current_lrs",
+    "default_push_scale",
     "describe",
     "optimizer_spec",
     "run_server",

@@ -156,6 +156,34 @@ def build_shard_optimizer(
     return optimizer_class(groups, **defaults), mirrored
 
 
+#: Optimizers whose step divides by a running measure of the gradient's size (or takes its sign), so that a constant
+#: factor on every gradient leaves the step as it is (up to ``eps``).
+SCALE_INVARIANT = frozenset(
+    {"Adam", "AdamW", "Adamax", "NAdam", "RAdam", "SparseAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "Adafactor"}
+)
+
+
+def default_push_scale(spec: OptimizerSpec, num_workers: int) -> float:
+    """What a server multiplies each async or ssp push by when ``push_scale`` is ``auto``.
+
+    * ``1/W`` for optimizers whose step is linear in the gradient (SGD with or without momentum and Nesterov, and
+      any optimizer this rule does not know): ``W`` pushes then move the parameters as far as one sync step, which
+      averages ``W`` gradients, so one learning rate fits every mode.
+    * ``1`` for scale-invariant ones (:data:`SCALE_INVARIANT`: the Adam family, RMSprop, Adagrad, ...): a factor
+      on the gradient cancels in their step, so ``1/W`` would change nothing but the weight of ``eps``; every push
+      is one full optimizer step, as in sync.
+
+    In both cases momentum, weight decay and the Adam moments act once per push, i.e. ``W`` times per sync step's
+    worth of samples.
+    """
+    name = spec.optimizer_class.rpartition(":")[2].rpartition(".")[2]
+    try:
+        mro = [cls.__name__ for cls in _import_class(spec.optimizer_class).__mro__]
+    except (ImportError, AttributeError, ValueError):
+        mro = [name]
+    return 1.0 if SCALE_INVARIANT.intersection(mro) else 1.0 / num_workers
+
+
 def current_lrs(optimizer: torch.optim.Optimizer) -> list[float]:
     """The current learning rate of each param group (what a push carries)."""
     return [float(group["lr"]) for group in optimizer.param_groups]

@@ -8,7 +8,8 @@ worker process) and every mode:
   version is refused), averages them in fp32 (sum in worker order 0..W-1, divided by the number of contributions,
   ``W`` while every worker is live), steps once (version ``t+1``), then replies to every contributor with the new
   parameters.
-* ``async``: each push is one optimizer step with that gradient, answered at once with the new parameters.
+* ``async``: each push is one optimizer step with that gradient times ``push_scale`` (see
+  :func:`~lightning_sync.ps.optim_spec.default_push_scale`), answered at once with the new parameters.
 * ``ssp`` (``max_staleness = s``): applied as in async, but the reply to a worker is withheld while its clock
   (pushes applied) is more than ``s`` ahead of the slowest live worker's clock; ``s = 0`` is lockstep.
 
@@ -72,7 +73,7 @@ from lightning_sync.ps._protocol import (
 from lightning_sync.ps.codec import GradientCodec
 from lightning_sync.ps.errors import PSError, PSTimeoutError
 from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, connect_store, server_ps_rank
-from lightning_sync.ps.optim_spec import OptimizerSpec, build_shard_optimizer
+from lightning_sync.ps.optim_spec import OptimizerSpec, build_shard_optimizer, default_push_scale
 from lightning_sync.ps.settings import PSConfig
 
 
@@ -211,6 +212,7 @@ class ParameterServer:
         self.codec: GradientCodec | None = None
         self.checksum = 0
         self.num_groups = 0
+        self.push_scale = 1.0  # async and ssp: factor of each pushed gradient (set from the INIT)
         self.initialized_by = -1
         self.live = [True] * self.num_workers
         self.last_contact = [time.monotonic()] * self.num_workers
@@ -266,6 +268,7 @@ class ParameterServer:
         out: dict[str, Any] = {
             "server": self.server,
             "mode": self.config.mode if self.config else None,
+            "push_scale": self.push_scale,
             "initialized": self.shard is not None,
             "stopped": self.stopped,
             "stop_reason": self._stop_reason(),
@@ -511,6 +514,8 @@ class ParameterServer:
         except (ValueError, KeyError, TypeError, RuntimeError, AttributeError, ImportError) as exc:
             raise _Refused(f"cannot initialize from worker {worker}'s INIT: {type(exc).__name__}: {exc}") from exc
         self.config, self.codec, self.shard = config, GradientCodec.from_config(config), shard
+        scale = config.push_scale
+        self.push_scale = default_push_scale(spec, self.num_workers) if scale is None else float(scale)
         self.num_groups = spec.num_groups
         self.checksum = int(init["checksum"])
         self.initialized_by = worker
@@ -556,9 +561,9 @@ class ParameterServer:
             self.skipped_updates += 1
             self._send_replies([(worker, self._params_reply(Kind.PUSH, worker, FLAG_SKIPPED, staleness))])
             return
-        # One push is one worker's gradient, where a sync step averages W of them: scaled by 1/W, W pushes move the
-        # parameters as far as one sync step, so one learning rate fits every mode.
-        self.shard.apply(grad.div_(self.num_workers), lrs)
+        # One push is one worker's gradient, where a sync step averages W of them: push_scale (by default 1/W for
+        # SGD-family optimizers, 1 for scale-invariant ones; see default_push_scale) is what one push counts for.
+        self.shard.apply(grad.mul_(self.push_scale), lrs)
         self.shard.record(worker, staleness)
         self._check_max_updates()
         if self.config.mode == "ssp" and not self.stopped and self._lead(worker) > self.config.max_staleness:

@@ -36,6 +36,10 @@ class PSConfig:
         error_feedback: with ``topk``, keep what was not sent on the worker and add it to the next push.
         skip_nonfinite: a worker whose gradient holds a NaN or Inf pushes none (its codec's memory untouched) and
             the servers skip: in sync the whole step, for every worker; in async and ssp that push.
+        push_scale: async and ssp: the factor a server multiplies each pushed gradient by before its optimizer
+            step, a number > 0, or ``None`` for the optimizer's default (:func:`~lightning_sync.ps.optim_spec.
+            default_push_scale`: ``1/W`` for SGD-family optimizers, ``1`` for Adam-family ones). Ignored in sync,
+            where a step averages the ``W`` gradients.
 
     Raises:
         ValueError: a field is out of range; the message names the field, the value and what is allowed.
@@ -48,6 +52,7 @@ class PSConfig:
     topk_density: float = 0.01
     error_feedback: bool = True
     skip_nonfinite: bool = True
+    push_scale: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -74,6 +79,11 @@ class PSConfig:
             or not (math.isfinite(density) and 0.0 < density <= 1.0)
         ):
             raise ValueError(f"topk_density={density!r} must be a number in (0, 1]")
+        scale = self.push_scale
+        if scale is not None and (
+            isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0)
+        ):
+            raise ValueError(f"push_scale={scale!r} must be a number > 0, or 'auto' for the optimizer's default")
         for name in ("error_feedback", "skip_nonfinite"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
