@@ -152,23 +152,18 @@ def test_bad_path_is_one_line_naming_data_path(tmp_path, case):
     assert message.startswith(f"data.path={str(path)!r} is not allowed") and "\n" not in message
 
 
-def _env() -> dict[str, str]:
+def _train(cwd, *overrides: str, timeout: float) -> subprocess.CompletedProcess:
+    """``python -m lightning_sync.train experiment=char_lm <overrides>`` in ``cwd``, without a launcher's env."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "MASTER_", "LOCAL_RANK", "WORLD_SIZE"))}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", HYDRA_FULL_ERROR="0")
-    return env
+    cmd = [sys.executable, "-m", "lightning_sync.train", "experiment=char_lm", *overrides]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(200)
 def test_cli_bad_path_stops_before_any_rank(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "lightning_sync.train", "experiment=char_lm", f"data.path={tmp_path}/nope.txt"],
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    proc = _train(tmp_path, f"data.path={tmp_path}/nope.txt", timeout=180)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("error: data.path=") and "no such file" in lines[-1], proc.stderr[-2000:]
@@ -183,24 +178,10 @@ def test_cli_trains_two_ranks_on_a_text_it_has_never_seen(tmp_path):
     (tmp_path / "texts" / "story.txt").write_text(
         "".join(f"Day {i}: the ship sailed {i % 7} leagues north, and the crew sang.\n" for i in range(600))
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lightning_sync.train",
-            "experiment=char_lm",
-            f"data.path={tmp_path}/texts",
-            "trainer.max_steps=6",
-            "trainer.val_check_interval=3",
-            "callbacks=none",
-            "hydra.run.dir=run",
-        ],  # fmt: skip
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
+    proc = _train(
+        tmp_path, f"data.path={tmp_path}/texts", "trainer.max_steps=6", "trainer.val_check_interval=3",
+        "callbacks=none", "hydra.run.dir=run", timeout=280,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("summary:"))
     assert "steps=6" in line and "test/loss=" in line and "unigram baseline: loss=" in line, line

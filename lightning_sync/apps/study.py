@@ -494,7 +494,8 @@ def run_cases(
 ) -> dict[str, StudyRun]:
     """Runs every case one after the other, each in ``<out>/<case folder>``; returns them by name.
 
-    Each case's overrides are :data:`STUDY_OVERRIDES`, then the case's own, then ``common``. A case's folder is its
+    Each case's overrides are :data:`STUDY_OVERRIDES`, then the case's own, then ``common``. ``<out>/provenance.json``
+    records the commit, command, versions and CPU (:func:`lightning_sync.apps.provenance.provenance`). A case's folder is its
     name with ``/``, ``:``, ``%``, spaces and other punctuation replaced (``auto, target 2%`` -> ``auto_target_2pct``).
 
     Args:
@@ -505,7 +506,10 @@ def run_cases(
         quiet: no per-epoch progress lines.
     """
     from lightning_sync.apps.compare import case_dir_name
+    from lightning_sync.apps.provenance import provenance
 
+    Path(out).mkdir(parents=True, exist_ok=True)  # where these runs came from, beside them
+    Path(out, "provenance.json").write_text(json.dumps(provenance(), indent=1) + "\n")
     return {
         name: run_study(
             name,
