@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_sync.strategies._base import SyncStrategyBase
@@ -25,18 +28,33 @@ class DetachableCollectives(SyncStrategyBase):
 
     _detached = False
     _loop_limits: tuple[pl.Trainer, Any, int | None] | None = None
+    _metric_syncs: Sequence[tuple[Metric, Callable[[], bool]]] = ()  # each metric's own distributed_available_fn
 
     def _hand_the_end_to_the_mode(self, trainer: pl.Trainer) -> None:
-        """For a fit whose ranks will detach: no validation during fit (its metric syncs would tie the ranks) and no
-        epoch limit (the mode ends the run by setting ``should_stop``). :meth:`_restore_loop_limits` undoes it."""
+        """For a fit whose ranks will detach: no epoch limit (the mode ends the run by setting ``should_stop``), and
+        the module's torchmetrics keep their values local while detached (:meth:`_keep_metrics_local`).
+        :meth:`_restore_loop_limits` undoes both."""
         self._loop_limits = (trainer, *loop_limits(trainer))
-        set_loop_limits(trainer, limit_val_batches=0, max_epochs=-1)
+        set_loop_limits(trainer, limit_val_batches=self._loop_limits[1], max_epochs=-1)
+        self._keep_metrics_local(trainer.lightning_module)
 
     def _restore_loop_limits(self) -> None:
         if self._loop_limits is not None:
             trainer, limit_val, max_epochs = self._loop_limits
             set_loop_limits(trainer, limit_val, max_epochs)
             self._loop_limits = None
+        for metric, available in self._metric_syncs:
+            metric.distributed_available_fn = available
+        self._metric_syncs = []
+
+    def _keep_metrics_local(self, module: pl.LightningModule) -> None:
+        """A torchmetrics ``Metric`` syncs its state across ranks in ``compute()`` through ``torch.distributed``
+        itself, not through the strategy: while detached, each of the module's metrics reads as not distributed
+        (through its documented ``distributed_available_fn``), so it computes this rank's value and waits for no
+        one."""
+        self._metric_syncs = [(m, m.distributed_available_fn) for m in module.modules() if isinstance(m, Metric)]
+        for metric, available in self._metric_syncs:
+            metric.distributed_available_fn = functools.partial(_unless_detached, self, available)
 
     def end_detached_run(self) -> None:
         """Ends the mode's run, then the ranks meet and attach again (every rank, once its own loop ended). Called
@@ -96,3 +114,7 @@ class DetachableCollectives(SyncStrategyBase):
         """Nothing to compare in a fit whose ranks run apart: the replicas differ between pulls, and the ranks reach a
         step count at different times, so a check would pair collectives wrongly."""
         return [] if self._loop_limits is not None else super().check_replicas(atol)
+
+
+def _unless_detached(strategy: DetachableCollectives, available: Callable[[], bool]) -> bool:
+    return not strategy._detached and available()

@@ -86,7 +86,7 @@ class ParameterServerStrategy(DetachableCollectives):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         """For ``fit``: checks what a server can run, starts the servers and joins their group; in async/ssp,
-        lets the servers' version end the run and defers validation."""
+        lets the servers' version end the run and keeps validation metrics local to each worker."""
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._check_module(trainer)
@@ -157,6 +157,14 @@ class ParameterServerStrategy(DetachableCollectives):
             self.client.load_state_dict(self._resume_state["client"])
         self.last_reply = self.client.pull()
         self._detached = self.config.mode != "sync"
+
+    @override
+    def on_validation_start(self) -> None:
+        """In async/ssp during fit, each worker validates the parameters it pulls now (no worker waits for
+        another): the servers' latest, not the reply to its last push."""
+        super().on_validation_start()
+        if self._detached and self.client is not None and not self.client.stopped:
+            self.last_reply = self.client.pull()
 
     # ------------------------------------------------------------------ the step
     @override
