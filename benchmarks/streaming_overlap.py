@@ -18,7 +18,9 @@ periodic case pays the same number of syncs), the slower rank's; compute utiliza
 the mean time per step the training thread spent in the sync call (the all-reduce, or ``PeriodicAverager.step``),
 which depends on the link more than on the load of the CPU; ``own util``: that case's own compute time (the step
 minus the wait) over its step time, measured in the same steps, so a load that changes between cases does not
-move it; bytes sent per step and the largest one-step transfer, from the communication meter. Needs root (namespaces, tc); it
+move it; bytes sent per step and the largest one-step transfer, from the communication meter, and ``wire B/step``: the
+bytes rank 0's interface transmitted per measured step (kernel counters: every frame, headers included; a transfer
+still in flight when the window closes counts in part). Needs root (namespaces, tc); it
 touches only namespaces it creates (prefix ``lsso``) and removes them on exit.
 
     python benchmarks/streaming_overlap.py --rate 10mbit,100mbit,1gbit
@@ -39,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-from lightning_sync.apps.netns import burst_bytes, emulated_hosts
+from lightning_sync.apps.netns import InterfaceCounters, burst_bytes, emulated_hosts
 
 CASES = ("floor", "ddp", "diloco", "streaming_fp32", "streaming", "streaming_d4")
 STREAMING = dict(fragments=4, sync_delay=2, fragment_alpha=0.5)
@@ -86,9 +88,11 @@ def worker(args: argparse.Namespace) -> None:
             warmup = 2 if case == "ddp" else args.warmup
             sent, waited, started = [], 0.0, 0.0
             computed = 0.0
+            wire = InterfaceCounters(os.environ["GLOO_SOCKET_IFNAME"])
             for step in range(warmup + steps):
                 if step == warmup:
                     started = time.perf_counter()
+                    wire.start()
                 before = meter.total.bytes_sent
                 compute_start = time.perf_counter()
                 x = torch.randn(args.batch_size, 256, generator=gen)
@@ -114,6 +118,7 @@ def worker(args: argparse.Namespace) -> None:
                     waited += wait_end - wait_start
                     computed += time.perf_counter() - compute_start - (wait_end - wait_start)
             seconds = torch.tensor([(time.perf_counter() - started) / steps, waited / steps, computed / steps])
+            wire.stop()
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
             if averager is not None:
                 averager.finish([opt])
@@ -126,6 +131,7 @@ def worker(args: argparse.Namespace) -> None:
                     "compute_s": float(seconds[2]),
                     "bytes_per_step": sum(sent) / len(sent),
                     "peak_step_bytes": max(sent),
+                    "wire_bytes_per_step": (wire.tx_bytes or 0) / steps,
                 }
             )
     if rank == 0:
@@ -192,7 +198,7 @@ def main() -> None:
         print(f"\n{rate}")
         print(
             f"{'case':<16}{'ms/step':>9}{'x floor':>9}{'util':>7}{'wait ms':>9}{'own util':>9}{'bytes/step':>12}"
-            f"{'peak step bytes':>17}  runs ms"
+            f"{'peak step bytes':>17}{'wire B/step':>13}  runs ms"
         )
         for case, runs in result.items():
             step = statistics.median(r["step_s"] for r in runs)
@@ -202,9 +208,11 @@ def main() -> None:
             own = statistics.median(r["compute_s"] / r["step_s"] for r in runs)
             per_step = statistics.median(r["bytes_per_step"] for r in runs)
             peak = max(r["peak_step_bytes"] for r in runs)
+            on_wire = statistics.median(r["wire_bytes_per_step"] for r in runs)
             each = " ".join(f"{1e3 * r['step_s']:.1f}" for r in runs)
             print(
-                f"{case:<16}{1e3 * step:9.1f}{ratio}{util}{1e3 * wait:9.1f}{own:9.0%}{per_step:12.0f}{peak:17.0f}  "
+                f"{case:<16}{1e3 * step:9.1f}{ratio}{util}{1e3 * wait:9.1f}{own:9.0%}{per_step:12.0f}{peak:17.0f}"
+                f"{on_wire:13.0f}  "
                 f"{each}"
             )
 

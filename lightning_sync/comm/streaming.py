@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import datetime
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -111,8 +112,6 @@ class OuterSyncWorker:
 def new_stream_group(group: dist.ProcessGroup | None, timeout_s: float | None) -> dist.ProcessGroup:
     """A process group with the ranks of ``group`` (``None``: all), for the worker's collectives (every rank must
     call it, in the same order, as for any ``new_group``)."""
-    import datetime
-
     ranks = None if group is None else dist.get_process_group_ranks(group)
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     return dist.new_group(ranks=ranks, timeout=timeout)
