@@ -232,7 +232,12 @@ def _torch_loop(case: str, workload: Workload, cfg: BenchConfig, spec: dict[str,
     else:
         for tensor in module.state_dict().values():
             dist.broadcast(tensor, src=0)
-        optimizer = PostLocalSGDOptimizer(optimizer, PeriodicModelAverager(period=cfg.sync_every, warmup_steps=0))
+        averager = PeriodicModelAverager(period=cfg.sync_every, warmup_steps=0)
+        # torch's averager averages when its count (from 0) is a multiple of the period, i.e. after steps 1, 9,
+        # 17, ...; counting from 1 it averages after steps 8, 16, ..., as ours does, so the replica scored at a
+        # multiple of the period is the averaged one
+        averager.step = 1
+        optimizer = PostLocalSGDOptimizer(optimizer, averager)
     timed = workload.metric in _TIMED
     max_steps: int | None = cfg.steps
     clock = None
