@@ -1,37 +1,69 @@
-# Developer and CI entry points. `make test` = `make setup` + the test suite (.ci/run calls `make test`);
-# `make compare` = `make setup` + the main job (the digits with every sync mode and the language model with DDP and
-# the byte-saving modes, seeds 0,1,2; mean [min, max] tables in outputs/compare/).
+# Developer and CI entry points. `make test` = `make setup` + the whole test suite; `make compare` = `make setup` +
+# the main job (every sync mode on the digits, one table in outputs/compare/). `.ci/run` = `make check` + `make test`.
 #
-# torch is pinned and installed first: this machine has the CPU wheel of torch 2.13.0 on disk, while an unpinned
-# torch (or one pulled in by another package) would download a multi-GB CUDA build.
+# `make setup` installs the exact versions and hashes of requirements.lock (every extra: apps, test, dev, docs),
+# then the project itself without dependencies. `make lock` refreshes the lock from pyproject.toml and
+# requirements.in. The lock holds torch's CPU wheel (2.13.0+cpu): pip finds it in a find-links folder or an index
+# that has it (on a machine without it: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make setup; see
+# docs/guide/install.md).
 
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-TORCH := torch==2.13.0
+LOCK := requirements.lock
 PYTEST_ARGS ?=
 COMPARE_ARGS ?=
 BENCH_ARGS ?=
+# The quick tier: no process group, or 2-rank collectives that take seconds; no Trainer fits, no root, nothing slow.
+FAST_MARKERS := (unit or dist) and not (e2e or netns or slow)
 
-.PHONY: setup test compare bench notebook clean-venv
+.PHONY: setup test test-fast check lint typecheck imports docs lock compare bench notebook clean-venv
 
 setup: $(VENV)/.installed
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# Reinstalls when pyproject.toml changes. setuptools>=70.1 builds wheels without the `wheel` package; both are
-# needed for the wheel test's `pip wheel --no-build-isolation` (a venv's bundled setuptools is older).
-$(VENV)/.installed: $(PY) pyproject.toml
-	$(PIP) install --upgrade 'setuptools>=70.1' wheel
-	$(PIP) install $(TORCH)
-	$(PIP) install $(TORCH) -e '.[apps,test]'
+# Reinstalls when the lock or pyproject.toml changes. --no-build-isolation: the build tools (setuptools, wheel) come
+# from the lock too, so nothing unpinned is installed.
+$(VENV)/.installed: $(PY) $(LOCK) pyproject.toml
+	$(PIP) install --require-hashes -r $(LOCK)
+	$(PIP) install --no-deps --no-build-isolation -e .
 	touch $@
+
+# Refreshes requirements.lock: every extra, with hashes, for this Python and platform.
+lock: $(PY)
+	$(PIP) install 'pip-tools>=7.4'
+	$(VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras --no-emit-find-links \
+		--no-emit-index-url --extra apps,test,dev,docs --output-file $(LOCK) pyproject.toml requirements.in
 
 # Any non-zero pytest exit, 5 ("no tests ran") included, fails the target and so `make` and .ci/run (nothing masks it).
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
+
+test-fast: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
+
+# The checks CI runs before the tests.
+check: lint typecheck imports docs
+
+# ruff (rules and format) and the rule that Lightning internals live in lightning_sync/strategies/_lightning.py.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) .ci/check_lightning_internals.py lightning_sync
+
+typecheck: setup
+	$(VENV)/bin/mypy lightning_sync
+
+# The layering contracts ([tool.importlinter] in pyproject.toml).
+imports: setup
+	$(VENV)/bin/lint-imports
+
+docs: setup
+	@test -f mkdocs.yml || { echo "make docs: mkdocs.yml not found; the docs site cannot be built" >&2; exit 1; }
+	$(VENV)/bin/mkdocs build --strict --site-dir $(VENV)/site
 
 compare: setup
 	OMP_NUM_THREADS=1 $(PY) -m lightning_sync.compare $(COMPARE_ARGS)

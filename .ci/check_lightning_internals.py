@@ -143,7 +143,10 @@ def main(argv: list[str]) -> int:
     derived = lightning_derived_classes(trees)
     own = own_names(trees, derived)
     problems = [
-        msg for f, tree in trees.items() if f.as_posix() != HOME for msg in check_file(f, tree, private, own, derived)
+        msg
+        for f, tree in trees.items()
+        if not f.resolve().as_posix().endswith(HOME)
+        for msg in check_file(f, tree, private, own, derived)
     ]
     for msg in problems:
         print(msg)

@@ -1,5 +1,5 @@
 """Every file in conf/ composes and instantiates; strategy YAMLs start from their dataclass schema; bad values are
-ConfigErrors; the package's import graph keeps comm/ free of Lightning and config a leaf.
+ConfigErrors; Lightning internals are used in one module only (the import graph is checked by ``make imports``).
 
 The files are found on disk, so a new group option or experiment is covered without touching this test.
 """
@@ -7,6 +7,8 @@ The files are found on disk, so a new group option or experiment is covered with
 from __future__ import annotations
 
 import ast
+import importlib.util
+import warnings
 from dataclasses import MISSING, fields
 from pathlib import Path
 
@@ -25,7 +27,7 @@ GROUPS = ("strategy", "model", "data", "trainer", "logger", "callbacks", "experi
 OPTIONS = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml"))
 STRATEGY_FILES = sorted(CONF.glob("strategy/*.yaml"))
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 def _compose(*overrides: str):
@@ -155,41 +157,55 @@ def test_config_errors_come_before_lightning_is_imported(knobs, message, importe
     assert out.strip().endswith(str(imported)), out
 
 
-def _imports(path: Path) -> set[str]:
-    """The modules ``path`` imports (absolute names; relative imports are resolved against the package)."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-    return names
+def _internals_checker():
+    """``.ci/check_lightning_internals.py`` (the lint step's rule that Lightning internals live in one module)."""
+    path = Path(__file__).resolve().parents[1] / ".ci" / "check_lightning_internals.py"
+    spec = importlib.util.spec_from_file_location("check_lightning_internals", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_import_graph_comm_is_lightning_free_and_config_is_a_leaf():
+def test_lightning_internals_check_flags_each_kind_of_use(tmp_path):
+    checker = _internals_checker()
+    source = tmp_path / "user.py"
+    source.write_text(
+        "from lightning.pytorch.strategies import DDPStrategy\n"
+        "from lightning.fabric.utilities.distributed import _set_num_threads_if_needed\n"
+        "class S(DDPStrategy):\n"
+        "    def _configure_launcher(self):\n"
+        "        super()._configure_launcher()\n"
+        "def f(strategy, trainer, launcher):\n"
+        "    strategy._launcher = None\n"
+        "    trainer.fit_loop.max_epochs = -1\n"
+        "    trainer.accumulate_grad_batches = 2\n"
+        "    trainer.callbacks.insert(0, None)\n"
+        "    launcher.launch = print\n"
+        "    return launcher.procs\n"
+    )
+    assert checker.main([str(source)]) == 1
+    tree = {source: ast.parse(source.read_text())}
+    derived = checker.lightning_derived_classes(tree)
+    found = checker.check_file(source, tree[source], checker.private_lightning_names(), set(), derived)
+    lines = sorted({int(msg.split(":")[1]) for msg in found})
+    assert lines == [2, 3, 5, 7, 8, 9, 10, 11, 12], found
+
+
+def test_lightning_internals_only_in_their_module():
     package = Path(lightning_sync.__file__).parent
-    comm = sorted((package / "comm").glob("*.py"))
-    assert comm
-    for path in comm:
-        for name in _imports(path):
-            assert not name.startswith(("lightning", "pytorch_lightning")) or name.startswith("lightning_sync"), (
-                f"{path.name} imports {name}"
-            )
-            assert name != "lightning_sync.config", f"{path.name} imports lightning_sync.config"
-            assert not name.startswith("lightning_sync.strategies"), f"{path.name} imports {name}"
-    for name in _imports(package / "algorithms.py"):  # what the Hydra app checks before importing Lightning
-        assert not name.startswith(("lightning.", "pytorch_lightning", "lightning_sync.strategies")), name
-    config_imports = {n for n in _imports(package / "config.py") if n.startswith("lightning_sync")}
-    assert config_imports <= {"lightning_sync.errors"}, config_imports
-    assert {n for n in _imports(package / "errors.py") if n.startswith("lightning_sync")} == set()
+    assert _internals_checker().main([str(package)]) == 0
 
 
-def test_no_private_lightning_api_outside_the_launcher():
-    package = Path(lightning_sync.__file__).parent
-    for path in package.rglob("*.py"):
-        text = path.read_text()
-        for private in ("_logger_connector", "_current_fx_name", "._trainer"):
-            assert private not in text, f"{path.relative_to(package)} uses {private}"
+def test_deprecations_of_lightning_internals_we_use_are_errors():
+    """pytest turns a DeprecationWarning naming any private name of ``_lightning.py`` into an error."""
+    from lightning_sync.strategies._lightning import PRIVATE_NAMES
+
+    for name in PRIVATE_NAMES:
+        with pytest.raises(DeprecationWarning):
+            warnings.warn(f"`DDPStrategy.{name}` is deprecated", DeprecationWarning)
+    with pytest.raises(DeprecationWarning):
+        warnings.warn("`Trainer.fit_loop.max_epochs` is deprecated", DeprecationWarning)
+    warnings.warn("an unrelated library's deprecation", DeprecationWarning)  # only reported
 
 
 @pytest.mark.parametrize(
