@@ -9,6 +9,8 @@ import pytest
 
 from lightning_sync.apps.compare import CASES, run_case
 
+pytestmark = pytest.mark.e2e
+
 COMPRESSED = ["allreduce+fp16", "allreduce+bf16", "allreduce+topk1%", "allreduce+powersgd4"]
 COMMON = ["strategy.start_method=fork", "trainer.max_epochs=30", "trainer.limit_val_batches=0", "seed=0"]
 

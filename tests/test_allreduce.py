@@ -75,6 +75,7 @@ def ddp_reference(tmp_path_factory) -> dict:
     return _fit("ddp_fork", out, accumulate_grad_batches=2, gradient_clip_val=0.05)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("bucketing", ["overlap", "flat", "naive"])
 def test_equals_lightning_ddp_with_accumulation_and_clipping(bucketing, ddp_reference, tmp_path):
@@ -130,6 +131,7 @@ class _TwoOptimizers(pl.LightningModule):
         return torch.optim.SGD(self.body.parameters(), lr=0.1), torch.optim.Adam(self.head.parameters(), lr=1e-2)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_manual_optimization_with_two_optimizers_equals_ddp(tmp_path):
     ref = _fit("ddp_fork", tmp_path / "ddp.pt", model=_TwoOptimizers, max_steps=20)
@@ -138,6 +140,7 @@ def test_manual_optimization_with_two_optimizers_equals_ddp(tmp_path):
     assert diff <= 1e-6, diff
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_bf16_mixed_equals_ddp(tmp_path):
     ref = _fit("ddp_fork", tmp_path / "ddp.pt", precision="bf16-mixed", max_steps=10)
@@ -164,6 +167,7 @@ class _Conditional(DigitsClassifier):
         return nn.functional.cross_entropy(logits, y)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("bucketing", ["overlap", "flat"])
 def test_unused_parameters_match_ddp_find_unused(bucketing, tmp_path):
@@ -186,6 +190,7 @@ class _PerturbOnRank1(DigitsClassifier):
                     p.add_(1.0)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_rank0_state_is_broadcast_at_setup(tmp_path):
     # _Collect asserts inside the ranks that replicas are identical at train start
@@ -208,6 +213,7 @@ class _OneMatrix(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "kwargs,expected_bytes",
@@ -227,6 +233,7 @@ def test_meter_counts_compressed_bytes(kwargs, expected_bytes, tmp_path):
     assert ours["sent"] == [pytest.approx(expected_bytes, rel=1e-9)] * 4, ours["sent"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "kwargs,field",
     [
@@ -247,6 +254,7 @@ def test_bad_config_is_rejected_before_launch(kwargs, field):
     assert field in str(info.value), str(info.value)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_fp16_mixed_with_grad_scaler_equals_ddp(tmp_path):
     """fp16 autocast with a CPU GradScaler (Lightning would turn "16-mixed" into bf16 on CPU, so pass the plugin)."""

@@ -19,6 +19,7 @@ from lightning_sync.apps.bench.report import markdown, summarize, time_to_accura
 from lightning_sync.errors import ConfigError
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "override,named,allowed",
     [
@@ -46,6 +47,7 @@ def test_bad_values_name_field_value_and_allowed(override, named, allowed):
     assert named in message and allowed in message and "\n" not in message, message
 
 
+@pytest.mark.unit
 def test_cases_must_fit_the_workloads():
     with pytest.raises(ConfigError, match=r"cases='gloo_allreduce' is not allowed with workloads=digits"):
         parse_overrides(["workloads=digits", "cases=periodic,gloo_allreduce"])
@@ -57,6 +59,7 @@ def test_cases_must_fit_the_workloads():
     assert cfg.network.rate == ["loopback", "1gbit"]
 
 
+@pytest.mark.unit
 def test_cli_rejects_a_bad_value_before_anything_starts(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["--out", str(tmp_path / "out"), "network.rate=1tbit"])
@@ -64,6 +67,7 @@ def test_cli_rejects_a_bad_value_before_anything_starts(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.unit
 def test_help_lists_every_knob_case_and_workload():
     text = _parser().format_help()
     for name in (
@@ -78,6 +82,7 @@ def test_help_lists_every_knob_case_and_workload():
         assert name in text
 
 
+@pytest.mark.unit
 def test_summary_medians_and_ratios():
     cfg = BenchConfig()
     records = [
@@ -114,6 +119,7 @@ def _report(out):
     return results, (out / "results.md").read_text()
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_tiny_run_on_loopback_writes_json_markdown_and_plots(tmp_path, capsys):
     out = tmp_path / "bench"
@@ -160,6 +166,7 @@ def test_tiny_run_on_loopback_writes_json_markdown_and_plots(tmp_path, capsys):
         assert (out / "digits.png").stat().st_size > 0 and (out / "payload.png").stat().st_size > 0
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_a_run_past_its_timeout_fails_cleanly(tmp_path, capsys):
     out = tmp_path / "bench"
@@ -190,6 +197,7 @@ def test_a_run_past_its_timeout_fails_cleanly(tmp_path, capsys):
 NETNS = os.name == "posix" and os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not NETNS, reason="needs root with iproute2 (ip netns, tc) to emulate hosts")
 @pytest.mark.timeout(180)
 def test_tiny_run_between_emulated_hosts_at_1gbit(tmp_path):

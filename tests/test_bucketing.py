@@ -28,6 +28,7 @@ def _local_grads(model: nn.Module, rank: int, step: int) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.unit
 def test_plan_buckets_caps_first_bucket_and_dtype():
     params = [nn.Parameter(torch.zeros(10)) for _ in range(4)] + [nn.Parameter(torch.zeros(10, dtype=torch.float64))]
     # 40 bytes per fp32 tensor: first bucket closes at >= 40 bytes, the others at >= 80 bytes; dtypes never mix.
@@ -75,6 +76,7 @@ def _all_bucketings_agree(rank: int, world: int) -> None:
                 assert torch.equal(ga, gb), f"{bucketing} differs from overlap at step {step}"
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_bucketing_gives_the_mean(world_size):
     """Every bucketing averages, auto too while it tries both launch points and after it decides; overlap, flat and
@@ -117,6 +119,7 @@ def _missing_and_in_place_grads(rank: int, world: int) -> None:
         torch.testing.assert_close(p.grad, s / world, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.dist
 def test_missing_gradients_and_gradients_already_in_the_bucket():
     run_ranks(_missing_and_in_place_grads)
 
@@ -161,6 +164,7 @@ def _views_attached_and_finite_verdict(rank: int, world: int) -> None:
                 torch.testing.assert_close(p.grad, summed / world, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_bucket_views_are_attached_before_backward_and_each_bucket_is_checked_for_nonfinite():
     run_ranks(_views_attached_and_finite_verdict)
@@ -182,6 +186,7 @@ def _tuner_agrees(rank: int, world: int) -> None:
     assert tuner.medians_ms == pytest.approx({"during_backward": 10.0, "after_backward": 11.0})
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("prior", [True, False])
 @pytest.mark.parametrize(
     ("during", "after", "expected"), [(10.0, 9.8, None), (9.8, 10.0, None), (10.0, 9.0, True), (9.0, 10.0, False)]
@@ -202,6 +207,7 @@ def test_tuner_margin_and_prior(during, after, expected, prior):
     assert tuner.decide(_Meter(), None) is (prior if expected is None else expected)
 
 
+@pytest.mark.dist
 def test_tuner_decision_is_the_same_on_every_rank():
     run_ranks(_tuner_agrees)
 
@@ -235,6 +241,7 @@ def _auto_picks_what_is_faster(rank: int, world: int, slow_after: bool) -> None:
     assert bool(sync._hooks) is (not sync.after_backward), "hooks are dropped once launching after backward"
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("slow_after", [True, False])
 def test_auto_keeps_the_faster_launch_point(slow_after):
     run_ranks(_auto_picks_what_is_faster, slow_after, timeout=120)
@@ -267,6 +274,7 @@ def _decision_survives_a_resume(rank: int, world: int) -> None:
     assert resumed.finish()
 
 
+@pytest.mark.dist
 def test_auto_decision_survives_a_resume():
     run_ranks(_decision_survives_a_resume)
 
@@ -282,6 +290,7 @@ def _prior_follows_the_hosts(rank: int, world: int) -> None:
     assert priors == {None: True, True: True, False: False}, priors
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_auto_prior_is_after_backward_on_one_host_and_during_backward_across_hosts():
     run_ranks(_prior_follows_the_hosts)

@@ -32,6 +32,8 @@ from lightning_sync.errors import CheckpointError
 from lightning_sync.examples.data import DigitsDataModule
 from lightning_sync.examples.models import DigitsClassifier
 
+pytestmark = pytest.mark.e2e
+
 
 class _SaveEnd(pl.Callback):
     """Each rank writes its parameters and its strategy's communication totals at the end of fit (no collective)."""

@@ -73,6 +73,7 @@ def _check_dense(rank: int, world_size: int, name: str, elem: int, tol: float) -
     _same_on_all_ranks(out, world_size)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("name", "cls", "elem", "tol"),
@@ -93,6 +94,7 @@ def _check_topk_full_density(rank: int, world_size: int) -> None:
     assert torch.count_nonzero(comp.residuals[0]) == 0
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_topk_density_one_is_exact_mean() -> None:
     run_ranks(_check_topk_full_density)
@@ -122,6 +124,7 @@ def _check_topk_bytes(rank: int, world_size: int) -> None:
     _same_on_all_ranks(out, world_size)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_topk_bytes_are_k_values_and_k_indices() -> None:
     run_ranks(_check_topk_bytes)
@@ -151,6 +154,7 @@ def _check_topk_error_feedback(rank: int, world_size: int) -> None:
     assert errors[False] > 0.5, errors
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_topk_error_feedback_converges_to_mean() -> None:
     run_ranks(_check_topk_error_feedback)
@@ -186,6 +190,7 @@ def _check_powersgd_bytes(rank: int, world_size: int) -> None:
     _same_on_all_ranks(out, world_size)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_powersgd_bytes_before_and_after_start_iter() -> None:
     run_ranks(_check_powersgd_bytes)
@@ -222,6 +227,7 @@ def _check_powersgd_low_rank(rank: int, world_size: int) -> None:
             assert out[:600].norm() > 0
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_powersgd_low_rank_exact_and_ranks_agree() -> None:
     run_ranks(_check_powersgd_low_rank)
@@ -244,6 +250,7 @@ def _check_powersgd_error_feedback(rank: int, world_size: int) -> None:
     assert errors[False] > 0.3, errors
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_powersgd_error_feedback_converges_to_mean() -> None:
     run_ranks(_check_powersgd_error_feedback)
@@ -264,6 +271,7 @@ def _check_buckets_in_flight(rank: int, world_size: int) -> None:
                 torch.testing.assert_close(out, _exact_mean(world_size, shapes, seed=i), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_buckets_in_flight_do_not_deadlock() -> None:
     run_ranks(_check_buckets_in_flight)
@@ -311,12 +319,14 @@ def _check_state_dict(rank: int, world_size: int) -> None:
             assert not torch.equal(before["residuals"][0], after["residuals"][0])
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_state_dict_roundtrip_is_bit_exact() -> None:
     run_ranks(_check_state_dict)
 
 
 # ---------------------------------------------------------------------------------------------------------- factory
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_build_compressor_names_and_errors() -> None:
     assert COMPRESSORS == ("none", "fp16", "bf16", "topk", "powersgd")
@@ -359,6 +369,7 @@ def _divided_matches_undivided(rank: int, world_size: int) -> None:
             divided.advance()
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_divided_buckets_give_the_same_mean_and_error_feedback():
     run_ranks(_divided_matches_undivided)
@@ -382,6 +393,7 @@ def _chunked_ranks(rank: int, world_size: int) -> None:
     assert meter.total.bytes_sent == ring_all_reduce_bytes(numel * 4, world_size)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_large_payload_is_sent_as_concurrent_chunks():
     run_ranks(_chunked_ranks)

@@ -50,6 +50,7 @@ def _identical_replicas_give_no_report(rank: int, world: int) -> None:
     assert check_replicas(named, steps=5, on_mismatch="raise") == []
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_identical_replicas_give_no_report():
     run_ranks(_identical_replicas_give_no_report)
@@ -78,6 +79,7 @@ def _one_ulp_on_rank_1_is_named(rank: int, world: int) -> None:
     assert find_mismatches(named) == []
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_one_ulp_in_one_element_on_rank_1_is_named_with_rank_and_diff():
     run_ranks(_one_ulp_on_rank_1_is_named)
@@ -108,6 +110,7 @@ def _swap_and_several_tensors(rank: int, world: int) -> None:
         assert record.getMessage().startswith("replicas differ after 3 sync steps: net.0.weight (ranks [1], ")
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_swapped_entries_and_several_tensors_are_found_and_warn_goes_on():
     run_ranks(_swap_and_several_tensors)
@@ -130,11 +133,13 @@ def _optimizer_state_is_named(rank: int, world: int) -> None:
     assert list(only) == ["0.bias"]
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_optimizer_state_is_checked_and_named():
     run_ranks(_optimizer_state_is_named)
 
 
+@pytest.mark.unit
 def test_on_mismatch_is_a_checked_knob():
     assert AllReduceStrategy().config.on_mismatch == "raise"
     with pytest.raises(ConfigError, match=r"strategy\.on_mismatch='fix'.*raise, warn, resync"):
@@ -196,6 +201,7 @@ def _fit(strategy: Any, *callbacks: pl.Callback) -> None:
     trainer.fit(model, datamodule=DigitsDataModule(batch_size=16))
 
 
+@pytest.mark.e2e
 @TIMEOUT
 def test_drift_on_one_rank_is_caught_within_one_check_period_and_named():
     strategy = AllReduceStrategy(start_method="fork", check_consistency_every=EVERY)
@@ -207,6 +213,7 @@ def test_drift_on_one_rank_is_caught_within_one_check_period_and_named():
     assert expected in text, text
 
 
+@pytest.mark.e2e
 @TIMEOUT
 @pytest.mark.parametrize("on_mismatch,identical", [("resync", True), ("warn", False)])
 def test_resync_repairs_and_warn_goes_on(on_mismatch, identical):
@@ -214,6 +221,7 @@ def test_resync_repairs_and_warn_goes_on(on_mismatch, identical):
     _fit(strategy, _Drift(), _Outcome(identical))
 
 
+@pytest.mark.e2e
 @TIMEOUT
 def test_ddp_optimizer_state_drift_is_named():
     strategy = DDPSyncStrategy(start_method="fork", check_consistency_every=EVERY)
@@ -242,6 +250,7 @@ class _RankDependentModel(DigitsClassifier):
             self.extra = nn.Linear(10, 10)
 
 
+@pytest.mark.e2e
 @TIMEOUT
 @pytest.mark.parametrize(
     "make_strategy",

@@ -60,6 +60,7 @@ def _compare(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Com
 
 
 # ---------------------------------------------------------------------------------------------------- compare CLI
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_compare_help_works(tmp_path):
     proc = _compare(tmp_path, "--help", timeout=100)
@@ -74,6 +75,7 @@ _RESULT = re.compile(
 )
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_compare_smoke_prints_only_progress_results_and_table(tmp_path):
     proc = _compare(tmp_path, "--smoke", "--workloads", "digits", "--cases", "ddp,allreduce")
@@ -92,6 +94,7 @@ def test_compare_smoke_prints_only_progress_results_and_table(tmp_path):
     assert list(runs) == ["ddp", "allreduce"] and all(r["diverged"] is False for v in runs.values() for r in v), runs
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_compare_shows_a_real_divergence(tmp_path):
     """SGD at lr 5 (momentum 0.9) blows the digits MLP's loss up within the first epoch."""
@@ -131,6 +134,7 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+@pytest.mark.unit
 def test_quiet_lightning_drops_banners_and_keeps_the_rest(quiet):
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -154,6 +158,7 @@ def test_quiet_lightning_drops_banners_and_keeps_the_rest(quiet):
     assert [str(w.message) for w in caught] == ["a real problem"]
 
 
+@pytest.mark.unit
 def test_quiet_lightning_is_idempotent(quiet):
     quiet_lightning()
     for name in _QUIET_LOGGERS:
@@ -179,6 +184,7 @@ def _fit_one_rank(callbacks: list[Any], epochs: int = 2, **model: Any) -> pl.Tra
     return trainer
 
 
+@pytest.mark.e2e
 def test_progress_report_plain_line_per_epoch():
     stream = io.StringIO()
     _fit_one_rank([ProgressReport(label="[1/3] demo", later_runs=2, stream=stream)])
@@ -190,6 +196,7 @@ def test_progress_report_plain_line_per_epoch():
     assert "\r" not in stream.getvalue()
 
 
+@pytest.mark.e2e
 def test_progress_report_bar_on_a_terminal():
     class _Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -202,6 +209,7 @@ def test_progress_report_bar_on_a_terminal():
     assert "| epoch 1/2 step" not in text  # no plain lines under a bar
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "setting,isatty,bar,plain",
     [(None, True, True, False), (None, False, False, True), (True, False, True, False), (False, True, False, True)],
@@ -221,6 +229,7 @@ def test_hydra_app_progress_bar_follows_the_terminal(setting, isatty, bar, plain
     assert kwargs["enable_checkpointing"] is False  # no ModelCheckpoint configured
 
 
+@pytest.mark.unit
 def test_hydra_app_checkpoint_callback_goes_to_the_run_folder(tmp_path):
     from hydra import compose, initialize_config_dir
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
@@ -249,6 +258,7 @@ def _judge_all(guard: DivergenceGuard, losses: list[float]) -> tuple[int, str] |
     return None
 
 
+@pytest.mark.unit
 def test_divergence_rule():
     learning = [2.3 - 2.0 * i / 100 for i in range(100)]  # 2.3 down to 0.3
     noisy = [loss * (1.6 if i % 7 == 0 else 1.0) for i, loss in enumerate(learning)]
@@ -278,6 +288,7 @@ class _NanOnRankOne(DigitsClassifier):
         return loss
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("check_every,stopped_at", [(1, 5), (3, 6)])
 def test_divergence_on_one_rank_stops_both_together(check_every, stopped_at, tmp_path):
@@ -307,6 +318,7 @@ def test_divergence_on_one_rank_stops_both_together(check_every, stopped_at, tmp
     assert result["optimizer_steps"] == stopped_at == result["batches"], result
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_no_divergence_is_recorded_as_such(tmp_path):
     summary = tmp_path / "summary.json"
@@ -316,6 +328,7 @@ def test_no_divergence_is_recorded_as_such(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- DiLoCo
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_diloco_case_trains(tmp_path):
     """The compare job's DiLoCo case (AdamW inside, the paper's outer Nesterov lr 0.7 momentum 0.9) at the Hydra

@@ -20,6 +20,8 @@ from lightning_sync import DDPSyncStrategy
 from lightning_sync.examples.data import DigitsDataModule
 from lightning_sync.examples.models import DigitsClassifier
 
+pytestmark = pytest.mark.e2e
+
 SEED = 1234
 BATCHES = 10
 

@@ -62,6 +62,7 @@ def _rank_1_silent(rank: int, world_size: int) -> None:
         wait_future(future, "gradient all_reduce", groups[1])
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_silent_peer_is_named_by_the_collective_that_waits_for_it():
     run_ranks(_rank_1_silent)
@@ -79,6 +80,7 @@ def _overrides(mode: str) -> list[str]:
     return [*MODES[mode], f"strategy.timeout_s={TIMEOUT_S}", "trainer.max_epochs=1000", "test=false"]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
@@ -87,6 +89,7 @@ def test_lost_rank_fails_the_job_in_time_and_leaves_no_process(tmp_path, mode, h
     _check(mode, how, 1, outcome)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_frozen_main_process_is_killed_by_its_child_rank(tmp_path):
     """Rank 0 is the command a user runs: frozen, it would hold the job open forever; rank 1 ends it."""
@@ -107,6 +110,7 @@ class _FreezeRank1(Callback):
             os.kill(os.getpid(), signal.SIGSTOP)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_fork_rank_frozen_mid_run_is_named_and_killed(tmp_path, capfd):
     stamp = tmp_path / "frozen"

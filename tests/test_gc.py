@@ -14,6 +14,7 @@ from lightning_sync.examples.models import DigitsClassifier
 from lightning_sync.strategies._gc import freeze_startup_heap, release_startup_heap
 
 
+@pytest.mark.unit
 def test_freeze_and_release_nest_per_fit():
     assert gc.get_freeze_count() == 0
     try:
@@ -49,6 +50,7 @@ class _FrozenDuringTraining(pl.Callback):
             assert max(self.counts) == 0, self.counts
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "make_strategy, expect_frozen",

@@ -30,6 +30,7 @@ def _all_reduce_bytes(rank: int, world: int) -> None:
     assert ring_all_reduce_bytes(4000, 1) == 0.0
 
 
+@pytest.mark.dist
 def test_all_reduce_bytes_are_ring_formula():
     run_ranks(_all_reduce_bytes)
 
@@ -58,6 +59,7 @@ def _async_all_reduce(rank: int, world: int) -> None:
     assert meter2.total.seconds > 0
 
 
+@pytest.mark.dist
 def test_async_all_reduce_wait_and_seconds():
     run_ranks(_async_all_reduce)
 
@@ -80,6 +82,7 @@ def _all_gather(rank: int, world: int) -> None:
         assert delta.seconds > 0
 
 
+@pytest.mark.dist
 def test_all_gather_into_tensor_bytes():
     run_ranks(_all_gather)
 
@@ -99,6 +102,7 @@ def _broadcast(rank: int, world: int) -> None:
     assert meter.total.calls == 2
 
 
+@pytest.mark.dist
 def test_broadcast_counted():
     run_ranks(_broadcast)
 
@@ -132,10 +136,12 @@ def _step(rank: int, world: int) -> None:
     assert gm.total.bytes_sent == 2 * (world - 1) / world * 32
 
 
+@pytest.mark.dist
 def test_step_returns_deltas_and_resets():
     run_ranks(_step)
 
 
+@pytest.mark.unit
 def test_as_metrics_keys():
     stats = CommStats(bytes_sent=1.0, bytes_recv=2.0, calls=3, seconds=0.25)
     metrics = stats.as_metrics()

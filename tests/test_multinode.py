@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.unit
 def test_burst_is_at_least_32_kib_and_2_ms_and_rates_are_checked():
     assert burst_bytes("100mbit") == 32 * 1024
     assert burst_bytes("1gbit") == 250_000
@@ -31,6 +32,7 @@ def test_burst_is_at_least_32_kib_and_2_ms_and_rates_are_checked():
         burst_bytes("fast")
 
 
+@pytest.mark.netns
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["allreduce", "ddp"])
 def test_two_nodes_through_torchrun(strategy, tmp_path):

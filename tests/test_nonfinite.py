@@ -26,6 +26,7 @@ BAD_BATCH, STEPS = 3, 8
 
 
 # ------------------------------------------------------------------------------------------------ comm functions
+@pytest.mark.unit
 def test_grads_are_finite_sees_nan_and_inf_and_huge_values_are_finite():
     p = torch.nn.Parameter(torch.zeros(4))
     p.grad = torch.full((4,), 3e38)  # the max-abs reduction cannot overflow: huge but finite is finite
@@ -37,6 +38,7 @@ def test_grads_are_finite_sees_nan_and_inf_and_huge_values_are_finite():
     assert p.grad is None and grads_are_finite([p])
 
 
+@pytest.mark.unit
 def test_compressor_memory_forgets_nonfinite_entries():
     topk = TopKCompression(density=0.5)
     topk.residuals = {0: torch.tensor([1.0, float("nan"), float("inf"), 2.0])}
@@ -176,12 +178,14 @@ def test_all_ranks_skip_the_step_together(make_strategy, mode, step, poison):
     _fit(make_strategy(), poison, _Outcome(skipped=(1, 1)), _Warned(mode, step))
 
 
+@pytest.mark.e2e
 @TIMEOUT
 def test_local_steps_skip_on_the_rank_alone_and_the_sync_still_agrees():
     strategy = PeriodicSyncStrategy(start_method="fork", mode="local_sgd", sync_every=4)
     _fit(strategy, float("nan"), _Outcome(skipped=(0, 1)), _Warned("periodic (local_sgd)", BAD_BATCH, (1,), True))
 
 
+@pytest.mark.e2e
 @TIMEOUT
 def test_ps_async_skips_the_poisoned_push_alone():
     """In async the servers skip the one push that held the NaN: only rank 1 counts it, and nothing is poisoned.
@@ -196,6 +200,7 @@ def test_ps_async_skips_the_poisoned_push_alone():
     )
 
 
+@pytest.mark.e2e
 @TIMEOUT
 def test_without_the_skip_the_nan_reaches_every_replica():
     """The control: with ``skip_nonfinite=False`` the same run ends with NaN parameters on both ranks."""
@@ -207,6 +212,7 @@ def test_without_the_skip_the_nan_reaches_every_replica():
     _fit(AllReduceStrategy(start_method="fork", skip_nonfinite=False), float("nan"), _Poisoned())
 
 
+@pytest.mark.e2e
 @TIMEOUT
 def test_grad_scaler_skips_and_the_step_is_counted():
     """AMP with a GradScaler (on CPU, given explicitly): it skips the overflowing step, on both ranks, and lowers

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 NOTEBOOKS = sorted(Path(__file__).resolve().parent.parent.joinpath("notebooks").glob("*.py"))
 # What each notebook must print in SMOKE mode (headers of the tables it prints) and the figures it must draw.
 EXPECTED = {

@@ -115,6 +115,7 @@ class ReplicasIdentical(pl.Callback):
 
 
 # ------------------------------------------------------------------------------------------------ gradient mode
+@pytest.mark.e2e
 @TIMEOUT
 @pytest.mark.parametrize("accumulate,sync_every", [(1, 4), (2, 2)])
 def test_gradient_mode_equals_ddp_with_accumulation(tmp_path, accumulate, sync_every):
@@ -141,6 +142,7 @@ def test_gradient_mode_equals_ddp_with_accumulation(tmp_path, accumulate, sync_e
     assert rec["bytes"] == pytest.approx(rec["steps"] * param_bytes * 2 * (WORLD - 1) / WORLD)
 
 
+@pytest.mark.e2e
 @TIMEOUT
 def test_gradient_mode_sends_one_sync_every_th_of_ddp_bytes_per_micro_batch(tmp_path):
     sync_every = 4
@@ -169,12 +171,14 @@ class ManualDigits(DigitsClassifier):
         opt.step()
 
 
+@pytest.mark.e2e
 @TIMEOUT
 def test_gradient_mode_rejects_manual_optimization_with_a_period(tmp_path):
     with pytest.raises(Exception, match=r"sync_every=2 is not allowed with mode='gradient' and manual optimization"):
         fit(periodic(mode="gradient", sync_every=2), tmp_path, "manual", model=ManualDigits(), limit_train_batches=2)
 
 
+@pytest.mark.e2e
 @TIMEOUT
 def test_gradient_mode_every_step_with_manual_optimization_equals_ddp(tmp_path):
     """``sync_every=1`` is plain all-reduce, so manual optimization works and matches Lightning DDP."""
@@ -196,6 +200,7 @@ def test_gradient_mode_every_step_with_manual_optimization_equals_ddp(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ local SGD
+@pytest.mark.e2e
 @TIMEOUT
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_local_sgd_every_step_equals_ddp(tmp_path, momentum):
@@ -217,6 +222,7 @@ def test_local_sgd_every_step_equals_ddp(tmp_path, momentum):
     assert max_diff(model, ddp_model) < 1e-6
 
 
+@pytest.mark.e2e
 @TIMEOUT
 @pytest.mark.parametrize("average_state", [True, False])
 def test_average_optimizer_state(tmp_path, average_state):
@@ -239,6 +245,7 @@ def test_average_optimizer_state(tmp_path, average_state):
     )
 
 
+@pytest.mark.e2e
 @TIMEOUT
 def test_local_sgd_warmup_all_reduces_gradients_then_goes_local(tmp_path):
     """Post-local SGD: during warmup the replicas stay identical every step (gradients all-reduced)."""
@@ -270,6 +277,7 @@ class BatchNormDigits(DigitsClassifier):
         self.net = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
 
 
+@pytest.mark.e2e
 @TIMEOUT
 @pytest.mark.parametrize("mode", ["local_sgd", "diloco"])
 def test_buffers_are_averaged_at_each_sync(tmp_path, mode):
@@ -310,6 +318,7 @@ def test_buffers_are_averaged_at_each_sync(tmp_path, mode):
 
 
 # ------------------------------------------------------------------------------------------------ per-module policy
+@pytest.mark.e2e
 @TIMEOUT
 @pytest.mark.parametrize("mode", ["local_sgd", "diloco"])
 def test_module_policy_head_every_8_backbone_every_step(tmp_path, mode):
@@ -337,6 +346,7 @@ def test_module_policy_head_every_8_backbone_every_step(tmp_path, mode):
     )
 
 
+@pytest.mark.e2e
 @TIMEOUT
 @pytest.mark.parametrize(
     "mode,compression", [("local_sgd", "fp16"), ("local_sgd", "topk"), ("diloco", "powersgd"), ("diloco", "bf16")]
@@ -364,6 +374,7 @@ def test_sync_payload_is_compressed(tmp_path, mode, compression):
         assert 0 < rec["bytes"] < uncompressed / 4
 
 
+@pytest.mark.unit
 def test_validate_module_policy():
     model = DigitsClassifier()
     assert validate_module_policy(model, None) == {}
@@ -389,6 +400,7 @@ def test_validate_module_policy():
         validate_module_policy(model, {"net.4.*": 8, "*.weight": 2})
 
 
+@pytest.mark.e2e
 @TIMEOUT
 def test_unmatched_pattern_fails_at_setup(tmp_path):
     with pytest.raises(Exception, match="matches no parameter"):
@@ -396,6 +408,7 @@ def test_unmatched_pattern_fails_at_setup(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ bad input
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "kwargs,message",
     [
@@ -426,6 +439,7 @@ def test_bad_input_is_a_config_error_at_construction(kwargs, message):
         PeriodicSyncStrategy(**kwargs)
 
 
+@pytest.mark.unit
 def test_config_accepts_auto_and_list_policy():
     config = PeriodicConfig(sync_every="auto", module_sync_every=[["net.4.*", 8], {"net.0.*": 2}])
     strategy = PeriodicSyncStrategy(config)
@@ -434,6 +448,7 @@ def test_config_accepts_auto_and_list_policy():
     assert strategy.period == 2
 
 
+@pytest.mark.unit
 def test_registered_and_hydra_target():
     from lightning.pytorch.strategies import StrategyRegistry
 
@@ -444,6 +459,7 @@ def test_registered_and_hydra_target():
 
 
 # ------------------------------------------------------------------------------------------------ adaptive period
+@pytest.mark.unit
 def test_choose_period():
     # 10 ms of compute per step, 90 ms per sync, 10 % target: 90*0.9/(0.1*10) = 81 steps
     assert choose_period(0.010, 0.090, 0.1, 1, 1000) == 81
@@ -468,6 +484,7 @@ def test_choose_period():
         PeriodicAverager(warmup_steps=-1)
 
 
+@pytest.mark.unit
 def test_adaptive_period_smooths_and_is_deterministic():
     a = AdaptivePeriod(0.1, 1, 32, smoothing=0.5)
     b = AdaptivePeriod(0.1, 1, 32, smoothing=0.5)
@@ -489,11 +506,13 @@ def _agree_max_ranks(rank: int, world_size: int) -> None:
     assert meter.total.bytes_sent > 0
 
 
+@pytest.mark.dist
 @TIMEOUT
 def test_agree_max_is_collective():
     run_ranks(_agree_max_ranks)
 
 
+@pytest.mark.e2e
 @TIMEOUT
 def test_adaptive_period_grows_under_slow_communication(tmp_path, monkeypatch):
     """Every collective sleeps 100 ms: the period grows from min_sync_every, identically on both ranks."""
@@ -596,6 +615,7 @@ def _averaging_ranks(rank: int, world_size: int) -> None:
         assert float(opt.state[p]["step"]) == 1.0
 
 
+@pytest.mark.dist
 @TIMEOUT
 def test_averaging_algorithms_on_two_ranks():
     run_ranks(_averaging_ranks)
@@ -614,6 +634,7 @@ def accuracy_on_test_split(model: pl.LightningModule, datamodule: DigitsDataModu
     return correct / total
 
 
+@pytest.mark.e2e
 @TIMEOUT
 def test_local_sgd_and_diloco_every_8_match_ddp_accuracy_at_an_eighth_of_the_bytes(tmp_path):
     """Digits, 2 ranks, batch 128 per rank (4 steps per epoch), 30 epochs of SGD (lr 0.1, momentum 0.9): 120 steps.
@@ -645,6 +666,7 @@ def test_local_sgd_and_diloco_every_8_match_ddp_accuracy_at_an_eighth_of_the_byt
 
 
 # ------------------------------------------------------------------------------------------------ checkpoint
+@pytest.mark.e2e
 @TIMEOUT
 def test_diloco_sync_state_round_trips(tmp_path):
     """The outer optimizer's momentum and the global copy survive sync_state_dict -> load_sync_state_dict."""
@@ -675,6 +697,7 @@ def test_diloco_sync_state_round_trips(tmp_path):
     fit(periodic(mode="diloco", sync_every=4), tmp_path, "diloco", callbacks=(Check(),), limit_train_batches=8)
 
 
+@pytest.mark.e2e
 @TIMEOUT
 def test_diloco_resume_from_checkpoint_is_exact(tmp_path):
     """1 epoch + checkpoint + resume for a 2nd epoch gives the weights of 2 straight epochs (outer state restored).

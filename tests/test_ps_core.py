@@ -182,6 +182,7 @@ def _alive(pid: int) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------- units
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_shard_by_bytes_is_balanced_deterministic_and_whole():
     gen = torch.Generator().manual_seed(0)
@@ -201,6 +202,7 @@ def test_shard_by_bytes_is_balanced_deterministic_and_whole():
         ps.shard_by_bytes([1], 0)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_settings_are_validated_with_the_field_named():
     with pytest.raises(ValueError, match=r"compression='powersgd' is not supported by ps .*choose one of none, fp16"):
@@ -219,6 +221,7 @@ def test_settings_are_validated_with_the_field_named():
     assert slow.delay(0.01) == pytest.approx(0.02) and fast.delay(0.01) == 0.0
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_optimizer_spec_keeps_groups_and_shard_optimizer_mirrors_them():
     model = _model()
@@ -237,6 +240,7 @@ def test_optimizer_spec_keeps_groups_and_shard_optimizer_mirrors_them():
         ps.optimizer_spec(opt, [params[0], params[0]])
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_server_shard_state_dict_round_trip_is_bitwise():
     model = _model()
@@ -259,6 +263,7 @@ def test_server_shard_state_dict_round_trip_is_bitwise():
         ps.ServerShard(params[:2], range(2), spec, num_workers=2).load_state_dict(a.state_dict())
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_codec_sizes_and_topk_error_feedback():
     layout = ShardLayout([(30, 10), (10,)], [torch.float32, torch.float32])
@@ -290,6 +295,7 @@ def test_codec_sizes_and_topk_error_feedback():
     assert not without.residuals
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_ps_package_imports_no_lightning():
     root = Path(ps.__file__).parent
@@ -363,6 +369,7 @@ def _reference(opt_kind: str, steps: int, num_workers: int = 2, skip: int | None
     return [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(40)
 @pytest.mark.parametrize("opt_kind", ["sgd", "two_groups"])
 def test_sync_equals_averaged_gradient_step(procs, opt_kind):
@@ -378,6 +385,7 @@ def test_sync_equals_averaged_gradient_step(procs, opt_kind):
     assert not all(torch.equal(a, b) for a, b in zip(expected, _model().parameters()))  # it did train
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(40)
 @pytest.mark.parametrize("compression", ["none", "topk"])
 def test_sync_skips_a_nonfinite_step_for_every_worker_on_every_server(procs, compression):
@@ -398,6 +406,7 @@ def test_sync_skips_a_nonfinite_step_for_every_worker_on_every_server(procs, com
         assert all(torch.allclose(g, e, atol=1e-6, rtol=0) for g, e in zip(got, expected)), (got, expected)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(40)
 def test_sync_ingress_per_step_is_workers_times_shard_bytes(procs):
     totals = {}
@@ -449,6 +458,7 @@ def _straggling_worker(rank: int, port: int, mode: str, max_staleness: int, step
     return {"log": log, "stats": stats}
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(40)
 def test_async_records_staleness_and_the_straggler_is_stalest(procs):
     port, steps = _free_port(), 8
@@ -465,6 +475,7 @@ def test_async_records_staleness_and_the_straggler_is_stalest(procs):
     assert max(straggler) >= 2 and sum(straggler) / len(straggler) > sum(fast) / len(fast), (straggler, fast)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(40)
 @pytest.mark.parametrize("max_staleness", [0, 2])
 def test_ssp_never_lets_a_worker_run_more_than_s_ahead(procs, max_staleness):
@@ -504,6 +515,7 @@ def _stopping_worker(rank: int, port: int, mode: str, max_updates: int | None, s
     return {"pushes": pushes, "stop": reply.stop, "reason": reply.stop_reason, "version": stats["version"]}
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(40)
 @pytest.mark.parametrize(
     "mode, max_updates, stop_after, reason",
@@ -543,6 +555,7 @@ def _mismatched_worker(rank: int, port: int) -> dict:
     return out
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(30)
 def test_a_worker_with_other_settings_is_refused(procs):
     port = _free_port()
@@ -578,6 +591,7 @@ def _resuming_worker(rank: int, port: int, first: int, steps: int, states: dict 
     return out
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(40)
 def test_sync_checkpoint_over_the_transport_resumes_bitwise(procs):
     def run(tag: str, first: int, steps: int, states: dict | None, save: bool) -> dict:
@@ -614,6 +628,7 @@ def _victim_worker(rank: int, port: int, mode: str, how: int, signalled: Any) ->
     return {"error": None}
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(40)
 @pytest.mark.parametrize(
     "mode, how", [("sync", signal.SIGSTOP), ("async", signal.SIGKILL)], ids=["sync-SIGSTOP", "async-SIGKILL"]
@@ -652,6 +667,7 @@ def _worker_of_lost_server(rank: int, port: int, pushes: Any) -> dict:
     return {"error": None}
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(40)
 @pytest.mark.parametrize("how", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
 def test_lost_server_makes_workers_raise_naming_it(procs, how):
@@ -696,6 +712,7 @@ def _worker_after_a_failed_peer(rank: int, port: int, server_pid: Any, failed_at
     return {"error": None}
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(40)
 def test_a_worker_stops_at_once_when_a_peer_already_gave_up(procs):
     """Worker 1 times out on a frozen server and reports it; worker 0's next push then fails at once, quoting that
@@ -732,6 +749,7 @@ def _dedicated_worker(rank: int, port: int) -> dict:
     return out
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_dedicated_server_processes_exit_after_the_workers_finish(procs):
     port = _free_port()
@@ -743,6 +761,7 @@ def test_dedicated_server_processes_exit_after_the_workers_finish(procs):
     assert not any(_alive(pid) for pid in out["worker0"]["pids"])
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(20)
 def test_stop_ends_a_frozen_server_with_sigterm_not_after_the_grace():
     frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -762,6 +781,7 @@ def _parent_of_servers(port: int, pids: Any) -> None:
     group.close()
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_dedicated_server_processes_die_with_their_parent(procs):
     port = _free_port()

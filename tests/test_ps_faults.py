@@ -16,6 +16,7 @@ TIMEOUT_S = 8.0
 pytestmark = pytest.mark.skipif(not HAS_PROC, reason="needs /proc")
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("target", ["worker1", "server0"])
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
@@ -47,6 +48,7 @@ def test_a_lost_worker_ends_an_async_job_in_time_naming_it(tmp_path, mode, how):
     assert not outcome.left, f"orphans: {outcome.left}"
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(150)
 def test_a_lost_worker_ends_the_job_in_seconds_not_after_timeout_s(tmp_path):
     """With ``timeout_s=120``: the server of a sync step would wait that long for the killed worker's push, and rank

@@ -81,6 +81,7 @@ def _max_diff(a: nn.Module, b: nn.Module) -> float:
     return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
 
+@pytest.mark.e2e
 @TIMEOUT
 @pytest.mark.parametrize("model", [DigitsClassifier, TwoGroups], ids=["one_group", "two_groups"])
 def test_sync_equals_ddp(tmp_path, model):
@@ -91,6 +92,7 @@ def test_sync_equals_ddp(tmp_path, model):
     assert rec["version"] == 25 and rec["steps"] == [25, 25]
 
 
+@pytest.mark.e2e
 @TIMEOUT
 def test_sync_ingress_is_workers_times_model_bytes_and_splits_over_two_servers(tmp_path):
     _, one = _fit(_ps(), tmp_path, max_steps=6)
@@ -103,6 +105,7 @@ def test_sync_ingress_is_workers_times_model_bytes_and_splits_over_two_servers(t
     assert 0.35 < ingress[0] / sum(ingress) < 0.65, ingress  # balanced by bytes
 
 
+@pytest.mark.e2e
 @TIMEOUT
 @pytest.mark.parametrize("mode", ["async", "ssp"])
 def test_async_and_ssp_end_at_the_server_version(tmp_path, mode):
@@ -119,6 +122,7 @@ def test_async_and_ssp_end_at_the_server_version(tmp_path, mode):
         assert abs(fast - slow) <= 2 + 1, rec["steps"]  # the bound, plus a push refused after the stop
 
 
+@pytest.mark.e2e
 @TIMEOUT
 def test_colocated_placement_trains_like_dedicated(tmp_path):
     dedicated, _ = _fit(_ps(num_servers=2), tmp_path, max_steps=10)
@@ -127,6 +131,7 @@ def test_colocated_placement_trains_like_dedicated(tmp_path):
     assert _max_diff(dedicated, colocated) == 0.0
 
 
+@pytest.mark.e2e
 @TIMEOUT
 def test_sync_resume_from_checkpoint_is_exact(tmp_path):
     """1 epoch + checkpoint, resumed for a 2nd: the servers' parameters, optimizer state and version come back."""
@@ -150,6 +155,7 @@ def test_sync_resume_from_checkpoint_is_exact(tmp_path):
     assert saved[0]["version"] == 8
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "kwargs,message",
     [
@@ -167,11 +173,13 @@ def test_bad_input_is_a_config_error_at_construction(kwargs, message):
         ParameterServerStrategy(**kwargs)
 
 
+@pytest.mark.e2e
 def test_more_colocated_servers_than_ranks_fails_before_launch():
     with pytest.raises(ConfigError, match=r"strategy\.num_servers=3 is not allowed with placement='colocated' and 2"):
         make_trainer(_ps(num_servers=3, placement="colocated"))
 
 
+@pytest.mark.e2e
 @TIMEOUT
 def test_manual_optimization_gets_a_clear_error(tmp_path):
     class Manual(DigitsClassifier):

@@ -20,6 +20,7 @@ from lightning_sync.apps.ps_study import (
 WORKERS = 2
 
 
+@pytest.mark.unit
 def test_overrides_name_the_case():
     assert parse_mode("ssp:3") == ("ssp", 3) and parse_mode("async") == ("async", None)
     with pytest.raises(ValueError, match="ssp only"):
@@ -58,6 +59,7 @@ def _write_timeline(run_dir: Path, mode: str, rows: list[tuple[float, int]]) -> 
     (folder / "rank0.json").write_text(json.dumps(record))
 
 
+@pytest.mark.unit
 def test_throughput_is_the_version_slope_past_the_skipped_updates(tmp_path):
     rows = [(11.0, 1), (12.0, 2), (12.5, 4), (13.5, 8), (14.5, 10)]
     _write_timeline(tmp_path / "sync", "sync", rows)
@@ -72,6 +74,7 @@ def test_throughput_is_the_version_slope_past_the_skipped_updates(tmp_path):
     assert row_sync["ratio"] == 1.0 and row_async["ratio"] == pytest.approx(0.5)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_async_run_records_throughput_staleness_and_accuracy(tmp_path):
     overrides = ps_overrides("async", workers=WORKERS, slow_worker=1, slowdown=3.0, max_steps=30)
@@ -89,6 +92,7 @@ def test_async_run_records_throughput_staleness_and_accuracy(tmp_path):
     assert run.test_accuracy is not None and 0.0 < run.test_accuracy <= 1.0
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_sync_ingress_per_server_sums_to_workers_times_model_bytes(tmp_path):
     runs = []

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 EPOCHS = 30
-pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")]
 
 
 def _rank_pids(local_rank: int) -> list[int]:

@@ -73,6 +73,7 @@ def _write_run(run_dir: Path) -> StudyRun:
     return StudyRun.load("case", run_dir)
 
 
+@pytest.mark.unit
 def test_a_run_folder_reads_back_per_batch(tmp_path):
     run = _write_run(tmp_path / "run")
     assert run.batches == 6 and run.test_accuracy == 0.75 and not run.diverged
@@ -93,6 +94,7 @@ def test_a_run_folder_reads_back_per_batch(tmp_path):
         run.loss_curve(x="epoch")
 
 
+@pytest.mark.unit
 def test_slow_link_model_is_compute_plus_bytes_over_rate(tmp_path):
     run = _write_run(tmp_path / "run")
     compute = run.compute_seconds_per_batch()  # batches 4 to 6: 0.3, 0.5, 0.3
@@ -105,6 +107,7 @@ def test_slow_link_model_is_compute_plus_bytes_over_rate(tmp_path):
     assert "| case | 300.00 | 5 | 700.0 | 3.5 |" in table
 
 
+@pytest.mark.unit
 def test_tables_name_their_columns(tmp_path):
     run = _write_run(tmp_path / "run")
     table = format_runs([run], columns=("test acc", "bytes sent/batch", "syncs", "mean divergence", "comm share"))
@@ -114,6 +117,7 @@ def test_tables_name_their_columns(tmp_path):
         format_runs([run], columns=("speed",))
 
 
+@pytest.mark.unit
 def test_measured_time_to_accuracy_is_optional_and_checked(tmp_path):
     assert load_time_to_accuracy(tmp_path / "absent.json") == []
     file = tmp_path / "tta.json"
@@ -131,6 +135,7 @@ def test_measured_time_to_accuracy_is_optional_and_checked(tmp_path):
         load_time_to_accuracy(file)
 
 
+@pytest.mark.unit
 def test_periodic_cases_pair_diloco_with_its_inner_adamw():
     cases = periodic_cases(("gradient", "diloco"), (1, 8))
     assert list(cases) == ["gradient/1", "gradient/8", "diloco/1", "diloco/8"]
@@ -140,6 +145,7 @@ def test_periodic_cases_pair_diloco_with_its_inner_adamw():
         Timeline("x", probe_every_batches=0)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_real_runs_record_syncs_bytes_and_probes(tmp_path):
     common = ["trainer.max_epochs=1", "++trainer.limit_train_batches=6", "++trainer.limit_val_batches=1", "test=false"]
