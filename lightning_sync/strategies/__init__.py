@@ -19,7 +19,7 @@ def _register_strategies() -> None:
 
     for name, cls in STRATEGIES.items():
         if name not in StrategyRegistry:
-            StrategyRegistry.register(name, cls, description=cls.__doc__.strip().splitlines()[0])
+            StrategyRegistry.register(name, cls, description=(cls.__doc__ or name).strip().splitlines()[0])
 
 
 _register_strategies()

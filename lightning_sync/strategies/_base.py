@@ -140,7 +140,7 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, LightningDDPHook
         if self._pending_sync_state is not None:
             self.load_sync_state_dict(self._pending_sync_state)
             self._pending_sync_state = None
-        if not any(isinstance(cb, SyncMetricsLogger) for cb in trainer.callbacks):
+        if not any(isinstance(cb, SyncMetricsLogger) for cb in trainer.callbacks):  # type: ignore[attr-defined]
             insert_callback_first(trainer, SyncMetricsLogger())  # other callbacks see this step's metrics
 
     @override

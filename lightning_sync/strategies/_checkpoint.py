@@ -14,13 +14,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_sync.comm.meter import CommStats
 from lightning_sync.errors import CheckpointError
+
+if TYPE_CHECKING:  # the host class is a Lightning DDPStrategy: its attributes and the hooks this mixin overrides
+    from lightning.pytorch.strategies import DDPStrategy as _Host
+
+    from lightning_sync.comm.compression import Compressor
+else:
+    _Host = object
 
 _CHECKPOINT_KEY = "lightning_sync"
 _WEIGHTS_ONLY_HINT = (
@@ -29,9 +36,14 @@ _WEIGHTS_ONLY_HINT = (
 )
 
 
-class SyncStateCheckpointing:
+class SyncStateCheckpointing(_Host):
     """Mixin of :class:`~lightning_sync.strategies._base.SyncStrategyBase`: saves and restores every rank's sync
     state with Lightning's checkpoints."""
+
+    strategy_name: ClassVar[str]
+    if TYPE_CHECKING:
+
+        def _active_compressor(self) -> Compressor | None: ...
 
     _pending_sync_state: dict[str, Any] | None = None
     _pending_optimizer_states: list[dict[str, Any]] | None = None
@@ -69,6 +81,7 @@ class SyncStateCheckpointing:
         if compressor is not None:
             state["compressor"] = compressor.state_dict()
         if not self.keeps_replicas_identical:
+            assert self.lightning_module is not None
             state["module_state"] = self.lightning_module.state_dict()
             state["optimizer_states"] = [opt.state_dict() for opt in self.optimizers]
         return state
@@ -79,6 +92,7 @@ class SyncStateCheckpointing:
         self._sync_steps = int(state["sync_steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         if "module_state" in state:
+            assert self.lightning_module is not None
             self.lightning_module.load_state_dict(state["module_state"])
         self._comm_resumed = CommStats(**state.get("comm", {}))
         compressor = self._active_compressor()
@@ -91,7 +105,7 @@ class SyncStateCheckpointing:
     ) -> None:
         """Adds every rank's sync state to the checkpoint (gathered to rank 0, which writes the file)."""
         checkpoint[_CHECKPOINT_KEY] = {"strategy": self.strategy_name, "ranks": self._gather_sync_states()}
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _gather_sync_states(self) -> list[Any]:
         """Every rank's :meth:`sync_state_dict`, in rank order (one all-gather)."""
@@ -114,7 +128,7 @@ class SyncStateCheckpointing:
         if not path.is_file():
             raise CheckpointError(f"checkpoint {str(path)!r} does not exist (or is not a file)")
         try:
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False)  # type: ignore[misc]
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False)
         except Exception as error:  # torch.load raises many types for a truncated or foreign file
             raise CheckpointError(
                 f"checkpoint {str(path)!r} cannot be read ({type(error).__name__}: {error}); the file is truncated, "
@@ -125,7 +139,7 @@ class SyncStateCheckpointing:
         ranks = self._this_runs_sync_states(checkpoint, path)
         self._pending_sync_state = ranks[self.global_rank]
         self._pending_optimizer_states = self._pending_sync_state.get("optimizer_states")
-        return checkpoint  # type: ignore[return-value]
+        return checkpoint
 
     def _this_runs_sync_states(self, checkpoint: Mapping[str, Any], path: Path) -> list[dict[str, Any]]:
         saved = checkpoint.get(_CHECKPOINT_KEY)
@@ -151,7 +165,7 @@ class SyncStateCheckpointing:
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Lightning's restore (rank 0's optimizer state on every rank), then, where the mode lets ranks' states
         differ, this rank's own state from the checkpoint."""
-        super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
+        super().load_optimizer_state_dict(checkpoint)
         if self._pending_optimizer_states is not None:
             for optimizer, state in zip(self.optimizers, self._pending_optimizer_states):
                 optimizer.load_state_dict(state)  # moves the state to each parameter's device

@@ -46,7 +46,8 @@ def _hydra_in_use() -> bool:
 
 def _config_flags(argv: Sequence[str]) -> list[str]:
     """The config-selecting flags of ``argv`` (``-cn x``, ``--config-dir=y``), kept for the child."""
-    kept, i = [], 0
+    kept: list[str] = []
+    i = 0
     while i < len(argv):
         arg = argv[i]
         name = arg.split("=", 1)[0]
@@ -67,10 +68,11 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
     import __main__
 
     hydra_cfg = HydraConfig.get()
-    if getattr(__main__, "__spec__", None) is None:
+    spec = getattr(__main__, "__spec__", None)
+    if spec is None:
         command = [sys.executable, to_absolute_path(sys.argv[0])]
     else:
-        command = [sys.executable, "-m", __main__.__spec__.name]
+        command = [sys.executable, "-m", spec.name]
     command += _config_flags(sys.argv[1:])
     command += list(hydra_cfg.overrides.task)
     output_dir = hydra_cfg.runtime.output_dir

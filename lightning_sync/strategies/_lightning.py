@@ -162,4 +162,4 @@ def set_accumulate_grad_batches(trainer: pl.Trainer, batches: int) -> None:
 
 def insert_callback_first(trainer: pl.Trainer, callback: Any) -> None:
     """Puts ``callback`` first among the Trainer's callbacks, so its hooks run before the others'."""
-    trainer.callbacks.insert(0, callback)
+    trainer.callbacks.insert(0, callback)  # type: ignore[attr-defined]  # set by Lightning's callback connector

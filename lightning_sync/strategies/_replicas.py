@@ -7,7 +7,7 @@ mixin says what each mode must keep identical and who is the authority when ``on
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,10 +19,13 @@ class ReplicaChecking:
     ``_sync_steps``, ``lightning_module`` and ``optimizers``)."""
 
     config: Any
-    world_size: int
     _sync_steps: int
     lightning_module: Any
     optimizers: Any
+    if TYPE_CHECKING:  # the host strategy's (a read-only property of Lightning's)
+
+        @property
+        def world_size(self) -> int: ...
 
     def tensors_to_check(self) -> dict[str, torch.Tensor]:
         """What must be identical on every rank after the current step, by name: the floating parameters, buffers

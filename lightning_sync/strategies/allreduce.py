@@ -65,7 +65,7 @@ class AllReduceStrategy(SyncStrategyBase):
         assert self.model is not None and self.meter is not None
         return GradientSynchronizer(
             list(self.model.parameters()),
-            compressor=self._parts.new_compressor(),
+            compressor=self._parts.new_compressor(),  # type: ignore[misc]  # set for every gradient-syncing mode
             meter=self.meter,
             check_finite=self.config.skip_nonfinite and self.skips_nonfinite_steps,
             same_host_cpu=self.num_nodes == 1,
@@ -92,7 +92,7 @@ class AllReduceStrategy(SyncStrategyBase):
         tuner = self.synchronizer.tuner
         was_deciding = tuner is not None and tuner.deciding
         self.synchronizer.start_round()
-        if was_deciding and not tuner.deciding:
+        if was_deciding and tuner is not None and not tuner.deciding:
             times = ", ".join(f"{k.replace('_', ' ')} {v:.2f} ms" for k, v in tuner.medians_ms.items())
             point = self.synchronizer.launch_point.replace("_", " ")
             rank_zero_info(
@@ -135,7 +135,7 @@ class AllReduceStrategy(SyncStrategyBase):
         verdict = None if self.synchronizer is None else self.synchronizer.grads_finite
         if verdict is None:
             return super()._synced_grads_finite(params)
-        self.synchronizer.grads_finite = None
+        self.synchronizer.grads_finite = None  # type: ignore[union-attr]  # not None when verdict is not None
         return verdict
 
     def _finish_sync(self) -> None:
@@ -144,7 +144,7 @@ class AllReduceStrategy(SyncStrategyBase):
     @override
     def on_sync_step_end(self) -> None:
         """Advances the compressor's step count, once per sync (a second optimizer on the same round adds none)."""
-        if self._synced:
+        if self._synced and self.synchronizer is not None:
             self.synchronizer.compressor.advance()
             self._synced = False
 

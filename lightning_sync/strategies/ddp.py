@@ -66,6 +66,7 @@ class DDPSyncStrategy(SyncStrategyBase):
         """
         assert isinstance(self.model, DistributedDataParallel)
         assert self.meter is not None
+        assert self._new_compressor is not None
         self.hook_state = DDPHookState(compressor=self._new_compressor(), meter=self.meter)
         self.model.register_comm_hook(self.hook_state, compressed_allreduce_hook)
 

@@ -45,11 +45,11 @@ class PeriodicSyncStrategy(AllReduceStrategy):
             arguments (see :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
     """
 
-    config_class = PeriodicConfig
+    config_class = PeriodicConfig  # type: ignore[assignment]  # a sibling of AllReduceConfig (same gradient knobs)
     strategy_name = "sync_periodic"
 
     def __init__(self, config: PeriodicConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
+        super().__init__(config, **kwargs)  # type: ignore[arg-type]
         self._accumulating: tuple[pl.Trainer, int] | None = None
         self._logged_period: int | None = None
         self._logged_skips = 0
@@ -111,7 +111,7 @@ class PeriodicSyncStrategy(AllReduceStrategy):
                 "optimization (Lightning does not accumulate there); accumulate in training_step yourself, use "
                 "sync_every=1, or mode local_sgd or diloco"
             )
-        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):  # type: ignore[attr-defined]
             raise ConfigError(
                 "strategy.mode='gradient' is not allowed with a GradientAccumulationScheduler callback; set the "
                 "period with strategy.sync_every (effective period = accumulate_grad_batches * sync_every)"
