@@ -234,7 +234,7 @@ def test_optimizer_spec_keeps_groups_and_shard_optimizer_mirrors_them():
     assert mirrored == [0, 1]
     assert [g["lr"] for g in shard_opt.param_groups] == [0.1, 0.03]
     assert all(g["momentum"] == 0.9 for g in shard_opt.param_groups)
-    with pytest.raises(ValueError, match="holds 2 parameter"):
+    with pytest.raises(ValueError, match="hold 2 parameter"):
         ps.optimizer_spec(opt, params[:2])
     with pytest.raises(ValueError, match=r"params\[1\] is the same tensor as params\[0\]"):
         ps.optimizer_spec(opt, [params[0], params[0]])

@@ -177,15 +177,3 @@ def test_bad_input_is_a_config_error_at_construction(kwargs, message):
 def test_more_colocated_servers_than_ranks_fails_before_launch():
     with pytest.raises(ConfigError, match=r"strategy\.num_servers=3 is not allowed with placement='colocated' and 2"):
         make_trainer(_ps(num_servers=3, placement="colocated"))
-
-
-@pytest.mark.e2e
-@TIMEOUT
-def test_manual_optimization_gets_a_clear_error(tmp_path):
-    class Manual(DigitsClassifier):
-        def __init__(self) -> None:
-            super().__init__()
-            self.automatic_optimization = False
-
-    with pytest.raises(Exception, match="does not support manual optimization"):
-        _fit(_ps(), tmp_path, Manual, max_steps=2)

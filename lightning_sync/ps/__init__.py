@@ -14,6 +14,7 @@ Parts, one module per concern:
 * :mod:`~lightning_sync.ps.straggler`: slowing one worker down for experiments.
 """
 
+from lightning_sync.ps._protocol import CLIP_ALGORITHMS, Clip
 from lightning_sync.ps.client import PSClient, PSReply, ServerStepOptimizer
 from lightning_sync.ps.codec import GradientCodec
 from lightning_sync.ps.errors import PSError, PSPeerLostError, PSServerError, PSTimeoutError
@@ -39,6 +40,8 @@ from lightning_sync.ps.sharding import shard_by_bytes, shard_indices
 from lightning_sync.ps.straggler import Straggler
 
 __all__ = [
+    "CLIP_ALGORITHMS",
+    "Clip",
     "COMPRESSIONS",
     "ColocatedServer",
     "DEFAULT_PREFIX",

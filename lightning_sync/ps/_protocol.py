@@ -5,7 +5,9 @@ own tag. Gloo aborts the process when a receive buffer and the data sent differ 
 ever taken from the header that announces them.
 
 Request header (worker -> server, tag :data:`TAG_REQUEST`; the server waits on it from any worker):
-``[kind, worker, version, payload_nbytes, checksum, flags, 0...]``
+``[kind, worker, version, payload_nbytes, checksum, flags, optimizer, clip_algorithm, clip_value, 0...]``
+(``optimizer``: which of the worker's optimizers a push steps; ``clip_*``: how the server clips that optimizer's
+gradient before the step, ``clip_value`` a float64 in the slot's bits)
 
 Reply header (server -> worker, tag :data:`TAG_REPLY`):
 ``[kind, status, version, flags, payload_nbytes, bytes_recv, bytes_sent, staleness, stop_code, stop_worker, clock,
@@ -38,6 +40,20 @@ FLAG_STATS_HISTORY = 1  # STATS request: include the full staleness history
 FLAG_NONFINITE = 2  # PUSH request: this worker's gradient held NaN or Inf, so only its learning rates travel
 
 
+CLIP_NONE, CLIP_VALUE, CLIP_NORM = 0, 1, 2
+#: Lightning's names of the clipping algorithms, by code.
+CLIP_ALGORITHMS = {"value": CLIP_VALUE, "norm": CLIP_NORM}
+
+
+@dataclass(frozen=True)
+class Clip:
+    """Gradient clipping the server applies before a step: ``algorithm`` (:data:`CLIP_VALUE` or :data:`CLIP_NORM`)
+    at ``value``."""
+
+    algorithm: int
+    value: float
+
+
 class Kind(IntEnum):
     INIT = 1
     PULL = 2
@@ -68,15 +84,22 @@ class Request:
     payload_nbytes: int
     checksum: int
     flags: int
+    optimizer: int = 0
+    clip: Clip | None = None
 
     def header(self) -> torch.Tensor:
         values = [int(self.kind), self.worker, self.version, self.payload_nbytes, self.checksum, self.flags]
+        clip = self.clip if self.clip is not None else Clip(CLIP_NONE, 0.0)
+        bits = int(torch.tensor([float(clip.value)], dtype=torch.float64).view(torch.int64))
+        values += [self.optimizer, clip.algorithm, bits]
         return torch.tensor(values + [0] * (HEADER_SLOTS - len(values)), dtype=torch.int64)
 
     @classmethod
     def parse(cls, header: torch.Tensor) -> Request:
         v = header.tolist()
-        return cls(Kind(v[0]), v[1], v[2], v[3], v[4], v[5])
+        value = float(header[8:9].view(torch.float64))
+        clip = Clip(v[7], value) if v[7] != CLIP_NONE else None
+        return cls(Kind(v[0]), v[1], v[2], v[3], v[4], v[5], v[6], clip)
 
 
 @dataclass

@@ -32,6 +32,7 @@ import torch
 from lightning_sync.comm.nonfinite import grads_are_finite
 from lightning_sync.ps._layout import ShardLayout, as_bytes
 from lightning_sync.ps._protocol import (
+    CLIP_NORM,
     FLAG_NONFINITE,
     FLAG_NOT_APPLIED,
     FLAG_SKIPPED,
@@ -43,6 +44,7 @@ from lightning_sync.ps._protocol import (
     TAG_REPLY_DATA,
     TAG_REQUEST,
     TAG_REQUEST_DATA,
+    Clip,
     Kind,
     ReplyHeader,
     Request,
@@ -168,7 +170,7 @@ class PSClient:
         self.indices = [shard_indices(self.owner, i) for i in range(self.num_servers)]
         self.layouts = [ShardLayout.of([params[j] for j in idx]) for idx in self.indices]
         self.codec = GradientCodec.from_config(config)
-        settings = repr(sorted(config.as_dict().items())) + f"|{spec.optimizer_class}|{spec.num_groups}"
+        settings = repr(sorted(config.as_dict().items())) + f"|{spec.optimizer_classes}|{spec.num_groups}|{spec.owner}"
         self.checksums = [
             checksum(f"{settings}|{idx}|{layout.signature()}") for idx, layout in zip(self.indices, self.layouts)
         ]
@@ -234,7 +236,7 @@ class PSClient:
         """
         return self._to_reply(self._exchange(Kind.PULL), push=False)
 
-    def push(self, lrs: Sequence[float]) -> PSReply:
+    def push(self, lrs: Sequence[float], optimizer: int = 0, clip: Clip | None = None) -> PSReply:
         """Pushes the gradients (``p.grad``; ``None`` counts as zeros) and receives the new parameters in place.
 
         With ``skip_nonfinite`` (the default) a gradient holding a NaN or Inf is not sent (nor fed to the codec's
@@ -248,7 +250,12 @@ class PSClient:
 
         Args:
             lrs: the worker's current learning rate of each param group (:func:`~lightning_sync.ps.optim_spec.
-                current_lrs`), written into the servers' param groups before they step.
+                current_lrs`; every optimizer's), written into the servers' param groups before they step.
+            optimizer: with several optimizers (see :func:`~lightning_sync.ps.optim_spec.optimizer_spec`), the index
+                of the one that steps: the servers step only its parameters (the others' gradients are ignored).
+            clip: gradient clipping for the servers to apply to that optimizer's gradient before the step (in sync
+                to the average, as DDP clips the all-reduced gradient). ``norm`` needs one server: a shard's norm is
+                not the model's.
 
         Raises:
             RuntimeError: no :meth:`pull` before the first push, or the client is closed.
@@ -260,14 +267,29 @@ class PSClient:
             raise ValueError(f"lrs has {len(lrs)} values, the optimizer {self.spec.num_groups} param groups")
         if min(self.versions) < 0:
             raise RuntimeError("push() before the first pull(): pull the initial parameters first")
+        if not 0 <= optimizer < self.spec.num_optimizers:
+            raise ValueError(f"optimizer={optimizer} does not exist; the spec has {self.spec.num_optimizers}")
+        if clip is not None and clip.algorithm == CLIP_NORM and self.num_servers > 1:
+            raise ValueError(
+                f"gradient clipping by norm needs num_servers=1 (this run has {self.num_servers}): each server holds "
+                "a shard, and a shard's norm is not the model's; clip by value, or use one server"
+            )
         lr_bytes = as_bytes(torch.tensor(lrs, dtype=torch.float64))
-        if self.config.skip_nonfinite and not grads_are_finite(self.params):
-            return self._to_reply(self._exchange(Kind.PUSH, [lr_bytes] * self.num_servers, FLAG_NONFINITE), push=True)
+        if self.config.skip_nonfinite and not grads_are_finite(self._stepped_params(optimizer)):
+            payloads = [lr_bytes] * self.num_servers
+            answers = self._exchange(Kind.PUSH, payloads, FLAG_NONFINITE, optimizer=optimizer)
+            return self._to_reply(answers, push=True)
         payloads = []
         for i in range(self.num_servers):
             grads = [self.params[j].grad for j in self.indices[i]]
             payloads.append(torch.cat([lr_bytes, self.codec.encode(i, self.layouts[i], grads)]))
-        return self._to_reply(self._exchange(Kind.PUSH, payloads), push=True)
+        return self._to_reply(self._exchange(Kind.PUSH, payloads, optimizer=optimizer, clip=clip), push=True)
+
+    def _stepped_params(self, optimizer: int) -> list[torch.Tensor]:
+        spec = self.spec
+        if spec.num_optimizers == 1:
+            return self.params
+        return [p for p, g in zip(self.params, spec.group_of) if spec.owner_of(g) == optimizer]
 
     def request_stop(self) -> PSReply:
         """Ends the run for every worker (e.g. early stopping); they learn it at their next push or pull.
@@ -347,13 +369,15 @@ class PSClient:
         payloads: Sequence[torch.Tensor | None] | None = None,
         flags: int = 0,
         check_open: bool = True,
+        optimizer: int = 0,
+        clip: Clip | None = None,
     ) -> list[tuple[ReplyHeader, torch.Tensor | None]]:
         if check_open and self._closed:
             raise RuntimeError(f"{kind.name} on a closed PSClient")
         if self._broken is not None:
             raise RuntimeError(f"{kind.name} after an earlier error of this PSClient: {self._broken}")
         try:
-            return self._exchange_once(kind, payloads, flags)
+            return self._exchange_once(kind, payloads, flags, optimizer, clip)
         except PSServerError:
             raise  # a refusal: the transport is fine, the client stays usable
         except PSError as exc:
@@ -362,7 +386,12 @@ class PSClient:
             raise
 
     def _exchange_once(
-        self, kind: Kind, payloads: Sequence[torch.Tensor | None] | None, flags: int
+        self,
+        kind: Kind,
+        payloads: Sequence[torch.Tensor | None] | None,
+        flags: int,
+        optimizer: int = 0,
+        clip: Clip | None = None,
     ) -> list[tuple[ReplyHeader, torch.Tensor | None]]:
         group = self.group
         ranks = [group.server_rank(i) for i in range(self.num_servers)]
@@ -381,7 +410,9 @@ class PSClient:
                 peer = rank
                 payload = payloads[i] if payloads is not None else None
                 nbytes = 0 if payload is None else payload.numel()
-                request = Request(kind, self.worker, self.versions[i], nbytes, self.checksums[i], flags)
+                request = Request(
+                    kind, self.worker, self.versions[i], nbytes, self.checksums[i], flags, optimizer, clip
+                )
                 sends.append((i, group.send(request.header(), rank, TAG_REQUEST)))
                 if nbytes:
                     sends.append((i, group.send(payload, rank, TAG_REQUEST_DATA)))

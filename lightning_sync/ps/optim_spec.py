@@ -25,20 +25,40 @@ import torch
 class OptimizerSpec:
     """A picklable recipe of a worker's optimizer.
 
+    A worker with several optimizers (manual optimization: a GAN's generator and discriminator) is described by one
+    spec: the groups of every optimizer, in optimizer order, ``owner`` naming the optimizer of each group.
+
     Attributes:
-        optimizer_class: ``"module:qualname"`` of the optimizer class (importable on the server).
+        optimizer_class: ``"module:qualname"`` of the (first) optimizer's class (importable on the server).
         groups: per param group, its hyperparameters (every key but ``params``).
         group_of: per parameter of the ordered parameter list, the index of its param group.
+        classes: per optimizer, its class path (``()``: one optimizer, of ``optimizer_class``).
+        owner: per param group, the index of its optimizer (``()``: every group belongs to optimizer 0).
     """
 
     optimizer_class: str
     groups: tuple[dict[str, Any], ...]
     group_of: tuple[int, ...]
+    classes: tuple[str, ...] = ()
+    owner: tuple[int, ...] = ()
 
     @property
     def num_groups(self) -> int:
-        """Number of param groups of the worker's optimizer."""
+        """Number of param groups of the worker's optimizers (all of them)."""
         return len(self.groups)
+
+    @property
+    def optimizer_classes(self) -> tuple[str, ...]:
+        """The class path of each optimizer."""
+        return self.classes or (self.optimizer_class,)
+
+    @property
+    def num_optimizers(self) -> int:
+        return len(self.optimizer_classes)
+
+    def owner_of(self, group: int) -> int:
+        """The optimizer that param group ``group`` belongs to."""
+        return self.owner[group] if self.owner else 0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain-value form (``torch.load(weights_only=True)`` can read it back)."""
@@ -46,6 +66,8 @@ class OptimizerSpec:
             "optimizer_class": self.optimizer_class,
             "groups": [dict(g) for g in self.groups],
             "group_of": list(self.group_of),
+            "classes": list(self.classes),
+            "owner": list(self.owner),
         }
 
     @classmethod
@@ -55,6 +77,8 @@ class OptimizerSpec:
             optimizer_class=str(data["optimizer_class"]),
             groups=tuple(dict(g) for g in data["groups"]),
             group_of=tuple(int(g) for g in data["group_of"]),
+            classes=tuple(str(c) for c in data.get("classes", ())),
+            owner=tuple(int(o) for o in data.get("owner", ())),
         )
 
 
@@ -74,20 +98,26 @@ def _import_class(path: str) -> type:
     return obj
 
 
-def optimizer_spec(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> OptimizerSpec:
-    """Describes ``optimizer`` for the servers, with the group of every parameter of ``params``.
+def optimizer_spec(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]
+) -> OptimizerSpec:
+    """Describes ``optimizer`` (or several) for the servers, with the group of every parameter of ``params``.
 
-    Guarantees: the spec lists the groups in the optimizer's order with their current hyperparameters (tensors
+    Guarantees: the spec lists the groups in the optimizers' order with their current hyperparameters (tensors
     cloned), and ``group_of[i]`` is the group holding ``params[i]``.
 
     Args:
-        optimizer: the worker's optimizer. Its class must be importable on the servers by module and name.
-        params: the ordered parameter list the parameter server trains; exactly the optimizer's parameters.
+        optimizer: the worker's optimizer, or its optimizers (each parameter in one of them only). Their classes must
+            be importable on the servers by module and name.
+        params: the ordered parameter list the parameter server trains; exactly the optimizers' parameters.
 
     Raises:
-        ValueError: a parameter appears twice, is not in the optimizer, or the optimizer holds parameters that
-            ``params`` does not list.
+        ValueError: a parameter appears twice (in ``params``, or in two optimizers), is not in any optimizer, or an
+            optimizer holds parameters that ``params`` does not list.
     """
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    if not optimizers:
+        raise ValueError("no optimizer; the parameter server needs at least one")
     params = list(params)
     position: dict[int, int] = {}
     for i, p in enumerate(params):
@@ -95,32 +125,48 @@ def optimizer_spec(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tens
             raise ValueError(f"params[{i}] is the same tensor as params[{position[id(p)]}]; list each parameter once")
         position[id(p)] = i
     group_of = [-1] * len(params)
-    groups = []
+    groups, owner = [], []
     extra = 0
-    for g, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            if id(p) in position:
-                group_of[position[id(p)]] = g
-            else:
-                extra += 1
-        groups.append(
-            {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k != "params"}
-        )
+    names = "/".join(type(o).__name__ for o in optimizers)
+    for index, opt in enumerate(optimizers):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) not in position:
+                    extra += 1
+                elif group_of[position[id(p)]] >= 0:
+                    raise ValueError(
+                        f"params[{position[id(p)]}] is in two param groups of the {names} optimizers; a parameter "
+                        "the servers train belongs to one optimizer"
+                    )
+                else:
+                    group_of[position[id(p)]] = len(groups)
+            groups.append(
+                {
+                    k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                    for k, v in group.items()
+                    if k != "params"
+                }
+            )
+            owner.append(index)
     missing = [i for i, g in enumerate(group_of) if g < 0]
     if missing:
-        raise ValueError(f"params{missing} are not in any param group of the {type(optimizer).__name__} optimizer")
+        raise ValueError(f"params{missing} are not in any param group of the {names} optimizer(s)")
     if extra:
         raise ValueError(
-            f"the {type(optimizer).__name__} optimizer holds {extra} parameter(s) that params does not list; "
-            "pass every parameter the optimizer trains"
+            f"the {names} optimizer(s) hold {extra} parameter(s) that params does not list; "
+            "pass every parameter the optimizers train"
         )
-    return OptimizerSpec(_class_path(type(optimizer)), tuple(groups), tuple(group_of))
+    classes = tuple(_class_path(type(o)) for o in optimizers)
+    if len(optimizers) == 1:
+        return OptimizerSpec(classes[0], tuple(groups), tuple(group_of))
+    return OptimizerSpec(classes[0], tuple(groups), tuple(group_of), classes, tuple(owner))
 
 
 def build_shard_optimizer(
-    spec: OptimizerSpec, params: Sequence[torch.Tensor], indices: Sequence[int]
-) -> tuple[torch.optim.Optimizer, list[int]]:
-    """Builds the optimizer of one server's shard.
+    spec: OptimizerSpec, params: Sequence[torch.Tensor], indices: Sequence[int], optimizer: int = 0
+) -> tuple[torch.optim.Optimizer | None, list[int]]:
+    """Builds the shard optimizer that mirrors the worker's optimizer number ``optimizer`` (``None`` and ``[]`` if
+    none of the shard's parameters is in it).
 
     Guarantees: each shard parameter lands in a group with the hyperparameters of its group on the worker; the shard
     optimizer has one group per worker group that holds shard parameters, in the worker's group order, parameters in
@@ -144,10 +190,13 @@ def build_shard_optimizer(
     for p, i in zip(params, indices):
         if not 0 <= i < len(spec.group_of):
             raise ValueError(f"parameter index {i} is outside the spec's {len(spec.group_of)} parameters")
-        members.setdefault(spec.group_of[i], []).append(p)
+        if spec.owner_of(spec.group_of[i]) == optimizer:
+            members.setdefault(spec.group_of[i], []).append(p)
     mirrored = sorted(members)
+    if not mirrored:
+        return None, []
     groups = [{"params": members[g], **spec.groups[g]} for g in mirrored]
-    optimizer_class = _import_class(spec.optimizer_class)
+    optimizer_class = _import_class(spec.optimizer_classes[optimizer])
     # Every group carries all its hyperparameters; the first one is also passed as the constructor's defaults so that
     # optimizers with required hyperparameters (no default value) can be built too.
     accepted = inspect.signature(optimizer_class.__init__).parameters
@@ -163,8 +212,9 @@ SCALE_INVARIANT = frozenset(
 )
 
 
-def default_push_scale(spec: OptimizerSpec, num_workers: int) -> float:
-    """What a server multiplies each async or ssp push by when ``push_scale`` is ``auto``.
+def default_push_scale(spec: OptimizerSpec, num_workers: int, optimizer: int = 0) -> float:
+    """What a server multiplies each async or ssp push for the worker's optimizer ``optimizer`` by when ``push_scale``
+    is ``auto``.
 
     * ``1/W`` for optimizers whose step is linear in the gradient (SGD with or without momentum and Nesterov, and
       any optimizer this rule does not know): ``W`` pushes then move the parameters as far as one sync step, which
@@ -176,14 +226,16 @@ def default_push_scale(spec: OptimizerSpec, num_workers: int) -> float:
     In both cases momentum, weight decay and the Adam moments act once per push, i.e. ``W`` times per sync step's
     worth of samples.
     """
-    name = spec.optimizer_class.rpartition(":")[2].rpartition(".")[2]
+    path = spec.optimizer_classes[optimizer]
+    name = path.rpartition(":")[2].rpartition(".")[2]
     try:
-        mro = [cls.__name__ for cls in _import_class(spec.optimizer_class).__mro__]
+        mro = [cls.__name__ for cls in _import_class(path).__mro__]
     except (ImportError, AttributeError, ValueError):
         mro = [name]
     return 1.0 if SCALE_INVARIANT.intersection(mro) else 1.0 / num_workers
 
 
-def current_lrs(optimizer: torch.optim.Optimizer) -> list[float]:
-    """The current learning rate of each param group (what a push carries)."""
-    return [float(group["lr"]) for group in optimizer.param_groups]
+def current_lrs(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> list[float]:
+    """The current learning rate of each param group, of every optimizer in order (what a push carries)."""
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    return [float(group["lr"]) for opt in optimizers for group in opt.param_groups]

@@ -51,6 +51,8 @@ import torch
 
 from lightning_sync.ps._layout import ShardLayout
 from lightning_sync.ps._protocol import (
+    CLIP_NORM,
+    CLIP_VALUE,
     FLAG_NONFINITE,
     FLAG_NOT_APPLIED,
     FLAG_SKIPPED,
@@ -61,6 +63,7 @@ from lightning_sync.ps._protocol import (
     TAG_REPLY_DATA,
     TAG_REQUEST,
     TAG_REQUEST_DATA,
+    Clip,
     Kind,
     ReplyHeader,
     Request,
@@ -98,7 +101,11 @@ class ServerShard:
         self.indices = [int(i) for i in indices]
         self.params = [torch.nn.Parameter(p.detach().to("cpu").clone()) for p in params]
         self.layout = ShardLayout.of(self.params)
-        self.optimizer, self.group_map = build_shard_optimizer(spec, self.params, self.indices)
+        # one shard optimizer per worker optimizer (None where it holds none of this shard's parameters)
+        built = [build_shard_optimizer(spec, self.params, self.indices, k) for k in range(spec.num_optimizers)]
+        self.optimizers = [opt for opt, _ in built]
+        self.group_maps = [mirrored for _, mirrored in built]
+        self.owner = [spec.owner_of(spec.group_of[i]) for i in self.indices]  # each shard parameter's optimizer
         self.num_workers = num_workers
         self.version = 0
         self.clocks = [0] * num_workers
@@ -107,24 +114,47 @@ class ServerShard:
         self._packed_version = -1
 
     # ---------------------------------------------------------------- arithmetic
-    def apply(self, grad: torch.Tensor, lrs: Sequence[float]) -> None:
-        """One optimizer step with ``grad`` (fp32, layout order) at the workers' learning rates ``lrs``.
+    def apply(
+        self,
+        grad: torch.Tensor,
+        lrs: Sequence[float],
+        optimizer: int = 0,
+        clip: Clip | None = None,
+        scale: float = 1.0,
+    ) -> None:
+        """One step of the worker's optimizer number ``optimizer`` with ``grad`` (fp32, layout order) at the workers'
+        learning rates ``lrs`` (every group of every optimizer).
 
         Guarantees: each param group's ``lr`` is set to ``lrs[g]`` of the worker group it mirrors before the step;
-        ``version`` increases by one; gradients are cleared after the step.
+        the gradient of that optimizer's parameters is clipped as ``clip`` says (``torch.nn.utils``' own functions,
+        as Lightning's precision plugins call them), then multiplied by ``scale``; only that optimizer's parameters
+        change; ``version`` increases by one (also when this shard holds none of its parameters); gradients are
+        cleared after the step.
         """
         if grad.numel() != self.layout.numel:
             raise ValueError(f"gradient has {grad.numel()} entries, the shard {self.layout.numel}")
-        for group, g in zip(self.optimizer.param_groups, self.group_map):
-            if isinstance(group["lr"], torch.Tensor):
-                group["lr"].fill_(float(lrs[g]))
-            else:
-                group["lr"] = float(lrs[g])
-        for p, g in zip(self.params, self.layout.split(grad)):
-            p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
-        self.optimizer.step()
-        for p in self.params:
-            p.grad = None
+        if not 0 <= optimizer < len(self.optimizers):
+            raise ValueError(f"optimizer {optimizer} does not exist; the worker has {len(self.optimizers)}")
+        stepping = self.optimizers[optimizer]
+        if stepping is not None:
+            for group, g in zip(stepping.param_groups, self.group_maps[optimizer]):
+                if isinstance(group["lr"], torch.Tensor):
+                    group["lr"].fill_(float(lrs[g]))
+                else:
+                    group["lr"] = float(lrs[g])
+            for p, g in zip(self.params, self.layout.split(grad)):
+                p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+            stepped = [p for p, k in zip(self.params, self.owner) if k == optimizer]
+            if clip is not None and clip.algorithm == CLIP_NORM:
+                torch.nn.utils.clip_grad_norm_(stepped, clip.value)
+            elif clip is not None and clip.algorithm == CLIP_VALUE:
+                torch.nn.utils.clip_grad_value_(stepped, clip.value)
+            if scale != 1.0:
+                for p in stepped:
+                    p.grad.mul_(scale)
+            stepping.step()
+            for p in self.params:
+                p.grad = None
         self.version += 1
 
     def packed(self) -> torch.Tensor:
@@ -145,7 +175,7 @@ class ServerShard:
         return {
             "indices": list(self.indices),
             "params": [p.detach().clone() for p in self.params],
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "optimizers": [None if opt is None else copy.deepcopy(opt.state_dict()) for opt in self.optimizers],
             "version": self.version,
             "clocks": list(self.clocks),
             "staleness_history": [list(h) for h in self.staleness_history],
@@ -168,7 +198,12 @@ class ServerShard:
                         f"saved parameter {tuple(saved.shape)} {saved.dtype} vs {tuple(p.shape)} {p.dtype}"
                     )
                 p.copy_(saved)
-        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        saved = state["optimizers"] if "optimizers" in state else [state["optimizer"]]  # one optimizer, older form
+        if len(saved) != len(self.optimizers):
+            raise ValueError(f"state holds {len(saved)} optimizers, this run {len(self.optimizers)}")
+        for opt, opt_state in zip(self.optimizers, saved):
+            if opt is not None:
+                opt.load_state_dict(copy.deepcopy(opt_state))
         self.version = int(state["version"])
         self.clocks = [int(c) for c in state["clocks"]]
         self.staleness_history = [[int(s) for s in h] for h in state["staleness_history"]]
@@ -212,11 +247,11 @@ class ParameterServer:
         self.codec: GradientCodec | None = None
         self.checksum = 0
         self.num_groups = 0
-        self.push_scale = 1.0  # async and ssp: factor of each pushed gradient (set from the INIT)
+        self.push_scales = [1.0]  # async and ssp: factor of a pushed gradient, per worker optimizer (from the INIT)
         self.initialized_by = -1
         self.live = [True] * self.num_workers
         self.last_contact = [time.monotonic()] * self.num_workers
-        self.pending: dict[int, tuple[torch.Tensor, list[float]]] = {}  # sync: gradients of the current version
+        self.pending: dict[int, tuple[Any, list[float], int, Clip | None]] = {}  # sync: grad, lrs, optimizer, clip
         self.withheld: set[int] = set()  # ssp: workers whose push reply is held back
         self.deferred_pulls: dict[int, int] = {}  # worker -> settings checksum of pulls before the initial parameters
         self.stop_code = StopCode.NONE
@@ -268,7 +303,7 @@ class ParameterServer:
         out: dict[str, Any] = {
             "server": self.server,
             "mode": self.config.mode if self.config else None,
-            "push_scale": self.push_scale,
+            "push_scale": self.push_scales[0] if len(self.push_scales) == 1 else list(self.push_scales),
             "initialized": self.shard is not None,
             "stopped": self.stopped,
             "stop_reason": self._stop_reason(),
@@ -515,7 +550,10 @@ class ParameterServer:
             raise _Refused(f"cannot initialize from worker {worker}'s INIT: {type(exc).__name__}: {exc}") from exc
         self.config, self.codec, self.shard = config, GradientCodec.from_config(config), shard
         scale = config.push_scale
-        self.push_scale = default_push_scale(spec, self.num_workers) if scale is None else float(scale)
+        self.push_scales = [
+            default_push_scale(spec, self.num_workers, k) if scale is None else float(scale)
+            for k in range(spec.num_optimizers)
+        ]
         self.num_groups = spec.num_groups
         self.checksum = int(init["checksum"])
         self.initialized_by = worker
@@ -539,6 +577,8 @@ class ParameterServer:
         if payload is None or payload.numel() < lr_bytes:
             raise _Refused(f"a push must carry {self.num_groups} learning rates and a gradient")
         lrs = payload[:lr_bytes].view(torch.float64).tolist()
+        if not 0 <= request.optimizer < len(self.push_scales):
+            raise _Refused(f"a push for optimizer {request.optimizer}; the workers have {len(self.push_scales)}")
         grad = None  # a NaN or Inf gradient stays on its worker: the update is skipped
         if not request.flags & FLAG_NONFINITE:
             try:
@@ -553,7 +593,13 @@ class ParameterServer:
                 )
             if worker in self.pending:
                 raise _Refused(f"worker {worker} pushed twice for version {self.shard.version}")
-            self.pending[worker] = (grad, lrs)
+            others = {k for _, _, k, _ in self.pending.values()}
+            if others and others != {request.optimizer}:
+                raise _Refused(
+                    f"worker {worker} pushed for optimizer {request.optimizer} at version {self.shard.version}, the "
+                    f"other workers for optimizer {others.pop()}; in sync every worker steps its optimizers in one order"
+                )
+            self.pending[worker] = (grad, lrs, request.optimizer, request.clip)
             self._after_change()
             return
         staleness = self.shard.version - request.version
@@ -563,7 +609,8 @@ class ParameterServer:
             return
         # One push is one worker's gradient, where a sync step averages W of them: push_scale (by default 1/W for
         # SGD-family optimizers, 1 for scale-invariant ones; see default_push_scale) is what one push counts for.
-        self.shard.apply(grad.mul_(self.push_scale), lrs)
+        k = request.optimizer
+        self.shard.apply(grad, lrs, k, request.clip, self.push_scales[k])
         self.shard.record(worker, staleness)
         self._check_max_updates()
         if self.config.mode == "ssp" and not self.stopped and self._lead(worker) > self.config.max_staleness:
@@ -619,7 +666,8 @@ class ParameterServer:
         for w in contributors:
             total.add_(self.pending[w][0])
         total.div_(len(contributors))
-        self.shard.apply(total, self.pending[contributors[0]][1])
+        _, lrs, optimizer, clip = self.pending[contributors[0]]
+        self.shard.apply(total, lrs, optimizer, clip)  # clipped after averaging, as DDP's all-reduced gradient
         for w in contributors:
             self.shard.record(w, 0)
         self.pending = {}

@@ -16,6 +16,8 @@ from lightning_sync.algorithms import build_parts, ps_settings
 from lightning_sync.config import ParameterServerConfig
 from lightning_sync.errors import ConfigError
 from lightning_sync.ps import (
+    CLIP_ALGORITHMS,
+    Clip,
     PSClient,
     PSGroup,
     ServerStepOptimizer,
@@ -64,6 +66,7 @@ class ParameterServerStrategy(DetachableCollectives):
         self._resume_state: dict[str, Any] = {}
         self._straggler: Straggler | None = None
         self._logged: tuple[int, tuple[int, ...]] | None = None
+        self._clips: dict[int, Clip] = {}  # optimizer id -> the clipping its next push asks the servers for
 
     @override
     def _check_algorithm_knobs(self) -> None:
@@ -95,13 +98,24 @@ class ParameterServerStrategy(DetachableCollectives):
         super().setup(trainer)
         if fitting:
             self._join_servers()
+            self._clip_on_the_servers()
+
+    def _clip_on_the_servers(self) -> None:
+        """Gradient clipping (``Trainer(gradient_clip_val=...)``, or ``self.clip_gradients`` in manual optimization)
+        goes with the optimizer's next push: the servers clip what they step with, in sync the average of the
+        workers' gradients, as DDP clips the all-reduced gradient. :meth:`teardown` puts the plugin's own back."""
+        plugin = self.precision_plugin
+
+        def clip_on_servers(optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
+            if clip_val is None or float(clip_val) <= 0:
+                return
+            algorithm = CLIP_ALGORITHMS[str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm))]
+            self._clips[id(getattr(optimizer, "_optimizer", optimizer))] = Clip(algorithm, float(clip_val))
+
+        self._clips = {}
+        plugin.clip_gradients = clip_on_servers  # type: ignore[method-assign]
 
     def _check_module(self, trainer: pl.Trainer) -> None:
-        if not trainer.lightning_module.automatic_optimization:
-            raise ConfigError(
-                "strategy=ps does not support manual optimization: the servers own the optimizer "
-                "step, so optimizer.step() in training_step has nothing to run"
-            )
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
             raise ConfigError(
                 "strategy=ps does not support precision='16-mixed': each worker's GradScaler would "
@@ -140,16 +154,16 @@ class ParameterServerStrategy(DetachableCollectives):
         async/ssp the workers detach."""
         super().on_train_start()
         trainer, module = self.lightning_module.trainer, self.lightning_module
-        if len(self.optimizers) != 1:
-            raise ConfigError(f"strategy=ps needs one optimizer; configure_optimizers gave {len(self.optimizers)}")
-        max_updates = trainer.max_steps
+        max_updates = trainer.max_steps  # Lightning counts every optimizer's steps, as the servers do
         if max_updates is None or max_updates < 0:  # E epochs' worth of samples
             epochs = trainer.max_epochs if self._loop_limits is None else self._loop_limits[2]
             per_batch = 1 if self.config.mode == "sync" else self.world_size  # async/ssp: an update per worker batch
-            max_updates = int(epochs) * int(trainer.num_training_batches) * per_batch
+            max_updates = int(epochs) * int(trainer.num_training_batches) * per_batch * len(self.optimizers)
+            if self.config.mode == "sync" and not module.automatic_optimization:
+                max_updates = None  # steps per batch are the module's: Lightning's own loop ends a lockstep run
         params = [p for p in module.parameters() if p.requires_grad]
         assert self._group is not None
-        spec = optimizer_spec(self.optimizers[0], params)
+        spec = optimizer_spec(self.optimizers, params)
         self.client = PSClient(self._group, params, spec, ps_settings(self.config, max_updates))
         if self.global_rank == 0:
             self.client.init_servers(self._resume_state.get("servers"))
@@ -187,12 +201,16 @@ class ParameterServerStrategy(DetachableCollectives):
 
     def _push(self, optimizer: Optimizer) -> None:
         assert self.client is not None
+        if self.final_server_states is not None:  # the run ended at an earlier step of this batch (manual
+            return  # optimization: several opt.step() per batch); the model holds the final parameters
         trainer = self.lightning_module.trainer
         if self.servers is not None:
             self.servers.raise_if_failed()
         if trainer.should_stop and not self.client.stopped:  # e.g. EarlyStopping here: stop every worker
             self.client.request_stop()
-        self.last_reply = self.client.push(current_lrs(optimizer))
+        index = next((i for i, opt in enumerate(self.optimizers) if opt is optimizer), 0)
+        clip = self._clips.pop(id(optimizer), None)
+        self.last_reply = self.client.push(current_lrs(self.optimizers), index, clip)
         if self.last_reply.skipped:  # a NaN or Inf gradient (skip_nonfinite): in sync every worker skipped it
             self._count_skipped_step(alone=self.config.mode != "sync")
         if self._straggler is not None:  # after the push: the whole step, round trip included, takes slowdown x
@@ -261,6 +279,7 @@ class ParameterServerStrategy(DetachableCollectives):
     def teardown(self) -> None:
         """Ends this rank's servers (awaited after a clean run, stopped after a failure), then tears down."""
         self._restore_loop_limits()
+        self.precision_plugin.__dict__.pop("clip_gradients", None)  # the plugin's own method again
         servers, self.servers, self.client = self.servers, None, None
         if servers is not None and self.final_server_states is None:
             servers.stop()
