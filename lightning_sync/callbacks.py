@@ -36,7 +36,7 @@ class SyncMetricsLogger(pl.Callback):
         step_metrics = getattr(trainer.strategy, "step_metrics", None)
         if step_metrics is None:
             return
-        every = trainer.log_every_n_steps
+        every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning's logger connector
         metrics = step_metrics((every > 0 and trainer.global_step % every == 0) or trainer.should_stop)
         if metrics:
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)

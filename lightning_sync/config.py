@@ -42,7 +42,9 @@ def knob_docs(cls: type) -> dict[str, str]:
         if not is_dataclass(klass) or klass is object or "__dataclass_fields__" not in vars(klass):
             continue
         try:
-            body = ast.parse(inspect.getsource(klass)).body[0].body
+            node = ast.parse(inspect.getsource(klass)).body[0]
+            assert isinstance(node, ast.ClassDef)
+            body = node.body
         except (OSError, TypeError):  # no source (e.g. a class made at run time): no docstrings
             continue
         for node, after in zip(body, body[1:]):
