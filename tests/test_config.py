@@ -113,6 +113,7 @@ def test_hydra_modes_match_the_registered_strategies():
         assert hydra.utils.get_class(target) is cls and cls.config_class is config_class
 
 
+@pytest.mark.slow  # four fresh interpreters, each importing torch
 @pytest.mark.parametrize(
     "knobs, message, imported",
     [

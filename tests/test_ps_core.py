@@ -750,6 +750,7 @@ def _dedicated_worker(rank: int, port: int) -> dict:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_dedicated_server_processes_exit_after_the_workers_finish(procs):
     port = _free_port()
@@ -782,6 +783,7 @@ def _parent_of_servers(port: int, pids: Any) -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_dedicated_server_processes_die_with_their_parent(procs):
     port = _free_port()
