@@ -729,7 +729,7 @@ def test_a_worker_stops_at_once_when_a_peer_already_gave_up(procs):
     assert late["step"] == 5 and late["error"].startswith(
         "PSPeerLostError: worker 1 (ps rank 1) failed before this PUSH: PSTimeoutError: server 0 (ps rank 2)"
     ), late
-    assert late["seconds"] < 1.0, late
+    assert late["seconds"] < 0.5 * 3.0, late  # at once: well within the server's timeout_s (3 s) it would wait
 
 
 # ---------------------------------------------------------------------------------------------------------- placement
@@ -768,9 +768,10 @@ def test_stop_ends_a_frozen_server_with_sigterm_not_after_the_grace():
     frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     os.kill(frozen.pid, signal.SIGSTOP)
     started = time.monotonic()
-    codes = ps.ServerProcesses([frozen]).stop(grace_s=10.0)
+    grace_s = 10.0
+    codes = ps.ServerProcesses([frozen]).stop(grace_s=grace_s)
     assert codes == [-signal.SIGTERM], codes
-    assert time.monotonic() - started < 3.0
+    assert time.monotonic() - started < 0.5 * grace_s  # SIGTERM ends it at once, not after the grace
 
 
 def _parent_of_servers(port: int, pids: Any) -> None:

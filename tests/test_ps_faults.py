@@ -57,6 +57,6 @@ def test_a_lost_worker_ends_the_job_in_seconds_not_after_timeout_s(tmp_path):
     outcome = run_and_hit(overrides, tmp_path / "run", "rank1", signal.SIGKILL, wait_s=60)
     print(f"worker1 SIGKILL, timeout_s=120: exit code {outcome.returncode} after {outcome.seconds:.1f} s")
     assert outcome.returncode != 0
-    assert outcome.seconds < 15, outcome.seconds
+    assert outcome.seconds < 120 / 4, outcome.seconds  # about a second; a quarter of timeout_s on a loaded machine
     assert "rank 1 (local) was lost" in outcome.stderr, outcome.stderr[-3000:]
     assert not outcome.left, f"orphans: {outcome.left}"
