@@ -284,8 +284,9 @@ def _anchor_flat(group) -> torch.Tensor:
     return torch.cat([by_param[id(p)] for p in group.params])
 
 
-def _delay_ranks(rank: int, world: int, alpha: float) -> None:
-    loop = Loop(rank, PeriodicAverager(sync_every=4, outer=True, fragments=2, sync_delay=1, fragment_alpha=alpha))
+def _delay_ranks(rank: int, world: int, alpha: float, outer: bool, codec: str) -> None:
+    knobs = dict(fragments=2, sync_delay=1, fragment_alpha=alpha, outer_compression=codec)
+    loop = Loop(rank, PeriodicAverager(sync_every=4, outer=outer, **knobs))
     groups = {group.label: group for group in loop.averager.groups}
     schedule = []
     for _ in range(9):
@@ -326,9 +327,14 @@ def _delay_ranks(rank: int, world: int, alpha: float) -> None:
 
 @pytest.mark.dist
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("alpha", [0.0, 0.5])
-def test_delayed_outer_sync_launches_then_applies_with_alpha(alpha):
-    run_ranks(_delay_ranks, alpha)
+@pytest.mark.parametrize(
+    "alpha,outer,codec",
+    [(0.0, True, "none"), (0.5, True, "none"), (0.5, False, "int8")],
+    ids=["diloco", "alpha", "sgd"],
+)
+def test_delayed_outer_sync_launches_then_applies_with_alpha(alpha, outer, codec):
+    """DiLoCo, and local SGD with int8 deltas."""
+    run_ranks(_delay_ranks, alpha, outer, codec)
 
 
 def _resume_ranks(rank: int, world: int, knobs: dict) -> None:
