@@ -64,6 +64,10 @@ def ps_settings(cfg: ParameterServerConfig, max_updates: int | None = None) -> P
             cfg.error_feedback,
             cfg.skip_nonfinite,
             push_scale=None if cfg.push_scale == "auto" else cfg.push_scale,
+            local_steps=cfg.local_steps,
+            outer_lr=cfg.outer_lr,
+            outer_momentum=cfg.outer_momentum,
+            outer_nesterov=cfg.outer_nesterov,
         )
     except ValueError as error:
         raise ConfigError(str(error)) from None

@@ -312,6 +312,16 @@ class ParameterServerConfig(StrategyConfig):
     """``async``/``ssp``: what one push's gradient is multiplied by before the server's optimizer step, a number > 0
     or ``auto``: ``1/W`` (W workers) for SGD-family optimizers, so W pushes move as far as one sync step, and ``1``
     for scale-invariant ones (Adam family, RMSprop, Adagrad), whose step a factor would not change."""
+    local_steps: int = 1
+    """Async local SGD: each worker steps its own optimizer this many times, then pushes its pseudo-gradient (its
+    change since its last pull) and the servers apply an outer SGD (``outer_lr``, ``outer_momentum``,
+    ``outer_nesterov``; in async and ssp its momentum once per W pushes, delayed Nesterov). 1: push gradients."""
+    outer_lr: float = 0.7
+    """``local_steps > 1``: learning rate of the servers' outer SGD."""
+    outer_momentum: float = 0.9
+    """``local_steps > 1``: momentum of the outer SGD, in [0, 1)."""
+    outer_nesterov: bool = True
+    """``local_steps > 1``: Nesterov momentum for the outer SGD."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -77,6 +77,7 @@ from lightning_sync.ps.codec import GradientCodec
 from lightning_sync.ps.errors import PSError, PSTimeoutError
 from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, connect_store, server_ps_rank
 from lightning_sync.ps.optim_spec import OptimizerSpec, build_shard_optimizer, default_push_scale
+from lightning_sync.ps.outer import DelayedNesterov
 from lightning_sync.ps.settings import PSConfig
 
 
@@ -94,18 +95,27 @@ class ServerShard:
     """
 
     def __init__(
-        self, params: Sequence[torch.Tensor], indices: Sequence[int], spec: OptimizerSpec, num_workers: int
+        self,
+        params: Sequence[torch.Tensor],
+        indices: Sequence[int],
+        spec: OptimizerSpec,
+        num_workers: int,
+        outer: dict[str, Any] | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers!r} must be >= 1")
         self.indices = [int(i) for i in indices]
         self.params = [torch.nn.Parameter(p.detach().to("cpu").clone()) for p in params]
         self.layout = ShardLayout.of(self.params)
-        # one shard optimizer per worker optimizer (None where it holds none of this shard's parameters)
-        built = [build_shard_optimizer(spec, self.params, self.indices, k) for k in range(spec.num_optimizers)]
-        self.optimizers = [opt for opt, _ in built]
-        self.group_maps = [mirrored for _, mirrored in built]
-        self.owner = [spec.owner_of(spec.group_of[i]) for i in self.indices]  # each shard parameter's optimizer
+        if outer is not None:  # async local SGD: one outer optimizer over the whole shard, its own learning rate
+            self.optimizers: list[torch.optim.Optimizer | None] = [DelayedNesterov(self.params, **outer)]
+            self.group_maps: list[list[int]] = [[]]
+            self.owner = [0] * len(self.params)
+        else:  # one shard optimizer per worker optimizer (None where it holds none of this shard's parameters)
+            built = [build_shard_optimizer(spec, self.params, self.indices, k) for k in range(spec.num_optimizers)]
+            self.optimizers = [opt for opt, _ in built]
+            self.group_maps = [mirrored for _, mirrored in built]
+            self.owner = [spec.owner_of(spec.group_of[i]) for i in self.indices]  # each shard parameter's optimizer
         self.num_workers = num_workers
         self.version = 0
         self.clocks = [0] * num_workers
@@ -541,7 +551,12 @@ class ParameterServer:
             init = from_blob(payload)
             config = PSConfig(**init["config"])
             spec = OptimizerSpec.from_dict(init["optimizer"])
-            shard = ServerShard(init["params"], init["indices"], spec, self.num_workers)
+            outer = None
+            if config.local_steps > 1:
+                delay = 1 if config.mode == "sync" else self.num_workers
+                outer = {"lr": config.outer_lr, "momentum": config.outer_momentum}
+                outer.update(nesterov=config.outer_nesterov, delay=delay)
+            shard = ServerShard(init["params"], init["indices"], spec, self.num_workers, outer)
             if shard.layout.signature() != ShardLayout.from_dict(init["layout"]).signature():
                 raise ValueError("the parameters do not match their announced layout")
             if init.get("state") is not None:
@@ -550,10 +565,13 @@ class ParameterServer:
             raise _Refused(f"cannot initialize from worker {worker}'s INIT: {type(exc).__name__}: {exc}") from exc
         self.config, self.codec, self.shard = config, GradientCodec.from_config(config), shard
         scale = config.push_scale
-        self.push_scales = [
-            default_push_scale(spec, self.num_workers, k) if scale is None else float(scale)
-            for k in range(spec.num_optimizers)
-        ]
+        if config.local_steps > 1:  # the outer SGD: 1/W per push, as any SGD (one pseudo-gradient of W per round)
+            self.push_scales = [1.0 / self.num_workers if scale is None else float(scale)]
+        else:
+            self.push_scales = [
+                default_push_scale(spec, self.num_workers, k) if scale is None else float(scale)
+                for k in range(spec.num_optimizers)
+            ]
         self.num_groups = spec.num_groups
         self.checksum = int(init["checksum"])
         self.initialized_by = worker

@@ -40,6 +40,14 @@ class PSConfig:
             step, a number > 0, or ``None`` for the optimizer's default (:func:`~lightning_sync.ps.optim_spec.
             default_push_scale`: ``1/W`` for SGD-family optimizers, ``1`` for Adam-family ones). Ignored in sync,
             where a step averages the ``W`` gradients.
+        local_steps: ``1``: workers push gradients and the servers step the workers' optimizer. ``H > 1`` (async
+            local SGD, :mod:`~lightning_sync.ps.outer`): each worker steps its own optimizer ``H`` times, then pushes
+            its pseudo-gradient, and the servers step an outer SGD (:class:`~lightning_sync.ps.outer.
+            DelayedNesterov`) with ``outer_lr``, ``outer_momentum`` and ``outer_nesterov``; its momentum is applied
+            once per ``W`` pushes in async and ssp, at every step in sync.
+        outer_lr: ``local_steps > 1``: learning rate of the outer SGD (> 0).
+        outer_momentum: ``local_steps > 1``: its momentum, in [0, 1).
+        outer_nesterov: ``local_steps > 1``: Nesterov momentum.
 
     Raises:
         ValueError: a field is out of range; the message names the field, the value and what is allowed.
@@ -53,6 +61,10 @@ class PSConfig:
     error_feedback: bool = True
     skip_nonfinite: bool = True
     push_scale: float | None = None
+    local_steps: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -84,7 +96,14 @@ class PSConfig:
             isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0)
         ):
             raise ValueError(f"push_scale={scale!r} must be a number > 0, or 'auto' for the optimizer's default")
-        for name in ("error_feedback", "skip_nonfinite"):
+        if isinstance(self.local_steps, bool) or not isinstance(self.local_steps, int) or self.local_steps < 1:
+            raise ValueError(f"local_steps={self.local_steps!r} must be an integer >= 1 (1: no local steps)")
+        lr, momentum = self.outer_lr, self.outer_momentum
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"outer_lr={lr!r} must be a number > 0")
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+            raise ValueError(f"outer_momentum={momentum!r} must be a number in [0, 1)")
+        for name in ("error_feedback", "skip_nonfinite", "outer_nesterov"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
 

@@ -28,6 +28,7 @@ from lightning_sync.ps import (
     optimizer_spec,
     start_servers,
 )
+from lightning_sync.ps.outer import LocalSteps
 from lightning_sync.strategies._detached import DetachableCollectives
 from lightning_sync.strategies._launcher import describe_exit
 
@@ -67,6 +68,7 @@ class ParameterServerStrategy(DetachableCollectives):
         self._straggler: Straggler | None = None
         self._logged: tuple[int, tuple[int, ...]] | None = None
         self._clips: dict[int, Clip] = {}  # optimizer id -> the clipping its next push asks the servers for
+        self._local: LocalSteps | None = None  # local_steps > 1: the worker's side of async local SGD
 
     @override
     def _check_algorithm_knobs(self) -> None:
@@ -98,7 +100,8 @@ class ParameterServerStrategy(DetachableCollectives):
         super().setup(trainer)
         if fitting:
             self._join_servers()
-            self._clip_on_the_servers()
+            if self.config.local_steps == 1:  # with local steps the workers' own optimizers step, and clip
+                self._clip_on_the_servers()
 
     def _clip_on_the_servers(self) -> None:
         """Gradient clipping (``Trainer(gradient_clip_val=...)``, or ``self.clip_gradients`` in manual optimization)
@@ -161,6 +164,8 @@ class ParameterServerStrategy(DetachableCollectives):
             max_updates = int(epochs) * int(trainer.num_training_batches) * per_batch * len(self.optimizers)
             if self.config.mode == "sync" and not module.automatic_optimization:
                 max_updates = None  # steps per batch are the module's: Lightning's own loop ends a lockstep run
+        if max_updates is not None and self.config.local_steps > 1:  # one push per local_steps worker steps
+            max_updates = -(-max_updates // self.config.local_steps)
         params = [p for p in module.parameters() if p.requires_grad]
         assert self._group is not None
         spec = optimizer_spec(self.optimizers, params)
@@ -170,6 +175,9 @@ class ParameterServerStrategy(DetachableCollectives):
         if "client" in self._resume_state:
             self.client.load_state_dict(self._resume_state["client"])
         self.last_reply = self.client.pull()
+        if self.config.local_steps > 1:
+            self._local = LocalSteps(self.client, self.config.local_steps, lambda: current_lrs(self.optimizers))
+            self._local.start()
         self._detached = self.config.mode != "sync"
 
     @override
@@ -177,8 +185,8 @@ class ParameterServerStrategy(DetachableCollectives):
         """In async/ssp during fit, each worker validates the parameters it pulls now (no worker waits for
         another): the servers' latest, not the reply to its last push."""
         super().on_validation_start()
-        if self._detached and self.client is not None and not self.client.stopped:
-            self.last_reply = self.client.pull()
+        if self._detached and self._local is None and self.client is not None and not self.client.stopped:
+            self.last_reply = self.client.pull()  # (with local steps, the worker validates its own replica)
 
     # ------------------------------------------------------------------ the step
     @override
@@ -192,25 +200,47 @@ class ParameterServerStrategy(DetachableCollectives):
     def _optimizer_to_step(self, optimizer: Optimizer) -> Any:
         """The optimizer with a push in place of ``step``: ``on_before_optimizer_step`` and clipping see this
         worker's gradients, which are then pushed, and the model then holds the servers' fresh parameters."""
-        return ServerStepOptimizer(optimizer, self._push)
+        return optimizer if self.config.local_steps > 1 else ServerStepOptimizer(optimizer, self._push)
 
     @override
     def _skipping_nonfinite(self, closure: Callable[[], Any], optimizer: Optimizer) -> Callable[[], Any]:
-        """The closure as it is: the push carries the check and the servers skip (:meth:`_push` counts it)."""
+        """The closure as it is: the push carries the check and the servers skip (:meth:`_push` counts it). With
+        local steps, an inner step is skipped on the worker, as in the other modes."""
+        if self.config.local_steps > 1:
+            return super()._skipping_nonfinite(closure, optimizer)
         return closure
+
+    @override
+    def on_sync_step_end(self) -> None:
+        """With local steps: every ``local_steps`` inner steps, the pseudo-gradient goes to the servers."""
+        if self._local is None or self.final_server_states is not None:
+            return
+        self._prepare_push()
+        reply = self._local.after_step()
+        if reply is not None:
+            self._take_reply(reply)
+        elif self._straggler is not None:
+            self._straggler.step_end()
 
     def _push(self, optimizer: Optimizer) -> None:
         assert self.client is not None
         if self.final_server_states is not None:  # the run ended at an earlier step of this batch (manual
             return  # optimization: several opt.step() per batch); the model holds the final parameters
-        trainer = self.lightning_module.trainer
-        if self.servers is not None:
-            self.servers.raise_if_failed()
-        if trainer.should_stop and not self.client.stopped:  # e.g. EarlyStopping here: stop every worker
-            self.client.request_stop()
+        self._prepare_push()
         index = next((i for i, opt in enumerate(self.optimizers) if opt is optimizer), 0)
         clip = self._clips.pop(id(optimizer), None)
-        self.last_reply = self.client.push(current_lrs(self.optimizers), index, clip)
+        self._take_reply(self.client.push(current_lrs(self.optimizers), index, clip))
+
+    def _prepare_push(self) -> None:
+        assert self.client is not None
+        if self.servers is not None:
+            self.servers.raise_if_failed()
+        if self.lightning_module.trainer.should_stop and not self.client.stopped:  # e.g. EarlyStopping: stop all
+            self.client.request_stop()
+
+    def _take_reply(self, reply: Any) -> None:
+        trainer = self.lightning_module.trainer
+        self.last_reply = reply
         if self.last_reply.skipped:  # a NaN or Inf gradient (skip_nonfinite): in sync every worker skipped it
             self._count_skipped_step(alone=self.config.mode != "sync")
         if self._straggler is not None:  # after the push: the whole step, round trip included, takes slowdown x

@@ -1,0 +1,128 @@
+"""Async local SGD on the parameter server (as in Liu et al. 2024, "Asynchronous Local-SGD Training for Language
+Modeling"): each worker takes ``local_steps`` steps with its own (inner) optimizer, then pushes its pseudo-gradient,
+the change of its parameters since its last pull; the servers apply an outer SGD to it and reply with fresh
+parameters.
+
+* :class:`DelayedNesterov` is the servers' outer optimizer. In ``sync`` (``delay=1``) it is torch's SGD with
+  momentum (Nesterov or not) on the average of the workers' pseudo-gradients: DiLoCo. In ``async``/``ssp``
+  (``delay=W``) each push applies its own (scaled) pseudo-gradient at once, and the momentum is updated and applied
+  once per ``W`` pushes, from their sum: over a round in which every worker pushes once, the parameters move exactly
+  as one sync Nesterov step on the average (each push scaled by ``1/W``). Momentum applied at every push would count
+  every worker's stale pseudo-gradient into it ``W`` times per round, which the paper found unstable.
+* :class:`LocalSteps` is the worker's side: it counts the worker's own optimizer steps and, every ``local_steps``,
+  pushes the pseudo-gradient and starts the next interval from the reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from lightning_sync.ps.client import PSClient, PSReply
+
+
+class DelayedNesterov(torch.optim.Optimizer):
+    """The outer SGD of async local SGD, with its momentum applied once per ``delay`` steps.
+
+    Per step with pseudo-gradient ``g``: ``p -= lr * g`` at once, and ``g`` joins a sum ``a``; every ``delay``-th step
+    the momentum ``m`` takes the sum, ``m = momentum * m + a``, and the parameters get the momentum part: ``p -= lr *
+    momentum * m`` (Nesterov), or ``p -= lr * momentum * m_before`` (heavy ball). With ``delay=1`` this is
+    ``torch.optim.SGD(lr, momentum, nesterov)`` without dampening or weight decay.
+
+    Args:
+        params: the parameters (or param groups).
+        lr: the outer learning rate (> 0).
+        momentum: in ``[0, 1)``.
+        nesterov: Nesterov momentum.
+        delay: steps per momentum update (>= 1); the number of workers in async.
+    """
+
+    def __init__(
+        self, params: Any, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True, delay: int = 1
+    ) -> None:
+        if not lr > 0:
+            raise ValueError(f"lr={lr!r} must be > 0")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum={momentum!r} must be in [0, 1)")
+        if isinstance(delay, bool) or not isinstance(delay, int) or delay < 1:
+            raise ValueError(f"delay={delay!r} must be an integer >= 1")
+        super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov, "delay": delay})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            lr, beta, nesterov, delay = group["lr"], group["momentum"], group["nesterov"], group["delay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                p.add_(g, alpha=-lr)
+                if beta == 0:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["pending"] = torch.zeros_like(p)
+                    state["count"] = 0
+                state["pending"].add_(g)
+                state["count"] += 1
+                if state["count"] < delay:
+                    continue
+                pending, state["count"] = state["pending"], 0
+                if "momentum_buffer" not in state:  # as torch's SGD: the first buffer is the first gradient
+                    state["momentum_buffer"] = pending.clone()
+                    if not nesterov:  # heavy ball: the previous buffer was zero
+                        pending.zero_()
+                        continue
+                    p.add_(state["momentum_buffer"], alpha=-lr * beta)
+                else:
+                    buf = state["momentum_buffer"]
+                    if not nesterov:
+                        p.add_(buf, alpha=-lr * beta)
+                    buf.mul_(beta).add_(pending)
+                    if nesterov:
+                        p.add_(buf, alpha=-lr * beta)
+                pending.zero_()
+        return loss
+
+
+class LocalSteps:
+    """A worker's side of async local SGD: every ``local_steps`` of its own optimizer steps, push the pseudo-gradient
+    (parameters at the last pull minus now) and load the servers' reply.
+
+    Args:
+        client: the worker's client; its servers run an outer optimizer (``PSConfig.local_steps > 1``).
+        local_steps: inner steps per push (>= 1).
+        lrs: returns the learning rates a push carries (the servers' outer optimizer ignores them).
+    """
+
+    def __init__(self, client: PSClient, local_steps: int, lrs: Callable[[], Sequence[float]]) -> None:
+        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+            raise ValueError(f"local_steps={local_steps!r} must be an integer >= 1")
+        self.client, self.local_steps, self._lrs = client, local_steps, lrs
+        self.steps = 0  # inner steps since the last push
+        self.anchor: list[torch.Tensor] = []
+
+    def start(self) -> None:
+        """Starts an interval from the parameters the model holds now (call after every pull)."""
+        self.anchor = [p.detach().clone() for p in self.client.params]
+        self.steps = 0
+
+    def after_step(self) -> PSReply | None:
+        """Counts one inner step; at the end of an interval pushes the pseudo-gradient and returns the reply (the
+        model then holds the servers' parameters and the next interval starts)."""
+        self.steps += 1
+        if self.steps < self.local_steps:
+            return None
+        grads = [p.grad for p in self.client.params]
+        for p, start in zip(self.client.params, self.anchor):
+            p.grad = start - p.detach()
+        try:
+            reply = self.client.push(self._lrs())
+        finally:
+            for p, g in zip(self.client.params, grads):
+                p.grad = g
+        self.start()
+        return reply

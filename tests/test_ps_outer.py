@@ -1,0 +1,169 @@
+"""Async local SGD on the parameter server (``local_steps > 1``): the outer optimizer with delayed Nesterov, and the
+workers' pseudo-gradient pushes. Plain torch.distributed (no Lightning)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import lightning.pytorch as pl  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from lightning_utils import make_trainer  # noqa: E402
+from test_ps_core import _backward, _client, _free_port, _join, _model, procs  # noqa: E402, F401
+
+import lightning_sync.ps as ps  # noqa: E402
+from lightning_sync import ParameterServerStrategy, PeriodicSyncStrategy  # noqa: E402
+from lightning_sync.examples.data import DigitsDataModule  # noqa: E402
+from lightning_sync.examples.models import DigitsClassifier  # noqa: E402
+from lightning_sync.ps.outer import DelayedNesterov, LocalSteps  # noqa: E402
+
+OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True}
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "heavy_ball"])
+def test_delayed_nesterov_is_sgd_on_the_round_sum(nesterov):
+    """delay=1: torch's SGD. delay=3: three steps of g_i/3 in a round move the parameters as one SGD step on the
+    mean, at every round."""
+    gen = torch.Generator().manual_seed(0)
+    rounds = [[torch.randn(5, generator=gen) for _ in range(3)] for _ in range(4)]
+    start = torch.randn(5, generator=gen)
+    ref_p = torch.nn.Parameter(start.clone())
+    ref = torch.optim.SGD([ref_p], lr=0.7, momentum=0.9, nesterov=nesterov)
+    one_p, delayed_p = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    one = DelayedNesterov([one_p], lr=0.7, momentum=0.9, nesterov=nesterov, delay=1)
+    delayed = DelayedNesterov([delayed_p], lr=0.7, momentum=0.9, nesterov=nesterov, delay=3)
+    for grads in rounds:
+        ref_p.grad = torch.stack(grads).mean(0)
+        ref.step()
+        one_p.grad = ref_p.grad.clone()
+        one.step()
+        for g in grads:
+            delayed_p.grad = g / 3
+            delayed.step()
+        assert torch.allclose(one_p, ref_p, atol=1e-6, rtol=0)
+        assert torch.allclose(delayed_p, ref_p, atol=1e-6, rtol=0)
+
+
+def _local_worker(rank: int, port: int, mode: str, local_steps: int, steps: int) -> dict:
+    _, server, group = _join(rank, port, 2, 1, timeout_s=10)
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    client = _client(group, model, inner, mode=mode, local_steps=local_steps, **OUTER)
+    if rank == 0:
+        client.init_servers()
+    client.pull()
+    local = LocalSteps(client, local_steps, lambda: ps.current_lrs(inner))
+    local.start()
+    before = client.meter.total
+    for step in range(steps):
+        _backward(model, rank, step)
+        inner.step()
+        local.after_step()
+    sent = client.meter.total.bytes_sent - before.bytes_sent
+    client.close()
+    if server is not None:
+        server.join(10)
+    return {"params": [p.detach().clone() for p in model.parameters()], "sent_per_step": sent / steps}
+
+
+def _diloco_reference(local_steps: int, rounds: int) -> list[torch.Tensor]:
+    """DiLoCo in one process: each worker H inner SGD steps from the global copy, outer Nesterov SGD on the mean
+    pseudo-gradient."""
+    global_model = _model()
+    outer = torch.optim.SGD(global_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    workers = [_model() for _ in range(2)]
+    inners = [torch.optim.SGD(w.parameters(), lr=0.1) for w in workers]
+    for r in range(rounds):
+        deltas = []
+        for rank, (worker, inner) in enumerate(zip(workers, inners)):
+            worker.load_state_dict(global_model.state_dict())
+            for step in range(r * local_steps, (r + 1) * local_steps):
+                _backward(worker, rank, step)
+                inner.step()
+            deltas.append([g.detach() - w.detach() for g, w in zip(global_model.parameters(), worker.parameters())])
+        for i, p in enumerate(global_model.parameters()):
+            p.grad = (deltas[0][i] + deltas[1][i]) / 2
+        outer.step()
+    return [p.detach().clone() for p in global_model.parameters()]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(60)
+def test_sync_local_steps_is_diloco(procs):  # noqa: F811
+    port, local_steps, rounds = _free_port(), 3, 4
+    for rank in range(2):
+        procs.start(f"worker{rank}", _local_worker, rank, port, "sync", local_steps, local_steps * rounds)
+    out = procs.ok(["worker0", "worker1"], timeout=40)
+    expected = _diloco_reference(local_steps, rounds)
+    got = out["worker0"]["params"]
+    assert all(torch.allclose(g, e, atol=1e-6, rtol=0) for g, e in zip(got, expected)), (got, expected)
+    assert all(torch.equal(a, b) for a, b in zip(got, out["worker1"]["params"]))
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(90)
+def test_async_local_steps_8_sends_at_most_a_sixth_of_plain_async(procs):  # noqa: F811
+    sent = {}
+    for local_steps in (1, 8):
+        port = _free_port()
+        for rank in range(2):
+            procs.start(f"h{local_steps}w{rank}", _local_worker, rank, port, "async", local_steps, 32)
+        out = procs.ok([f"h{local_steps}w0", f"h{local_steps}w1"], timeout=40)
+        sent[local_steps] = out[f"h{local_steps}w0"]["sent_per_step"]
+        assert all(bool(p.isfinite().all()) for p in out[f"h{local_steps}w0"]["params"])
+    print(f"bytes sent per worker step: local_steps=1 {sent[1]:.0f}, local_steps=8 {sent[8]:.0f}")
+    assert sent[8] <= sent[1] / 6, sent
+
+
+# ---------------------------------------------------------------------------------------------------------- Lightning
+class _Bytes(pl.Callback):
+    """Rank 0 writes its bytes sent per optimizer step and the servers' version at the end of fit."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        if trainer.is_global_zero:
+            sent = strategy.meter.total.bytes_sent
+            record = {"sent_per_step": sent / max(trainer.global_step, 1), "steps": trainer.global_step}
+            self.path.write_text(json.dumps(record))
+
+
+def _fit_digits(strategy: Any, tmp_path: Path, **kwargs: Any) -> tuple[pl.LightningModule, dict]:
+    pl.seed_everything(0, verbose=False)
+    module, out = DigitsClassifier(), tmp_path / f"{id(strategy)}.json"
+    make_trainer(strategy, callbacks=[_Bytes(out)], **kwargs).fit(module, datamodule=DigitsDataModule(batch_size=32))
+    return module, json.loads(out.read_text())
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_lightning_async_local_steps_8_trains_on_a_sixth_of_the_bytes(tmp_path):
+    _, plain = _fit_digits(
+        ParameterServerStrategy(start_method="fork", timeout_s=30, mode="async"), tmp_path, max_steps=64
+    )
+    local = ParameterServerStrategy(start_method="fork", timeout_s=30, mode="async", local_steps=8, outer_lr=0.7)
+    module, ours = _fit_digits(local, tmp_path, max_steps=64)
+    print(f"bytes sent per worker step: async {plain['sent_per_step']:.0f}, local_steps=8 {ours['sent_per_step']:.0f}")
+    assert ours["sent_per_step"] <= plain["sent_per_step"] / 6, (plain, ours)
+    assert all(bool(p.isfinite().all()) for p in module.parameters())
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_lightning_sync_local_steps_equals_periodic_diloco(tmp_path):
+    knobs = {"outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True}
+    periodic = PeriodicSyncStrategy(start_method="fork", mode="diloco", sync_every=4, **knobs)
+    theirs, _ = _fit_digits(periodic, tmp_path, max_steps=16)
+    ours, _ = _fit_digits(ParameterServerStrategy(start_method="fork", local_steps=4, **knobs), tmp_path, max_steps=16)
+    diff = max(float((p - q).abs().max()) for p, q in zip(ours.parameters(), theirs.parameters()))
+    assert diff <= 1e-5, diff
