@@ -52,6 +52,12 @@ def ps_settings(cfg: ParameterServerConfig, max_updates: int | None = None) -> P
             f"push_scale={cfg.push_scale!r} is not allowed with mode='sync' (a sync step averages the gradients); "
             "it is for async and ssp"
         )
+    if cfg.local_steps == "auto" and (
+        isinstance(cfg.max_local_steps, bool) or not isinstance(cfg.max_local_steps, int) or cfg.max_local_steps < 2
+    ):
+        raise ConfigError(f"max_local_steps={cfg.max_local_steps!r} is not allowed; it must be an integer >= 2")
+    if isinstance(cfg.local_steps, str) and cfg.local_steps != "auto":
+        raise ConfigError(f"local_steps={cfg.local_steps!r} is not allowed; it must be an integer >= 1, or 'auto'")
     if isinstance(cfg.push_scale, str) and cfg.push_scale != "auto":
         raise ConfigError(f"push_scale={cfg.push_scale!r} is not allowed; it must be a number > 0, or 'auto'")
     try:
@@ -64,7 +70,7 @@ def ps_settings(cfg: ParameterServerConfig, max_updates: int | None = None) -> P
             cfg.error_feedback,
             cfg.skip_nonfinite,
             push_scale=None if cfg.push_scale == "auto" else cfg.push_scale,
-            local_steps=cfg.local_steps,
+            local_steps=cfg.max_local_steps if cfg.local_steps == "auto" else cfg.local_steps,
             outer_lr=cfg.outer_lr,
             outer_momentum=cfg.outer_momentum,
             outer_nesterov=cfg.outer_nesterov,

@@ -312,10 +312,13 @@ class ParameterServerConfig(StrategyConfig):
     """``async``/``ssp``: what one push's gradient is multiplied by before the server's optimizer step, a number > 0
     or ``auto``: ``1/W`` (W workers) for SGD-family optimizers, so W pushes move as far as one sync step, and ``1``
     for scale-invariant ones (Adam family, RMSprop, Adagrad), whose step a factor would not change."""
-    local_steps: int = 1
+    local_steps: Any = 1
     """Async local SGD: each worker steps its own optimizer this many times, then pushes its pseudo-gradient (its
     change since its last pull) and the servers apply an outer SGD (``outer_lr``, ``outer_momentum``,
-    ``outer_nesterov``; in async and ssp its momentum once per W pushes, delayed Nesterov). 1: push gradients."""
+    ``outer_nesterov``; in async and ssp its momentum once per W pushes, delayed Nesterov). 1: push gradients.
+    ``auto``: each worker its own count from its measured speed, ``max_local_steps`` for the fastest."""
+    max_local_steps: int = 8
+    """``local_steps: auto``: the fastest worker's local steps; a worker k times slower takes about 1/k of them."""
     outer_lr: float = 0.7
     """``local_steps > 1``: learning rate of the servers' outer SGD."""
     outer_momentum: float = 0.9

@@ -8,6 +8,7 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import json  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -167,3 +168,50 @@ def test_lightning_sync_local_steps_equals_periodic_diloco(tmp_path):
     ours, _ = _fit_digits(ParameterServerStrategy(start_method="fork", local_steps=4, **knobs), tmp_path, max_steps=16)
     diff = max(float((p - q).abs().max()) for p, q in zip(ours.parameters(), theirs.parameters()))
     assert diff <= 1e-5, diff
+
+
+def _adaptive_worker(rank: int, port: int, seconds: float) -> dict:
+    """Async local SGD with ``local_steps: auto`` (8 for the fastest) for ``seconds``; worker 1's steps take 3x as
+    long as worker 0's."""
+    _, server, group = _join(rank, port, 2, 1, timeout_s=10)
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    client = _client(group, model, inner, mode="async", local_steps=8, **OUTER)
+    if rank == 0:
+        client.init_servers()
+    client.pull()
+    local = LocalSteps(client, 8, lambda: ps.current_lrs(inner), adaptive=True)
+    local.start()
+    pushes, steps, end = 0, 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        _backward(model, rank, steps)
+        time.sleep(0.01 if rank == 0 else 0.03)
+        inner.step()
+        steps += 1
+        pushes += local.after_step() is not None
+    client.close()
+    if server is not None:
+        server.join(10)
+    return {"local_steps": local.local_steps, "pushes": pushes, "steps": steps}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(60)
+def test_auto_local_steps_give_a_3x_slower_worker_a_third_of_the_steps(procs):  # noqa: F811
+    port = _free_port()
+    for rank in range(2):
+        procs.start(f"worker{rank}", _adaptive_worker, rank, port, 4.0)
+    out = procs.ok(["worker0", "worker1"], timeout=40)
+    fast, slow = out["worker0"], out["worker1"]
+    print(f"auto local steps: fast {fast}, slow {slow}")
+    assert fast["local_steps"] == 8 and 2 <= slow["local_steps"] <= 4, (fast, slow)
+    assert fast["steps"] > 2 * slow["steps"], (fast, slow)  # the slow worker is slow
+    assert slow["pushes"] >= 0.6 * fast["pushes"], (fast, slow)  # but pushes at about the same rate
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_lightning_auto_local_steps_trains(tmp_path):
+    strategy = ParameterServerStrategy(start_method="fork", timeout_s=30, mode="async", local_steps="auto")
+    module, record = _fit_digits(strategy, tmp_path, max_steps=64)
+    assert record["steps"] >= 16 and all(bool(p.isfinite().all()) for p in module.parameters()), record

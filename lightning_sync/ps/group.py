@@ -133,6 +133,7 @@ class PSGroup:
         self.prefix = prefix
         self.meter = meter if meter is not None else CommMeter()
         self._reports = dist.PrefixStore(prefix + "/failures", store)
+        self._notes = dist.PrefixStore(prefix + "/notes", store)
         self._store_lost = False  # a store call failed (its host is gone): stop asking it (each try logs a warning)
         try:
             self.pg: Any = dist.ProcessGroupGloo(
@@ -275,6 +276,30 @@ class PSGroup:
         except Exception:  # noqa: BLE001
             self._store_lost = True
         return None
+
+    def post(self, key: str, value: float) -> None:
+        """Best effort: leaves ``value`` under ``key`` for this member in the store (e.g. a worker's measured speed);
+        peers read it with :meth:`posted` and never wait for it."""
+        if self._store_lost:
+            return
+        try:
+            self._notes.set(f"{key}/{self.ps_rank}", repr(float(value)))
+        except Exception:  # noqa: BLE001 - the store may be gone with its host
+            self._store_lost = True
+
+    def posted(self, key: str, ps_ranks: range) -> dict[int, float]:
+        """The values members of ``ps_ranks`` have posted under ``key`` so far (one store round trip each)."""
+        out: dict[int, float] = {}
+        if self._store_lost:
+            return out
+        try:
+            for rank in ps_ranks:
+                name = f"{key}/{rank}"
+                if self._notes.check([name]):
+                    out[rank] = float(self._notes.get(name).decode())
+        except Exception:  # noqa: BLE001
+            self._store_lost = True
+        return out
 
     def close(self) -> None:
         """Drops this member's connections (pending operations of peers on them fail)."""

@@ -10,11 +10,15 @@ parameters.
   as one sync Nesterov step on the average (each push scaled by ``1/W``). Momentum applied at every push would count
   every worker's stale pseudo-gradient into it ``W`` times per round, which the paper found unstable.
 * :class:`LocalSteps` is the worker's side: it counts the worker's own optimizer steps and, every ``local_steps``,
-  pushes the pseudo-gradient and starts the next interval from the reply.
+  pushes the pseudo-gradient and starts the next interval from the reply. With ``adaptive=True`` (``local_steps:
+  auto``, the paper's dynamic local updates) ``local_steps`` is the fastest worker's count: each worker posts its
+  measured seconds per step in the store at every push and takes ``round(local_steps * fastest / own)`` steps
+  (at least 1), so slow and fast workers push at about the same wall-clock rate.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -98,17 +102,22 @@ class LocalSteps:
         lrs: returns the learning rates a push carries (the servers' outer optimizer ignores them).
     """
 
-    def __init__(self, client: PSClient, local_steps: int, lrs: Callable[[], Sequence[float]]) -> None:
+    def __init__(
+        self, client: PSClient, local_steps: int, lrs: Callable[[], Sequence[float]], adaptive: bool = False
+    ) -> None:
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
             raise ValueError(f"local_steps={local_steps!r} must be an integer >= 1")
-        self.client, self.local_steps, self._lrs = client, local_steps, lrs
+        self.client, self.max_steps, self._lrs, self.adaptive = client, local_steps, lrs, adaptive
+        self.local_steps = local_steps  # this worker's count for the current interval
         self.steps = 0  # inner steps since the last push
         self.anchor: list[torch.Tensor] = []
+        self._started = time.monotonic()
 
     def start(self) -> None:
         """Starts an interval from the parameters the model holds now (call after every pull)."""
         self.anchor = [p.detach().clone() for p in self.client.params]
         self.steps = 0
+        self._started = time.monotonic()
 
     def after_step(self) -> PSReply | None:
         """Counts one inner step; at the end of an interval pushes the pseudo-gradient and returns the reply (the
@@ -116,6 +125,7 @@ class LocalSteps:
         self.steps += 1
         if self.steps < self.local_steps:
             return None
+        seconds_per_step = (time.monotonic() - self._started) / self.steps
         grads = [p.grad for p in self.client.params]
         for p, start in zip(self.client.params, self.anchor):
             p.grad = start - p.detach()
@@ -125,4 +135,13 @@ class LocalSteps:
             for p, g in zip(self.client.params, grads):
                 p.grad = g
         self.start()
+        if self.adaptive:
+            self._adapt(seconds_per_step)
         return reply
+
+    def _adapt(self, seconds_per_step: float) -> None:
+        group = self.client.group
+        group.post("seconds_per_step", seconds_per_step)
+        posted = group.posted("seconds_per_step", range(group.num_workers))
+        fastest = min(posted.values(), default=seconds_per_step)
+        self.local_steps = max(1, min(self.max_steps, round(self.max_steps * fastest / max(seconds_per_step, 1e-9))))

@@ -100,7 +100,7 @@ class ParameterServerStrategy(DetachableCollectives):
         super().setup(trainer)
         if fitting:
             self._join_servers()
-            if self.config.local_steps == 1:  # with local steps the workers' own optimizers step, and clip
+            if self._local_steps == 1:  # with local steps the workers' own optimizers step, and clip
                 self._clip_on_the_servers()
 
     def _clip_on_the_servers(self) -> None:
@@ -147,6 +147,12 @@ class ParameterServerStrategy(DetachableCollectives):
                 )
             )
 
+    @property
+    def _local_steps(self) -> int:
+        """Inner steps per push (``auto``: the fastest worker's, ``max_local_steps``)."""
+        cfg = self.config
+        return cfg.max_local_steps if cfg.local_steps == "auto" else cfg.local_steps
+
     @override
     def configure_ddp(self) -> None:
         """Keeps the module unwrapped: the pull at the start of training makes the replicas identical."""
@@ -164,8 +170,8 @@ class ParameterServerStrategy(DetachableCollectives):
             max_updates = int(epochs) * int(trainer.num_training_batches) * per_batch * len(self.optimizers)
             if self.config.mode == "sync" and not module.automatic_optimization:
                 max_updates = None  # steps per batch are the module's: Lightning's own loop ends a lockstep run
-        if max_updates is not None and self.config.local_steps > 1:  # one push per local_steps worker steps
-            max_updates = -(-max_updates // self.config.local_steps)
+        if max_updates is not None and self._local_steps > 1:  # one push per local_steps worker steps (auto: the
+            max_updates = -(-max_updates // self._local_steps)  # fastest worker's count)
         params = [p for p in module.parameters() if p.requires_grad]
         assert self._group is not None
         spec = optimizer_spec(self.optimizers, params)
@@ -175,8 +181,10 @@ class ParameterServerStrategy(DetachableCollectives):
         if "client" in self._resume_state:
             self.client.load_state_dict(self._resume_state["client"])
         self.last_reply = self.client.pull()
-        if self.config.local_steps > 1:
-            self._local = LocalSteps(self.client, self.config.local_steps, lambda: current_lrs(self.optimizers))
+        if self._local_steps > 1:
+            adaptive = self.config.local_steps == "auto"
+            lrs = lambda: current_lrs(self.optimizers)  # noqa: E731
+            self._local = LocalSteps(self.client, self._local_steps, lrs, adaptive=adaptive)
             self._local.start()
         self._detached = self.config.mode != "sync"
 
@@ -200,13 +208,13 @@ class ParameterServerStrategy(DetachableCollectives):
     def _optimizer_to_step(self, optimizer: Optimizer) -> Any:
         """The optimizer with a push in place of ``step``: ``on_before_optimizer_step`` and clipping see this
         worker's gradients, which are then pushed, and the model then holds the servers' fresh parameters."""
-        return optimizer if self.config.local_steps > 1 else ServerStepOptimizer(optimizer, self._push)
+        return optimizer if self._local_steps > 1 else ServerStepOptimizer(optimizer, self._push)
 
     @override
     def _skipping_nonfinite(self, closure: Callable[[], Any], optimizer: Optimizer) -> Callable[[], Any]:
         """The closure as it is: the push carries the check and the servers skip (:meth:`_push` counts it). With
         local steps, an inner step is skipped on the worker, as in the other modes."""
-        if self.config.local_steps > 1:
+        if self._local_steps > 1:
             return super()._skipping_nonfinite(closure, optimizer)
         return closure
 
