@@ -56,6 +56,11 @@ def ps_settings(cfg: ParameterServerConfig, max_updates: int | None = None) -> P
         isinstance(cfg.max_local_steps, bool) or not isinstance(cfg.max_local_steps, int) or cfg.max_local_steps < 2
     ):
         raise ConfigError(f"max_local_steps={cfg.max_local_steps!r} is not allowed; it must be an integer >= 2")
+    if cfg.local_steps == "auto" and cfg.mode == "sync":
+        raise ConfigError(
+            "local_steps='auto' is not allowed with mode='sync' (sync workers keep in step, so the slowest sets the "
+            "pace whatever the counts); it is for async and ssp"
+        )
     if isinstance(cfg.local_steps, str) and cfg.local_steps != "auto":
         raise ConfigError(f"local_steps={cfg.local_steps!r} is not allowed; it must be an integer >= 1, or 'auto'")
     if isinstance(cfg.push_scale, str) and cfg.push_scale != "auto":

@@ -165,7 +165,9 @@ def test_lightning_sync_local_steps_equals_periodic_diloco(tmp_path):
     knobs = {"outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True}
     periodic = PeriodicSyncStrategy(start_method="fork", mode="diloco", sync_every=4, **knobs)
     theirs, _ = _fit_digits(periodic, tmp_path, max_steps=16)
-    ours, _ = _fit_digits(ParameterServerStrategy(start_method="fork", local_steps=4, **knobs), tmp_path, max_steps=16)
+    # replicas checked at every step: compared right after each push only (they differ between pushes)
+    strategy = ParameterServerStrategy(start_method="fork", local_steps=4, check_consistency_every=1, **knobs)
+    ours, _ = _fit_digits(strategy, tmp_path, max_steps=16)
     diff = max(float((p - q).abs().max()) for p, q in zip(ours.parameters(), theirs.parameters()))
     assert diff <= 1e-5, diff
 
@@ -215,3 +217,23 @@ def test_lightning_auto_local_steps_trains(tmp_path):
     strategy = ParameterServerStrategy(start_method="fork", timeout_s=30, mode="async", local_steps="auto")
     module, record = _fit_digits(strategy, tmp_path, max_steps=64)
     assert record["steps"] >= 16 and all(bool(p.isfinite().all()) for p in module.parameters()), record
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_local_steps_knobs_are_checked_before_any_process_starts():
+    from lightning_sync.algorithms import ps_settings
+    from lightning_sync.config import ParameterServerConfig
+    from lightning_sync.errors import ConfigError
+
+    assert ps_settings(ParameterServerConfig(mode="async", local_steps="auto", max_local_steps=6)).local_steps == 6
+    for knobs, field in [
+        ({"mode": "sync", "local_steps": "auto"}, "local_steps='auto'"),
+        ({"mode": "async", "local_steps": "often"}, "local_steps='often'"),
+        ({"mode": "async", "local_steps": 0}, "local_steps=0"),
+        ({"mode": "async", "local_steps": "auto", "max_local_steps": 1}, "max_local_steps=1"),
+        ({"mode": "async", "local_steps": 4, "outer_lr": 0}, "outer_lr=0"),
+        ({"mode": "async", "local_steps": 4, "outer_momentum": 1.0}, "outer_momentum=1.0"),
+    ]:
+        with pytest.raises(ConfigError, match=field):
+            ps_settings(ParameterServerConfig(**knobs))

@@ -304,8 +304,34 @@ class ParameterServerStrategy(DetachableCollectives):
 
     @override
     def _authority_pull(self) -> Any | None:
-        """The servers hold the authoritative parameters: ``on_mismatch="resync"`` pulls them."""
-        return None if self.client is None else self.client.pull
+        """The servers hold the authoritative parameters: ``on_mismatch="resync"`` pulls them (with local steps, the
+        next interval starts from them)."""
+        if self.client is None:
+            return None
+        client, local = self.client, self._local
+
+        def pull() -> Any:
+            reply = client.pull()
+            if local is not None:
+                local.start()
+            return reply
+
+        return pull
+
+    @override
+    def check_replicas(self, atol: float = 0.0) -> list[Any]:
+        """With local steps the replicas differ between pushes: they are compared right after a push only (every
+        sync worker pushes at the same step)."""
+        if self._local is not None and self._local.steps != 0:
+            return []
+        return super().check_replicas(atol)
+
+    @override
+    def tensors_to_check(self) -> dict[str, Any]:
+        """With local steps, the parameters only: each worker's inner optimizer state is its own."""
+        if self._local is None:
+            return super().tensors_to_check()
+        return dict(self.lightning_module.named_parameters())
 
     @override
     def load_sync_state_dict(self, state: dict[str, Any]) -> None:
