@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import os
 import signal
 import sys
 import time
@@ -180,6 +181,7 @@ def run(cfg: BenchConfig, out: Path, records: list[dict[str, Any]]) -> bool:
                     record.update(ok=False, error=str(error))
                     text = f"FAILED: {error}"
                 record["wall_s"] = time.perf_counter() - started
+                record["load_average"] = [round(x, 2) for x in os.getloadavg()]
                 records.append(record)
                 print(f"{head} {text} ({record['wall_s']:.0f} s)", flush=True)
     return all_ok
@@ -194,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = Path(args.out) if args.out else Path("outputs", "bench", stamp)
     signal.signal(signal.SIGTERM, _raise_exit)
+    from lightning_sync.apps.provenance import provenance
+
+    started = provenance()
     records: list[dict[str, Any]] = []
     all_ok = False
     try:
@@ -202,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         if records:
             from lightning_sync.apps.bench.report import write
 
-            text, files = write(records, cfg, out)
+            text, files = write(records, cfg, out, started)
             print("\n" + text)
             print(f"written: {', '.join(str(f) for f in files)}")
     if not records:

@@ -232,8 +232,13 @@ def time_to_accuracy(rows: list[dict[str, Any]], cfg: BenchConfig) -> list[dict[
     ]
 
 
-def write(records: list[dict[str, Any]], cfg: BenchConfig, out: Path) -> tuple[str, list[Path]]:
+def write(
+    records: list[dict[str, Any]], cfg: BenchConfig, out: Path, started: dict[str, Any] | None = None
+) -> tuple[str, list[Path]]:
     """Writes ``results.json``, ``results.md``, ``time_to_accuracy.json`` (digits) and the plots into ``out``.
+
+    ``results.json`` holds ``provenance`` (``started``: taken when the benchmark started; else now) and
+    ``provenance_at_end`` (the commit, tree state and load average when it ended).
 
     Returns:
         The Markdown text and the files written.
@@ -247,7 +252,16 @@ def write(records: list[dict[str, Any]], cfg: BenchConfig, out: Path) -> tuple[s
     from lightning_sync.apps.provenance import provenance
 
     files[0].write_text(
-        json.dumps({"config": asdict(cfg), "summary": rows, "records": records, "provenance": provenance()}, indent=1)
+        json.dumps(
+            {
+                "config": asdict(cfg),
+                "summary": rows,
+                "records": records,
+                "provenance": started or provenance(),
+                "provenance_at_end": provenance(),
+            },
+            indent=1,
+        )
     )
     files[1].write_text(text)
     tta = time_to_accuracy(rows, cfg)
