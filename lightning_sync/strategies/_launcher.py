@@ -23,7 +23,7 @@ from typing import Any
 from typing_extensions import override
 
 from lightning_sync.strategies import _frozen
-from lightning_sync.strategies._lightning import PopenLauncher, set_launcher
+from lightning_sync.strategies._lightning import PopenLauncher, set_launcher, start_method
 
 # Command-line flags of a Hydra app that select the config, with whether they take a value.
 _HYDRA_CONFIG_FLAGS = {
@@ -235,7 +235,7 @@ def configure_launcher(strategy: Any, lightning_default: Callable[[], None]) -> 
         strategy: a Lightning ``DDPStrategy``, before launch.
         lightning_default: Lightning's way to set the launcher (used for the other start methods).
     """
-    if strategy.config.start_method != "popen":
+    if start_method(strategy) != "popen":
         lightning_default()
         return _frozen.end_frozen_ranks_on_failure(strategy.launcher, strategy, popen=False)
     assert strategy.cluster_environment is not None

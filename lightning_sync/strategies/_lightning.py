@@ -13,7 +13,8 @@ What is used, and where Lightning defines it:
 
 - ``DDPStrategy._configure_launcher`` and ``DDPStrategy._register_ddp_hooks``: overridden, forwarded to
   :meth:`LightningDDPHooks.configure_launcher` and :meth:`LightningDDPHooks.register_ddp_hooks`.
-- ``DDPStrategy._launcher``: set by :func:`set_launcher`.
+- ``DDPStrategy._launcher`` and ``DDPStrategy._start_method``: set by :func:`set_launcher`, read by
+  :func:`start_method`.
 - ``lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher``: the ``popen`` launcher,
   subclassed by :class:`PopenLauncher` (its ``launch`` is a copy of Lightning's with a hook where Lightning starts
   its child observer; its ``_call_children_scripts`` and ``_check_can_spawn_children`` are reached through
@@ -86,6 +87,11 @@ class LightningDDPHooks(DDPStrategy):
     def register_ddp_hooks(self) -> None:
         """Registers communication hooks on the ``DistributedDataParallel`` model (Lightning's: its ``ddp_comm_*``)."""
         super()._register_ddp_hooks()
+
+
+def start_method(strategy: DDPStrategy) -> str:
+    """The start method ``strategy`` launches its ranks with (``popen``, ``fork``, ``spawn``, ...)."""
+    return strategy._start_method
 
 
 def set_launcher(strategy: DDPStrategy, launcher: Any) -> None:
