@@ -209,6 +209,12 @@ class CharGPT(pl.LightningModule):
         super().__init__()
         from lightning_sync.errors import ConfigError, check_range
 
+        for name, value in (("vocab_size", vocab_size), ("block_size", block_size)):
+            if value is None:
+                raise ConfigError(
+                    f"model.{name}=None is not allowed here: it comes from a text data module (data=text, or "
+                    "experiment=char_lm); with other data give an integer"
+                )
         for name, value in (("vocab_size", vocab_size), ("block_size", block_size), ("d_model", d_model)):
             check_range(f"model.{name}", value, low=1, integer=True)
         check_range("model.n_layer", n_layer, low=1, integer=True)
