@@ -23,10 +23,11 @@ PACKAGES = ("torch", "lightning", "numpy", "scikit-learn", "lightning-sync")
 _REPO = Path(__file__).resolve().parents[2]
 
 
-def _git(*args: str) -> str | None:
-    """``git <args>``'s output in the checkout this package runs from; ``None`` outside one or without git."""
+def git_output(*args: str, cwd: str | Path | None = None) -> str | None:
+    """``git <args>``'s output in ``cwd`` (default: the checkout this package runs from); ``None`` outside a
+    checkout or without git."""
     try:
-        proc = subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True, timeout=10, check=False)
+        proc = subprocess.run(["git", *args], cwd=cwd or _REPO, capture_output=True, text=True, timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
     return proc.stdout if proc.returncode == 0 else None
@@ -35,8 +36,8 @@ def _git(*args: str) -> str | None:
 def git_state() -> dict[str, Any]:
     """``{"commit": full hash or None, "dirty": True if tracked files differ from it (None: unknown),
     "dirty_files": the first 20 of them}``."""
-    commit = (_git("rev-parse", "HEAD") or "").strip() or None
-    status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
+    commit = (git_output("rev-parse", "HEAD") or "").strip() or None
+    status = git_output("status", "--porcelain", "--untracked-files=no") if commit else None
     files = [line[3:] for line in (status or "").splitlines()]
     return {"commit": commit, "dirty": None if status is None else bool(status), "dirty_files": files[:20]}
 

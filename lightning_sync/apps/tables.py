@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from lightning_sync.apps.provenance import git_output
 
 _ALIGN = {"l": ":---", "r": "---:", "c": ":---:", "-": "---"}
 PROVENANCE_FILE = "provenance.json"
@@ -86,18 +87,10 @@ def _rule(letter: str, width: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ provenance
-def _git(args: list[str], cwd: str | Path | None) -> str | None:
-    try:
-        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
 def provenance_line(record: dict[str, Any] | None, path: Path) -> str:
     """One Markdown paragraph: the command as code, then commit, date, versions and machine."""
     if not record:
-        committed = _git(["log", "-1", "--format=%h %cs", "--", path.name], path.parent)
+        committed = (git_output("log", "-1", "--format=%h %cs", "--", path.name, cwd=path.parent) or "").strip()
         where = f"committed in {committed.split()[0]} on {committed.split()[1]}" if committed else "not committed"
         return f"Command and versions not recorded for `{path.as_posix()}` ({where})."
     parts = []
