@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not Path("/proc/self/environ")
 
 
 def _rank_pids(local_rank: int) -> list[int]:
-    """Processes of lightning_sync.apps.train started by a torchrun agent with this LOCAL_RANK."""
+    """Processes of lightning_sync.train started by a torchrun agent with this LOCAL_RANK."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -34,7 +34,7 @@ def _rank_pids(local_rank: int) -> list[int]:
         except OSError:
             continue
         if (
-            b"lightning_sync.apps.train" in cmd
+            b"lightning_sync.train" in cmd
             and b"TORCHELASTIC_RESTART_COUNT=0" in env
             and f"LOCAL_RANK={local_rank}".encode() in env
             and b"torch.distributed.run" not in cmd
