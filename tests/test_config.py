@@ -153,7 +153,7 @@ def test_config_errors_come_before_lightning_is_imported(knobs, message, importe
     import sys
 
     probe = (
-        "import sys; sys.argv = ['-m']; import lightning_sync.apps.train as t; "
+        "import sys; import lightning_sync.apps.train as t; "
         "from lightning_sync.apps.conf_store import check_strategy_knobs\n"
         f"try:\n    check_strategy_knobs({knobs!r})\n"
         "except Exception as e:\n    print(type(e).__name__, e)\n"

@@ -50,7 +50,7 @@ def test_two_nodes_through_torchrun(strategy, tmp_path):
                 f"--master_addr={hosts[0].address}",
                 "--master_port=29731",
                 "-m",
-                "lightning_sync.apps.train",
+                "lightning_sync.train",
                 f"strategy={strategy}",
                 "experiment=smoke",
                 "test=false",
