@@ -76,9 +76,6 @@ class Compressor(ABC):
     """
 
     name: ClassVar[str]
-    keeps_bucket_state: ClassVar[bool] = False
-    """Whether it remembers something per bucket index (residuals, factors): then a bucket must always be averaged
-    as the same unit, never merged with its neighbours into one payload."""
 
     def __init__(self) -> None:
         self.steps = 0
@@ -198,7 +195,6 @@ class TopKCompression(Compressor):
     """
 
     name = "topk"
-    keeps_bucket_state = True
 
     def __init__(self, density: float, error_feedback: bool = True) -> None:
         super().__init__()
@@ -326,7 +322,6 @@ class PowerSGDCompression(Compressor):
     """
 
     name = "powersgd"
-    keeps_bucket_state = True
 
     def __init__(
         self,
