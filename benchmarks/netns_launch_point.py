@@ -25,10 +25,10 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
+
+from _two_ranks import launch_two_ranks
 
 from lightning_sync.apps.netns import burst_bytes, emulated_hosts
 
@@ -91,35 +91,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _launch(args: argparse.Namespace, hosts: list | None) -> dict:
-    env = dict(
-        os.environ,
-        WORLD_SIZE="2",
-        MASTER_PORT="29611",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=str(Path(__file__).resolve().parents[1]),
-    )
-    cmd = [sys.executable, __file__, "--worker", *sys.argv[1:]]
-    procs = []
-    for rank in range(2):
-        rank_env = dict(env, RANK=str(rank))
-        if hosts is None:
-            rank_env["MASTER_ADDR"] = "127.0.0.1"
-            argv = cmd
-        else:
-            rank_env.update(MASTER_ADDR=hosts[0].address, GLOO_SOCKET_IFNAME=hosts[rank].interface)
-            argv = hosts[rank].command(cmd)
-        procs.append(subprocess.Popen(argv, env=rank_env, stdout=subprocess.PIPE, text=True))
-    try:
-        outs = [p.communicate(timeout=args.timeout)[0] for p in procs]
-    finally:
-        for p in procs:  # a rank past the timeout must not keep a namespace alive
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-    bad = [p.returncode for p in procs if p.returncode != 0]
-    if bad:
-        raise SystemExit(f"error: ranks exited with {bad}")
-    return json.loads(outs[0].strip().splitlines()[-1])
+    return launch_two_ranks(__file__, sys.argv[1:], hosts, 29611, args.timeout)
 
 
 def main() -> None:
