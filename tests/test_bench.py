@@ -260,6 +260,7 @@ def _lm_record(case, repeat, trajectory, rate="10mbit", **extra):
         "rate": rate,
         "case": case,
         "repeat": repeat,
+        "seed": repeat,
         "ok": True,
         "trajectory": trajectory,
         "seconds_to_target": None,
@@ -269,17 +270,22 @@ def _lm_record(case, repeat, trajectory, rate="10mbit", **extra):
 
 
 @pytest.mark.unit
-def test_targets_come_from_ddp_and_time_is_read_off_trajectories():
+def test_targets_come_from_ddp_per_seed_and_time_is_read_off_trajectories():
     from lightning_sync.apps.bench.cli import Targets
 
     cfg = parse_overrides(["workloads=char_lm", "budget_steps=16", "give_up_factor=2"])
+    assert [cfg.seed_of(r) for r in range(3)] == [0, 1, 2]
+    assert parse_overrides(["seed=5", "seed_per_repeat=false"]).seed_of(2) == 5
     targets = Targets(cfg)
-    assert targets.spec("char_lm", "10mbit") == {}
+    assert targets.spec("char_lm", "10mbit", 0) == {}
     ddp = _lm_record("lightning_ddp", 0, [(4.0, 8, 2.9), (8.0, 16, 2.5)])
     targets.observe(ddp)
     assert ddp["seconds_to_target"] == 8.0 and ddp["steps_to_target"] == 16 and ddp["target_loss"] == 2.5
-    assert targets.spec("char_lm", "10mbit") == {"target": 2.5, "give_up_s": 16.0}
-    assert targets.spec("char_lm", "1gbit") == {"target": 2.5, "give_up_s": None}
+    assert targets.spec("char_lm", "10mbit", 0) == {"target": 2.5, "give_up_s": 16.0}
+    assert targets.spec("char_lm", "1gbit", 0) == {"target": 2.5, "give_up_s": None}
+    assert targets.spec("char_lm", "10mbit", 1) == {}  # seed 1 waits for its own DDP run
+    targets.observe(_lm_record("lightning_ddp", 1, [(5.0, 16, 2.6)]))
+    assert targets.spec("char_lm", "10mbit", 1) == {"target": 2.6, "give_up_s": 10.0}
     floor = _lm_record("floor", 0, [(1.0, 8, 3.0), (2.0, 16, 2.7)])
     targets.observe(floor)
     assert floor["seconds_at_budget"] == 2.0 and floor["seconds_to_target"] is None

@@ -88,23 +88,23 @@ def _value_text(workload: str, result: dict[str, Any]) -> str:
 class Targets:
     """The target of each time-to-loss workload and the time Lightning DDP took at each rate.
 
-    The first ``lightning_ddp`` run of a workload sets its target: the validation loss it ends its budget with (DDP
-    is exact, so its loss curve is the same at every rate). Every later run of that workload stops at the target,
-    or once its training time passes ``give_up_factor`` times DDP's time at the same rate.
+    The first ``lightning_ddp`` run of a workload and seed sets its target: the validation loss it ends its budget
+    with (DDP is exact, so its loss curve is the same at every rate). Every later run of that workload and seed stops
+    at the target, or once its training time passes ``give_up_factor`` times DDP's time at the same rate and seed.
     """
 
     def __init__(self, cfg: BenchConfig) -> None:
         self.cfg = cfg
-        self.target: dict[str, float] = {}
-        self.ddp_seconds: dict[tuple[str, str], float] = {}
+        self.target: dict[tuple[str, int], float] = {}
+        self.ddp_seconds: dict[tuple[str, str, int], float] = {}
 
-    def spec(self, workload: str, rate: str) -> dict[str, Any]:
+    def spec(self, workload: str, rate: str, seed: int) -> dict[str, Any]:
         """What a run's spec needs: ``target`` and ``give_up_s`` (when known)."""
-        if WORKLOADS[workload].metric != "time_to_loss" or workload not in self.target:
+        if WORKLOADS[workload].metric != "time_to_loss" or (workload, seed) not in self.target:
             return {}
-        ddp = self.ddp_seconds.get((workload, rate))
+        ddp = self.ddp_seconds.get((workload, rate, seed))
         return {
-            "target": self.target[workload],
+            "target": self.target[workload, seed],
             "give_up_s": None if ddp is None else ddp * self.cfg.give_up_factor,
         }
 
@@ -117,10 +117,11 @@ class Targets:
         trajectory = record.get("trajectory")
         if WORKLOADS[workload].metric != "time_to_loss" or not record.get("ok") or not trajectory:
             return
+        seed = record["seed"]
         if record["case"] == "lightning_ddp":
-            self.target.setdefault(workload, trajectory[-1][2])
-            self.ddp_seconds[workload, record["rate"]] = trajectory[-1][0]
-        target = self.target.get(workload)
+            self.target.setdefault((workload, seed), trajectory[-1][2])
+            self.ddp_seconds[workload, record["rate"], seed] = trajectory[-1][0]
+        target = self.target.get((workload, seed))
         record["target_loss"] = target
         at_budget = [seconds for seconds, step, _ in trajectory if step == self.cfg.budget_steps]
         record["seconds_at_budget"] = at_budget[0] if at_budget else None
@@ -160,17 +161,24 @@ def run(cfg: BenchConfig, out: Path, records: list[dict[str, Any]]) -> bool:
         with network(rate, cfg.network.prefix) as hosts:
             for _, workload, repeat, case in [p for p in plan if p[0] == rate]:
                 index += 1
+                seed = cfg.seed_of(repeat)
                 spec = {
                     "case": case,
                     "workload": workload,
-                    "config": asdict(cfg),
+                    "config": {**asdict(cfg), "seed": seed},
                     "nodes": 1 if case == "single" else 2,
                     "wire": hosts is not None and case != "single",
-                    **targets.spec(workload, rate),
+                    **targets.spec(workload, rate, seed),
                 }
                 started = time.perf_counter()
-                record: dict[str, Any] = {"workload": workload, "rate": rate, "case": case, "repeat": repeat}
-                head = f"[{index}/{len(plan)}] {rate} {workload} repeat {repeat + 1}/{cfg.repeats} {case}:"
+                record: dict[str, Any] = {
+                    "workload": workload,
+                    "rate": rate,
+                    "case": case,
+                    "repeat": repeat,
+                    "seed": seed,
+                }
+                head = f"[{index}/{len(plan)}] {rate} {workload} repeat {repeat + 1}/{cfg.repeats} seed {seed} {case}:"
                 try:
                     result = run_nodes(spec, out / "runs" / f"{rate}_{workload}_{case}_{repeat}", hosts, cfg.timeout_s)
                     record.update(ok=True, **result)

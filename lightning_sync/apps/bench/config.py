@@ -289,7 +289,10 @@ class BenchConfig:
     timeout_s: float = 900.0
     """Seconds one run may take, start-up included; it bounds every collective as well."""
     seed: int = 0
-    """Seed of the model's initial weights and of the data order."""
+    """Seed of the model's initial weights and of the data order (of the first repeat; see ``seed_per_repeat``)."""
+    seed_per_repeat: bool = True
+    """Repeat r runs with seed ``seed + r``, so the median and spread cover seeds as well as timing noise (char_lm:
+    each seed's target is the loss its own lightning_ddp run ends with); False: every repeat uses ``seed``."""
     plots: bool = True
     """Write PNG plots (needs matplotlib, the ``test`` extra)."""
     network: NetworkConfig = field(default_factory=NetworkConfig)
@@ -335,6 +338,10 @@ class BenchConfig:
         check_range("timeout_s", self.timeout_s, low=0, low_open=True)
         check_range("seed", self.seed, low=0, integer=True)
         self.network.validate()
+
+    def seed_of(self, repeat: int) -> int:
+        """The seed repeat ``repeat`` (from 0) runs with."""
+        return self.seed + repeat if self.seed_per_repeat else self.seed
 
     def cases_for(self, workload: str) -> list[str]:
         """The chosen cases (or the default ones) that apply to ``workload``, in the chosen order; for a

@@ -182,6 +182,12 @@ def _table_lines(rows: list[dict[str, Any]], metric: str, anchors: list[str]) ->
     return markdown_table(header, body).splitlines()
 
 
+def _seeds_text(cfg: BenchConfig) -> str:
+    """Which seeds the repeats ran with, for the line above a table."""
+    seeds = sorted({cfg.seed_of(r) for r in range(cfg.repeats)})
+    return f" (seeds {', '.join(map(str, seeds))})" if len(seeds) > 1 else f" (seed {seeds[0]})"
+
+
 def markdown(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
     """One table per workload and rate, each under a line saying what was measured."""
     parts: list[str] = []
@@ -192,10 +198,10 @@ def markdown(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
         if spec.metric == "step_time":
             how = f"{cfg.steps} steps ({cfg.warmup_steps} warm-up), batch {spec.batch_size}/rank"
         elif spec.metric == "time_to_loss":
-            target = next((r.get("target_loss") for r in group if r.get("target_loss") is not None), None)
+            targets = sorted({r["target_loss"] for r in group if r.get("target_loss") is not None})
             how = (
-                f"training seconds until rank 0's validation loss <= {_cell(target, '.4f')} nats/char, the loss "
-                f"lightning_ddp ends {cfg.budget_steps} steps with (scored every {cfg.eval_every} steps and at a "
+                f"training seconds until rank 0's validation loss <= {' / '.join(_cell(t, '.4f') for t in targets)}"
+                f" nats/char (per seed), the loss lightning_ddp ends {cfg.budget_steps} steps with (scored every {cfg.eval_every} steps and at a "
                 f"periodic case's syncs, clock stopped), batch {spec.batch_size}/rank; a case stops unreached after "
                 f"{cfg.max_steps_factor:g}x the steps or {cfg.give_up_factor:g}x lightning_ddp's time. Bounds: "
                 f"`floor` and `single` run {cfg.budget_steps} steps; `vs floor` is a case's time over floor's. "
@@ -214,7 +220,7 @@ def markdown(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
             how = f"{cfg.payload_mb:g} MiB float32, median of {cfg.payload_iters} all-reduces (slowest rank)"
         parts.append(
             f"### {workload}, network {rate}: {spec.about}\n\n2 nodes x 1 rank (torchrun, gloo), {how}; "
-            f"median of {cfg.repeats} alternating repeats.\n"
+            f"median of {cfg.repeats} alternating repeats{_seeds_text(cfg)}.\n"
         )
         if spec.metric == "time_to_loss":
             parts.append(_loss_table(group, anchors) + "\n")
