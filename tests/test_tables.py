@@ -126,6 +126,25 @@ def test_a_bench_results_file_is_rendered_by_the_bench_report(tmp_path):
     assert "Command and versions not recorded" in page  # no provenance.json: said, not hidden
 
 
+def test_utilization_is_floor_step_time_over_the_case_s_per_rate_slowest_first():
+    from lightning_sync.apps.tables import utilization_rows
+
+    def row(rate, case, ms):
+        return {"workload": "char_lm", "rate": rate, "case": case, "median_step_time_ms": ms}
+
+    rows = [
+        row("1gbit", "floor", 50.0), row("1gbit", "lightning_ddp", 100.0), row("10mbit", "floor", 40.0),
+        row("10mbit", "lightning_ddp", 800.0), row("10mbit", "diloco", 50.0), row("100mbit", "diloco", 80.0),
+        {**row("10mbit", "diloco", 999.0), "workload": "digits"},
+    ]  # fmt: skip
+    table = utilization_rows(rows, cases=("lightning_ddp", "diloco"))
+    assert [r["case"] for r in table] == ["lightning_ddp", "diloco"]
+    assert list(table[0]["by_rate"]) == ["10mbit", "1gbit"]  # 100mbit has no floor
+    assert table[0]["by_rate"] == {"10mbit": 0.05, "1gbit": 0.5}
+    assert table[1]["by_rate"] == {"10mbit": 0.8, "1gbit": None}
+    assert utilization_rows([row("1gbit", "diloco", 1.0)]) == []
+
+
 def test_check_fails_on_a_stale_page_and_passes_after_writing(tmp_path, capsys):
     root, out = _results(tmp_path), tmp_path / "docs" / "results.md"
     assert main([str(root), "--out", str(out), "--check"]) == 1

@@ -149,15 +149,74 @@ def _bench_config(saved: dict[str, Any]) -> Any:
     return BenchConfig(**values)
 
 
+RATE_ORDER = ("10mbit", "100mbit", "1gbit", "loopback")
+"""Link rates from the slowest: the column order of :func:`utilization_rows`."""
+UTILIZATION_CASES = ("lightning_ddp", "diloco", "streaming_diloco")
+UTILIZATION_TITLE = "Compute utilization on char_lm (streaming DiLoCo's Table 4)"
+
+
+def utilization_rows(
+    bench_rows: Iterable[dict[str, Any]], cases: Sequence[str] = UTILIZATION_CASES, workload: str = "char_lm"
+) -> list[dict[str, Any]]:
+    """Each case's compute utilization at each link rate: the ``floor`` case's median ms per step (2 ranks that
+    never communicate) over the case's, from the benchmark's summary rows (a later row of the same rate and case
+    replaces an earlier one).
+
+    Returns:
+        ``[{"case": name, "by_rate": {rate: utilization or None}}]`` in the order of ``cases``, the rates from the
+        slowest; ``[]`` if no rate has a ``floor``.
+    """
+    step_ms: dict[tuple[str, str], float] = {}
+    for row in bench_rows:
+        if row.get("workload") == workload and row.get("median_step_time_ms"):
+            step_ms[row["rate"], row["case"]] = row["median_step_time_ms"]
+    floors = {rate for rate, case in step_ms if case == "floor"}
+    rates = sorted(floors, key=lambda r: RATE_ORDER.index(r) if r in RATE_ORDER else len(RATE_ORDER))
+    if not rates:
+        return []
+    return [
+        {
+            "case": case,
+            "by_rate": {
+                rate: step_ms[rate, "floor"] / step_ms[rate, case] if (rate, case) in step_ms else None
+                for rate in rates
+            },
+        }
+        for case in cases
+    ]
+
+
+def _utilization_section(bench_rows: list[dict[str, Any]]) -> str | None:
+    rows = utilization_rows(bench_rows)
+    if not rows:
+        return None
+    rates = list(rows[0]["by_rate"])
+    table = markdown_table(
+        ["case", *(f"{rate}" for rate in rates)],
+        [[f"`{r['case']}`", *("-" if v is None else f"{v:.0%}" for v in r["by_rate"].values())] for r in rows],
+        align="l" + "r" * len(rates),
+    )
+    return (
+        f"## {UTILIZATION_TITLE}\n\nFrom the char_lm benchmark tables above: the `floor` case's median ms per "
+        "optimizer step (2 ranks that never communicate) over each case's, between 2 emulated hosts at each link "
+        "rate. `diloco` syncs the whole model every `diloco_sync_every` steps; `streaming_diloco` is the same with "
+        f"4 fragments, sync_delay 2, fragment_alpha 0.5 and int4 outer gradients.\n\n{table}\n"
+    )
+
+
 def results_page(sources: Sequence[str | Path]) -> str:
-    """The whole results page: one section per results file found under ``sources``, in path order."""
+    """The whole results page: one section per results file found under ``sources``, in path order, then the
+    compute-utilization table of the char_lm benchmark runs among them."""
     sections = []
+    bench_rows: list[dict[str, Any]] = []
     for source in map(Path, sources):
         files = [source] if source.is_file() else sorted(source.rglob("*")) if source.is_dir() else []
         for path in files:
             if path.name == "results.json":
                 data = json.loads(path.read_text())
                 title, tables = render_results(path, data)
+                if title.startswith("Benchmark"):
+                    bench_rows += data["summary"]
                 embedded = data.get("provenance") if isinstance(data, dict) else None
                 record = embedded or _read_json(path.parent / PROVENANCE_FILE)
             elif path.suffix == ".md" and (path.with_suffix(".provenance.json")).exists():
@@ -181,6 +240,9 @@ def results_page(sources: Sequence[str | Path]) -> str:
             + ", ".join(f"`{Path(s).as_posix()}`" for s in sources)
             + ': run `make compare COMPARE_ARGS="--out benchmarks/results/compare"`, then the generator.\n',
         )
+    utilization = _utilization_section(bench_rows)
+    if utilization:
+        sections.append(utilization)
     return head + "\n" + "\n".join(sections)
 
 

@@ -92,6 +92,11 @@ def summarize(records: list[dict[str, Any]], cfg: BenchConfig) -> list[dict[str,
                 row[f"vs_{anchor}"] = row["median"] / ref
         if row["metric"] == "busbw_mbit" and row["median"] is not None and row["rate"] in _RATE_MBIT:
             row["of_link"] = row["median"] / _RATE_MBIT[row["rate"]]
+        floor = next(
+            (r for r in rows if (r["workload"], r["rate"], r["case"]) == (row["workload"], row["rate"], "floor")), None
+        )
+        if floor and floor.get("median_step_time_ms") and row.get("median_step_time_ms"):
+            row["utilization"] = floor["median_step_time_ms"] / row["median_step_time_ms"]
     return rows
 
 
@@ -119,6 +124,7 @@ def _loss_table(rows: list[dict[str, Any]], anchors: list[str]) -> str:
         "steps to target",
         "final loss",
         "ms/step",
+        "compute utilization",
         "meter bytes/step",
         "wire bytes/step",
         "wire/meter",
@@ -139,6 +145,7 @@ def _loss_table(rows: list[dict[str, Any]], anchors: list[str]) -> str:
                 "-" if bound else _cell(r.get("median_steps_to_target"), ".0f"),
                 _cell(r.get("median_final_loss"), ".4f"),
                 _cell(r.get("median_step_time_ms"), ".1f"),
+                _cell(r.get("utilization"), ".0%"),
                 "-" if meter is None else f"{meter:,.0f} ({kind})" if kind else f"{meter:,.0f}",
                 _cell(r.get("median_wire_bytes_per_step"), ",.0f"),
                 _cell(r.get("median_wire_over_meter"), ".3f"),
@@ -204,7 +211,8 @@ def markdown(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
                 f" nats/char (per seed), the loss lightning_ddp ends {cfg.budget_steps} steps with (scored every {cfg.eval_every} steps and at a "
                 f"periodic case's syncs, clock stopped), batch {spec.batch_size}/rank; a case stops unreached after "
                 f"{cfg.max_steps_factor:g}x the steps or {cfg.give_up_factor:g}x lightning_ddp's time. Bounds: "
-                f"`floor` and `single` run {cfg.budget_steps} steps; `vs floor` is a case's time over floor's. "
+                f"`floor` and `single` run {cfg.budget_steps} steps; `vs floor` is a case's time over floor's; "
+                "compute utilization: floor's ms/step over the case's. "
                 "Meter bytes: rank 0's payload per step as the meter books it (ring: the ring all-reduce formula's "
                 "share; compressed: the compressed payload; push: the ps worker's gradient push); wire bytes: "
                 "bytes the hosts' interfaces sent per step (mean of the 2 hosts); wire/meter: all bytes sent on "
