@@ -18,10 +18,13 @@ things get in the way here. (1) The straggler's step is measured, so the slowdow
 (with whatever else runs there: the 1-minute load average before each run is printed), so async's fast workers,
 which never wait, slow each other down; the CPU time of the worker processes during training is printed too. ssp
 with ``max_staleness = s`` lets the fast workers lead by ``s`` steps only: under a straggler that is slow all the
-time it settles at the straggler's pace, like sync (its gain is over stragglers that come and go). Checkpoints and
-validation are off in every run (``callbacks=none``, ``limit_val_batches=0``), so that only training is timed.
+time it settles at the straggler's pace, like sync. Its gain is over stragglers that come and go: ``--hiccups p``
+makes each batch of every worker ``--slowdown`` times slower with probability ``p`` instead, and the report says how
+much of async's gain over sync each ssp keeps. Checkpoints and validation are off in every run (``callbacks=none``,
+``limit_val_batches=0``), so that only training is timed.
 
     python benchmarks/ps_straggler.py                                 # sync, async, ssp:2; 3 rounds; 20 epochs
+    python benchmarks/ps_straggler.py --hiccups 0.1                   # stragglers that come and go
     python benchmarks/ps_straggler.py --placement colocated           # servers as threads of the first workers
     python benchmarks/ps_straggler.py --modes sync async ssp:2 ssp:8 model.lr=0.05   # Hydra overrides last
 """
@@ -51,6 +54,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--slow-worker", type=int, default=2, help="rank of the straggler (-1: none)")
     parser.add_argument("--slowdown", type=float, default=3.0)
+    parser.add_argument(
+        "--hiccups",
+        type=float,
+        default=0.0,
+        metavar="CHANCE",
+        help="stragglers that come and go: every worker makes each batch --slowdown x slower with this probability "
+        "(StragglerCallback, seeded per worker and round) instead of one worker slow all the time",
+    )
     parser.add_argument("--num-servers", type=int, default=1)
     parser.add_argument("--placement", default="dedicated", choices=("dedicated", "colocated"))
     parser.add_argument("--batch-size", type=int, default=32, help="samples per batch per worker")
@@ -115,14 +126,24 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.rounds < 1 or args.epochs < 1:
         sys.exit("error: --rounds and --epochs must be >= 1")
+    if not 0.0 <= args.hiccups <= 1.0:
+        sys.exit(f"error: --hiccups={args.hiccups} is not allowed; it must be a probability in [0, 1]")
+    if args.hiccups:
+        args.slow_worker = -1  # every worker may be slow, none all the time
     from lightning_sync.apps.ps_study import format_table, ps_overrides, run_ps, summarize
 
     out = Path(args.out)
     runs, records = [], []
     total = args.rounds * len(args.modes)
+    from lightning_sync.callbacks import StragglerCallback
+
+    pattern = (
+        f"each batch of every worker {args.slowdown:g}x slower with probability {args.hiccups:g}"
+        if args.hiccups
+        else f"worker {args.slow_worker} {args.slowdown:g}x slower, strategy.slowdown"
+    )
     print(
-        f"{args.workers} workers (worker {args.slow_worker} {args.slowdown:g}x slower, "
-        f"strategy.slowdown), {args.num_servers} server(s) "
+        f"{args.workers} workers ({pattern}), {args.num_servers} server(s) "
         f"{args.placement}, batch {args.batch_size}, {args.epochs} epochs' worth of samples, {args.rounds} "
         f"alternating rounds; {os.cpu_count()} CPU cores",
         flush=True,
@@ -141,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
                 extra=args.overrides,
             )
             before = os.getloadavg()[0]
-            run = run_ps(spec, overrides, out / f"round{round_index}" / spec.replace(":", "_"))
+            hiccups = [StragglerCallback(None, args.slowdown, args.hiccups, seed=round_index)] if args.hiccups else []
+            run = run_ps(spec, overrides, out / f"round{round_index}" / spec.replace(":", "_"), callbacks=hiccups)
             runs.append(run)
             records.append(_run_record(run, round_index, (before, os.getloadavg()[0]), args))
             r = records[-1]
@@ -163,6 +185,11 @@ def main(argv: list[str] | None = None) -> None:
             f"{', '.join(f'{t / ref:.2f}' for t, ref in zip(row['throughputs'], rows[0]['throughputs']))})"
             f" -> target >= {TARGET}x {'met' if ratio >= TARGET else 'NOT met'}"
         )
+    gains = {row["name"]: row["ratio"] - 1.0 for row in rows[1:]}
+    if gains.get("async", 0.0) > 0:
+        for name, gain in gains.items():
+            if name.startswith("ssp"):
+                verdicts.append(f"{name} keeps {gain / gains['async']:.0%} of async's gain over {args.modes[0]}")
     verdicts += _diagnosis(records, args)
     out.mkdir(parents=True, exist_ok=True)
     result = {
