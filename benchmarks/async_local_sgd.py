@@ -21,7 +21,8 @@ clock all forked workers share) and rank 0's validation probes (every ``--probe-
 * the final test loss (periodic: the averaged model; ps: the servers' parameters) and the tokens behind it.
 
 The report gives medians over the rounds, the ratios to the first case and the verdicts (tokens per second at
-least 1.5x, loss at equal tokens within 3%). A table goes to stdout, everything measured to ``<out>/results.json``.
+least 1.5x, loss at equal tokens within 3%). The table goes to stdout and to ``<out>/async_local_sgd.md`` (with
+its provenance beside it, for ``python -m lightning_sync.apps.tables``), everything measured to ``<out>/runs.json``.
 The workers (and the server process) share this machine's cores: the load average is printed per run.
 
     python benchmarks/async_local_sgd.py                               # 3 workers, worker 2 3x slower, 3 rounds
@@ -57,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--slow-worker", type=int, default=2, help="rank of the straggler (-1: none)")
     parser.add_argument("--slowdown", type=float, default=3.0)
     parser.add_argument("--probe-every", type=int, default=10, help="rank 0's validation probes, in its batches")
-    parser.add_argument("--out", default="outputs/async_local_sgd", help="folder for the runs and results.json")
+    parser.add_argument("--out", default="outputs/async_local_sgd", help="folder for the runs and the report")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. model.lr=0.002")
     return parser
 
@@ -160,12 +161,21 @@ def main(argv: list[str] | None = None) -> None:
     rows, verdicts = summarize(records, args.cases)
     table = format_table(rows)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"args": vars(args), "provenance": started, "summary": rows, "runs": records,
-              "finished": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "results.md").write_text(table + "\n\n" + "\n".join(verdicts) + "\n")
+    result = {"args": vars(args), "summary": rows, "runs": records, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+    (out / "runs.json").write_text(json.dumps(result, indent=1))
+    title = f"Async local SGD against periodic DiLoCo, {args.workers} workers" + (
+        f", worker {args.slow_worker} {args.slowdown:g}x slower" if args.slow_worker >= 0 else ""
+    )
+    (out / "async_local_sgd.provenance.json").write_text(json.dumps({**started, "title": title}, indent=1))
+    report = [
+        f"{args.workers} workers on char_lm (CharGPT), {args.rounds} alternating rounds (round r: seed r-1), "
+        f"periodic {args.steps} steps per worker; medians over the rounds, ratios to `{args.cases[0]}` per round.",
+        table,
+        "\n".join(f"- {line}" for line in verdicts),
+    ]
+    (out / "async_local_sgd.md").write_text("\n\n".join(report) + "\n")
     print("\n" + table + "\n" + "\n".join(verdicts))
-    print(f"(written: {out / 'results.json'}, {out / 'results.md'})")
+    print(f"(written: {out / 'async_local_sgd.md'}, {out / 'runs.json'})")
 
 
 def summarize(records: list[dict[str, Any]], cases: list[str]) -> tuple[list[dict[str, Any]], list[str]]:

@@ -132,7 +132,8 @@ def render_results(path: Path, data: Any) -> tuple[str, str]:
         from lightning_sync.apps.ps_study import format_table as ps_table
 
         modes = data["args"].get("modes") or ["sync"]
-        return "Parameter server under a straggler", ps_table(data["summary"], reference=modes[0])
+        pattern = "stragglers that come and go" if data["args"].get("hiccups") else "a straggler"
+        return f"Parameter server under {pattern}", ps_table(data["summary"], reference=modes[0])
     raise ValueError(f"{path}: not a results file of compare, the benchmark or ps_straggler")
 
 
