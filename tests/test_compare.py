@@ -100,6 +100,21 @@ def test_both_workloads_run_over_three_seeds_by_default():
     assert "ddp" in LM_CASES and len(LM_CASES) >= 3
 
 
+@pytest.mark.unit
+def test_opt_in_cases_run_only_when_named_and_ps_trains_on_the_same_samples():
+    from lightning_sync.apps.compare import LM_OPT_IN_CASES, _parser, _plan
+
+    default = _plan(_parser().parse_args(["--workloads", "char_lm"]))["char_lm"]
+    assert set(default.cases) == set(LM_CASES) and not set(default.cases) & set(LM_OPT_IN_CASES)
+    named = _plan(_parser().parse_args(["--workloads", "char_lm", "--cases", "ddp,ps:async_local/8", "--steps", "50"]))
+    work = named["char_lm"]
+    assert list(work.cases) == ["ddp", "ps:async_local/8"]
+    assert work.per_case["ps:async_local/8"] == ["trainer.max_steps=100"]  # 2 workers x 50 steps each
+    assert "ddp" not in work.per_case and "periodic:streaming_diloco/16" not in work.per_case
+    with pytest.raises(SystemExit):
+        _plan(_parser().parse_args(["--workloads", "digits", "--cases", "ps:async_local/8"]))
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_smoke_run_gives_both_tables_and_a_results_file_with_provenance(tmp_path):

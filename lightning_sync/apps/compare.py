@@ -5,7 +5,8 @@ Hydra config as ``lightning_sync.apps.train`` (2 CPU ranks, forked), every case 
 
 - ``digits``: the digits classifier (:data:`CASES`, every mode), 30 epochs, test accuracy on a fixed test split;
 - ``char_lm``: the character-level language model (``experiment=char_lm``, :data:`LM_CASES`: DDP and the modes
-  that send fewer bytes), 300 steps, test loss in nats per character.
+  that send fewer bytes), 300 steps, test loss in nats per character. :data:`LM_OPT_IN_CASES` (streaming DiLoCo,
+  ps async, async local SGD) run when named in ``--cases``; the ``ps`` ones train on the same samples as the rest.
 
 A seed sets the initial weights and the data order (the digits' train/test split stays fixed, so every seed is
 scored on the same test samples). Runs go seed by seed, each seed through every case, so a drift of the machine's
@@ -24,6 +25,7 @@ finished run; a diverged run shows ``diverged at step N`` and counts as no value
     python -m lightning_sync.compare --workloads digits --seeds 0 --cases ddp,allreduce
     python -m lightning_sync.compare --smoke                   # a few steps of a few cases, one seed (CI)
     python -m lightning_sync.compare --cases ddp model.lr=0.05 # Hydra overrides for every run
+    python -m lightning_sync.compare --workloads char_lm --cases periodic:diloco/8,ps:async_local/8
 """
 
 from __future__ import annotations
@@ -72,6 +74,21 @@ LM_CASES: dict[str, list[str]] = {
     "periodic:local_sgd/8": CASES["periodic:local_sgd/8"],
     "periodic:diloco/8": ["strategy=periodic", "strategy.mode=diloco", "strategy.sync_every=8"],
 }
+# Language-model cases that run only when named in --cases: not part of the main job's ten minutes.
+LM_OPT_IN_CASES: dict[str, list[str]] = {
+    "periodic:streaming_diloco/16": [
+        "strategy=periodic",
+        "strategy.mode=diloco",
+        "strategy.sync_every=16",
+        "strategy.fragments=4",
+        "strategy.sync_delay=2",
+        "strategy.fragment_alpha=0.5",
+        "strategy.outer_compression=int4",
+    ],
+    "ps:async": CASES["ps:async"],
+    "ps:async_local/8": ["strategy=ps", "strategy.mode=async", "strategy.local_steps=8"],
+    "ps:async_local/auto": ["strategy=ps", "strategy.mode=async", "strategy.local_steps=auto"],
+}
 REFERENCE = "ddp"
 """The case every other case of a workload is compared with (``vs ddp``)."""
 DEFAULT_SEEDS = (0, 1, 2)
@@ -92,6 +109,9 @@ class Workload:
         scale: the metric is shown times this (100: a percentage).
         spec: the shown value's format.
         smoke: overrides of a ``--smoke`` run.
+        opt_in: more cases that run only when named in ``--cases``.
+        per_case: overrides of some cases, after ``common`` (``ps`` counts every worker's steps in ``max_steps``:
+            its cases get the ranks times as many, so that every case trains on the same samples).
     """
 
     name: str
@@ -104,6 +124,8 @@ class Workload:
     scale: float = 1.0
     spec: str = ".2f"
     smoke: list[str] = field(default_factory=list)
+    opt_in: dict[str, list[str]] = field(default_factory=dict)
+    per_case: dict[str, list[str]] = field(default_factory=dict)
 
 
 def workloads(epochs: int = 30, steps: int = 300) -> dict[str, Workload]:
@@ -138,6 +160,10 @@ def workloads(epochs: int = 30, steps: int = 300) -> dict[str, Workload]:
             higher_is_better=False,
             spec=".3f",
             smoke=["trainer.max_steps=4", "trainer.val_check_interval=4", "data.val_windows=4"],
+            opt_in=LM_OPT_IN_CASES,
+            per_case={
+                case: [f"trainer.max_steps={2 * steps}"] for case, o in LM_OPT_IN_CASES.items() if "strategy=ps" in o
+            },
         ),
     }
 
@@ -315,7 +341,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--epochs", type=int, default=30, help="training epochs per digits run")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per char_lm run")
     # argparse %-formats help strings: a case name's % must be doubled
-    cases = ", ".join(dict.fromkeys([*CASES, *LM_CASES])).replace("%", "%%")
+    cases = ", ".join(dict.fromkeys([*CASES, *LM_CASES, *LM_OPT_IN_CASES])).replace("%", "%%")
     parser.add_argument("--cases", default="", help="comma-separated subset (of each workload's cases): " + cases)
     parser.add_argument("--out", default="outputs/compare", help="folder for the runs and the results")
     parser.add_argument("--smoke", action="store_true", help="a few steps per run, seed 0 only unless --seeds (CI)")
@@ -343,13 +369,14 @@ def _plan(args: argparse.Namespace) -> dict[str, Workload]:
     if unknown or not names:
         sys.exit(f"error: --workloads={args.workloads!r} is not allowed; choose from: {', '.join(every)}")
     wanted = [c for c in args.cases.split(",") if c]
-    known = {c for name in names for c in every[name].cases}
+    known = {c for name in names for c in [*every[name].cases, *every[name].opt_in]}
     unknown = [c for c in wanted if c not in known]
     if unknown:
         sys.exit(f"error: --cases {','.join(unknown)} unknown; choose from: {', '.join(sorted(known))}")
     plan = {}
     for name in names:
-        cases = {c: o for c, o in available_cases(every[name].cases).items() if not wanted or c in wanted}
+        named = {c: o for c, o in every[name].opt_in.items() if c in wanted}
+        cases = {c: o for c, o in available_cases({**every[name].cases, **named}).items() if not wanted or c in wanted}
         if cases:
             plan[name] = Workload(**{**every[name].__dict__, "cases": cases})
     return plan
@@ -377,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
             later_runs=len(jobs) - index,
             run_seconds=statistics.mean(durations) if durations else None,
         )
-        overrides = [*work.cases[case], *base, *work.common, f"seed={seed}"]
+        overrides = [*work.cases[case], *base, *work.common, *work.per_case.get(case, []), f"seed={seed}"]
         if args.smoke:
             overrides += work.smoke
         overrides += args.overrides
