@@ -122,7 +122,8 @@ def render_results(path: Path, data: Any) -> tuple[str, str]:
     if isinstance(data, dict) and "workloads" in data:
         from lightning_sync.apps import compare
 
-        return COMPARE_TITLE, compare.format_results(data).replace("### ", "#### ")
+        title = COMPARE_TITLE if path.parent.name == "compare" else f"Compare: {path.parent.name}"
+        return title, compare.format_results(data).replace("### ", "#### ")
     if isinstance(data, dict) and {"config", "summary", "records"} <= data.keys():
         from lightning_sync.apps.bench.report import markdown
 
