@@ -15,7 +15,7 @@
 # # Every sync mode on one model
 #
 # Every case of the main job (`python -m lightning_sync.compare`) trains the same digits classifier on 2 CPU ranks
-# (gloo), with the same seed, data and epochs: Lightning-style DDP (with its comm hooks), our bucketed all-reduce
+# (gloo), with the same data and epochs: Lightning-style DDP (with its comm hooks), our bucketed all-reduce
 # (with each compressor), periodic sync (local SGD, DiLoCo) and the parameter server (sync, async, ssp). We compare
 #
 # - training loss and validation accuracy against training batches and against wall time,
@@ -28,18 +28,24 @@
 # its own replica between syncs; about a millisecond, left out of the time axis). A second section compares the
 # ways the `allreduce` mode can bucket gradients on a latency-bound model.
 #
-# These are single runs on a shared 2-core machine: step times vary by several percent from run to run. For a
-# careful, alternating measurement of step time run `python benchmarks/step_time.py`.
+# Every case runs over 3 seeds (a seed sets the initial weights and the data order), seed by seed, so a drift of
+# the shared machine's load spreads over all cases alike. Tables give each figure as the mean and the range
+# [min, max] over the seeds, and `vs ddp` says `tie` when a case's range of test accuracy overlaps DDP's; curves are
+# the mean with the seeds' range as a band, bars the mean with the range as an error bar. To keep the 39 digits runs
+# (13 cases x 3 seeds) and the 12 bucketing runs within a few minutes on this 2-core machine, the digits train for 8
+# epochs instead of 15 (the accuracy curves show how far each case has levelled off by then). For a careful,
+# alternating measurement of step time run `python benchmarks/step_time.py`.
 #
-# Set the environment variable `SMOKE=1` to run every case for a few batches only; `NOTEBOOK_OUT` names the output
-# folder.
+# Set the environment variable `SMOKE=1` to run every case for a few batches only, with one seed; `NOTEBOOK_OUT`
+# names the output folder.
 
 # %%
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 SMOKE = os.environ.get("SMOKE", "0") == "1"
-EPOCHS = 1 if SMOKE else 15
+EPOCHS = 1 if SMOKE else 8
+SEEDS = (0,) if SMOKE else (0, 1, 2)
 OUT = os.environ.get("NOTEBOOK_OUT", "outputs/notebook_overview")
 SMALL = ["++trainer.limit_train_batches=4", "++trainer.limit_val_batches=1"] if SMOKE else []
 
@@ -50,31 +56,55 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from lightning_sync.apps.compare import available_cases
-from lightning_sync.apps.study import format_runs, run_cases
+from lightning_sync.apps.study import by_case, format_seed_runs, run_cases, seed_band, seed_cases
+
+
+def mean_and_range(values):
+    """(mean, [[mean - min], [max - mean]]) of the values that are not None, for an error bar; (0, 0) if none."""
+    kept = [v for v in values if v is not None]
+    if not kept:
+        return 0.0, [[0.0], [0.0]]
+    mean = sum(kept) / len(kept)
+    return mean, [[mean - min(kept)], [max(kept) - mean]]
+
 
 # %% [markdown]
 # ## 1. All modes on the digits classifier
 
 # %%
-runs = run_cases(available_cases(), Path(OUT, "digits"), common=[f"trainer.max_epochs={EPOCHS}", *SMALL])
-print(f"Digits classifier, 2 CPU ranks, {EPOCHS} epoch(s){' (SMOKE: 4 batches)' if SMOKE else ''}, seed 0")
-print(format_runs(runs.values()))
-COLORS = {name: plt.get_cmap("tab20")(i % 20) for i, name in enumerate(runs)}
-STYLES = {name: "--" if name.startswith("ps") else ":" if name.startswith("periodic") else "-" for name in runs}
+runs = run_cases(
+    seed_cases(available_cases(), SEEDS), Path(OUT, "digits"), common=[f"trainer.max_epochs={EPOCHS}", *SMALL]
+)
+groups = by_case(runs)
+print(
+    f"Digits classifier, 2 CPU ranks, {EPOCHS} epoch(s){' (SMOKE: 4 batches)' if SMOKE else ''}, "
+    f"seeds {', '.join(map(str, SEEDS))}"
+)
+print(format_seed_runs(groups, reference="ddp"))
+COLORS = {name: plt.get_cmap("tab20")(i % 20) for i, name in enumerate(groups)}
+STYLES = {name: "--" if name.startswith("ps") else ":" if name.startswith("periodic") else "-" for name in groups}
+
+
+def band(ax, curves, name, **style):
+    """The seeds' mean curve of a case, with their range as a band."""
+    grid, mean, low, high = seed_band(curves)
+    ax.plot(grid, mean, color=COLORS[name], linestyle=STYLES[name], linewidth=1, label=name, **style)
+    ax.fill_between(grid, low, high, color=COLORS[name], alpha=0.15)
+
 
 # %% [markdown]
 # ### Loss and accuracy against batches and against wall time
 # The loss is rank 0's training loss, a running mean over 10 batches. All modes see the same samples per batch, so
 # against batches they differ only by what their sync does to the optimization; against wall time, cheaper syncs
-# (or none, between periodic syncs) also move the curves left.
+# (or none, between periodic syncs) also move the curves left. Lines are the mean over the seeds, bands their
+# range, over the part of the run every seed covers.
 
 # %%
 fig, axes = plt.subplots(2, 2, figsize=(15, 9))
-for name, run in runs.items():
-    style = dict(color=COLORS[name], linestyle=STYLES[name], linewidth=1, label=name)
+for name, group in groups.items():
     for col, x in enumerate(("batch", "time")):
-        axes[0, col].plot(*run.loss_curve(x=x), **style)
-        axes[1, col].plot(*run.accuracy_curve(x=x), marker=".", markersize=3, **style)
+        band(axes[0, col], [r.loss_curve(x=x) for r in group], name)
+        band(axes[1, col], [r.accuracy_curve(x=x) for r in group], name)
 for col, label in enumerate(("training batches per rank", "rank 0's training time (s)")):
     axes[0, col].set(xlabel=label, ylabel="training loss (mean of 10 batches)", yscale="log")
     axes[1, col].set(xlabel=label, ylabel="validation accuracy (rank 0's parameters)", ylim=(0, 1))
@@ -94,16 +124,23 @@ plt.show()
 # mode spends it all on every 8th step); a parameter-server push waits for its reply, so its round trip includes
 # the server's work and, in `sync` and `ssp`, the wait for the other worker. Below, the same as running totals:
 # bytes against optimizer steps (PowerSGD sends uncompressed for its first `powersgd_start_iter` = 10 steps,
-# periodic modes send only at syncs) and seconds in collectives against batches.
+# periodic modes send only at syncs) and seconds in collectives against batches. Bars are the mean over the seeds,
+# black lines their range.
 
 # %%
-names = list(runs)
+names = list(groups)
 fig, axes = plt.subplots(1, 2, figsize=(15, 4.5))
-sent = [runs[n].bytes_sent_per_step or 0 for n in names]
-comm_ms = [1e3 * (runs[n].comm_seconds_per_step or 0) for n in names]
-axes[0].barh(names, [b / 1e3 for b in sent], color=[COLORS[n] for n in names])
+for ax, value in zip(
+    axes,
+    (
+        lambda r: None if r.bytes_sent_per_step is None else r.bytes_sent_per_step / 1e3,
+        lambda r: None if r.comm_seconds_per_step is None else 1e3 * r.comm_seconds_per_step,
+    ),
+):
+    for name in names:
+        mean, xerr = mean_and_range([value(r) for r in groups[name]])
+        ax.barh(name, mean, xerr=xerr, color=COLORS[name], error_kw=dict(capsize=2))
 axes[0].set(xlabel="kB sent per rank per optimizer step", xscale="log", title="bytes per step")
-axes[1].barh(names, comm_ms, color=[COLORS[n] for n in names])
 axes[1].set(xlabel="ms of collectives per optimizer step (rank 0)", title="comm time per step")
 for ax in axes:
     ax.invert_yaxis()
@@ -111,12 +148,17 @@ fig.tight_layout()
 plt.show()
 
 fig, axes = plt.subplots(1, 2, figsize=(15, 4.5))
-for name, run in runs.items():
-    style = dict(color=COLORS[name], linestyle=STYLES[name], linewidth=1, label=name)
-    steps, sent = run.metric("comm/bytes_sent")
-    axes[0].plot(steps, [b / 1e6 for b in accumulate(sent)], **style)
-    batches, comm = run.series("comm_s", x="batch")
-    axes[1].plot(batches, list(accumulate(comm)), **style)
+for name, group in groups.items():
+    totals = []
+    for run in group:
+        steps, sent = run.metric("comm/bytes_sent")
+        totals.append((steps, [b / 1e6 for b in accumulate(sent)]))
+    band(axes[0], totals, name)
+    totals = []
+    for run in group:
+        batches, comm = run.series("comm_s", x="batch")
+        totals.append((batches, list(accumulate(comm))))
+    band(axes[1], totals, name)
 axes[0].set(xlabel="optimizer step", ylabel="MB sent by rank 0 so far", yscale="log", title="bytes, running total")
 axes[1].set(
     xlabel="training batches per rank",
@@ -130,52 +172,73 @@ plt.show()
 # %% [markdown]
 # ### Final test accuracy
 # The test split (20% of the digits) with the final model; after `local_sgd` and `diloco` the ranks' last local
-# steps are synced once more, so every rank ends with the same model.
+# steps are synced once more, so every rank ends with the same model. The bar is the mean over the seeds, the
+# black line their range; the table says `tie` where a case's range overlaps DDP's.
 
 # %%
-tested = [n for n in names if runs[n].test_accuracy is not None]
+accuracies = {n: [100 * r.test_accuracy for r in groups[n] if r.test_accuracy is not None] for n in names}
+tested = [n for n in names if accuracies[n]]
 fig, ax = plt.subplots(figsize=(10, 4.5))
-bars = ax.barh(tested, [100 * runs[n].test_accuracy for n in tested], color=[COLORS[n] for n in tested])
-ax.bar_label(bars, fmt="%.2f%%", fontsize=8)
-lowest = min(100 * runs[n].test_accuracy for n in tested)
-ax.set(xlabel="test accuracy (%)", xlim=(max(0, lowest - 5), 100), title="final test accuracy (axis cut)")
+for name in tested:
+    mean, xerr = mean_and_range(accuracies[name])
+    bars = ax.barh(name, mean, xerr=xerr, color=COLORS[name], error_kw=dict(capsize=2))
+    ax.bar_label(bars, fmt="%.2f%%", fontsize=8, padding=8)
+lowest = min(min(a) for a in accuracies.values() if a)
+ax.set(
+    xlabel="test accuracy (%), mean [min, max]", xlim=(max(0, lowest - 5), 100), title="final test accuracy (axis cut)"
+)
 ax.invert_yaxis()
 fig.tight_layout()
 plt.show()
-print(format_runs(runs.values(), columns=("test acc", "bytes sent/step", "comm ms/step")))
+print(format_seed_runs(groups, columns=("test acc", "bytes sent/step", "comm ms/step"), reference="ddp"))
 
 # %% [markdown]
 # ## 2. Bucketing on a latency-bound model
 # 40 layers of 256 (82 small tensors), one epoch of 40 batches. `naive` is the textbook loop (one blocking
 # all-reduce per parameter), `flat` packs all gradients into one buffer after backward, `overlap` launches buckets
 # during backward, and `auto` (the default) times launching during and after backward on the first steps, then
-# keeps the faster. For a careful, alternating measurement against torch DDP and the compute-only floor, run
+# keeps the faster. Each over the same 3 seeds, seed by seed: the figures are the mean and range of the runs. For a
+# careful, alternating measurement against torch DDP and the compute-only floor, run
 # `python benchmarks/step_time.py`.
 
 # %%
 BUCKETINGS = ("naive", "flat", "overlap", "auto")
 bucket_cases = {b: ["experiment=latency_bound", "strategy=allreduce", f"strategy.bucketing={b}"] for b in BUCKETINGS}
-bucketing = run_cases(
-    bucket_cases,
-    Path(OUT, "bucketing"),
-    probe_every_batches=None,
-    common=["trainer.max_epochs=1", "++trainer.limit_train_batches=" + ("4" if SMOKE else "40"), "test=false"],
+bucketing = by_case(
+    run_cases(
+        seed_cases(bucket_cases, SEEDS),
+        Path(OUT, "bucketing"),
+        probe_every_batches=None,
+        common=["trainer.max_epochs=1", "++trainer.limit_train_batches=" + ("4" if SMOKE else "40"), "test=false"],
+    )
 )
-print(format_runs(bucketing.values(), columns=("ms/step", "comm ms/step", "calls/step", "bytes sent/step")))
-for name, run in bucketing.items():
-    print(f"{name:<8} buckets launched: {run.summary.get('launch_point')}")
+print(format_seed_runs(bucketing, columns=("ms/step", "comm ms/step", "calls/step", "bytes sent/step")))
+for name, group in bucketing.items():
+    print(f"{name:<8} buckets launched (seed by seed): {', '.join(str(r.summary.get('launch_point')) for r in group)}")
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 3.5))
-ax.bar(BUCKETINGS, [bucketing[b].step_time_ms for b in BUCKETINGS], color="tab:blue", label="median batch")
-ax.bar(
-    BUCKETINGS,
-    [1e3 * bucketing[b].comm_seconds_per_step for b in BUCKETINGS],
-    color="tab:orange",
-    width=0.5,
-    label="collectives in flight",
+for i, name in enumerate(BUCKETINGS):
+    step, step_err = mean_and_range([r.step_time_ms for r in bucketing[name]])
+    comm, comm_err = mean_and_range(
+        [None if r.comm_seconds_per_step is None else 1e3 * r.comm_seconds_per_step for r in bucketing[name]]
+    )
+    ax.bar(i, step, yerr=step_err, color="tab:blue", capsize=3, label="median batch" if i == 0 else None)
+    ax.bar(
+        i,
+        comm,
+        yerr=comm_err,
+        width=0.5,
+        color="tab:orange",
+        capsize=3,
+        label="collectives in flight" if i == 0 else None,
+    )
+ax.set(
+    xticks=range(len(BUCKETINGS)),
+    xticklabels=BUCKETINGS,
+    ylabel="ms per step (mean, bar: range)",
+    title="allreduce bucketing, latency-bound MLP, 2 ranks",
 )
-ax.set(ylabel="ms per step", title="allreduce bucketing, latency-bound MLP, 2 ranks")
 ax.legend()
 fig.tight_layout()
 plt.show()

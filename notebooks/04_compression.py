@@ -24,13 +24,15 @@
 #   n x m; vectors such as biases go uncompressed), with error feedback, after `powersgd_start_iter` (10)
 #   uncompressed steps.
 #
-# The digits classifier on 2 CPU ranks, the same seed and epochs for every case. We compare (a) bytes per step
+# The digits classifier on 2 CPU ranks, the same epochs for every case, each case over 3 seeds (a seed sets the
+# initial weights and the data order); tables give every figure as the mean and the range [min, max] over the
+# seeds, and a case whose range overlaps the reference's (`none`) is a tie with it. We compare (a) bytes per step
 # against test accuracy, and (b) what that would mean in time on a slow link: a **model** built from the measured
 # compute time and bytes of these runs, and, where the benchmark has measured it on emulated links (which needs
 # root), its measured time to accuracy.
 #
-# Set the environment variable `SMOKE=1` to run every case for a few batches only; `NOTEBOOK_OUT` names the output
-# folder.
+# Set the environment variable `SMOKE=1` to run every case for a few batches only, with one seed; `NOTEBOOK_OUT`
+# names the output folder.
 
 # %%
 import os
@@ -39,6 +41,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 SMOKE = os.environ.get("SMOKE", "0") == "1"
 EPOCHS = 1 if SMOKE else 15
 OUT = os.environ.get("NOTEBOOK_OUT", "outputs/notebook_compression")
+SEEDS = (0,) if SMOKE else (0, 1, 2)
 SMALL = ["++trainer.limit_train_batches=4", "++trainer.limit_val_batches=1"] if SMOKE else []
 TARGET = 0.3 if SMOKE else 0.9  # validation accuracy for the time-to-accuracy model
 
@@ -49,14 +52,17 @@ import matplotlib.pyplot as plt
 
 from lightning_sync.apps.study import (
     LINK_RATES,
+    by_case,
     format_cell,
-    format_link_model,
-    format_runs,
+    format_seed_link_model,
+    format_seed_runs,
     load_time_to_accuracy,
     markdown_table,
     modelled_accuracy_curve,
     modelled_time_to_accuracy,
     run_cases,
+    seed_band,
+    seed_cases,
 )
 
 COMPRESSION = {
@@ -75,33 +81,42 @@ COLORS = dict(zip(cases, ("black", "tab:blue", "tab:cyan", "tab:orange", "tab:gr
 # %% [markdown]
 # ## (a) Bytes per step against accuracy
 # Bytes each rank sends per optimizer step in training, as the communication meter counts them (compressed
-# payloads at their real size; `powersgd`'s uncompressed first steps included).
+# payloads at their real size; `powersgd`'s uncompressed first steps included). The 5 cases x 3 seeds are 15 runs
+# of a few seconds each. Left: each case's mean test accuracy, the bar its range over the seeds; right: the mean
+# validation accuracy of rank 0's probes against batches, the band the seeds' range.
 
 # %%
-runs = run_cases(cases, Path(OUT, "digits"), common=[f"trainer.max_epochs={EPOCHS}", *SMALL])
-print(f"Digits classifier, allreduce, 2 CPU ranks, {EPOCHS} epoch(s){' (SMOKE: 4 batches)' if SMOKE else ''}, seed 0")
+runs = run_cases(seed_cases(cases, SEEDS), Path(OUT, "digits"), common=[f"trainer.max_epochs={EPOCHS}", *SMALL])
+groups = by_case(runs)
 print(
-    format_runs(
-        runs.values(), columns=("test acc", "bytes sent/step", "calls/step", "ms/step", "comm ms/step", "training s")
+    f"Digits classifier, allreduce, 2 CPU ranks, {EPOCHS} epoch(s){' (SMOKE: 4 batches)' if SMOKE else ''}, "
+    f"seeds {', '.join(map(str, SEEDS))}"
+)
+print(
+    format_seed_runs(
+        groups,
+        columns=("test acc", "bytes sent/step", "calls/step", "ms/step", "comm ms/step", "training s"),
+        reference="none",
     )
 )
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
-for name, run in runs.items():
-    if run.test_accuracy is not None:
-        axes[0].scatter(run.bytes_sent_per_step / 1e3, 100 * run.test_accuracy, s=60, color=COLORS[name], label=name)
-        axes[0].annotate(
-            name,
-            (run.bytes_sent_per_step / 1e3, 100 * run.test_accuracy),
-            textcoords="offset points",
-            xytext=(6, 4),
-            fontsize=9,
+for name, group in groups.items():
+    accs = [100 * r.test_accuracy for r in group if r.test_accuracy is not None]
+    sent = group[0].bytes_sent_per_step / 1e3
+    if accs:
+        mean = sum(accs) / len(accs)
+        axes[0].errorbar(
+            sent, mean, yerr=[[mean - min(accs)], [max(accs) - mean]], fmt="o", color=COLORS[name], capsize=3
         )
-    axes[1].plot(*run.accuracy_curve(x="batch"), marker=".", markersize=3, color=COLORS[name], label=name)
+        axes[0].annotate(name, (sent, mean), textcoords="offset points", xytext=(6, 4), fontsize=9)
+    grid, mean, low, high = seed_band([r.accuracy_curve(x="batch") for r in group])
+    axes[1].plot(grid, mean, color=COLORS[name], label=name)
+    axes[1].fill_between(grid, low, high, color=COLORS[name], alpha=0.2)
 axes[0].set(
     xlabel="kB sent per rank per optimizer step",
-    ylabel="test accuracy (%)",
+    ylabel="test accuracy (%), mean [min, max]",
     xscale="log",
     title="bytes against accuracy",
 )
@@ -125,22 +140,27 @@ plt.show()
 # compression's own work, e.g. PowerSGD's matrix products or top-k's selection, stays in), and the bytes are the
 # meter's. It assumes a full-duplex link per rank (each rank's send and receive overlap), no latency, and no
 # overlap of transfer with compute; the time to reach `TARGET` validation accuracy is the batches each run needed
-# (rank 0's probes, after the first batch and every 5) times that. It counts bytes only: on a real link each
+# (rank 0's probes, after the first batch and every 5) times that, for each seed; the table gives the mean and range
+# over the seeds, and `vs none` compares each case's modelled seconds with fp32's at that rate (`tie`: the ranges
+# overlap). A seed that never reached the target counts in `(k of n)`. It counts bytes only: on a real link each
 # message also pays a latency, and PowerSGD makes about three collectives per step (its P and Q factors and the
 # uncompressed vectors; the `calls/step` column) where the others make one, so the model flatters it there.
 # The compute term is measured on a shared 2-core machine: between runs it moves by tens of percent, which shifts
 # the 1 Gbit/s column most (there compute is most of the time).
 
 # %%
-print(format_link_model(runs.values(), TARGET))
+print(format_seed_link_model(groups, TARGET, reference="none"))
 
 # %%
 fig, axes = plt.subplots(1, len(LINK_RATES) + 1, figsize=(20, 4.5))
 for ax, (rate, bps) in zip(axes, LINK_RATES.items()):
-    curves = {name: modelled_accuracy_curve(run, bps) for name, run in runs.items()}
-    for name, (seconds, acc) in curves.items():
-        ax.plot(seconds, acc, color=COLORS[name], label=name)
-    if any(seconds for seconds, _ in curves.values()):
+    drawn = False
+    for name, group in groups.items():
+        grid, mean, low, high = seed_band([modelled_accuracy_curve(r, bps) for r in group])
+        ax.plot(grid, mean, color=COLORS[name], label=name)
+        ax.fill_between(grid, low, high, color=COLORS[name], alpha=0.2)
+        drawn = drawn or bool(grid)
+    if drawn:
         ax.set_xscale("log")
     ax.axhline(TARGET, color="gray", linestyle=":")
     ax.set(
@@ -150,22 +170,18 @@ for ax, (rate, bps) in zip(axes, LINK_RATES.items()):
         title=f"model: accuracy against time at {rate}",
     )
 axes[0].legend()
-width = 0.8 / len(runs)
-for i, (name, run) in enumerate(runs.items()):
-    seconds = [modelled_time_to_accuracy(run, TARGET, bps) for bps in LINK_RATES.values()]
-    positions = [r + (i - (len(runs) - 1) / 2) * width for r in range(len(LINK_RATES))]
-    bars = axes[-1].bar(
-        [p for p, s in zip(positions, seconds) if s is not None],
-        [s for s in seconds if s is not None],
-        width,
-        color=COLORS[name],
-        label=name,
-    )
-    axes[-1].bar_label(bars, fmt="%.1f", fontsize=7)
+width = 0.8 / len(groups)
+for i, (name, group) in enumerate(groups.items()):
+    for j, bps in enumerate(LINK_RATES.values()):
+        seconds = [s for s in (modelled_time_to_accuracy(r, TARGET, bps) for r in group) if s is not None]
+        if seconds:
+            mean, x = sum(seconds) / len(seconds), j + (i - (len(groups) - 1) / 2) * width
+            axes[-1].bar(x, mean, width, color=COLORS[name], label=name if j == 0 else None)
+            axes[-1].errorbar(x, mean, yerr=[[mean - min(seconds)], [max(seconds) - mean]], color="black", capsize=2)
 axes[-1].set(
     xticks=range(len(LINK_RATES)),
     xticklabels=list(LINK_RATES),
-    ylabel=f"modelled seconds to {TARGET:.0%}",
+    ylabel=f"modelled seconds to {TARGET:.0%} (mean, bar: range)",
     title=f"model: time to {TARGET:.0%} validation accuracy (none: not reached)",
 )
 if axes[-1].patches:

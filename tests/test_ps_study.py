@@ -10,6 +10,7 @@ import pytest
 from lightning_sync.apps.ps_study import (
     TIMELINE_DIR,
     PSRun,
+    format_seed_table,
     format_table,
     parse_mode,
     ps_overrides,
@@ -72,6 +73,26 @@ def test_throughput_is_the_version_slope_past_the_skipped_updates(tmp_path):
     assert sync.training_s == pytest.approx(4.5)
     (row_sync, row_async) = summarize([sync, asyn], skip=0.3)
     assert row_sync["ratio"] == 1.0 and row_async["ratio"] == pytest.approx(0.5)
+
+
+@pytest.mark.unit
+def test_seed_table_gives_mean_and_range_over_rounds_and_ties(tmp_path):
+    rows = [(11.0, 1), (12.0, 2), (12.5, 4), (13.5, 8), (14.5, 10)]
+    runs = {}
+    for name, mode, accuracy in (("sync s0", "sync", 0.90), ("sync s1", "sync", 0.92), ("async s0", "async", 0.91)):
+        _write_timeline(tmp_path / name, mode, rows)
+        runs[name] = PSRun.load(name, tmp_path / name, {"test": {"test/acc": accuracy}, "step_time_ms": 10.0})
+    table_rows = summarize({"sync": [runs["sync s0"], runs["sync s1"]], "async": [runs["async s0"]]}, skip=0.3)
+    assert [r["name"] for r in table_rows] == ["sync", "async"] and table_rows[0]["rounds"] == 2
+    assert table_rows[0]["step_mss"] == [10.0, 10.0] and table_rows[0]["training_ss"] == [pytest.approx(4.5)] * 2
+    table = format_seed_table(table_rows).splitlines()
+    assert table[0].startswith(
+        "| mode | samples/s mean [min, max] | vs sync | test acc mean [min, max] | acc vs sync |"
+    )
+    assert table[2].startswith("| sync | 48 [48, 48] | tie | 91.00% [90.00, 92.00] | tie |")
+    assert table[3].startswith("| async | 24 [24, 24] | worse | 91.00% [91.00, 91.00] | tie |")
+    with pytest.raises(ValueError, match="reference 'ddp' is not a case"):
+        format_seed_table(table_rows, reference="ddp")
 
 
 @pytest.mark.e2e

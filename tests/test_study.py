@@ -12,14 +12,19 @@ from lightning_sync.apps.study import (
     TIMELINE_DIR,
     StudyRun,
     Timeline,
+    band_cell,
+    by_case,
     format_link_model,
     format_runs,
+    format_seed_link_model,
+    format_seed_runs,
     load_time_to_accuracy,
     modelled_accuracy_curve,
     modelled_step_seconds,
     modelled_time_to_accuracy,
     periodic_cases,
     run_cases,
+    seed_cases,
 )
 
 DIGITS_GRADIENT_BYTES = 104_488  # 26,122 fp32 parameters: a ring all-reduce on 2 ranks sends that many per rank
@@ -115,6 +120,44 @@ def test_tables_name_their_columns(tmp_path):
     assert table.splitlines()[2] == "| case | 75.00% | 500 | 3 | 0.4000 | 24.0% |"
     with pytest.raises(ValueError, match="columns \\['speed'\\] are not allowed"):
         format_runs([run], columns=("speed",))
+
+
+@pytest.mark.unit
+def test_band_cell_is_mean_and_range_and_counts_missing_values():
+    assert band_cell([1.0, 2.0, 6.0], ".1f") == "3.0 [1.0, 6.0]"
+    assert band_cell([90.0, None], ".2f", "%") == "90.00% [90.00, 90.00] (1 of 2)"
+    assert band_cell([None, None]) == "-"
+
+
+@pytest.mark.unit
+def test_seed_tables_give_mean_and_range_and_call_overlaps_a_tie(tmp_path):
+    accuracies = {"ref": (0.90, 0.92), "close": (0.91, 0.95), "low": (0.50, 0.60), "high": (0.96, 0.97)}
+    runs = {}
+    for name in seed_cases({case: [] for case in accuracies}, (0, 1)):
+        case, seed = name.rsplit(" s", 1)
+        run = _write_run(tmp_path / name.replace(" ", "_"))
+        run.summary["test"]["test/acc"] = accuracies[case][int(seed)]
+        runs[name] = run
+    groups = by_case(runs)
+    assert list(groups) == list(accuracies) and all(len(g) == 2 for g in groups.values())
+    table = format_seed_runs(groups, columns=("test acc", "bytes sent/step"), reference="ref").splitlines()
+    assert table[0] == "| case | test acc mean [min, max] | vs ref | bytes sent/step mean [min, max] |"
+    assert table[2] == "| ref | 91.00% [90.00, 92.00] | tie | 1,000 [1,000, 1,000] |"
+    assert [line.split(" | ")[2] for line in table[3:]] == ["tie", "worse", "better"]
+    runs["low s1"].summary["diverged"] = True
+    assert "| low | 50.00% [50.00, 50.00] (1 of 2) | worse |" in format_seed_runs(groups, ("test acc",), "ref")
+    with pytest.raises(ValueError, match="columns \\['speed'\\] are not allowed"):
+        format_seed_runs(groups, columns=("speed",))
+    with pytest.raises(ValueError, match="reference 'none' is not a case"):
+        format_seed_runs(groups, reference="none")
+    model = format_seed_link_model(groups, 0.5, {"10kbit": 1e4}, reference="ref").splitlines()
+    assert model[0].endswith(
+        "| modelled ms/batch 10kbit mean [min, max] | modelled s to 50% 10kbit mean [min, max] | vs ref 10kbit |"
+    )
+    assert (
+        model[2]
+        == "| ref | 300.00 [300.00, 300.00] | 5.0 [5.0, 5.0] | 700.0 [700.0, 700.0] | 3.50 [3.50, 3.50] | tie |"
+    )
 
 
 @pytest.mark.unit

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from typing_extensions import override
 
 from lightning_sync.apps.study import (
     Timeline,
+    band_cell,
     batch_loss,
     format_cell,
     markdown_table,
@@ -352,22 +353,29 @@ def run_ps(
 
 
 # ---------------------------------------------------------------------------------------------------- many runs
-def summarize(runs: Sequence[PSRun], reference: str = "sync", skip: float = 0.1) -> list[dict[str, Any]]:
+def summarize(
+    runs: Sequence[PSRun] | Mapping[str, Sequence[PSRun]], reference: str = "sync", skip: float = 0.1
+) -> list[dict[str, Any]]:
     """One row per case name (in first-seen order), pooling its repeats.
 
     Each row: ``name``, ``mode``, ``rounds``, ``throughput`` (median samples/s), ``throughputs`` (each round's),
     ``ratio`` (median throughput over ``reference``'s median; ``None`` without that case), ``staleness_mean`` and
     ``staleness_max`` (over every push of every round; 0 in sync), ``test_acc`` (median) and ``test_accs``,
-    ``step_ms`` (median of worker 0's median step time), ``updates`` and ``training_s`` (medians).
+    ``step_ms`` (median of worker 0's median step time) and ``step_mss`` (each round's), ``updates`` and
+    ``training_s`` (medians) and ``training_ss`` (each round's).
 
     Args:
-        runs: finished runs, in any order; runs of one case share its ``name``.
+        runs: finished runs, in any order; runs of one case share its ``name``. Or runs already grouped by case,
+            ``{case: runs}`` (e.g. :func:`lightning_sync.apps.study.by_case` of seeded runs named ``<case> s<seed>``).
         reference: the case the ratios divide by.
         skip: see :meth:`PSRun.throughput`.
     """
     groups: dict[str, list[PSRun]] = {}
-    for run in runs:
-        groups.setdefault(run.name, []).append(run)
+    if isinstance(runs, Mapping):
+        groups = {name: list(group) for name, group in runs.items()}
+    else:
+        for run in runs:
+            groups.setdefault(run.name, []).append(run)
     rows = []
     for name, group in groups.items():
         pushes = [s for run in group for worker in run.staleness() for s in worker]
@@ -385,8 +393,10 @@ def summarize(runs: Sequence[PSRun], reference: str = "sync", skip: float = 0.1)
             "test_acc": statistics.median(accs) if accs else None,
             "test_accs": accs,
             "step_ms": statistics.median(steps) if steps else None,
+            "step_mss": steps,
             "updates": statistics.median(run.updates for run in group),
             "training_s": statistics.median(run.training_s for run in group),
+            "training_ss": [run.training_s for run in group],
         })  # fmt: skip
     ref = next((r["throughput"] for r in rows if r["name"] == reference), None)
     for row in rows:
@@ -426,6 +436,54 @@ def format_table(rows: Sequence[dict[str, Any]], reference: str = "sync") -> str
                 cell(acc, ".2f", "%"),
                 cell(r["step_ms"], ".2f"),
                 cell(r["training_s"], ".1f"),
+            )
+        )
+    return markdown_table(header, cells)
+
+
+def format_seed_table(rows: Sequence[dict[str, Any]], reference: str = "sync") -> str:
+    """:func:`summarize`'s rows as a Markdown table over rounds (e.g. seeds): samples/s, test acc, worker 0's
+    ms/step and training seconds as ``mean [min, max]`` over the case's rounds; after samples/s and after test acc a
+    ``vs <reference>`` column says ``tie`` when the ranges overlap, else ``better`` or ``worse``
+    (:func:`lightning_sync.apps.compare.verdict`); staleness mean and max over every push of every round.
+
+    Raises:
+        ValueError: ``reference`` is not a row's name.
+    """
+    from lightning_sync.apps.compare import spread, verdict
+
+    by_name = {r["name"]: r for r in rows}
+    if reference not in by_name:
+        raise ValueError(f"reference {reference!r} is not a case; the cases are: {', '.join(by_name)}")
+    ref = by_name[reference]
+
+    def accs(row: dict[str, Any]) -> list[float]:
+        return [100 * a for a in row["test_accs"]]
+
+    header = (
+        "mode",
+        "samples/s mean [min, max]",
+        f"vs {reference}",
+        "test acc mean [min, max]",
+        f"acc vs {reference}",
+        "staleness mean",
+        "staleness max",
+        "ms/step (worker 0) mean [min, max]",
+        "training s mean [min, max]",
+    )
+    cells = []
+    for r in rows:
+        cells.append(
+            (
+                r["name"],
+                band_cell(r["throughputs"], ",.0f"),
+                verdict(spread(r["throughputs"]), spread(ref["throughputs"]), higher_is_better=True),
+                band_cell(accs(r), ".2f", "%") if r["test_accs"] else "-",
+                verdict(spread(accs(r)), spread(accs(ref)), higher_is_better=True),
+                format_cell(r["staleness_mean"], ".2f"),
+                format_cell(r["staleness_max"], "d"),
+                band_cell(r["step_mss"], ".2f") if r["step_mss"] else "-",
+                band_cell(r["training_ss"], ".1f"),
             )
         )
     return markdown_table(header, cells)

@@ -725,3 +725,114 @@ def load_bench_rows(workload: str, root: str | Path | None = None) -> list[dict[
         if isinstance(data, dict) and {"config", "summary"} <= data.keys():
             rows += [{**r, "file": str(file)} for r in data["summary"] if r.get("workload") == workload]
     return rows
+
+
+def band_cell(values: Sequence[float | None], spec: str = ".3f", suffix: str = "") -> str:
+    """``mean [min, max]`` of the values that are not ``None`` (e.g. one per seed), each formatted with ``spec`` (and
+    ``suffix``); ``-`` if there are none. When only some runs gave a value, ``(k of n)`` follows."""
+    from lightning_sync.apps.compare import spread
+
+    found = spread(values)
+    if found is None:
+        return "-"
+    cell = f"{found.mean:{spec}}{suffix} [{found.low:{spec}}, {found.high:{spec}}]"
+    return cell if found.n == len(values) else f"{cell} ({found.n} of {len(values)})"
+
+
+def _percent(value: float | None) -> float | None:
+    return None if value is None else 100 * value
+
+
+SEED_METRICS: dict[str, tuple[Callable[[StudyRun], float | None], str, str]] = {
+    "test acc": (lambda r: None if r.diverged else _percent(r.test_accuracy), ".2f", "%"),
+    "ms/step": (lambda r: r.step_time_ms, ".2f", ""),
+    "comm ms/step": (lambda r: None if r.comm_seconds_per_step is None else 1e3 * r.comm_seconds_per_step, ".2f", ""),
+    "calls/step": (lambda r: r.summary.get("calls_per_step"), ".1f", ""),
+    "bytes sent/step": (lambda r: r.bytes_sent_per_step, ",.0f", ""),
+    "bytes sent/batch": (lambda r: r.bytes_sent_per_batch, ",.0f", ""),
+    "syncs": (lambda r: r.syncs, ".1f", ""),
+    "mean divergence": (lambda r: r.mean_divergence, ".4f", ""),
+    "comm share": (lambda r: _percent(r.comm_share), ".1f", "%"),
+    "training s": (lambda r: r.training_s, ".1f", ""),
+}
+"""What :func:`format_seed_runs` can show, by header: ``(a run's value, format, suffix)``."""
+
+
+def format_seed_runs(
+    groups: Mapping[str, Sequence[StudyRun]],
+    columns: Sequence[str] = ("test acc", "ms/step", "comm ms/step", "bytes sent/step", "training s"),
+    reference: str | None = None,
+) -> str:
+    """A Markdown table, one row per case of :func:`by_case`: each of ``columns`` (headers of :data:`SEED_METRICS`)
+    as ``mean [min, max]`` over the case's seeds; a diverged run gives no test accuracy (``(k of n)``: k seeds gave
+    one, see :func:`band_cell`).
+
+    With ``reference`` (a case of ``groups``), a ``vs <reference>`` column after ``test acc`` says ``tie`` when the
+    case's range of test accuracy overlaps the reference's, else ``better`` or ``worse``
+    (:func:`lightning_sync.apps.compare.verdict`).
+    """
+    from lightning_sync.apps.compare import spread, verdict
+
+    unknown = [c for c in columns if c not in SEED_METRICS]
+    if unknown:
+        raise ValueError(f"columns {unknown} are not allowed; choose from: {', '.join(SEED_METRICS)}")
+    if reference is not None and reference not in groups:
+        raise ValueError(f"reference {reference!r} is not a case; the cases are: {', '.join(groups)}")
+    accuracy = SEED_METRICS["test acc"][0]
+    ref = None if reference is None else spread([accuracy(r) for r in groups[reference]])
+    header = ["case"]
+    for column in columns:
+        header.append(f"{column} mean [min, max]")
+        if column == "test acc" and reference is not None:
+            header.append(f"vs {reference}")
+    rows = []
+    for name, group in groups.items():
+        cells = [name]
+        for column in columns:
+            value, spec, suffix = SEED_METRICS[column]
+            cells.append(band_cell([value(r) for r in group], spec, suffix))
+            if column == "test acc" and reference is not None:
+                cells.append(verdict(spread([accuracy(r) for r in group]), ref, higher_is_better=True))
+        rows.append(cells)
+    return markdown_table(header, rows)
+
+
+def format_seed_link_model(
+    groups: Mapping[str, Sequence[StudyRun]],
+    target: float,
+    rates: Mapping[str, float] = LINK_RATES,
+    reference: str | None = None,
+) -> str:
+    """:func:`format_link_model` over seeds: one row per case of :func:`by_case`, every figure as ``mean [min, max]``
+    over its seeds (a seed that never reached ``target`` gives none: ``(k of n)``). With ``reference``, a
+    ``vs <reference> <rate>`` column after each rate's modelled seconds says ``tie`` when the ranges overlap, else
+    ``better`` (less time) or ``worse``."""
+    from lightning_sync.apps.compare import spread, verdict
+
+    def seconds(group: Sequence[StudyRun], bps: float) -> list[float | None]:
+        return [modelled_time_to_accuracy(r, target, bps) for r in group]
+
+    header = ["case", "compute ms/batch mean [min, max]", f"batches to {target:.0%} mean [min, max]"]
+    for rate in rates:
+        header += [f"modelled ms/batch {rate} mean [min, max]", f"modelled s to {target:.0%} {rate} mean [min, max]"]
+        if reference is not None:
+            header.append(f"vs {reference} {rate}")
+    rows = []
+    for name, group in groups.items():
+        compute = [r.compute_seconds_per_batch() for r in group]
+        cells = [
+            name,
+            band_cell([None if c is None else 1e3 * c for c in compute], ".2f"),
+            band_cell([r.batches_to_accuracy(target) for r in group], ".1f"),
+        ]
+        for bps in rates.values():
+            steps = [modelled_step_seconds(r, bps) for r in group]
+            cells += [
+                band_cell([None if s is None else 1e3 * s for s in steps], ",.1f"),
+                band_cell(seconds(group, bps), ",.2f"),
+            ]
+            if reference is not None:
+                ref = spread(seconds(groups[reference], bps))
+                cells.append(verdict(spread(seconds(group, bps)), ref, higher_is_better=False))
+        rows.append(cells)
+    return markdown_table(header, rows)
