@@ -317,5 +317,10 @@ def test_char_lm_table_gives_median_spread_bounds_and_bytes():
     table = markdown(list(rows.values()), cfg)
     assert "<= 2.5000 nats/char" in table and "wire/meter" in table
     assert "| diloco | 2.00 | 1.00-3.00 | 0.18x | 4.00x | 32 | 2.4500 | 40.0 | 25% |" in table
+    from lightning_sync.apps.bench.report import _payload_kind
+
+    assert [_payload_kind(c) for c in ("streaming_diloco", "topk", "diloco", "ps_async", "floor")] == [
+        "compressed", "compressed", "ring", "push", ""
+    ]  # fmt: skip
     assert "100,000 (ring)" in table and "| topk | not reached |" in table and "never never" in table
     assert "| floor (bound: s for budget_steps) | 0.50 |" in table

@@ -107,7 +107,8 @@ def _cell(value: Any, spec: str, suffix: str = "") -> str:
 def _payload_kind(case: str) -> str:
     """What the meter's bytes of ``case`` are: a compressed payload, the ring formula's payload, or none."""
     ours = OUR_CASES.get(case)
-    if ours is not None and ours.knobs.get("compression", "none") != "none":
+    knobs = ours.knobs if ours is not None else {}
+    if any(knobs.get(k, "none") != "none" for k in ("compression", "outer_compression")):
         return "compressed"
     if ours is not None or case.startswith(("lightning_ddp", "torch_")):
         return "ring" if ours is None or ours.strategy != "ParameterServerStrategy" else "push"
