@@ -17,7 +17,7 @@ clock all forked workers share) and rank 0's validation probes (every ``--probe-
 
 * tokens per second: characters trained on by all workers, over the time from the first batch to the last;
 * validation loss at equal tokens: rank 0's probed loss (its own parameters) against the characters all workers
-  had trained on by then, interpolated at the smaller of the two cases' token totals in that round;
+  had trained on by then, interpolated at the largest token count both cases' probes reach in that round;
 * the final test loss (periodic: the averaged model; ps: the servers' parameters) and the tokens behind it.
 
 The report gives medians over the rounds, the ratios to the first case and the verdicts (tokens per second at
@@ -186,7 +186,7 @@ def summarize(records: list[dict[str, Any]], cases: list[str]) -> tuple[list[dic
         speed_ratios, loss_ratios, losses, ref_losses = [], [], [], []
         for rec in (r for r in records if r["case"] == case):
             ref = next(r for r in records if r["case"] == reference and r["round"] == rec["round"])
-            tokens = min(rec["tokens"], ref["tokens"])
+            tokens = min(rec["curve"][-1][0], ref["curve"][-1][0]) if rec["curve"] and ref["curve"] else 0
             mine, theirs = loss_at(rec["curve"], tokens), loss_at(ref["curve"], tokens)
             speed_ratios.append(rec["tokens_per_s"] / ref["tokens_per_s"])
             if mine is not None and theirs is not None:
