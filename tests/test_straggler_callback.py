@@ -12,10 +12,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import time
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning_utils import make_trainer
 
 from lightning_sync.callbacks import StragglerCallback
 
@@ -31,17 +31,7 @@ class _SlowModel(BoringModel):
 
 
 def _fit(callback: StragglerCallback, batches: int = 10) -> float:
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=batches,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-    )
+    trainer = make_trainer("auto", devices=1, max_steps=batches, callbacks=[callback])
     torch.manual_seed(0)
     started = time.perf_counter()
     trainer.fit(_SlowModel())
