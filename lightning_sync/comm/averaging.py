@@ -29,8 +29,11 @@ When to call which, for which parameters, is :class:`~lightning_sync.comm.period
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 from collections.abc import Iterable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,8 +41,37 @@ from torch.distributed import ProcessGroup
 
 from lightning_sync.comm.bucketing import plan_buckets
 from lightning_sync.comm.compression import Compressor, FlatBucket, NoCompression
-from lightning_sync.comm.meter import CommMeter, wait_future
+from lightning_sync.comm.meter import CommMeter, PeerError, wait_future
+from lightning_sync.comm.nonfinite import ends_are_finite, extremes
 from lightning_sync.comm.tuning import MIB
+
+if TYPE_CHECKING:
+    from lightning_sync.comm.streaming import OuterSyncWorker
+
+
+WAIT_GRACE_S = 5.0
+"""Seconds a wait for an outer sync's result may exceed ``timeout_s``: the collective itself fails after
+``timeout_s`` (its process group's timeout) with an error naming the silent peer; the grace lets that error come
+first."""
+
+
+@dataclass
+class InFlight:
+    """An outer sync between its launch and its apply.
+
+    Attributes:
+        launched_at: the averager's step count when it was launched.
+        mine: this rank's pseudo-gradient buckets at launch (for the divergence); ``None`` once complete.
+        futures: the compressor's futures (launched on the calling thread), or
+        job: the worker's future (launched on the worker).
+        divergence_sq: this rank's squared divergence from the average, once complete.
+    """
+
+    launched_at: int
+    mine: list[torch.Tensor] | None = None
+    futures: list[torch.futures.Future] | None = None
+    job: concurrent.futures.Future | None = None
+    divergence_sq: float | None = None
 
 
 # ------------------------------------------------------------------------------------------------ small helpers
@@ -192,35 +224,16 @@ class ModelAverager:
         for anchor, bucket_params in zip(self.anchors, self._bucket_params):
             _pack(bucket_params, anchor)
 
-    def _average_deltas(self, sign: float) -> float:
-        """Fills each delta bucket with ``sign * (local - anchor)``, averages it; returns the squared divergence."""
-        launched = []
-        for index, (anchor, delta, bucket_params) in enumerate(zip(self.anchors, self._deltas, self._bucket_params)):
-            _pack(bucket_params, delta)
-            delta.sub_(anchor)
-            if sign < 0:
-                delta.neg_()
-            mine = delta.clone()
-            bucket = FlatBucket(index=index, buffer=delta, shapes=[p.shape for p in bucket_params])
-            launched.append((mine, self.compressor.average(bucket, self.meter, self.group)))
-        divergence_sq = 0.0
-        for (mine, future), delta in zip(launched, self._deltas):
-            wait_future(future, "model average", self.group)
-            divergence_sq += float((mine - delta).double().pow(2).sum())
-        self.compressor.advance()
-        return divergence_sq
-
     def average_(self) -> float:
         """Local SGD: every replica becomes ``anchor + mean(local - anchor)``, which is the new anchor.
 
         Returns:
             This rank's squared divergence from the average, ``||local - average||^2``.
         """
-        divergence_sq = self._average_deltas(+1.0)
-        for anchor, delta, bucket_params in zip(self.anchors, self._deltas, self._bucket_params):
-            anchor.add_(delta)
-            _unpack(anchor, bucket_params)
-        return divergence_sq
+        flight = self.launch_(+1.0, 0)
+        squared = self.complete_(flight)
+        self.apply_(flight, None, skip_nonfinite=False)
+        return squared
 
     def outer_step_(self, outer_optimizer: torch.optim.Optimizer) -> float:
         """DiLoCo: ``anchor.grad = mean(anchor - local)``, one outer optimizer step, every replica loads the anchor.
@@ -231,14 +244,115 @@ class ModelAverager:
         Returns:
             This rank's squared divergence from the average, ``||local - average||^2``.
         """
-        divergence_sq = self._average_deltas(-1.0)
-        for anchor, delta in zip(self.anchors, self._deltas):
-            anchor.grad = delta
-        outer_optimizer.step()
-        for anchor, bucket_params in zip(self.anchors, self._bucket_params):
+        flight = self.launch_(-1.0, 0)
+        squared = self.complete_(flight)
+        self.apply_(flight, outer_optimizer, skip_nonfinite=False)
+        return squared
+
+    # The same sync split in two, so that its collectives can run while inner steps do (streaming DiLoCo):
+    # launch_ packs and starts averaging, apply_ (after complete_) steps the global copy and loads it.
+    def launch_(self, sign: float, step: int, worker: OuterSyncWorker | None = None) -> InFlight:
+        """Packs ``sign * (local - global copy)`` and starts averaging it (on ``worker``, or from this thread).
+
+        Args:
+            sign: ``-1``: DiLoCo's pseudo-gradient ``global - local``; ``+1``: local SGD's delta.
+            step: the owner's step count, kept in the result.
+            worker: runs the averaging off this thread (``None``: the compressor's collectives are issued now, from
+                this thread).
+        """
+        mine: list[torch.Tensor] = []
+        flight = InFlight(launched_at=step, mine=mine, futures=[] if worker is None else None)
+        buckets = []
+        for index, (anchor, delta, bucket_params) in enumerate(zip(self.anchors, self._deltas, self._bucket_params)):
+            _pack(bucket_params, delta)
+            delta.sub_(anchor)
+            if sign < 0:
+                delta.neg_()
+            mine.append(delta.clone())
+            bucket = FlatBucket(index=index, buffer=delta, shapes=[p.shape for p in bucket_params])
+            if flight.futures is not None:
+                flight.futures.append(self.compressor.average(bucket, self.meter, self.group))
+            else:
+                buckets.append(bucket)
+        if worker is not None:
+            flight.job = worker.submit(lambda: self._average_buckets(buckets))
+        return flight
+
+    def _average_buckets(self, buckets: Sequence[FlatBucket]) -> None:
+        """The worker's job: average every bucket and wait (on a GPU, with the buckets' device current in the
+        worker thread, where the current device is not inherited)."""
+        device = buckets[0].buffer.device if buckets else torch.device("cpu")
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            for future in [self.compressor.average(bucket, self.meter, self.group) for bucket in buckets]:
+                wait_future(future, "outer sync", self.group)
+
+    def complete_(self, flight: InFlight, timeout_s: float | None = None) -> float:
+        """Waits for ``flight``'s average (at most ``timeout_s`` plus a grace, when run on the worker); idempotent.
+
+        Returns:
+            This rank's squared divergence from the average at launch time.
+
+        Raises:
+            PeerError: a peer did not answer within ``timeout_s`` (or is gone).
+        """
+        if flight.divergence_sq is not None:
+            return flight.divergence_sq
+        if flight.job is not None:
+            limit = None if timeout_s is None else timeout_s + WAIT_GRACE_S
+            try:
+                flight.job.result(timeout=limit)
+            except concurrent.futures.TimeoutError:
+                raise PeerError(
+                    f"outer sync on rank {dist.get_rank()} failed: no result within timeout_s={timeout_s:g} s "
+                    "(a peer is frozen or gone)"
+                ) from None
+        for future in flight.futures or []:
+            wait_future(future, "outer sync", self.group)
+        squared = 0.0
+        for mine, delta in zip(flight.mine or [], self._deltas):
+            squared += float((mine - delta).double().pow(2).sum())
+        self.compressor.advance()
+        flight.mine, flight.futures, flight.job, flight.divergence_sq = None, None, None, squared
+        return squared
+
+    def apply_(
+        self,
+        flight: InFlight,
+        outer: torch.optim.Optimizer | None,
+        alpha: float = 0.0,
+        skip_nonfinite: bool = True,
+        timeout_s: float | None = None,
+    ) -> bool:
+        """Completes ``flight`` and applies it: the outer step (``outer``; ``None``: local SGD's plain average) on
+        the global copy, then the parameters become ``alpha * local + (1 - alpha) * global``.
+
+        With ``skip_nonfinite`` an average holding a NaN or Inf (identical on every rank, so every rank decides the
+        same) skips the outer step: the global copy and the outer optimizer stay as they are and the parameters
+        return to the global copy.
+
+        Returns:
+            Whether the outer step was taken (``False``: skipped).
+        """
+        self.complete_(flight, timeout_s)
+        if skip_nonfinite and not ends_are_finite([extremes(d) for d in self._deltas if d.numel()]):
+            self.compressor.forget_nonfinite()
+            for anchor, bucket_params in zip(self.anchors, self._bucket_params):
+                _unpack(anchor, bucket_params)
+            return False
+        if outer is None:
+            for anchor, delta in zip(self.anchors, self._deltas):
+                anchor.add_(delta)
+        else:
+            for anchor, delta in zip(self.anchors, self._deltas):
+                anchor.grad = delta
+            outer.step()
+        for anchor, delta, bucket_params in zip(self.anchors, self._deltas, self._bucket_params):
             anchor.grad = None
-            _unpack(anchor, bucket_params)
-        return divergence_sq
+            if alpha == 0.0:
+                _unpack(anchor, bucket_params)
+            else:  # the delta bucket is free again: mix in it
+                _unpack(_pack(bucket_params, delta).lerp_(anchor, 1.0 - alpha), bucket_params)
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         """The global copy and the compressor's memory (cloned)."""
