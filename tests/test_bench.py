@@ -303,20 +303,20 @@ def test_char_lm_table_gives_median_spread_bounds_and_bytes():
             _lm_record("diloco", repeat, [(diloco_s, 32, 2.45)], seconds_to_target=diloco_s, steps_to_target=32,
                        final_loss=2.45, bytes_sent_per_step=1.0e5, wire_bytes_per_step=1.04e5, **common),
             _lm_record("topk", repeat, [(20.0, 48, 2.8)], final_loss=2.8, gave_up=True, **common),
-            _lm_record("floor", repeat, [(0.5, 16, 2.9)], seconds_at_budget=0.5, final_loss=2.9, step_time_ms=10.0,
-                       **common),
+            _lm_record("floor", repeat, [(0.5, 16, 2.9)], seconds_at_budget=0.5, final_loss=2.9, **common),
         ]  # fmt: skip
-        records[-3]["step_time_ms"] = 40.0  # diloco: a quarter of its time is compute
     rows = {r["case"]: r for r in summarize(records, cfg)}
     assert rows["diloco"]["median"] == 2.0 and rows["diloco"]["spread"] == [1.0, 3.0]
     assert rows["diloco"]["vs_lightning_ddp"] == pytest.approx(2.0 / 11.0)
     assert rows["diloco"]["vs_floor"] == pytest.approx(4.0) and rows["floor"]["median"] == 0.5
     assert rows["topk"]["median"] is None
-    assert rows["diloco"]["utilization"] == pytest.approx(0.25) and rows["floor"]["utilization"] == 1.0
-    assert "utilization" not in rows["lightning_ddp"]  # no ms/step recorded
+    # mean ms/step from the trajectories (training s over steps): diloco 31.25 and 93.75, floor 31.25
+    assert rows["diloco"]["median_mean_step_ms"] == pytest.approx(62.5)
+    assert rows["diloco"]["utilization"] == pytest.approx(0.5) and rows["floor"]["utilization"] == 1.0
+    assert rows["lightning_ddp"]["utilization"] == pytest.approx(31.25 / 687.5)
     table = markdown(list(rows.values()), cfg)
     assert "<= 2.5000 nats/char" in table and "wire/meter" in table
-    assert "| diloco | 2.00 | 1.00-3.00 | 0.18x | 4.00x | 32 | 2.4500 | 40.0 | 25% |" in table
+    assert "| diloco | 2.00 | 1.00-3.00 | 0.18x | 4.00x | 32 | 2.4500 | 62.5 | 50% |" in table
     from lightning_sync.apps.bench.report import _payload_kind
 
     assert [_payload_kind(c) for c in ("streaming_diloco", "topk", "diloco", "ps_async", "floor")] == [
@@ -324,3 +324,25 @@ def test_char_lm_table_gives_median_spread_bounds_and_bytes():
     ]  # fmt: skip
     assert "100,000 (ring)" in table and "| topk | not reached |" in table and "never never" in table
     assert "| floor (bound: s for budget_steps) | 0.50 |" in table
+
+
+@pytest.mark.unit
+def test_resummarize_recomputes_the_summary_and_table_from_the_records(tmp_path):
+    from dataclasses import asdict
+
+    from lightning_sync.apps.bench.report import resummarize
+
+    cfg = parse_overrides(["workloads=char_lm", "budget_steps=16", "repeats=1"])
+    records = [
+        _lm_record("lightning_ddp", 0, [(8.0, 16, 2.5)], target_loss=2.5),
+        _lm_record("floor", 0, [(2.0, 16, 2.9)], seconds_at_budget=2.0, target_loss=2.5),
+    ]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"config": asdict(cfg), "summary": [], "records": records}))
+    resummarize(path)
+    data = json.loads(path.read_text())
+    rows = {r["case"]: r for r in data["summary"]}
+    assert rows["lightning_ddp"]["utilization"] == pytest.approx(0.25) and data["records"] == json.loads(
+        json.dumps(records)
+    )
+    assert "resummarized" in data and "| lightning_ddp |" in (tmp_path / "results.md").read_text()

@@ -62,6 +62,10 @@ def summarize(records: list[dict[str, Any]], cfg: BenchConfig) -> list[dict[str,
         if metric == "time_to_loss":
             row["target_loss"] = next((r.get("target_loss") for r in runs if r.get("target_loss") is not None), None)
             row["steps_run"] = [r["trajectory"][-1][1] if r.get("trajectory") else None for r in runs]
+            # training seconds over steps: a periodic case's sync steps count (the median step would hide them)
+            means = [1e3 * r["trajectory"][-1][0] / r["trajectory"][-1][1] for r in runs if _trained(r)]
+            if means:
+                row["median_mean_step_ms"] = statistics.median(means)
         for extra in (
             "step_time_ms",
             "bytes_sent_per_step",
@@ -95,9 +99,16 @@ def summarize(records: list[dict[str, Any]], cfg: BenchConfig) -> list[dict[str,
         floor = next(
             (r for r in rows if (r["workload"], r["rate"], r["case"]) == (row["workload"], row["rate"], "floor")), None
         )
-        if floor and floor.get("median_step_time_ms") and row.get("median_step_time_ms"):
-            row["utilization"] = floor["median_step_time_ms"] / row["median_step_time_ms"]
+        key = "median_mean_step_ms" if WORKLOADS[row["workload"]].metric == "time_to_loss" else "median_step_time_ms"
+        if floor and floor.get(key) and row.get(key):
+            row["utilization"] = floor[key] / row[key]
     return rows
+
+
+def _trained(record: dict[str, Any]) -> bool:
+    """Whether a time-to-loss run has a trajectory that ends after at least one step."""
+    trajectory = record.get("trajectory") if record.get("ok") else None
+    return bool(trajectory) and trajectory[-1][1] > 0
 
 
 def _cell(value: Any, spec: str, suffix: str = "") -> str:
@@ -124,7 +135,7 @@ def _loss_table(rows: list[dict[str, Any]], anchors: list[str]) -> str:
         *(f"vs {a}" for a in anchors),
         "steps to target",
         "final loss",
-        "ms/step",
+        "ms/step (mean)",
         "compute utilization",
         "meter bytes/step",
         "wire bytes/step",
@@ -145,7 +156,7 @@ def _loss_table(rows: list[dict[str, Any]], anchors: list[str]) -> str:
                 *(_cell(r.get(f"vs_{a}"), ".2f", "x") for a in anchors),
                 "-" if bound else _cell(r.get("median_steps_to_target"), ".0f"),
                 _cell(r.get("median_final_loss"), ".4f"),
-                _cell(r.get("median_step_time_ms"), ".1f"),
+                _cell(r.get("median_mean_step_ms"), ".1f"),
                 _cell(r.get("utilization"), ".0%"),
                 "-" if meter is None else f"{meter:,.0f} ({kind})" if kind else f"{meter:,.0f}",
                 _cell(r.get("median_wire_bytes_per_step"), ",.0f"),
@@ -213,7 +224,8 @@ def markdown(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
                 f"periodic case's syncs, clock stopped), batch {spec.batch_size}/rank; a case stops unreached after "
                 f"{cfg.max_steps_factor:g}x the steps or {cfg.give_up_factor:g}x lightning_ddp's time. Bounds: "
                 f"`floor` and `single` run {cfg.budget_steps} steps; `vs floor` is a case's time over floor's; "
-                "compute utilization: floor's ms/step over the case's. "
+                "ms/step (mean): training seconds over steps, sync steps included; compute utilization: floor's "
+                "ms/step over the case's. "
                 "Meter bytes: rank 0's payload per step as the meter books it (ring: the ring all-reduce formula's "
                 "share; compressed: the compressed payload; push: the ps worker's gradient push); wire bytes: "
                 "bytes the hosts' interfaces sent per step (mean of the 2 hosts); wire/meter: all bytes sent on "
@@ -355,3 +367,25 @@ def _plots(rows: list[dict[str, Any]], records: list[dict[str, Any]], out: Path,
         plt.close(fig)
         written.append(path)
     return written
+
+
+def resummarize(path: Path) -> None:
+    """Recomputes the summary and ``results.md`` of a benchmark ``results.json`` from its records, with this
+    version's report (the records are untouched; ``resummarized`` notes when and at which commit)."""
+    from lightning_sync.apps.provenance import provenance
+    from lightning_sync.apps.tables import _bench_config
+
+    data = json.loads(path.read_text())
+    cfg = _bench_config(data["config"])
+    data["summary"] = summarize(data["records"], cfg)
+    data["resummarized"] = provenance()
+    path.write_text(json.dumps(data, indent=1))
+    path.with_name("results.md").write_text(markdown(data["summary"], cfg))
+
+
+if __name__ == "__main__":  # python -m lightning_sync.apps.bench.report results.json ...
+    import sys
+
+    for name in sys.argv[1:]:
+        resummarize(Path(name))
+        print(f"resummarized: {name}")
