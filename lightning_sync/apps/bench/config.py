@@ -96,6 +96,20 @@ OUR_CASES: dict[str, OurCase] = {
         },
         "diloco with fragments=4, sync_delay=2, fragment_alpha=0.5, outer_compression='int4' (streaming DiLoCo)",
     ),
+    "streaming_diloco_8": OurCase(
+        "PeriodicSyncStrategy",
+        {
+            "mode": "diloco",
+            "sync_every": "$sync_every",
+            "fragments": 4,
+            "sync_delay": 1,
+            "fragment_alpha": 0.5,
+            "outer_compression": "int4",
+            "outer_momentum": 0.0,
+        },
+        "diloco every sync_every steps with fragments=4, sync_delay=1, fragment_alpha=0.5, int4 and an outer SGD "
+        "without momentum (the setting that matches DDP's loss on char_lm in 300 steps)",
+    ),
     "powersgd": OurCase(
         "AllReduceStrategy",
         {"compression": "powersgd", "powersgd_rank": 4},
@@ -149,6 +163,7 @@ LM_CASES = (
     "periodic",
     "diloco",
     "streaming_diloco",
+    "streaming_diloco_8",
     "ps_async",
     "floor",
     "single",
