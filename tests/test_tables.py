@@ -143,6 +143,10 @@ def test_utilization_is_floor_step_time_over_the_case_s_per_rate_slowest_first()
     assert table[0]["by_rate"] == {"10mbit": 0.05, "1gbit": 0.5}
     assert table[1]["by_rate"] == {"10mbit": 0.8, "1gbit": None}
     assert utilization_rows([row("1gbit", "diloco", 1.0)]) == []
+    # a row's own utilization (against its run's floor) wins, and the first run of a rate and case counts
+    later = [{**row("10mbit", "diloco", 10.0), "utilization": 0.9}, {**row("10mbit", "floor", 1.0)}]
+    again = utilization_rows([*rows, *later], cases=("lightning_ddp", "diloco"))
+    assert again[0]["by_rate"]["10mbit"] == 0.05 and again[1]["by_rate"]["10mbit"] == 0.8
 
 
 def test_check_fails_on_a_stale_page_and_passes_after_writing(tmp_path, capsys):

@@ -45,6 +45,7 @@ HEADLINE_BENCH_CASES = (
     "torch_local_sgd",
     "periodic",
     "streaming_diloco",
+    "streaming_diloco_8",
     "diloco",
     "powersgd",
     "ps_async",
@@ -165,7 +166,7 @@ def _bench_config(saved: dict[str, Any]) -> Any:
 
 RATE_ORDER = ("10mbit", "100mbit", "1gbit", "loopback")
 """Link rates from the slowest: the column order of :func:`utilization_rows`."""
-UTILIZATION_CASES = ("lightning_ddp", "diloco", "streaming_diloco")
+UTILIZATION_CASES = ("lightning_ddp", "diloco", "streaming_diloco", "streaming_diloco_8")
 UTILIZATION_TITLE = "Compute utilization on char_lm (streaming DiLoCo's Table 4)"
 
 
@@ -173,31 +174,32 @@ def utilization_rows(
     bench_rows: Iterable[dict[str, Any]], cases: Sequence[str] = UTILIZATION_CASES, workload: str = "char_lm"
 ) -> list[dict[str, Any]]:
     """Each case's compute utilization at each link rate: the ``floor`` case's median ms per step (2 ranks that
-    never communicate) over the case's, from the benchmark's summary rows (a later row of the same rate and case
-    replaces an earlier one).
+    never communicate) over the case's, from the benchmark's summary rows: the row's own ``utilization`` (against
+    the floor of its own run) where it has one; the first row of a rate and case counts.
 
     Returns:
         ``[{"case": name, "by_rate": {rate: utilization or None}}]`` in the order of ``cases``, the rates from the
         slowest; ``[]`` if no rate has a ``floor``.
     """
-    step_ms: dict[tuple[str, str], float] = {}
+    first: dict[tuple[str, str], dict[str, Any]] = {}
     for row in bench_rows:
-        if row.get("workload") == workload and row.get("median_step_time_ms"):
-            step_ms[row["rate"], row["case"]] = row["median_step_time_ms"]
-    floors = {rate for rate, case in step_ms if case == "floor"}
-    rates = sorted(floors, key=lambda r: RATE_ORDER.index(r) if r in RATE_ORDER else len(RATE_ORDER))
+        if row.get("workload") == workload:
+            first.setdefault((row["rate"], row["case"]), row)
+    rates = sorted(
+        {rate for rate, case in first if case == "floor" and first[rate, case].get("median_step_time_ms")},
+        key=lambda r: RATE_ORDER.index(r) if r in RATE_ORDER else len(RATE_ORDER),
+    )
     if not rates:
         return []
-    return [
-        {
-            "case": case,
-            "by_rate": {
-                rate: step_ms[rate, "floor"] / step_ms[rate, case] if (rate, case) in step_ms else None
-                for rate in rates
-            },
-        }
-        for case in cases
-    ]
+
+    def utilization(rate: str, case: str) -> float | None:
+        row = first.get((rate, case))
+        if row is None or row.get("utilization"):
+            return None if row is None else row["utilization"]
+        ms = row.get("median_step_time_ms")
+        return first[rate, "floor"]["median_step_time_ms"] / ms if ms else None
+
+    return [{"case": case, "by_rate": {rate: utilization(rate, case) for rate in rates}} for case in cases]
 
 
 def _utilization_section(bench_rows: list[dict[str, Any]]) -> str | None:
@@ -213,8 +215,10 @@ def _utilization_section(bench_rows: list[dict[str, Any]]) -> str | None:
     return (
         f"## {UTILIZATION_TITLE}\n\nFrom the char_lm benchmark tables above: the `floor` case's median ms per "
         "optimizer step (2 ranks that never communicate) over each case's, between 2 emulated hosts at each link "
-        "rate. `diloco` syncs the whole model every `diloco_sync_every` steps; `streaming_diloco` is the same with "
-        f"4 fragments, sync_delay 2, fragment_alpha 0.5 and int4 outer gradients.\n\n{table}\n"
+        "rate, each against the floor of its own run. `diloco` syncs the whole model every `diloco_sync_every` "
+        "steps; `streaming_diloco` is the same with 4 fragments, sync_delay 2, fragment_alpha 0.5 and int4 outer "
+        "gradients; `streaming_diloco_8` syncs each fragment every `sync_every` steps with sync_delay 1 and an outer "
+        f"SGD without momentum.\n\n{table}\n"
     )
 
 
@@ -296,7 +300,10 @@ def bench_headline(rows: list[dict[str, Any]], cases: Sequence[str] = HEADLINE_B
     """The README's benchmark headline from char_lm benchmark summary rows: per case and rate, the median time to
     Lightning DDP's loss over DDP's (``floor``: its time for DDP's steps), and the compute utilization."""
     rates = [r for r in RATE_ORDER if any(row["rate"] == r for row in rows)]
-    by_key = {(row["rate"], row["case"]): row for row in rows if row.get("workload") == "char_lm"}
+    by_key: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in rows:  # the first run of a rate and case counts (a later run's anchors do not replace its)
+        if row.get("workload") == "char_lm":
+            by_key.setdefault((row["rate"], row["case"]), row)
     utilization = {(row["case"], rate): value for row in utilization_rows(rows, cases) for rate, value in
                    row["by_rate"].items()}  # fmt: skip
 
