@@ -108,7 +108,7 @@ def summarize(records: list[dict[str, Any]], cfg: BenchConfig) -> list[dict[str,
 def _trained(record: dict[str, Any]) -> bool:
     """Whether a time-to-loss run has a trajectory that ends after at least one step."""
     trajectory = record.get("trajectory") if record.get("ok") else None
-    return bool(trajectory) and trajectory[-1][1] > 0
+    return trajectory is not None and len(trajectory) > 0 and trajectory[-1][1] > 0
 
 
 def _cell(value: Any, spec: str, suffix: str = "") -> str:
