@@ -307,12 +307,15 @@ def bench_headline(rows: list[dict[str, Any]], cases: Sequence[str] = HEADLINE_B
     utilization = {(row["case"], rate): value for row in utilization_rows(rows, cases) for rate, value in
                    row["by_rate"].items()}  # fmt: skip
 
+    repeats = max((len(row.get("repeats") or []) for row in by_key.values()), default=0)
+
     def cell(case: str, rate: str) -> str:
         row = by_key.get((rate, case))
         if row is None:
             return "-"
         used = utilization.get((case, rate))
-        share = "" if used is None else f" ({used:.0%})"
+        seeds = len(row.get("repeats") or [])
+        share = ("" if used is None else f" ({used:.0%})") + (f", {seeds} seed" if seeds < repeats else "")
         if row.get("vs_lightning_ddp") is None:
             return f"not reached{share}"
         return f"{row['vs_lightning_ddp']:.2f}x{share}"
@@ -321,7 +324,6 @@ def bench_headline(rows: list[dict[str, Any]], cases: Sequence[str] = HEADLINE_B
     table = markdown_table(
         ["case", *rates], [[f"`{c}`", *(cell(c, rate) for rate in rates)] for c in shown], align="l" + "r" * len(rates)
     )
-    repeats = max((len(row.get("repeats") or []) for row in rows), default=0)
     return (
         f"Between 2 emulated hosts (`python -m lightning_sync.bench workloads=char_lm`, {repeats} seeds, medians): "
         "training time to the validation loss Lightning DDP ends its budget with, over DDP's time at the same link "
