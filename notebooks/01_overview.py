@@ -65,7 +65,7 @@ def mean_and_range(values):
     if not kept:
         return 0.0, [[0.0], [0.0]]
     mean = sum(kept) / len(kept)
-    return mean, [[mean - min(kept)], [max(kept) - mean]]
+    return mean, [[max(0.0, mean - min(kept))], [max(0.0, max(kept) - mean)]]  # >= 0 despite rounding
 
 
 # %% [markdown]
