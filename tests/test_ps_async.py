@@ -120,16 +120,19 @@ def test_default_push_scale_follows_the_optimizer_family():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_async_and_ssp_with_adamw_are_within_two_points_of_sync_on_the_digits(tmp_path):
-    """AdamW (lr 0.003, 10 epochs, seed 0) through the app; ``push_scale: auto`` is 1 for AdamW. Over seeds 0, 1, 2
-    (docs/guide/ps.md) the modes' means were within 0.3 points of each other."""
+    """AdamW (lr 0.003, 10 epochs) through the app; ``push_scale: auto`` is 1 for AdamW. The mean test accuracy over
+    seeds 0, 1, 2 is compared: one async run's order of updates depends on timing, and a single run moved by more
+    than 2 points (8 of 360 test images) against a sync run at the top of its seed spread."""
     from lightning_sync.apps.compare import CASES, run_case
 
-    common = ["strategy.start_method=fork", "trainer.limit_val_batches=0", "seed=0", "trainer.max_epochs=10"]
     adamw = ["model.optimizer=adamw", "model.lr=0.003"]
-    acc = {}
-    for case in ("ps:sync", "ps:async", "ps:ssp/2"):
-        summary = run_case(CASES[case] + adamw + common, tmp_path / case.replace(":", "_").replace("/", "_"))
-        acc[case] = summary["test"]["test/acc"]
-    print("AdamW test accuracy:", acc)
-    assert acc["ps:sync"] > 0.9, acc
-    assert abs(acc["ps:async"] - acc["ps:sync"]) <= 0.02 and abs(acc["ps:ssp/2"] - acc["ps:sync"]) <= 0.02, acc
+    runs: dict[str, list[float]] = {case: [] for case in ("ps:sync", "ps:async", "ps:ssp/2")}
+    for seed in (0, 1, 2):
+        common = ["strategy.start_method=fork", "trainer.limit_val_batches=0", f"seed={seed}", "trainer.max_epochs=10"]
+        for case in runs:
+            folder = tmp_path / f"{case.replace(':', '_').replace('/', '_')}_{seed}"
+            runs[case].append(run_case(CASES[case] + adamw + common, folder)["test"]["test/acc"])
+    acc = {case: sum(values) / len(values) for case, values in runs.items()}
+    print("AdamW test accuracy (mean of seeds 0-2):", acc, runs)
+    assert acc["ps:sync"] > 0.9, runs
+    assert abs(acc["ps:async"] - acc["ps:sync"]) <= 0.02 and abs(acc["ps:ssp/2"] - acc["ps:sync"]) <= 0.02, runs
