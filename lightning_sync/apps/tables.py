@@ -342,15 +342,6 @@ def _with_headline(readme: str, data: dict[str, Any], bench_rows: list[dict[str,
     return readme[:body] + text + readme[end:]
 
 
-def _bench_rows(folder: Path) -> list[dict[str, Any]]:
-    """The summary rows of every benchmark ``results.json`` under ``folder``."""
-    rows: list[dict[str, Any]] = []
-    for path in sorted(folder.rglob("results.json")) if folder.is_dir() else []:
-        data = _read_json(path) or {}
-        rows += data.get("summary", []) if "records" in data else []
-    return rows
-
-
 def _read_json(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -366,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     readme, compare = Path(README), _read_json(Path(HEADLINE_SOURCE))
     # the README's headline, when writing the checkout's own results page
     if args.out == DEFAULT_OUT and compare is not None and readme.exists() and HEADLINE_START in readme.read_text():
-        outputs[readme] = _with_headline(readme.read_text(), compare, _bench_rows(Path(HEADLINE_BENCH)))
+        from lightning_sync.apps.study import load_bench_rows  # study imports this module: not at the top
+
+        outputs[readme] = _with_headline(readme.read_text(), compare, load_bench_rows("char_lm", HEADLINE_BENCH))
     stale = [out for out, text in outputs.items() if (out.read_text() if out.exists() else "") != text]
     if args.check:
         for out in stale:
