@@ -384,8 +384,10 @@ def resummarize(path: Path) -> None:
 
 
 if __name__ == "__main__":  # python -m lightning_sync.apps.bench.report results.json ...
-    import sys
+    import argparse
 
-    for name in sys.argv[1:]:
-        resummarize(Path(name))
-        print(f"resummarized: {name}")
+    parser = argparse.ArgumentParser(description=resummarize.__doc__)
+    parser.add_argument("files", nargs="+", type=Path, help="benchmark results.json files")
+    for file in parser.parse_args().files:
+        resummarize(file)
+        print(f"resummarized: {file}")
