@@ -310,7 +310,7 @@ class ModelAverager:
             wait_future(future, "outer sync", self.group)
         squared = 0.0
         for mine, delta in zip(flight.mine or [], self._deltas):
-            squared += float((mine - delta).double().pow(2).sum())
+            squared += float(mine.sub_(delta).square_().sum(dtype=torch.float64))  # mine is dropped below
         self.compressor.advance()
         flight.mine, flight.futures, flight.job, flight.divergence_sq = None, None, None, squared
         return squared

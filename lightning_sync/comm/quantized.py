@@ -71,9 +71,9 @@ class BlockQuantizedCompression(Compressor):
     def encode(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` (fp32, length a multiple of :data:`BLOCK`) as a uint8 tensor: codes, then scales."""
         blocks = values.view(-1, BLOCK)
+        # amax propagates NaN and keeps Inf: a block holding either gets a non-finite scale, so it decodes
+        # to non-finite values (0 * Inf and 0 * NaN are NaN) without a pass of its own to look for them
         scales = blocks.abs().amax(dim=1, keepdim=True) / self.levels
-        if not bool(blocks.isfinite().all()):  # a NaN or Inf anywhere in a block makes its scale NaN
-            scales = torch.where(blocks.isfinite().all(dim=1, keepdim=True), scales, torch.nan)
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         codes = torch.round(blocks / safe).nan_to_num_(0.0).clamp_(-self.levels, self.levels).to(torch.int8)
         codes = codes.reshape(-1)

@@ -96,6 +96,12 @@ OUR_CASES: dict[str, OurCase] = {
         },
         "diloco with fragments=4, sync_delay=2, fragment_alpha=0.5, outer_compression='int4' (streaming DiLoCo)",
     ),
+    "diloco_8": OurCase(
+        "PeriodicSyncStrategy",
+        {"mode": "diloco", "sync_every": "$sync_every", "outer_momentum": 0.0},
+        "diloco every sync_every steps with an outer SGD without momentum: streaming_diloco_8 without fragments, "
+        "delay or int4",
+    ),
     "streaming_diloco_8": OurCase(
         "PeriodicSyncStrategy",
         {
@@ -163,6 +169,7 @@ LM_CASES = (
     "periodic",
     "diloco",
     "streaming_diloco",
+    "diloco_8",
     "streaming_diloco_8",
     "ps_async",
     "floor",
@@ -308,6 +315,11 @@ class BenchConfig:
     seed_per_repeat: bool = True
     """Repeat r runs with seed ``seed + r``, so the median and spread cover seeds as well as timing noise (char_lm:
     each seed's target is the loss its own lightning_ddp run ends with); False: every repeat uses ``seed``."""
+    flush_denormal: bool = True
+    """Every rank treats subnormal floats as zero (``torch.set_flush_denormal``), in every case alike: on this CPU
+    a backward pass full of them (a confident softmax's underflowing probabilities, as plain DiLoCo's char_lm
+    model reaches) runs up to 3x slower, which would count as that case's communication cost. False: torch's
+    default."""
     plots: bool = True
     """Write PNG plots (needs matplotlib, the ``test`` extra)."""
     network: NetworkConfig = field(default_factory=NetworkConfig)

@@ -336,6 +336,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     case, workload = spec["case"], WORKLOADS[spec["workload"]]
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    torch.set_flush_denormal(cfg.flush_denormal)  # threads started from here on inherit it
     if case in TORCH_LOOPS or workload.metric == "bus_bandwidth":
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))
         try:
