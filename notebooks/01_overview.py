@@ -56,16 +56,9 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from lightning_sync.apps.compare import available_cases
-from lightning_sync.apps.study import by_case, format_seed_runs, run_cases, seed_band, seed_cases
+from lightning_sync.apps.study import by_case, error_bar, format_seed_runs, run_cases, seed_band, seed_cases
 
-
-def mean_and_range(values):
-    """(mean, [[mean - min], [max - mean]]) of the values that are not None, for an error bar; (0, 0) if none."""
-    kept = [v for v in values if v is not None]
-    if not kept:
-        return 0.0, [[0.0], [0.0]]
-    mean = sum(kept) / len(kept)
-    return mean, [[max(0.0, mean - min(kept))], [max(0.0, max(kept) - mean)]]  # >= 0 despite rounding
+NO_BAR = (0.0, [[0.0], [0.0]])  # a case without the figure: an empty bar
 
 
 # %% [markdown]
@@ -138,7 +131,7 @@ for ax, value in zip(
     ),
 ):
     for name in names:
-        mean, xerr = mean_and_range([value(r) for r in groups[name]])
+        mean, xerr = error_bar([value(r) for r in groups[name]]) or NO_BAR
         ax.barh(name, mean, xerr=xerr, color=COLORS[name], error_kw=dict(capsize=2))
 axes[0].set(xlabel="kB sent per rank per optimizer step", xscale="log", title="bytes per step")
 axes[1].set(xlabel="ms of collectives per optimizer step (rank 0)", title="comm time per step")
@@ -180,7 +173,7 @@ accuracies = {n: [100 * r.test_accuracy for r in groups[n] if r.test_accuracy is
 tested = [n for n in names if accuracies[n]]
 fig, ax = plt.subplots(figsize=(10, 4.5))
 for name in tested:
-    mean, xerr = mean_and_range(accuracies[name])
+    mean, xerr = error_bar(accuracies[name]) or NO_BAR
     bars = ax.barh(name, mean, xerr=xerr, color=COLORS[name], error_kw=dict(capsize=2))
     ax.bar_label(bars, fmt="%.2f%%", fontsize=8, padding=8)
 lowest = min(min(a) for a in accuracies.values() if a)
@@ -219,9 +212,10 @@ for name, group in bucketing.items():
 # %%
 fig, ax = plt.subplots(figsize=(7, 3.5))
 for i, name in enumerate(BUCKETINGS):
-    step, step_err = mean_and_range([r.step_time_ms for r in bucketing[name]])
-    comm, comm_err = mean_and_range(
-        [None if r.comm_seconds_per_step is None else 1e3 * r.comm_seconds_per_step for r in bucketing[name]]
+    step, step_err = error_bar([r.step_time_ms for r in bucketing[name]]) or NO_BAR
+    comm, comm_err = (
+        error_bar([None if r.comm_seconds_per_step is None else 1e3 * r.comm_seconds_per_step for r in bucketing[name]])
+        or NO_BAR
     )
     ax.bar(i, step, yerr=step_err, color="tab:blue", capsize=3, label="median batch" if i == 0 else None)
     ax.bar(

@@ -51,7 +51,15 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from lightning_sync.apps.study import by_case, format_seed_runs, periodic_cases, run_cases, seed_band, seed_cases
+from lightning_sync.apps.study import (
+    by_case,
+    error_bar,
+    format_seed_runs,
+    periodic_cases,
+    run_cases,
+    seed_band,
+    seed_cases,
+)
 
 MODES = ("gradient", "local_sgd", "diloco")
 COLORS = {"gradient": "tab:blue", "local_sgd": "tab:orange", "diloco": "tab:green"}
@@ -85,23 +93,11 @@ print(
     )
 )
 
-
-def mean_and_range(values):
-    """(mean, [[mean - min], [max - mean]]) of the values that are not None, for an error bar; None if none."""
-    kept = [v for v in values if v is not None]
-    if not kept:
-        return None
-    mean = sum(kept) / len(kept)
-    return mean, [[mean - min(kept)], [max(kept) - mean]]
-
-
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
 for mode in MODES:
     groups = [sweep[f"{mode}/{p}"] for p in PERIODS]
-    tested = [
-        (p, mean_and_range([r.test_accuracy and 100 * r.test_accuracy for r in g])) for p, g in zip(PERIODS, groups)
-    ]
+    tested = [(p, error_bar([r.test_accuracy and 100 * r.test_accuracy for r in g])) for p, g in zip(PERIODS, groups)]
     tested = [(p, band) for p, band in tested if band is not None]
     axes[0].plot([p for p, _ in tested], [band[0] for _, band in tested], marker="o", color=COLORS[mode], label=mode)
     for p, (mean, yerr) in tested:
@@ -156,7 +152,7 @@ for ax, mode in zip(axes, LOCAL):
     ax.set(xlabel="optimizer step", ylabel="||rank 0 - average|| at sync", yscale="log", title=f"{mode}: drift")
     ax.legend(fontsize=8)
 for mode in LOCAL:
-    bands = [(p, mean_and_range([r.mean_divergence for r in sweep[f"{mode}/{p}"]])) for p in PERIODS]
+    bands = [(p, error_bar([r.mean_divergence for r in sweep[f"{mode}/{p}"]])) for p in PERIODS]
     bands = [(p, band) for p, band in bands if band is not None]
     axes[2].plot([p for p, _ in bands], [band[0] for _, band in bands], marker="o", color=COLORS[mode], label=mode)
     for p, (mean, yerr) in bands:

@@ -53,6 +53,7 @@ import matplotlib.pyplot as plt
 from lightning_sync.apps.study import (
     LINK_RATES,
     by_case,
+    error_bar,
     format_cell,
     format_seed_link_model,
     format_seed_runs,
@@ -103,13 +104,11 @@ print(
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
 for name, group in groups.items():
-    accs = [100 * r.test_accuracy for r in group if r.test_accuracy is not None]
     sent = group[0].bytes_sent_per_step / 1e3
-    if accs:
-        mean = sum(accs) / len(accs)
-        axes[0].errorbar(
-            sent, mean, yerr=[[mean - min(accs)], [max(accs) - mean]], fmt="o", color=COLORS[name], capsize=3
-        )
+    bar = error_bar([r.test_accuracy and 100 * r.test_accuracy for r in group])
+    if bar is not None:
+        mean, yerr = bar
+        axes[0].errorbar(sent, mean, yerr=yerr, fmt="o", color=COLORS[name], capsize=3)
         axes[0].annotate(name, (sent, mean), textcoords="offset points", xytext=(6, 4), fontsize=9)
     grid, mean, low, high = seed_band([r.accuracy_curve(x="batch") for r in group])
     axes[1].plot(grid, mean, color=COLORS[name], label=name)
@@ -173,11 +172,11 @@ axes[0].legend()
 width = 0.8 / len(groups)
 for i, (name, group) in enumerate(groups.items()):
     for j, bps in enumerate(LINK_RATES.values()):
-        seconds = [s for s in (modelled_time_to_accuracy(r, TARGET, bps) for r in group) if s is not None]
-        if seconds:
-            mean, x = sum(seconds) / len(seconds), j + (i - (len(groups) - 1) / 2) * width
+        bar = error_bar([modelled_time_to_accuracy(r, TARGET, bps) for r in group])
+        if bar is not None:
+            (mean, yerr), x = bar, j + (i - (len(groups) - 1) / 2) * width
             axes[-1].bar(x, mean, width, color=COLORS[name], label=name if j == 0 else None)
-            axes[-1].errorbar(x, mean, yerr=[[mean - min(seconds)], [max(seconds) - mean]], color="black", capsize=2)
+            axes[-1].errorbar(x, mean, yerr=yerr, color="black", capsize=2)
 axes[-1].set(
     xticks=range(len(LINK_RATES)),
     xticklabels=list(LINK_RATES),

@@ -47,7 +47,9 @@ import matplotlib.pyplot as plt
 from lightning_sync.apps.provenance import provenance, summary_line
 from lightning_sync.apps.study import (
     LINK_RATES,
+    band_cell,
     by_case,
+    error_bar,
     format_cell,
     load_bench_rows,
     markdown_table,
@@ -91,15 +93,6 @@ groups = by_case(runs)
 record = provenance()
 print(f"CharGPT, 2 CPU ranks, {STEPS} steps, seeds {', '.join(map(str, SEEDS))}{' (SMOKE)' if SMOKE else ''}")
 print(summary_line(record) + f"; load average {record['load_average']}")
-
-
-def band_cell(values):
-    kept = [v for v in values if v is not None]
-    if not kept:
-        return "-"
-    mean = sum(kept) / len(kept)
-    return f"{mean:.3f} [{min(kept):.3f}, {max(kept):.3f}]"
-
 
 print(
     markdown_table(
@@ -256,12 +249,11 @@ fig, ax = plt.subplots(figsize=(12, 4.5))
 width = 0.8 / len(groups)
 for i, name in enumerate(groups):
     for j, rate in enumerate(LINK_RATES):
-        kept = [v for v in modelled[name][rate] if v is not None]
-        if kept:
-            mean = sum(kept) / len(kept)
-            x = j + (i - (len(groups) - 1) / 2) * width
+        bar = error_bar(modelled[name][rate])
+        if bar is not None:
+            (mean, yerr), x = bar, j + (i - (len(groups) - 1) / 2) * width
             ax.bar(x, mean, width, color=COLORS[name], label=name if j == 0 else None)
-            ax.errorbar(x, mean, yerr=[[mean - min(kept)], [max(kept) - mean]], color="black", capsize=2)
+            ax.errorbar(x, mean, yerr=yerr, color="black", capsize=2)
 ax.set(
     xticks=range(len(LINK_RATES)),
     xticklabels=list(LINK_RATES),

@@ -52,6 +52,7 @@ import matplotlib.pyplot as plt
 
 from lightning_sync.apps.provenance import provenance, summary_line
 from lightning_sync.apps.study import (
+    band_cell,
     by_case,
     format_cell,
     load_bench_rows,
@@ -118,14 +119,6 @@ record = provenance()
 print(f"CharGPT, 2 CPU ranks, {STEPS} steps, seeds {', '.join(map(str, SEEDS))}{' (SMOKE)' if SMOKE else ''}")
 print(summary_line(record) + f"; load average {record['load_average']}")
 
-
-def band(values, spec=".3f"):
-    kept = [v for v in values if v is not None]
-    if not kept:
-        return "-"
-    return f"{format(sum(kept) / len(kept), spec)} [{format(min(kept), spec)}, {format(max(kept), spec)}]"
-
-
 ddp_loss = sum(r.test_loss for r in groups["ddp"]) / len(groups["ddp"])
 print(
     markdown_table(
@@ -133,7 +126,7 @@ print(
         [
             (
                 name,
-                band([r.test_loss for r in group]),
+                band_cell([r.test_loss for r in group]),
                 format_cell(sum(r.test_loss for r in group) / len(group) / ddp_loss, ".3f", "x"),
                 format_cell(group[0].bytes_sent_per_step, ",.0f"),
                 format_cell(groups["ddp"][0].bytes_sent_per_step / group[0].bytes_sent_per_step, ".1f", "x fewer")

@@ -14,6 +14,7 @@ from lightning_sync.apps.study import (
     Timeline,
     band_cell,
     by_case,
+    error_bar,
     format_link_model,
     format_runs,
     format_seed_link_model,
@@ -127,6 +128,15 @@ def test_band_cell_is_mean_and_range_and_counts_missing_values():
     assert band_cell([1.0, 2.0, 6.0], ".1f") == "3.0 [1.0, 6.0]"
     assert band_cell([90.0, None], ".2f", "%") == "90.00% [90.00, 90.00] (1 of 2)"
     assert band_cell([None, None]) == "-"
+
+
+@pytest.mark.unit
+def test_error_bar_is_the_mean_and_its_distances_to_the_ends_never_negative():
+    assert error_bar([1.0, 2.0, 6.0]) == (3.0, [[2.0], [3.0]])
+    assert error_bar([5.0, None]) == (5.0, [[0.0], [0.0]])
+    mean, (low, high) = error_bar([0.1] * 3)  # the mean of equal values may round past them
+    assert low[0] >= 0.0 and high[0] >= 0.0
+    assert error_bar([None]) is None and error_bar([]) is None
 
 
 @pytest.mark.unit

@@ -739,6 +739,21 @@ def band_cell(values: Sequence[float | None], spec: str = ".3f", suffix: str = "
     return cell if found.n == len(values) else f"{cell} ({found.n} of {len(values)})"
 
 
+def error_bar(values: Sequence[float | None]) -> tuple[float, list[list[float]]] | None:
+    """``(mean, [[mean - min], [max - mean]])`` of the values that are not ``None`` (e.g. one per seed): a point and
+    its ``yerr`` or ``xerr`` for matplotlib's ``errorbar``, ``bar`` and ``barh``; ``None`` if there are none.
+
+    Both arms are at least 0: the mean of equal values can round just past them, and matplotlib refuses a negative
+    error bar.
+    """
+    from lightning_sync.apps.compare import spread
+
+    found = spread(values)
+    if found is None:
+        return None
+    return found.mean, [[max(0.0, found.mean - found.low)], [max(0.0, found.high - found.mean)]]
+
+
 def _percent(value: float | None) -> float | None:
     return None if value is None else 100 * value
 

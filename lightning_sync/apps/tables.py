@@ -47,6 +47,7 @@ HEADLINE_BENCH_CASES = (
     "streaming_diloco",
     "streaming_diloco_8",
     "diloco",
+    "diloco_8",
     "powersgd",
     "ps_async",
     "floor",
@@ -166,7 +167,7 @@ def _bench_config(saved: dict[str, Any]) -> Any:
 
 RATE_ORDER = ("10mbit", "100mbit", "1gbit", "loopback")
 """Link rates from the slowest: the column order of :func:`utilization_rows`."""
-UTILIZATION_CASES = ("lightning_ddp", "diloco", "streaming_diloco", "streaming_diloco_8")
+UTILIZATION_CASES = ("lightning_ddp", "diloco", "streaming_diloco", "diloco_8", "streaming_diloco_8")
 UTILIZATION_TITLE = "Compute utilization on char_lm (streaming DiLoCo's Table 4)"
 
 
@@ -217,8 +218,10 @@ def _utilization_section(bench_rows: list[dict[str, Any]]) -> str | None:
         "optimizer step (2 ranks that never communicate) over each case's, between 2 emulated hosts at each link "
         "rate, each against the floor of its own run. `diloco` syncs the whole model every `diloco_sync_every` "
         "steps; `streaming_diloco` is the same with 4 fragments, sync_delay 2, fragment_alpha 0.5 and int4 outer "
-        "gradients; `streaming_diloco_8` syncs each fragment every `sync_every` steps with sync_delay 1 and an outer "
-        f"SGD without momentum.\n\n{table}\n"
+        "gradients; `diloco_8` syncs the whole model every `sync_every` steps with an outer SGD without momentum, "
+        "and `streaming_diloco_8` is the same with 4 fragments, sync_delay 1, fragment_alpha 0.5 and int4. Runs "
+        "with the benchmark's `flush_denormal` (its default) treat subnormal floats as zero in every case.\n\n"
+        f"{table}\n"
     )
 
 
