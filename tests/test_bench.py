@@ -291,6 +291,58 @@ def test_targets_come_from_ddp_per_seed_and_time_is_read_off_trajectories():
     assert floor["seconds_at_budget"] == 2.0 and floor["seconds_to_target"] is None
 
 
+def _ddp_results(tmp_path, rates=("10mbit",), seeds=(0, 1), **config):
+    records = [
+        _lm_record("lightning_ddp", seed, [(20.0 + seed, 16, 2.5 + seed / 10)], rate=rate, target_loss=2.5 + seed / 10)
+        for rate in rates
+        for seed in seeds
+    ] + [_lm_record("floor", 0, [(1.0, 16, 3.0)])]
+    base = {"budget_steps": 16, "eval_every": 8, "warmup_steps": 20, "flush_denormal": True, **config}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"config": base, "records": records, "summary": []}))
+    return str(path)
+
+
+@pytest.mark.unit
+def test_ddp_from_reuses_ddp_runs_for_targets_and_leaves_them_out_of_the_plan(tmp_path):
+    from lightning_sync.apps.bench.cli import Targets, _reuse_ddp
+
+    path = _ddp_results(tmp_path)
+    common = ["workloads=char_lm", "budget_steps=16", "repeats=2", "network.rate=10mbit", f"ddp_from={path}"]
+    cfg = parse_overrides([*common, "cases=floor,streaming_diloco_8"])  # no lightning_ddp needed
+    plan = [("10mbit", "char_lm", r, c) for r in range(2) for c in ("lightning_ddp", "floor")]
+    records: list[dict] = []
+    targets = Targets(cfg)
+    left = _reuse_ddp(cfg, plan, targets, records)
+    assert left == [("10mbit", "char_lm", 0, "floor"), ("10mbit", "char_lm", 1, "floor")]
+    assert [(r["case"], r["seed"], r["reused_from"]) for r in records] == [
+        ("lightning_ddp", 0, path),
+        ("lightning_ddp", 1, path),
+    ]
+    assert targets.spec("char_lm", "10mbit", 1) == {"target": 2.6, "give_up_s": 42.0}
+    # a rate the file lacks: DDP must run there
+    with pytest.raises(ConfigError, match=r"ddp_from=.* has no lightning_ddp run of char_lm at 100mbit seed 0"):
+        parse_overrides([*common[:-2], "network.rate=10mbit,100mbit", f"ddp_from={path}", "cases=floor"])
+    both = parse_overrides([*common[:-2], "network.rate=10mbit,100mbit", f"ddp_from={path}", "cases=lightning_ddp"])
+    plan = [(rate, "char_lm", 0, "lightning_ddp") for rate in ("10mbit", "100mbit")]
+    assert _reuse_ddp(both, plan, Targets(both), []) == [("100mbit", "char_lm", 0, "lightning_ddp")]
+
+
+@pytest.mark.unit
+def test_ddp_from_refuses_a_file_run_with_other_knobs(tmp_path):
+    common = ["workloads=char_lm", "budget_steps=16", "repeats=1", "cases=floor"]
+    with pytest.raises(ConfigError, match=r"ddp_from=.* with budget_steps=16: its runs used budget_steps=160"):
+        parse_overrides([*common, f"ddp_from={_ddp_results(tmp_path, budget_steps=160)}"])
+    old = _ddp_results(tmp_path, flush_denormal=None)
+    data = json.loads(pathlib.Path(old).read_text())
+    del data["config"]["flush_denormal"]  # written before the knob: ran without flushing
+    pathlib.Path(old).write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"flush_denormal=True: its runs used flush_denormal=False"):
+        parse_overrides([*common, f"ddp_from={old}"])
+    with pytest.raises(ConfigError, match=r"ddp_from='/nonexistent.json' is not allowed; it must be a benchmark"):
+        parse_overrides([*common, "ddp_from=/nonexistent.json"])
+
+
 @pytest.mark.unit
 def test_char_lm_table_gives_median_spread_bounds_and_bytes():
     cfg = parse_overrides(["workloads=char_lm", "budget_steps=16", "repeats=2"])

@@ -131,6 +131,29 @@ class Targets:
                 record["seconds_to_target"], record["steps_to_target"] = reached
 
 
+def _reuse_ddp(
+    cfg: BenchConfig, plan: list[tuple[str, str, int, str]], targets: Targets, records: list[dict[str, Any]]
+) -> list[tuple[str, str, int, str]]:
+    """With ``ddp_from``: copies its ``lightning_ddp`` records into ``records`` (marked ``reused_from``, with this
+    run's repeat of their seed), lets them set the targets, and returns the plan without those runs."""
+    if not cfg.ddp_from:
+        return plan
+    from lightning_sync.apps.bench.config import reused_ddp_records
+
+    repeat_of = {cfg.seed_of(r): r for r in range(cfg.repeats)}
+    reused: set[tuple[str, str, int]] = set()
+    for old in reused_ddp_records(cfg):
+        key = (old["rate"], old["workload"], repeat_of[old["seed"]])
+        if key in reused:
+            continue
+        record = {**old, "repeat": key[2], "reused_from": cfg.ddp_from}
+        targets.observe(record)
+        records.append(record)
+        reused.add(key)
+        print(f"reused: {key[0]} {key[1]} seed {old['seed']} lightning_ddp from {cfg.ddp_from}", flush=True)
+    return [p for p in plan if not (p[3] == "lightning_ddp" and (p[0], p[1], p[2]) in reused)]
+
+
 def _raise_exit(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through the launcher's and the namespaces' clean-up
 
@@ -157,6 +180,7 @@ def run(cfg: BenchConfig, out: Path, records: list[dict[str, Any]]) -> bool:
     all_ok = True
     index = 0
     targets = Targets(cfg)
+    plan = _reuse_ddp(cfg, plan, targets, records)
     for rate in rates:
         with network(rate, cfg.network.prefix) as hosts:
             for _, workload, repeat, case in [p for p in plan if p[0] == rate]:

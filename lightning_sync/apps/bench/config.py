@@ -102,6 +102,20 @@ OUR_CASES: dict[str, OurCase] = {
         "diloco every sync_every steps with an outer SGD without momentum: streaming_diloco_8 without fragments, "
         "delay or int4",
     ),
+    "streaming_diloco_12": OurCase(
+        "PeriodicSyncStrategy",
+        {
+            "mode": "diloco",
+            "sync_every": 12,
+            "fragments": 4,
+            "sync_delay": 2,
+            "fragment_alpha": 0.5,
+            "outer_compression": "int4",
+            "outer_momentum": 0.0,
+        },
+        "diloco every 12 steps with fragments=4, sync_delay=2, fragment_alpha=0.5, int4 and an outer SGD without "
+        "momentum (a fragment syncs every 3 steps, so each transfer has 2 steps to hide behind)",
+    ),
     "streaming_diloco_8": OurCase(
         "PeriodicSyncStrategy",
         {
@@ -171,6 +185,7 @@ LM_CASES = (
     "streaming_diloco",
     "diloco_8",
     "streaming_diloco_8",
+    "streaming_diloco_12",
     "ps_async",
     "floor",
     "single",
@@ -315,6 +330,11 @@ class BenchConfig:
     seed_per_repeat: bool = True
     """Repeat r runs with seed ``seed + r``, so the median and spread cover seeds as well as timing noise (char_lm:
     each seed's target is the loss its own lightning_ddp run ends with); False: every repeat uses ``seed``."""
+    ddp_from: str = ""
+    """char_lm: a ``results.json`` of an earlier benchmark whose ``lightning_ddp`` runs set this one's targets and
+    DDP times, for the rates and seeds it has them; ``lightning_ddp`` is then not run again there (at 10 Mbit it
+    takes most of the benchmark's time). Its ``budget_steps``, ``eval_every``, ``warmup_steps`` and
+    ``flush_denormal`` must equal this run's; its records are copied into this run's, marked ``reused_from``."""
     flush_denormal: bool = True
     """Every rank treats subnormal floats as zero (``torch.set_flush_denormal``), in every case alike: on this CPU
     a backward pass full of them (a confident softmax's underflowing probabilities, as plain DiLoCo's char_lm
@@ -355,16 +375,30 @@ class BenchConfig:
         check_range("budget_steps", self.budget_steps, low=1, integer=True)
         check_range("max_steps_factor", self.max_steps_factor, low=1)
         check_range("give_up_factor", self.give_up_factor, low=1)
-        if "char_lm" in self.workloads and self.cases and "lightning_ddp" not in self.cases:
+        if "char_lm" in self.workloads and self.cases and "lightning_ddp" not in self.cases and not self.ddp_from:
             raise ConfigError(
                 f"cases={','.join(self.cases)} is not allowed with workloads=char_lm; it must include lightning_ddp "
-                "(the loss it ends its budget with is the target)"
+                "(the loss it ends its budget with is the target), or take its runs from an earlier benchmark with "
+                "ddp_from=<results.json>"
             )
         check_range("payload_mb", self.payload_mb, low=0, low_open=True)
         check_range("payload_iters", self.payload_iters, low=1, integer=True)
         check_range("timeout_s", self.timeout_s, low=0, low_open=True)
         check_range("seed", self.seed, low=0, integer=True)
         self.network.validate()
+        if self.ddp_from:
+            found = {(r["rate"], r["seed"]) for r in reused_ddp_records(self) if r["workload"] == "char_lm"}
+            missing = [
+                f"{rate} seed {self.seed_of(k)}"
+                for rate in self.network.rate
+                for k in range(self.repeats)
+                if (rate, self.seed_of(k)) not in found
+            ]
+            if "char_lm" in self.workloads and missing and self.cases and "lightning_ddp" not in self.cases:
+                raise ConfigError(
+                    f"ddp_from={self.ddp_from!r} has no lightning_ddp run of char_lm at {', '.join(missing)}; add "
+                    "lightning_ddp to cases (it then runs only where the file has none)"
+                )
 
     def seed_of(self, repeat: int) -> int:
         """The seed repeat ``repeat`` (from 0) runs with."""
@@ -379,6 +413,50 @@ class BenchConfig:
             chosen.remove("lightning_ddp")
             chosen.insert(0, "lightning_ddp")
         return chosen
+
+
+REUSE_MUST_MATCH = ("budget_steps", "eval_every", "warmup_steps", "flush_denormal")
+"""Knobs a run whose ``lightning_ddp`` records are reused (``ddp_from``) must share with this one."""
+_BEFORE_THE_KNOB = {"flush_denormal": False}
+"""What a results file written before a knob existed ran with."""
+
+
+def reused_ddp_records(cfg: BenchConfig) -> list[dict[str, Any]]:
+    """The successful ``lightning_ddp`` records of ``cfg.ddp_from`` for ``cfg``'s workloads, rates and seeds.
+
+    Raises:
+        ConfigError: the file is missing or not a benchmark's ``results.json``, or it ran with another value of a
+            knob in :data:`REUSE_MUST_MATCH` (naming the knob and both values).
+    """
+    import json
+    from pathlib import Path
+
+    path = Path(cfg.ddp_from)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            f"ddp_from={cfg.ddp_from!r} is not allowed; it must be a benchmark's results.json ({error})"
+        ) from None
+    if not isinstance(data, dict) or not {"config", "records"} <= data.keys():
+        raise ConfigError(f"ddp_from={cfg.ddp_from!r} is not allowed; it has no config and records of a benchmark")
+    for name in REUSE_MUST_MATCH:
+        theirs = data["config"].get(name, _BEFORE_THE_KNOB.get(name))
+        if theirs != getattr(cfg, name):
+            raise ConfigError(
+                f"ddp_from={cfg.ddp_from!r} is not allowed with {name}={getattr(cfg, name)!r}: its runs used "
+                f"{name}={theirs!r}; rerun with that value or without ddp_from"
+            )
+    seeds = {cfg.seed_of(r) for r in range(cfg.repeats)}
+    return [
+        r
+        for r in data["records"]
+        if r.get("case") == "lightning_ddp"
+        and r.get("ok")
+        and r.get("workload") in cfg.workloads
+        and r.get("rate") in cfg.network.rate
+        and r.get("seed") in seeds
+    ]
 
 
 def _convert(name: str, text: str, kind: Any) -> Any:
