@@ -94,6 +94,15 @@ LM_OPT_IN_CASES: dict[str, list[str]] = {
         "strategy.fragment_alpha=0.5",
         "strategy.outer_compression=int4",
     ],
+    "periodic:streaming_diloco/8/k2": [
+        "strategy=periodic",
+        "strategy.mode=diloco",
+        "strategy.sync_every=8",
+        "strategy.fragments=2",
+        "strategy.sync_delay=3",
+        "strategy.fragment_alpha=0.5",
+        "strategy.outer_compression=int4",
+    ],
     "periodic:streaming_diloco/12": [
         "strategy=periodic",
         "strategy.mode=diloco",

@@ -46,6 +46,7 @@ HEADLINE_BENCH_CASES = (
     "periodic",
     "streaming_diloco",
     "streaming_diloco_8",
+    "streaming_diloco_12",
     "diloco",
     "diloco_8",
     "powersgd",
@@ -167,7 +168,16 @@ def _bench_config(saved: dict[str, Any]) -> Any:
 
 RATE_ORDER = ("10mbit", "100mbit", "1gbit", "loopback")
 """Link rates from the slowest: the column order of :func:`utilization_rows`."""
-UTILIZATION_CASES = ("lightning_ddp", "diloco", "streaming_diloco", "diloco_8", "streaming_diloco_8")
+UTILIZATION_CASES = (
+    "lightning_ddp",
+    "diloco",
+    "streaming_diloco",
+    "diloco_8",
+    "streaming_diloco_8",
+    "streaming_diloco_8_k2",
+    "diloco_12",
+    "streaming_diloco_12",
+)
 UTILIZATION_TITLE = "Compute utilization on char_lm (streaming DiLoCo's Table 4)"
 
 
@@ -214,12 +224,14 @@ def _utilization_section(bench_rows: list[dict[str, Any]]) -> str | None:
         align="l" + "r" * len(rates),
     )
     return (
-        f"## {UTILIZATION_TITLE}\n\nFrom the char_lm benchmark tables above: the `floor` case's median ms per "
-        "optimizer step (2 ranks that never communicate) over each case's, between 2 emulated hosts at each link "
-        "rate, each against the floor of its own run. `diloco` syncs the whole model every `diloco_sync_every` "
+        f"## {UTILIZATION_TITLE}\n\nFrom the char_lm benchmark tables above: the `floor` case's ms per optimizer "
+        "step (2 ranks that never communicate; training seconds over steps, median over the seeds) over each "
+        "case's, between 2 emulated hosts at each link rate, each against the floor of its own run. `diloco` syncs the whole model every `diloco_sync_every` "
         "steps; `streaming_diloco` is the same with 4 fragments, sync_delay 2, fragment_alpha 0.5 and int4 outer "
         "gradients; `diloco_8` syncs the whole model every `sync_every` steps with an outer SGD without momentum, "
-        "and `streaming_diloco_8` is the same with 4 fragments, sync_delay 1, fragment_alpha 0.5 and int4. Runs "
+        "and `streaming_diloco_8` is the same with 4 fragments, sync_delay 1, fragment_alpha 0.5 and int4 "
+        "(`streaming_diloco_8_k2`: 2 fragments, sync_delay 3); "
+        "`diloco_12` and `streaming_diloco_12` sync every 12 steps, the latter with sync_delay 2. Runs "
         "with the benchmark's `flush_denormal` (its default) treat subnormal floats as zero in every case.\n\n"
         f"{table}\n"
     )

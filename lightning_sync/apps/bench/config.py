@@ -102,6 +102,26 @@ OUR_CASES: dict[str, OurCase] = {
         "diloco every sync_every steps with an outer SGD without momentum: streaming_diloco_8 without fragments, "
         "delay or int4",
     ),
+    "streaming_diloco_8_k2": OurCase(
+        "PeriodicSyncStrategy",
+        {
+            "mode": "diloco",
+            "sync_every": "$sync_every",
+            "fragments": 2,
+            "sync_delay": 3,
+            "fragment_alpha": 0.5,
+            "outer_compression": "int4",
+            "outer_momentum": 0.0,
+        },
+        "streaming_diloco_8 with 2 fragments and sync_delay=3: the same bytes per step, each transfer twice as "
+        "large with 3 inner steps to hide behind",
+    ),
+    "diloco_12": OurCase(
+        "PeriodicSyncStrategy",
+        {"mode": "diloco", "sync_every": 12, "outer_momentum": 0.0},
+        "diloco every 12 steps with an outer SGD without momentum: streaming_diloco_12 without fragments, delay or "
+        "int4",
+    ),
     "streaming_diloco_12": OurCase(
         "PeriodicSyncStrategy",
         {
@@ -185,6 +205,8 @@ LM_CASES = (
     "streaming_diloco",
     "diloco_8",
     "streaming_diloco_8",
+    "streaming_diloco_8_k2",
+    "diloco_12",
     "streaming_diloco_12",
     "ps_async",
     "floor",

@@ -239,9 +239,10 @@ def markdown(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
             )
         else:
             how = f"{cfg.payload_mb:g} MiB float32, median of {cfg.payload_iters} all-reduces (slowest rank)"
+        reused = f" lightning_ddp's runs are reused from `{cfg.ddp_from}` (`ddp_from`)." if cfg.ddp_from else ""
         parts.append(
             f"### {workload}, network {rate}: {spec.about}\n\n2 nodes x 1 rank (torchrun, gloo), {how}; "
-            f"median of {cfg.repeats} alternating repeats{_seeds_text(cfg)}.\n"
+            f"median of {cfg.repeats} alternating repeats{_seeds_text(cfg)}.{reused}\n"
         )
         if spec.metric == "time_to_loss":
             parts.append(_loss_table(group, anchors) + "\n")
