@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_sync.apps.bench.config import LM_CASES
 from lightning_sync.apps.provenance import git_output
 
 _ALIGN = {"l": ":---", "r": "---:", "c": ":---:", "-": "---"}
@@ -168,16 +169,8 @@ def _bench_config(saved: dict[str, Any]) -> Any:
 
 RATE_ORDER = ("10mbit", "100mbit", "1gbit", "loopback")
 """Link rates from the slowest: the column order of :func:`utilization_rows`."""
-UTILIZATION_CASES = (
-    "lightning_ddp",
-    "diloco",
-    "streaming_diloco",
-    "diloco_8",
-    "streaming_diloco_8",
-    "streaming_diloco_8_k2",
-    "diloco_12",
-    "streaming_diloco_12",
-)
+UTILIZATION_CASES = ("lightning_ddp", *(case for case in LM_CASES if "diloco" in case))
+"""Lightning DDP and every DiLoCo case of the char_lm benchmark, in its order."""
 UTILIZATION_TITLE = "Compute utilization on char_lm (streaming DiLoCo's Table 4)"
 
 
