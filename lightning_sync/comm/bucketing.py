@@ -47,7 +47,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed import ProcessGroup
@@ -96,7 +96,7 @@ def _pack(bucket: _Bucket, grads: list[torch.Tensor | None]) -> None:
     if all(
         g is not None and g.is_contiguous() and g.data_ptr() != slot.data_ptr() for g, slot in zip(grads, bucket.slots)
     ):
-        torch.cat([g.view(-1) for g in grads], out=bucket.buffer)
+        torch.cat([cast(torch.Tensor, g).view(-1) for g in grads], out=bucket.buffer)  # all present, checked above
         return
     for slot, g in zip(bucket.slots, grads):
         if g is None:
@@ -190,9 +190,7 @@ class LaunchTuner:
         return self.after_backward
 
 
-def plan_buckets(
-    params: Sequence[torch.nn.Parameter], bucket_cap_bytes: float, first_bucket_bytes: float
-) -> list[list[int]]:
+def plan_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: float, first_bucket_bytes: float) -> list[list[int]]:
     """Splits parameter indices (taken in the given order) into buckets.
 
     A bucket closes once it holds at least its cap (``first_bucket_bytes`` for the first, ``bucket_cap_bytes``
@@ -388,8 +386,9 @@ class GradientSynchronizer:
             return
         self.tuner.load_state_dict(state["tuner"])
         self._round_started = None  # the interrupted round's period is lost, not booked
-        if not self.tuner.deciding:
-            self.after_backward = self.tuner.after_backward
+        decided = self.tuner.after_backward  # None while still deciding
+        if decided is not None:
+            self.after_backward = decided
             if self.after_backward:
                 self.remove_hooks()
 
@@ -418,8 +417,12 @@ class GradientSynchronizer:
             self._next_launch += 1
 
     # ------------------------------------------------------------------ finish
-    def _pack_and_launch(self, bucket: _Bucket) -> None:
-        """Packs this round's gradients into ``bucket`` (zeros where there is none), divides, and launches it."""
+    def _pack_and_launch(self, bucket: _Bucket) -> torch.futures.Future:
+        """Packs this round's gradients into ``bucket`` (zeros where there is none), divides, and launches it.
+
+        Returns:
+            The launched average's future, also kept as ``bucket.future``.
+        """
         grads = [p.grad for p in bucket.params]
         if len(grads) == 1 and grads[0] is not None and grads[0].data_ptr() != bucket.slots[0].data_ptr():
             torch.div(grads[0], self._world, out=bucket.slots[0])  # copy and divide in one pass (same bits)
@@ -428,15 +431,16 @@ class GradientSynchronizer:
             bucket.buffer.div_(self._world)
         flat = FlatBucket(index=bucket.index, buffer=bucket.buffer, shapes=bucket.shapes, divided=True)
         bucket.future = self.compressor.average(flat, self.meter, self.group)
+        return bucket.future
 
     def _launch_rest(self) -> None:
         """Completes and launches, in index order, every bucket not launched yet; each bucket is launched before the
         next is packed, so packing overlaps the transfers already in flight."""
         for bucket in self.buckets[self._next_launch :]:  # the same payloads as during backward: the same bits
             if bucket.future is None:
-                self._pack_and_launch(bucket)
+                future = self._pack_and_launch(bucket)
                 if self.bucketing == "naive":
-                    wait_future(bucket.future, "gradient all_reduce", self.group)
+                    wait_future(future, "gradient all_reduce", self.group)
         self._next_launch = len(self.buckets)
 
     def _globally_used(self, local_used: list[bool]) -> list[bool] | None:

@@ -407,8 +407,9 @@ class PowerSGDCompression(Compressor):
             qs = []
             for slot, i in enumerate(compressed):
                 mat = views[i].reshape(views[i].shape[0], -1).to(torch.float32, copy=True)
-                if self.error_feedback and slot < len(mem.residuals) and mem.residuals[slot] is not None:
-                    mat.add_(mem.residuals[slot].to(device))
+                residual = mem.residuals[slot] if self.error_feedback and slot < len(mem.residuals) else None
+                if residual is not None:
+                    mat.add_(residual.to(device))
                 mats.append(mat)
                 qs.append(self._initial_q(mem, slot, mat.shape[1], device))
             p_flat = torch.cat([(mat @ q).reshape(-1) for mat, q in zip(mats, qs)])

@@ -41,7 +41,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -277,6 +277,34 @@ class CommMeter:
         return None
 
     # ------------------------------------------------------------------ collectives
+    @overload
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp.RedOpType = ...,
+        group: ProcessGroup | None = ...,
+        *,
+        async_op: Literal[True],
+    ) -> _TimedWork: ...
+
+    @overload
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp.RedOpType = ...,
+        group: ProcessGroup | None = ...,
+        async_op: Literal[False] = ...,
+    ) -> None: ...
+
+    @overload
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp.RedOpType = ...,
+        group: ProcessGroup | None = ...,
+        async_op: bool = ...,
+    ) -> _TimedWork | None: ...
+
     def all_reduce(
         self,
         tensor: torch.Tensor,
@@ -297,6 +325,34 @@ class CommMeter:
             group,
         )
 
+    @overload
+    def all_gather_into_tensor(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        group: ProcessGroup | None = ...,
+        *,
+        async_op: Literal[True],
+    ) -> _TimedWork: ...
+
+    @overload
+    def all_gather_into_tensor(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        group: ProcessGroup | None = ...,
+        async_op: Literal[False] = ...,
+    ) -> None: ...
+
+    @overload
+    def all_gather_into_tensor(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        group: ProcessGroup | None = ...,
+        async_op: bool = ...,
+    ) -> _TimedWork | None: ...
+
     def all_gather_into_tensor(
         self,
         output: torch.Tensor,
@@ -316,6 +372,34 @@ class CommMeter:
             "all_gather",
             group,
         )
+
+    @overload
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        group: ProcessGroup | None = ...,
+        *,
+        async_op: Literal[True],
+    ) -> _TimedWork: ...
+
+    @overload
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        group: ProcessGroup | None = ...,
+        async_op: Literal[False] = ...,
+    ) -> None: ...
+
+    @overload
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        group: ProcessGroup | None = ...,
+        async_op: bool = ...,
+    ) -> _TimedWork | None: ...
 
     def all_to_all_single(
         self,
@@ -338,6 +422,34 @@ class CommMeter:
             "all_to_all",
             group,
         )
+
+    @overload
+    def broadcast(
+        self,
+        tensor: torch.Tensor,
+        src: int = ...,
+        group: ProcessGroup | None = ...,
+        *,
+        async_op: Literal[True],
+    ) -> _TimedWork: ...
+
+    @overload
+    def broadcast(
+        self,
+        tensor: torch.Tensor,
+        src: int = ...,
+        group: ProcessGroup | None = ...,
+        async_op: Literal[False] = ...,
+    ) -> None: ...
+
+    @overload
+    def broadcast(
+        self,
+        tensor: torch.Tensor,
+        src: int = ...,
+        group: ProcessGroup | None = ...,
+        async_op: bool = ...,
+    ) -> _TimedWork | None: ...
 
     def broadcast(
         self,

@@ -42,7 +42,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -332,7 +332,8 @@ class PeriodicAverager:
                 f"outer_compression={outer_compression!r} is not allowed with compression={base!r}; the "
                 "pseudo-gradients take one codec: set compression=none, or outer_compression=none"
             )
-        periods = [("sync_every", self.sync_every)] if self.adaptive is None else []
+        # without ``adaptive``, sync_every is not "auto": __init__ checked it is an integer
+        periods = [("sync_every", cast(int, self.sync_every))] if self.adaptive is None else []
         if self.adaptive is not None:
             periods.append(("min_sync_every", self.adaptive.min_every))
         periods += [(f"{POLICY_FIELD}[{pattern!r}]", every) for pattern, every in self.policy.items()]

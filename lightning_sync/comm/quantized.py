@@ -30,7 +30,7 @@ process group of its own (:mod:`lightning_sync.comm.streaming`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from torch.distributed import ProcessGroup
@@ -111,7 +111,8 @@ class BlockQuantizedCompression(Compressor):
         received = torch.empty_like(sent)
         work = meter.all_to_all_single(received, sent, group=group, async_op=True)
         work.wait()
-        reduced = sum(self.decode(part, chunk) for part in received.view(n, size))
+        # n > 1 here, so the sum is a tensor, never sum()'s start value 0
+        reduced = cast(torch.Tensor, sum(self.decode(part, chunk) for part in received.view(n, size)))
         reduced.mul_(bucket.scale(n))
 
         # 2. all-gather of the requantized reduced chunks
