@@ -46,7 +46,9 @@ def cpu_info(path: str | Path = "/proc/cpuinfo") -> dict[str, Any]:
     """The CPU's model name, logical CPUs and feature flags (sorted), from ``/proc/cpuinfo`` (Linux); on other
     systems the model is :func:`platform.processor` and the flags are empty."""
     file = Path(path)
-    model, flags, count = platform.processor() or None, [], 0
+    model: str | None = platform.processor() or None
+    flags: list[str] = []
+    count = 0
     if file.is_file():
         for line in file.read_text(errors="replace").splitlines():
             key, _, value = line.partition(":")

@@ -247,6 +247,7 @@ def results_page(sources: Sequence[str | Path]) -> str:
                 record = embedded or _read_json(path.parent / PROVENANCE_FILE)
             elif path.suffix == ".md" and (path.with_suffix(".provenance.json")).exists():
                 record = _read_json(path.with_suffix(".provenance.json"))
+                assert record is not None  # the file exists: checked above
                 title = record.get("title") or path.stem
                 tables = path.read_text().strip().replace("### ", "#### ")
             else:

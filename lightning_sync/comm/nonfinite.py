@@ -41,7 +41,7 @@ def skipped_step_message(mode: str, step: int, rank: int | None = None) -> str:
     )
 
 
-def grads_are_finite(params: Iterable[torch.nn.Parameter]) -> bool:
+def grads_are_finite(params: Iterable[torch.Tensor]) -> bool:
     """Whether every gradient of ``params`` is free of NaN and Inf.
 
     One ``aminmax`` per gradient (a NaN makes both ends NaN, an Inf one end infinite; nothing can overflow), then

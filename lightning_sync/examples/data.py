@@ -271,11 +271,12 @@ class TextDataModule(pl.LightningDataModule):
         if self.splits:
             return
         for name, tokens in self.tokens.items():
-            data = WindowDataset(tokens, self.block_size)
-            if name != "train" and self.val_windows is not None and len(data) > self.val_windows:
+            windows = WindowDataset(tokens, self.block_size)
+            data: torch.utils.data.Dataset = windows
+            if name != "train" and self.val_windows is not None and len(windows) > self.val_windows:
                 # evenly spaced over the split, so the evaluated windows span the whole text
-                step = len(data) / self.val_windows
-                data = torch.utils.data.Subset(data, [int(i * step) for i in range(self.val_windows)])
+                step = len(windows) / self.val_windows
+                data = torch.utils.data.Subset(windows, [int(i * step) for i in range(self.val_windows)])
             self.splits[name] = data
 
     @override

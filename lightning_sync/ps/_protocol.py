@@ -127,7 +127,7 @@ class ReplyHeader:
     @classmethod
     def parse(cls, header: torch.Tensor) -> ReplyHeader:
         v = header.tolist()
-        return cls(Kind(v[0]), Status(v[1]), *v[2:8], StopCode(v[8]), *v[9:12])
+        return cls(Kind(v[0]), Status(v[1]), v[2], v[3], v[4], v[5], v[6], v[7], StopCode(v[8]), v[9], v[10], v[11])
 
 
 def to_blob(obj: Any) -> torch.Tensor:

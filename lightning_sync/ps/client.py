@@ -305,7 +305,7 @@ class PSClient:
         Called by one worker (worker 0) between steps. In sync mode, a state fetched after every worker's reply
         to the same step resumes bit for bit.
         """
-        return [from_blob(payload) for _, payload in self._exchange(Kind.GET_STATE)]
+        return [from_blob(_payload(answer)) for answer in self._exchange(Kind.GET_STATE)]
 
     def load_server_states(self, states: Sequence[dict[str, Any]]) -> None:
         """Loads one state per server (from :meth:`server_states`) into the running servers.
@@ -324,7 +324,7 @@ class PSClient:
         """Each server's stats: version, worker clocks, staleness (last value and histogram per worker, every value
         with ``history``), stop state, and its traffic (``bytes_recv``, ``bytes_sent``, ``calls``, ``seconds``)."""
         flags = FLAG_STATS_HISTORY if history else 0
-        return [from_blob(payload) for _, payload in self._exchange(Kind.STATS, flags=flags)]
+        return [from_blob(_payload(answer)) for answer in self._exchange(Kind.STATS, flags=flags)]
 
     def close(self) -> None:
         """Says goodbye to every server (they stop waiting for this worker) and leaves the group. Idempotent.
@@ -414,7 +414,7 @@ class PSClient:
                     kind, self.worker, self.versions[i], nbytes, self.checksums[i], flags, optimizer, clip
                 )
                 sends.append((i, group.send(request.header(), rank, TAG_REQUEST)))
-                if nbytes:
+                if payload is not None and nbytes:
                     sends.append((i, group.send(payload, rank, TAG_REQUEST_DATA)))
             # A peer that already gave up left its reason in the store: stop now rather than wait out timeout_s on
             # the servers it gave up on (asked while the sends are in flight, so a healthy step pays no latency).
@@ -454,9 +454,9 @@ class PSClient:
             reporter, report = self._report_of(peer, patience_s=patience_s)
             raise type(exc)(f"{exc}; {group.name(reporter)} reported: {report}" if report else str(exc)) from exc
         errors = [
-            f"{group.name(ranks[i])} refused the {what}: {bytes(buffers[i].tolist()).decode(errors='replace')}"
-            for i, reply in enumerate(replies)
-            if reply.status == Status.ERROR and buffers[i] is not None
+            f"{group.name(ranks[i])} refused the {what}: {bytes(buffer.tolist()).decode(errors='replace')}"
+            for i, (reply, buffer) in enumerate(zip(replies, buffers))
+            if reply.status == Status.ERROR and buffer is not None
         ]
         if errors:
             raise PSServerError("; ".join(errors))
@@ -521,3 +521,10 @@ class PSClient:
 
 def _left(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.001)
+
+
+def _payload(answer: tuple[ReplyHeader, torch.Tensor | None]) -> torch.Tensor:
+    """The payload of a reply that always carries one (a server's state or stats)."""
+    payload = answer[1]
+    assert payload is not None, f"a {answer[0].kind.name} reply without payload"
+    return payload

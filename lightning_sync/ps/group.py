@@ -144,7 +144,9 @@ class PSGroup:
                 f"{self.name()} could not join the PS group ({num_workers} workers + {num_servers} servers, prefix "
                 f"{prefix!r}) within {self.connect_timeout_s:.1f} s: {exc}"
             ) from exc
-        self.meter.group = self.pg
+        # torch types ProcessGroupGloo as a Backend, not a ProcessGroup; ps/ uses this meter only for point-to-point
+        # calls (send_to, recv_from), which take any group with send/recv
+        self.meter.group = self.pg  # type: ignore[assignment]
 
     # ---------------------------------------------------------------- identity
     @property

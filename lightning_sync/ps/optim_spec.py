@@ -86,7 +86,7 @@ def _class_path(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def _import_class(path: str) -> type:
+def _import_class(path: str) -> type[torch.optim.Optimizer]:
     module_name, _, qualname = path.partition(":")
     if not module_name or not qualname:
         raise ValueError(f"optimizer_class={path!r} must look like 'package.module:ClassName'")
@@ -125,7 +125,8 @@ def optimizer_spec(
             raise ValueError(f"params[{i}] is the same tensor as params[{position[id(p)]}]; list each parameter once")
         position[id(p)] = i
     group_of = [-1] * len(params)
-    groups, owner = [], []
+    groups: list[dict[str, Any]] = []
+    owner: list[int] = []
     extra = 0
     names = "/".join(type(o).__name__ for o in optimizers)
     for index, opt in enumerate(optimizers):

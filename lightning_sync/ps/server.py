@@ -147,11 +147,11 @@ class ServerShard:
             raise ValueError(f"optimizer {optimizer} does not exist; the worker has {len(self.optimizers)}")
         stepping = self.optimizers[optimizer]
         if stepping is not None:
-            for group, g in zip(stepping.param_groups, self.group_maps[optimizer]):
+            for group, spec_group in zip(stepping.param_groups, self.group_maps[optimizer]):
                 if isinstance(group["lr"], torch.Tensor):
-                    group["lr"].fill_(float(lrs[g]))
+                    group["lr"].fill_(float(lrs[spec_group]))
                 else:
-                    group["lr"] = float(lrs[g])
+                    group["lr"] = float(lrs[spec_group])
             for p, g in zip(self.params, self.layout.split(grad)):
                 p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
             stepped = [p for p, k in zip(self.params, self.owner) if k == optimizer]
@@ -161,6 +161,7 @@ class ServerShard:
                 torch.nn.utils.clip_grad_value_(stepped, clip.value)
             if scale != 1.0:
                 for p in stepped:
+                    assert p.grad is not None  # set for every parameter above
                     p.grad.mul_(scale)
             stepping.step()
             for p in self.params:
@@ -664,6 +665,7 @@ class ParameterServer:
             elif all(w in self.pending for w in range(self.num_workers) if self.live[w]):
                 replies += self._sync_step()
         if self.withheld:
+            assert self.config is not None  # set with the shard
             staleness = self.shard.staleness_history
             for w in sorted(self.withheld):
                 if self.stopped or not self.live[w] or self._lead(w) <= self.config.max_staleness:

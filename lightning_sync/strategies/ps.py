@@ -166,6 +166,7 @@ class ParameterServerStrategy(DetachableCollectives):
         max_updates = trainer.max_steps  # Lightning counts every optimizer's steps, as the servers do
         if max_updates is None or max_updates < 0:  # E epochs' worth of samples
             epochs = trainer.max_epochs if self._loop_limits is None else self._loop_limits[2]
+            assert epochs is not None  # Lightning sets max_epochs when max_steps is unset
             per_batch = 1 if self.config.mode == "sync" else self.world_size  # async/ssp: an update per worker batch
             max_updates = int(epochs) * int(trainer.num_training_batches) * per_batch * len(self.optimizers)
             if self.config.mode == "sync" and not module.automatic_optimization:

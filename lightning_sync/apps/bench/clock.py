@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,9 @@ def loss_of(batches: list[Any]) -> Callable[[nn.Module], float]:
     """A scorer: the mean of ``model.loss(batch)`` over ``batches`` (equal-sized batches weigh alike)."""
 
     def score(model: nn.Module) -> float:
-        return sum(float(model.loss(batch)) for batch in batches) / len(batches)
+        # nn.Module.__getattr__ types every attribute as Tensor | Module; the models' loss is a method
+        loss = cast("Callable[[Any], torch.Tensor]", model.loss)
+        return sum(float(loss(batch)) for batch in batches) / len(batches)
 
     return score
 

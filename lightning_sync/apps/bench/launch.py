@@ -162,8 +162,8 @@ def run_nodes(
     codes = [p.returncode for p in procs]
     if any(code != 0 for code in codes) or not result_path.is_file():
         failed = next((i for i, c in enumerate(codes) if c != 0), 0)
-        log = run_dir / f"node{failed}.log"
-        raise RunFailed(f"node exit codes {codes}: {_cause(log)} (log: {log})")
+        log_path = run_dir / f"node{failed}.log"
+        raise RunFailed(f"node exit codes {codes}: {_cause(log_path)} (log: {log_path})")
     result = json.loads(result_path.read_text())
     if spec.get("wire"):
         result.update(wire_totals([result_path.with_name(f"{result_path.name}.rank{r}") for r in range(nodes)]))

@@ -59,7 +59,8 @@ class TimeToTarget(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
         self.clock = TargetClock(
-            self.make_score(trainer.datamodule),
+            # Lightning's DataConnector sets Trainer.datamodule, which the Trainer class does not declare
+            self.make_score(trainer.datamodule),  # type: ignore[attr-defined]
             self.target,
             self.every,
             lambda value: strategy.broadcast(value, src=0),

@@ -145,7 +145,7 @@ def _lightning_run(case: str, workload: Workload, cfg: BenchConfig, spec: dict[s
     report = SyncReport(warmup_steps=cfg.warmup_steps)
     callbacks: list[Any] = [report]
     timed = workload.metric in _TIMED
-    max_steps = cfg.steps
+    max_steps: int | None = cfg.steps
     if timed:
         target, every, lower, give_up_s, max_steps = _clock_for(case, workload, cfg, spec)
         callbacks.append(TimeToTarget(_scorer(workload), target, every, lower, give_up_s))
@@ -223,7 +223,9 @@ def _torch_loop(case: str, workload: Workload, cfg: BenchConfig, spec: dict[str,
     module, data = _make_module_and_data(workload, cfg, world, workload.batch_size)
     data.setup("fit")
     train = data.splits["train"]
-    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        train, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
+    )
     loader = DataLoader(train, batch_size=workload.batch_size, sampler=sampler, drop_last=True)
     optimizer = module.configure_optimizers()
     net: nn.Module = module
