@@ -4,14 +4,21 @@ classifier, the synthetic MLPs and a character-level language model (:class:`Cha
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import AttributeDict
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
+
+
+def _hparams(module: pl.LightningModule) -> AttributeDict:
+    """``module.hparams``, an :class:`AttributeDict` after ``save_hyperparameters`` (Lightning types the property as
+    ``AttributeDict | MutableMapping``, whose second member has no attribute access)."""
+    return cast(AttributeDict, module.hparams)
 
 
 def _make_optimizer(params: Any, name: str, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -77,7 +84,7 @@ class DigitsClassifier(pl.LightningModule):
         self.log("test/acc", self.test_acc)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        h = self.hparams
+        h = _hparams(self)
         return _make_optimizer(self.parameters(), h.optimizer, h.lr, h.momentum, h.weight_decay)
 
 
@@ -133,7 +140,7 @@ class SyntheticMLP(pl.LightningModule):
         self.log("test/loss", F.mse_loss(self(x), y), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        h = self.hparams
+        h = _hparams(self)
         return _make_optimizer(self.parameters(), h.optimizer, h.lr, h.momentum, 0.0)
 
 
@@ -151,8 +158,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=-1)
-        heads = [t.view(batch, time, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v)]
-        out = F.scaled_dot_product_attention(*heads, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        q, k, v = (t.view(batch, time, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(out.transpose(1, 2).reshape(batch, time, width))
 
 
@@ -241,8 +248,8 @@ class CharGPT(pl.LightningModule):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``(batch, time, vocab_size)`` of the next character at every position of ``tokens``."""
         time = tokens.shape[1]
-        if time > self.hparams.block_size:
-            raise ValueError(f"a sequence of {time} tokens is longer than model.block_size={self.hparams.block_size}")
+        if time > _hparams(self).block_size:
+            raise ValueError(f"a sequence of {time} tokens is longer than model.block_size={_hparams(self).block_size}")
         x = self.tok_emb(tokens) + self.pos_emb(torch.arange(time, device=tokens.device))
         for block in self.blocks:
             x = block(x)
@@ -275,7 +282,7 @@ class CharGPT(pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        h = self.hparams
+        h = _hparams(self)
         matrices = [p for n, p in self.named_parameters() if p.ndim >= 2]
         others = [p for n, p in self.named_parameters() if p.ndim < 2]
         groups = [{"params": matrices, "weight_decay": h.weight_decay}, {"params": others, "weight_decay": 0.0}]
