@@ -35,13 +35,18 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
 from lightning_sync.apps.tables import markdown_table  # the one table writer; ps_study and notebooks import it here
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_sync.strategies.periodic import PeriodicSyncStrategy
 
 TIMELINE_DIR = "timeline"
 """The folder, inside a run folder, of the ranks' timelines (``rank<r>.json``)."""
@@ -92,13 +97,14 @@ class Timeline(pl.Callback):
         self._probes: list[dict[str, Any]] = []
         self._meta: dict[str, Any] = {}
         self._first_batch: float | None = None
-        self._batch_start = (0.0, 0.0)  # (time.monotonic, the meter's comm seconds) at the current batch's start
+        # (time.monotonic, the meter's comm seconds or None without a meter) at the current batch's start
+        self._batch_start: tuple[float, float | None] = (0.0, 0.0)
         self._last_probe = -math.inf
         self._probe_data: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _meta_fields(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """The record's header: rank, ranks, the strategy's mode, trained parameter bytes, fit start."""
-        strategy = trainer.strategy
+        strategy = cast("DDPStrategy", trainer.strategy)  # every strategy a study runs is a DDPStrategy
         params = [p for p in pl_module.parameters() if p.requires_grad]
         return {
             "rank": trainer.global_rank,
@@ -131,8 +137,9 @@ class Timeline(pl.Callback):
         """This batch's fields besides ``t`` and ``batch`` (``None``: no row and no probe for this batch)."""
         strategy = trainer.strategy
         row = {"step": trainer.global_step, "loss": batch_loss(outputs)}
-        if hasattr(strategy, "last_divergence"):
-            row.update(divergence=strategy.last_divergence, period=strategy.period)
+        if hasattr(strategy, "last_divergence"):  # a PeriodicSyncStrategy
+            periodic = cast("PeriodicSyncStrategy", strategy)
+            row.update(divergence=periodic.last_divergence, period=periodic.period)
         return row
 
     def _probe_fields(self, trainer: pl.Trainer) -> dict[str, Any]:
@@ -160,7 +167,7 @@ class Timeline(pl.Callback):
                 "t": now,
                 "batch": len(self._rows) + 1,
                 "seconds": now - started,
-                "comm_s": None if comm is None else comm - comm_at_start,
+                "comm_s": None if comm is None or comm_at_start is None else comm - comm_at_start,
                 **row,
             }
         )
@@ -172,7 +179,8 @@ class Timeline(pl.Callback):
         """Rank 0's validation accuracy and loss with the parameters it holds now."""
         started = time.monotonic()
         if self._probe_data is None:
-            batches = list(trainer.datamodule.val_dataloader())
+            # Lightning's DataConnector sets Trainer.datamodule, which the Trainer class does not declare
+            batches = list(trainer.datamodule.val_dataloader())  # type: ignore[attr-defined]
             self._probe_data = (torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
         x, y = self._probe_data
         was_training = pl_module.training
@@ -692,14 +700,14 @@ def seed_band(
     ``points`` values of x over the range every curve covers (empty lists if they share none)."""
     import numpy as np
 
-    curves = [(np.asarray(x, float), np.asarray(y, float)) for x, y in curves if len(x)]
-    if not curves:
+    arrays = [(np.asarray(x, float), np.asarray(y, float)) for x, y in curves if len(x)]
+    if not arrays:
         return [], [], [], []
-    start, end = max(x[0] for x, _ in curves), min(x[-1] for x, _ in curves)
+    start, end = max(x[0] for x, _ in arrays), min(x[-1] for x, _ in arrays)
     if end < start:
         return [], [], [], []
     grid = np.linspace(start, end, points) if end > start else np.array([start])
-    values = np.stack([np.interp(grid, x, y) for x, y in curves])
+    values = np.stack([np.interp(grid, x, y) for x, y in arrays])
     return grid.tolist(), values.mean(0).tolist(), values.min(0).tolist(), values.max(0).tolist()
 
 
