@@ -32,7 +32,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
 from typing_extensions import override
@@ -46,6 +46,9 @@ from lightning_sync.apps.study import (
     read_timelines,
     run_with_timeline,
 )
+
+if TYPE_CHECKING:
+    from lightning_sync.strategies.ps import ParameterServerStrategy
 
 TIMELINE_DIR = "ps_timeline"
 """The folder, inside a run folder, of the workers' timelines (``rank<r>.json``)."""
@@ -165,7 +168,8 @@ class PSTimeline(Timeline):
     @override
     def _probe_fields(self, trainer: pl.Trainer) -> dict[str, Any]:
         """The servers' version the probed parameters come from."""
-        return {"version": trainer.strategy.last_reply.version}
+        strategy = cast("ParameterServerStrategy", trainer.strategy)  # _row found its last_reply
+        return {"version": strategy.last_reply.version}
 
 
 # ---------------------------------------------------------------------------------------------------- one run
@@ -376,7 +380,7 @@ def summarize(
     else:
         for run in runs:
             groups.setdefault(run.name, []).append(run)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, group in groups.items():
         pushes = [s for run in group for worker in run.staleness() for s in worker]
         accs = [run.test_accuracy for run in group if run.test_accuracy is not None]
