@@ -15,9 +15,10 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_sync.apps._app_help import group_options, register_help_resolvers
@@ -53,7 +54,7 @@ _LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_S
 
 def _config_error(exc: BaseException) -> ConfigError | None:
     """The ConfigError behind ``exc`` (Hydra wraps errors raised while instantiating), if any."""
-    seen = exc
+    seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, (ConfigError, ValueError)) and not type(seen).__module__.startswith("hydra"):
             return seen if isinstance(seen, ConfigError) else ConfigError(str(seen))
@@ -96,7 +97,8 @@ def build(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> tuple[Any, Any, Any
             raise
         raise error from None
     run_dir = _run_dir(cfg)
-    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    # cfg.trainer is a DictConfig: its container is a dict
+    trainer_kwargs = cast(dict[str, Any], OmegaConf.to_container(cfg.trainer, resolve=True))
     loggers = _make_loggers(cfg, run_dir)
     trainer_callbacks = _make_callbacks(cfg, run_dir, trainer_kwargs, list(callbacks))
     trainer = pl.Trainer(**trainer_kwargs, strategy=strategy, logger=loggers or False, callbacks=trainer_callbacks)
@@ -105,7 +107,7 @@ def build(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> tuple[Any, Any, Any
 
 def _run_dir(cfg: DictConfig) -> Path:
     """The run folder: ``cfg.run_dir`` if set (the compare job), else Hydra's output folder of this job."""
-    return Path(cfg.get("run_dir") or hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    return Path(cfg.get("run_dir") or HydraConfig.get().runtime.output_dir)
 
 
 def _make_loggers(cfg: DictConfig, run_dir: Path) -> list[Any]:
@@ -202,6 +204,7 @@ def run(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     if trainer.is_global_zero:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     report = next(cb for cb in trainer.callbacks if isinstance(cb, SyncReport))
+    assert report.path is not None  # the app's own SyncReport (the first) writes the run's summary.json
     guard = next(cb for cb in trainer.callbacks if isinstance(cb, DivergenceGuard))
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=_ckpt_path(cfg))
@@ -252,7 +255,7 @@ def _end_job(trainer: Any, launch_env: dict[str, str | None], failed: bool = Fal
 
     launcher = getattr(trainer.strategy, "launcher", None)
     wait_children = getattr(launcher, "wait_children", None)
-    if wait_children is not None:
+    if launcher is not None and wait_children is not None:  # (a launcher is there when wait_children is)
         launcher.stop_observing()  # this rank handles its children from here: no SIGKILL of it while it reports
         if failed:
             for rank, code in launcher.exited_children().items():  # the likely cause of this rank's error
@@ -289,7 +292,7 @@ def _drop_unused_run_folder() -> None:
     (``outputs/<date>/``): a typo leaves no folder behind. A folder with anything else in it (a run being resumed)
     is left alone."""
     try:
-        folder = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+        folder = Path(HydraConfig.get().runtime.output_dir)
     except ValueError:  # not under Hydra
         return
     log = folder / "train.log"
@@ -350,6 +353,7 @@ def _check_group_choices(argv: list[str]) -> None:
         options = groups.get(override.key_or_group)
         if options is None or not options or override.is_delete():
             continue
+        candidates: list[object]
         if isinstance(value, ChoiceSweep):
             candidates = list(value.list)
         else:
