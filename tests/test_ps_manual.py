@@ -80,7 +80,7 @@ def _ps(mode: str = "sync") -> ParameterServerStrategy:
 
 
 def _max_diff(a: nn.Module, b: nn.Module) -> float:
-    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+    return max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
 
 @pytest.mark.e2e
