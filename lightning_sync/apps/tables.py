@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_sync.apps.bench.config import LM_CASES
+from lightning_sync.apps.bench.config import CASE_HELP, LM_CASES
 from lightning_sync.apps.provenance import git_output
 
 _ALIGN = {"l": ":---", "r": "---:", "c": ":---:", "-": "---"}
@@ -216,17 +216,13 @@ def _utilization_section(bench_rows: list[dict[str, Any]]) -> str | None:
         [[f"`{r['case']}`", *("-" if v is None else f"{v:.0%}" for v in r["by_rate"].values())] for r in rows],
         align="l" + "r" * len(rates),
     )
+    cases = "\n".join(f"- `{r['case']}`: {CASE_HELP[r['case']]}" for r in rows)
     return (
         f"## {UTILIZATION_TITLE}\n\nFrom the char_lm benchmark tables above: the `floor` case's ms per optimizer "
         "step (2 ranks that never communicate; training seconds over steps, median over the seeds) over each "
-        "case's, between 2 emulated hosts at each link rate, each against the floor of its own run. `diloco` syncs the whole model every `diloco_sync_every` "
-        "steps; `streaming_diloco` is the same with 4 fragments, sync_delay 2, fragment_alpha 0.5 and int4 outer "
-        "gradients; `diloco_8` syncs the whole model every `sync_every` steps with an outer SGD without momentum, "
-        "and `streaming_diloco_8` is the same with 4 fragments, sync_delay 1, fragment_alpha 0.5 and int4 "
-        "(`streaming_diloco_8_k2`: 2 fragments, sync_delay 3); "
-        "`diloco_12` and `streaming_diloco_12` sync every 12 steps, the latter with sync_delay 2. Runs "
-        "with the benchmark's `flush_denormal` (its default) treat subnormal floats as zero in every case.\n\n"
-        f"{table}\n"
+        "case's, between 2 emulated hosts at each link rate, each against the floor of its own run. Runs with the "
+        "benchmark's `flush_denormal` (its default) treat subnormal floats as zero in every case.\n\n"
+        f"{table}\n\nThe cases, as the benchmark's `--help` describes them:\n\n{cases}\n"
     )
 
 
