@@ -1,9 +1,9 @@
 """The comm algorithms a strategy config asks for, built from its knobs: torch only, no Lightning.
 
-A strategy's constructor builds these (and keeps them); the Hydra app builds them once more before importing
-Lightning, so a bad algorithm knob (a compressor's density or rank, the bucketing, the averager's period, warmup and
-adaptive bounds, a ``ps`` setting) is reported in about a second and a half (torch's import), not after Lightning's
-five. Each check still lives in its algorithm's constructor: this module only calls them.
+A strategy's constructor builds these (and keeps them); the Hydra app builds them once more before it starts any
+process, so a bad algorithm knob (a compressor's density or rank, the bucketing, the averager's period, warmup and
+adaptive bounds, a ``ps`` setting) is reported before a rank starts. Each check still lives in its algorithm's
+constructor: this module only calls them.
 """
 
 from __future__ import annotations
@@ -42,29 +42,11 @@ class AlgorithmParts:
 def ps_settings(cfg: ParameterServerConfig, max_updates: int | None = None) -> PSConfig:
     """The :class:`~lightning_sync.ps.settings.PSConfig` of a ``ps`` strategy config.
 
+    The knobs were checked with each other by the config itself; this converts them.
+
     Raises:
-        ConfigError: ``max_staleness`` set outside ``ssp``, or a setting the ps package refuses.
+        ConfigError: a setting the ps package refuses.
     """
-    if cfg.mode != "ssp" and cfg.max_staleness != ParameterServerConfig.max_staleness:
-        raise ConfigError(f"max_staleness={cfg.max_staleness} is not allowed with mode={cfg.mode!r}; it is for ssp")
-    if cfg.mode == "sync" and cfg.push_scale != "auto":
-        raise ConfigError(
-            f"push_scale={cfg.push_scale!r} is not allowed with mode='sync' (a sync step averages the gradients); "
-            "it is for async and ssp"
-        )
-    if cfg.local_steps == "auto" and (
-        isinstance(cfg.max_local_steps, bool) or not isinstance(cfg.max_local_steps, int) or cfg.max_local_steps < 2
-    ):
-        raise ConfigError(f"max_local_steps={cfg.max_local_steps!r} is not allowed; it must be an integer >= 2")
-    if cfg.local_steps == "auto" and cfg.mode == "sync":
-        raise ConfigError(
-            "local_steps='auto' is not allowed with mode='sync' (sync workers keep in step, so the slowest sets the "
-            "pace whatever the counts); it is for async and ssp"
-        )
-    if isinstance(cfg.local_steps, str) and cfg.local_steps != "auto":
-        raise ConfigError(f"local_steps={cfg.local_steps!r} is not allowed; it must be an integer >= 1, or 'auto'")
-    if isinstance(cfg.push_scale, str) and cfg.push_scale != "auto":
-        raise ConfigError(f"push_scale={cfg.push_scale!r} is not allowed; it must be a number > 0, or 'auto'")
     try:
         return PSConfig(
             cfg.mode,

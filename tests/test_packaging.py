@@ -1,7 +1,7 @@
 """The package as a user installs and imports it: the core stands alone, and the registry names always work.
 
-- ``import lightning_sync`` in a user's own package, run as ``python -m pkg.train``, registers all four ``sync_*``
-  names with Lightning (the import is light: Lightning loads later and the names register then).
+- ``import lightning_sync`` registers all four ``sync_*`` names with Lightning, also in a user's own package run as
+  ``python -m pkg.train`` whose ``__init__`` imports it before Lightning is imported.
 - The core (strategies, comm, ps) imports neither scikit-learn, Hydra nor matplotlib: those are the ``apps`` extra.
 - An unknown strategy knob added with ``+strategy.<knob>=`` is a one-line config error.
 """
@@ -36,7 +36,7 @@ def test_registry_names_work_from_a_user_package_run_with_dash_m(tmp_path):
             import sys
             import lightning as L
 
-            assert "lightning_sync.strategies" in sys.modules, "registration did not run when Lightning loaded"
+            assert "lightning_sync.strategies" in sys.modules, "import lightning_sync did not import the strategies"
             for name in ("sync_ddp", "sync_allreduce", "sync_periodic", "sync_ps"):
                 trainer = L.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False,
                                     enable_progress_bar=False, enable_model_summary=False)
@@ -55,11 +55,20 @@ def test_registry_names_work_from_a_user_package_run_with_dash_m(tmp_path):
     ]
 
 
-def test_import_lightning_sync_alone_loads_neither_torch_nor_lightning(tmp_path):
-    code = "import sys, lightning_sync; print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))"
+def test_plain_import_registers_the_names_and_exports_the_strategies(tmp_path):
+    code = textwrap.dedent(
+        """
+        import sys
+        assert "lightning" not in sys.modules
+        import lightning_sync
+        from lightning.pytorch.strategies import StrategyRegistry
+        print(sorted(name for name in StrategyRegistry if name.startswith("sync_")))
+        print(lightning_sync.AllReduceStrategy is StrategyRegistry["sync_allreduce"]["strategy"])
+        """
+    )
     result = _run(["-c", code], tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]"
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[:2] == ["['sync_allreduce', 'sync_ddp', 'sync_periodic', 'sync_ps']", "True"]
 
 
 def test_core_works_without_the_apps_extra(tmp_path):
