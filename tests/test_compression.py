@@ -397,3 +397,61 @@ def _chunked_ranks(rank: int, world_size: int) -> None:
 @pytest.mark.timeout(60)
 def test_large_payload_is_sent_as_concurrent_chunks():
     run_ranks(_chunked_ranks)
+
+
+# ------------------------------------------------------------------------------- DDP hook: memory per bucket
+_BLOCKS, _WIDTH = 4, 16
+# One block (a 16x16 weight and a 16-entry bias) fills a bucket exactly, so DDP puts each block in a bucket of its own.
+_BLOCK_CAP_MB = (_WIDTH * _WIDTH + _WIDTH) * 4 / 2**20
+
+
+def _ddp_identical_blocks(rank: int, world_size: int) -> None:
+    """A model of identical blocks, each in its own DDP bucket: every bucket gets compressor memory of its own."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_sync.comm.ddp_hook import DDPHookState, compressed_allreduce_hook
+
+    for comp in (TopKCompression(0.1), PowerSGDCompression(rank=1)):
+        torch.manual_seed(0)  # the same initial model on every rank
+        model = torch.nn.Sequential(*(torch.nn.Linear(_WIDTH, _WIDTH) for _ in range(_BLOCKS)))
+        ddp = DistributedDataParallel(model, bucket_cap_mb=_BLOCK_CAP_MB)
+        state = DDPHookState(compressor=comp, meter=CommMeter())
+        seen: list[list[tuple[int, ...]]] = []  # per step: each bucket's parameters (ids), in launch order
+
+        def spy(hook_state, bucket, seen=seen):  # no annotations: DDP checks them
+            seen[-1].append(tuple(id(p) for p in bucket.parameters()))
+            return compressed_allreduce_hook(hook_state, bucket)
+
+        ddp.register_comm_hook(state, spy)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(3):
+            seen.append([])
+            ddp(torch.randn(8, _WIDTH, generator=gen)).pow(2).sum().backward()
+            comp.advance()
+            ddp.zero_grad()
+
+        # After DDP's rebuild (step 1 reduces the whole model as one bucket), one bucket per block, of equal shapes.
+        blocks = {tuple(sorted(id(p) for p in block.parameters())) for block in model}
+        assert seen[1] == seen[2] and len(seen[1]) == _BLOCKS, seen
+        assert {tuple(sorted(b)) for b in seen[1]} == blocks
+        buckets = len({b for step in seen for b in step})  # the first step's and the rebuilt ones
+        assert buckets == _BLOCKS + 1
+        if isinstance(comp, TopKCompression):  # one residual per bucket, of the bucket's size
+            memory = [[r] for r in comp.state_dict()["residuals"].values()]
+        else:  # one residual per compressed matrix of the bucket
+            memory = [saved["residuals"] for saved in comp.state_dict()["buckets"].values()]
+        assert len(memory) == buckets, f"{comp.name}: {len(memory)} memory states for {buckets} buckets"
+        assert state.num_buckets == buckets
+        # Each block's memory is its own: the residuals of the block buckets (the ones of a single block) differ.
+        block_numel = _WIDTH * _WIDTH + (_WIDTH if isinstance(comp, TopKCompression) else 0)
+        leftovers = [r[0] for r in memory if len(r) == 1 and r[0].numel() == block_numel]
+        assert len(leftovers) == _BLOCKS
+        for i in range(_BLOCKS):
+            for j in range(i):
+                assert not torch.equal(leftovers[i], leftovers[j]), f"{comp.name}: buckets {i} and {j} share memory"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(60)
+def test_ddp_hook_keeps_compressor_memory_per_bucket():
+    run_ranks(_ddp_identical_blocks)

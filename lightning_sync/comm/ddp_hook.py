@@ -21,6 +21,20 @@ from lightning_sync.comm.meter import CommMeter
 class DDPHookState:
     """State handed to :func:`compressed_allreduce_hook` by ``DistributedDataParallel.register_comm_hook``.
 
+    Compressor memory (error-feedback residuals, PowerSGD factors) is kept per bucket index, so every bucket needs an
+    index of its own that stays the same from step to step. The index is derived from the bucket's parameters (which
+    parameter objects it holds, in order), not from its shapes and not from ``GradBucket.index()``:
+
+    * shapes are not unique: repeated blocks (transformer layers) give buckets with identical shapes, which would then
+      share one error-feedback state;
+    * DDP's own bucket index is not stable: DDP reduces the whole model as one bucket in the first step, then rebuilds
+      the buckets in the order gradients became ready, so index 0 names two different buckets before and after the
+      rebuild.
+
+    The parameters of a bucket identify it in both layouts. Indices are handed out in the order buckets are first
+    seen; DDP launches buckets in index order, so every run of the same model (a resumed one included) numbers them
+    alike: the first step's bucket first, then the rebuilt ones.
+
     Attributes:
         compressor: averages each bucket.
         meter: counts the traffic.
@@ -32,11 +46,22 @@ class DDPHookState:
     meter: CommMeter
     group: ProcessGroup | None = None
     calls: int = 0
-    _layout_ids: dict[tuple, int] = field(default_factory=dict)
+    _bucket_ids: dict[tuple[int, ...], int] = field(default_factory=dict)
 
-    def bucket_id(self, shapes: list[torch.Size]) -> int:
-        """A stable id per bucket layout: DDP renumbers buckets when it rebuilds them after the first step."""
-        return self._layout_ids.setdefault(tuple(tuple(s) for s in shapes), len(self._layout_ids))
+    def bucket_id(self, parameters: list[torch.Tensor]) -> int:
+        """A stable index for the bucket holding ``parameters`` (the same parameters, in the same order, get the
+        same index; any other bucket a new one).
+
+        The key is the parameters' ``id``: DDP hands the hook the module's own parameter objects, which live as long
+        as the module, so an ``id`` is not reused while the hook is registered.
+        """
+        key = tuple(id(p) for p in parameters)
+        return self._bucket_ids.setdefault(key, len(self._bucket_ids))
+
+    @property
+    def num_buckets(self) -> int:
+        """How many distinct buckets the hook has seen (the first step's layout and the rebuilt one)."""
+        return len(self._bucket_ids)
 
 
 def compressed_allreduce_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -46,7 +71,8 @@ def compressed_allreduce_hook(state: DDPHookState, bucket: dist.GradBucket) -> t
         A future resolving to the bucket's buffer, which then holds the mean gradient (DDP copies it to ``.grad``).
     """
     state.calls += 1
-    shapes = [p.shape for p in bucket.parameters()]
+    parameters = bucket.parameters()
+    shapes = [p.shape for p in parameters]
     buffer = bucket.buffer()
-    flat = FlatBucket(index=state.bucket_id(shapes), buffer=buffer, shapes=shapes)
+    flat = FlatBucket(index=state.bucket_id(parameters), buffer=buffer, shapes=shapes)
     return state.compressor.average(flat, state.meter, state.group)
