@@ -18,7 +18,7 @@ BENCH_ARGS ?=
 # The quick tier: no process group, or 2-rank collectives that take seconds; no Trainer fits, no root, nothing slow.
 FAST_MARKERS := (unit or dist) and not (e2e or netns or slow)
 
-.PHONY: setup test test-fast check lint typecheck imports docs lock compare bench notebook clean-venv
+.PHONY: setup test test-fast check lint typecheck imports docs docs-gen lock compare bench notebook clean-venv
 
 setup: $(VENV)/.installed
 
@@ -64,6 +64,12 @@ imports: setup
 docs: setup
 	@test -f mkdocs.yml || { echo "make docs: mkdocs.yml not found; the docs site cannot be built" >&2; exit 1; }
 	$(VENV)/bin/mkdocs build --strict --site-dir $(VENV)/site
+
+# docs/results.md and the README's headline, from the results files under benchmarks/results/ (tools/gen_docs.py;
+# `make docs-gen GEN_ARGS=--check` fails when a page differs from what the files give).
+GEN_ARGS ?=
+docs-gen: setup
+	$(PY) tools/gen_docs.py $(GEN_ARGS)
 
 compare: setup
 	OMP_NUM_THREADS=1 $(PY) -m lightning_sync.compare $(COMPARE_ARGS)

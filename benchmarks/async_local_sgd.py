@@ -22,7 +22,7 @@ clock all forked workers share) and rank 0's validation probes (every ``--probe-
 
 The report gives medians over the rounds, the ratios to the first case and the verdicts (tokens per second at
 least 1.5x, loss at equal tokens within 3%). The table goes to stdout and to ``<out>/async_local_sgd.md`` (with
-its provenance beside it, for ``python -m lightning_sync.apps.tables``), everything measured to ``<out>/runs.json``.
+its provenance beside it, for ``make docs-gen``), everything measured to ``<out>/runs.json``.
 The workers (and the server process) share this machine's cores: the load average is printed per run.
 
     python benchmarks/async_local_sgd.py                               # 3 workers, worker 2 3x slower, 3 rounds
@@ -221,7 +221,7 @@ def summarize(records: list[dict[str, Any]], cases: list[str]) -> tuple[list[dic
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    from lightning_sync.apps.tables import markdown_table
+    from lightning_sync.apps.markdown import markdown_table
 
     return markdown_table(
         (

@@ -56,7 +56,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from lightning_sync.apps.compare import available_cases
-from lightning_sync.apps.study import by_case, error_bar, format_seed_runs, run_cases, seed_band, seed_cases
+from lightning_sync.apps.stats import error_bar, seed_band
+from lightning_sync.apps.study import by_case, format_seed_runs, run_cases, seed_cases
 
 NO_BAR = (0.0, [[0.0], [0.0]])  # a case without the figure: an empty bar
 

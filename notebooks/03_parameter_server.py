@@ -51,8 +51,10 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
+from lightning_sync.apps.markdown import band_cell
 from lightning_sync.apps.ps_study import format_seed_table, ps_overrides, run_ps, staleness_histogram, summarize
-from lightning_sync.apps.study import band_cell, by_case, seed_band, seed_cases
+from lightning_sync.apps.stats import seed_band
+from lightning_sync.apps.study import by_case, seed_cases
 
 MODES = ("sync", "async", "ssp:2")
 COLORS = {"sync": "tab:blue", "async": "tab:orange", "ssp:2": "tab:green"}

@@ -50,21 +50,22 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
+from lightning_sync.apps.markdown import format_cell, markdown_table
+from lightning_sync.apps.stats import error_bar, seed_band
 from lightning_sync.apps.study import (
     LINK_RATES,
     by_case,
-    error_bar,
-    format_cell,
     format_seed_link_model,
     format_seed_runs,
     load_time_to_accuracy,
-    markdown_table,
     modelled_accuracy_curve,
     modelled_time_to_accuracy,
     run_cases,
-    seed_band,
     seed_cases,
 )
+
+# the checkout's benchmark results (a notebook runs in notebooks/; a script knows its own path)
+RESULTS = Path(globals().get("__file__", "notebook")).resolve().parent.parent / "benchmarks" / "results"
 
 COMPRESSION = {
     "none": [],
@@ -197,7 +198,7 @@ plt.show()
 # with an x. Its cases are the benchmark's own (named as in its output), not the runs above.
 
 # %%
-measured = load_time_to_accuracy()
+measured = load_time_to_accuracy(RESULTS / "time_to_accuracy.json")
 if not measured:
     print(
         "no measured time to accuracy in benchmarks/results/time_to_accuracy.json (the benchmark writes it; "

@@ -44,21 +44,14 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
+from lightning_sync.apps.markdown import band_cell, format_cell, markdown_table
 from lightning_sync.apps.provenance import provenance, summary_line
-from lightning_sync.apps.study import (
-    LINK_RATES,
-    band_cell,
-    by_case,
-    error_bar,
-    format_cell,
-    load_bench_rows,
-    markdown_table,
-    modelled_time_to_loss,
-    run_cases,
-    seed_band,
-    seed_cases,
-)
+from lightning_sync.apps.stats import error_bar, seed_band
+from lightning_sync.apps.study import LINK_RATES, by_case, load_bench_rows, modelled_time_to_loss, run_cases, seed_cases
 from lightning_sync.examples.data import TextDataModule
+
+# the checkout's benchmark results (a notebook runs in notebooks/; a script knows its own path)
+RESULTS = Path(globals().get("__file__", "notebook")).resolve().parent.parent / "benchmarks" / "results"
 
 data = TextDataModule()
 print(f"corpus: {data.num_chars:,} characters, {data.vocab_size} distinct")
@@ -152,7 +145,7 @@ plt.show()
 # traffic included.
 
 # %%
-bench = load_bench_rows("char_lm")
+bench = load_bench_rows("char_lm", RESULTS)
 meter = {name: group[0].bytes_sent_per_step for name, group in groups.items()}
 if bench:
     print("wire bytes from: " + ", ".join(sorted({Path(r["file"]).parent.name for r in bench})))

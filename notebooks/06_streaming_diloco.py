@@ -50,19 +50,15 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
+from lightning_sync.apps.bench.report import utilization_rows
+from lightning_sync.apps.markdown import band_cell, format_cell, markdown_table
 from lightning_sync.apps.provenance import provenance, summary_line
-from lightning_sync.apps.study import (
-    band_cell,
-    by_case,
-    format_cell,
-    load_bench_rows,
-    markdown_table,
-    run_cases,
-    seed_band,
-    seed_cases,
-)
-from lightning_sync.apps.tables import utilization_rows
+from lightning_sync.apps.stats import seed_band
+from lightning_sync.apps.study import by_case, load_bench_rows, run_cases, seed_cases
 from lightning_sync.examples.data import TextDataModule
+
+# the checkout's benchmark results (a notebook runs in notebooks/; a script knows its own path)
+RESULTS = Path(globals().get("__file__", "notebook")).resolve().parent.parent / "benchmarks" / "results"
 
 data = TextDataModule()
 print(f"unigram baseline: {data.unigram_entropy:.3f} nats/char")
@@ -182,7 +178,7 @@ plt.show()
 # (both with the strategy's default outer optimizer, Nesterov momentum 0.9).
 
 # %%
-bench = load_bench_rows("char_lm")
+bench = load_bench_rows("char_lm", RESULTS)
 table = utilization_rows(bench, cases=("lightning_ddp", "diloco", "streaming_diloco"))
 if table:
     rates = list(table[0]["by_rate"])

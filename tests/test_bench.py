@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import time
@@ -17,6 +18,11 @@ from lightning_sync.apps.bench.cli import _parser, main
 from lightning_sync.apps.bench.config import BenchConfig, parse_overrides
 from lightning_sync.apps.bench.report import markdown, summarize, time_to_accuracy
 from lightning_sync.errors import ConfigError
+
+
+def _squeezed(text: str) -> str:
+    """``text`` with runs of spaces as one: a padded Markdown table's rows as their cells read."""
+    return re.sub(r" +", " ", text)
 
 
 @pytest.mark.unit
@@ -109,14 +115,14 @@ def test_summary_medians_and_ratios():
         {"case": c, "rate": "10mbit", "seconds_to_target": s, "target": 0.95}
         for c, s in (("lightning_ddp", 8.0), ("periodic", 2.0), ("topk", None), ("floor", None))
     ]
-    table = markdown(list(rows.values()), cfg)
+    table = _squeezed(markdown(list(rows.values()), cfg))
     assert "| allreduce | 30.00 | 0.60x | 1.50x |" in table
     assert "| topk | - | - | - | - | - | never |" in table
 
 
 def _report(out):
     results = json.loads((out / "results.json").read_text())
-    return results, (out / "results.md").read_text()
+    return results, _squeezed((out / "results.md").read_text())
 
 
 @pytest.mark.e2e
@@ -366,7 +372,7 @@ def test_char_lm_table_gives_median_spread_bounds_and_bytes():
     assert rows["diloco"]["median_mean_step_ms"] == pytest.approx(62.5)
     assert rows["diloco"]["utilization"] == pytest.approx(0.5) and rows["floor"]["utilization"] == 1.0
     assert rows["lightning_ddp"]["utilization"] == pytest.approx(31.25 / 687.5)
-    table = markdown(list(rows.values()), cfg)
+    table = _squeezed(markdown(list(rows.values()), cfg))
     assert "<= 2.5000 nats/char" in table and "wire/meter" in table
     assert "| diloco | 2.00 | 1.00-3.00 | 0.18x | 4.00x | 32 | 2.4500 | 62.5 | 50% |" in table
     from lightning_sync.apps.bench.report import _payload_kind
@@ -397,4 +403,4 @@ def test_resummarize_recomputes_the_summary_and_table_from_the_records(tmp_path)
     assert rows["lightning_ddp"]["utilization"] == pytest.approx(0.25) and data["records"] == json.loads(
         json.dumps(records)
     )
-    assert "resummarized" in data and "| lightning_ddp |" in (tmp_path / "results.md").read_text()
+    assert "resummarized" in data and "| lightning_ddp |" in _squeezed((tmp_path / "results.md").read_text())

@@ -10,16 +10,8 @@ import sys
 
 import pytest
 
-from lightning_sync.apps.compare import (
-    LM_CASES,
-    Spread,
-    aggregate,
-    format_results,
-    format_table,
-    spread,
-    verdict,
-    workloads,
-)
+from lightning_sync.apps.compare import LM_CASES, aggregate, format_results, format_table, workloads
+from lightning_sync.apps.stats import Spread, spread, verdict
 
 
 @pytest.mark.unit

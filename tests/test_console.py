@@ -333,7 +333,8 @@ def test_no_divergence_is_recorded_as_such(tmp_path):
 def test_diloco_case_trains(tmp_path):
     """The compare job's DiLoCo case (AdamW inside, the paper's outer Nesterov lr 0.7 momentum 0.9) at the Hydra
     app's default 5 epochs: well above chance and not diverged (the default inner SGD collapses at 30 epochs)."""
-    from lightning_sync.apps.compare import CASES, run_case
+    from lightning_sync.apps.compare import CASES
+    from lightning_sync.apps.runner import run_case
 
     summary = run_case(
         CASES["periodic:diloco/8"]

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 
+from lightning_sync.apps.markdown import band_cell
+from lightning_sync.apps.stats import error_bar
 from lightning_sync.apps.study import (
     TIMELINE_DIR,
     StudyRun,
     Timeline,
-    band_cell,
     by_case,
-    error_bar,
     format_link_model,
     format_runs,
     format_seed_link_model,
@@ -29,6 +30,11 @@ from lightning_sync.apps.study import (
 )
 
 DIGITS_GRADIENT_BYTES = 104_488  # 26,122 fp32 parameters: a ring all-reduce on 2 ranks sends that many per rank
+
+
+def _squeezed(text: str) -> str:
+    """``text`` with runs of spaces as one: a padded Markdown table's rows as their cells read."""
+    return re.sub(r" +", " ", text)
 
 
 def _write_run(run_dir: Path) -> StudyRun:
@@ -109,14 +115,16 @@ def test_slow_link_model_is_compute_plus_bytes_over_rate(tmp_path):
     assert modelled_time_to_accuracy(run, 0.5, 1e4) == pytest.approx(5 * (0.3 + 0.4))
     assert modelled_time_to_accuracy(run, 0.9, 1e4) is None
     assert modelled_accuracy_curve(run, 1e4) == ([pytest.approx(0.7), pytest.approx(3.5)], [0.2, 0.8])
-    table = format_link_model([run], 0.5, {"10kbit": 1e4})
+    table = _squeezed(format_link_model([run], 0.5, {"10kbit": 1e4}))
     assert "| case | 300.00 | 5 | 700.0 | 3.5 |" in table
 
 
 @pytest.mark.unit
 def test_tables_name_their_columns(tmp_path):
     run = _write_run(tmp_path / "run")
-    table = format_runs([run], columns=("test acc", "bytes sent/batch", "syncs", "mean divergence", "comm share"))
+    table = _squeezed(
+        format_runs([run], columns=("test acc", "bytes sent/batch", "syncs", "mean divergence", "comm share"))
+    )
     assert table.splitlines()[0] == "| case | test acc | bytes sent/batch | syncs | mean divergence | comm share |"
     assert table.splitlines()[2] == "| case | 75.00% | 500 | 3 | 0.4000 | 24.0% |"
     with pytest.raises(ValueError, match="columns \\['speed'\\] are not allowed"):
@@ -150,17 +158,19 @@ def test_seed_tables_give_mean_and_range_and_call_overlaps_a_tie(tmp_path):
         runs[name] = run
     groups = by_case(runs)
     assert list(groups) == list(accuracies) and all(len(g) == 2 for g in groups.values())
-    table = format_seed_runs(groups, columns=("test acc", "bytes sent/step"), reference="ref").splitlines()
+    table = _squeezed(format_seed_runs(groups, columns=("test acc", "bytes sent/step"), reference="ref")).splitlines()
     assert table[0] == "| case | test acc mean [min, max] | vs ref | bytes sent/step mean [min, max] |"
     assert table[2] == "| ref | 91.00% [90.00, 92.00] | tie | 1,000 [1,000, 1,000] |"
     assert [line.split(" | ")[2] for line in table[3:]] == ["tie", "worse", "better"]
     runs["low s1"].summary["diverged"] = True
-    assert "| low | 50.00% [50.00, 50.00] (1 of 2) | worse |" in format_seed_runs(groups, ("test acc",), "ref")
+    assert "| low | 50.00% [50.00, 50.00] (1 of 2) | worse |" in _squeezed(
+        format_seed_runs(groups, ("test acc",), "ref")
+    )
     with pytest.raises(ValueError, match="columns \\['speed'\\] are not allowed"):
         format_seed_runs(groups, columns=("speed",))
     with pytest.raises(ValueError, match="reference 'none' is not a case"):
         format_seed_runs(groups, reference="none")
-    model = format_seed_link_model(groups, 0.5, {"10kbit": 1e4}, reference="ref").splitlines()
+    model = _squeezed(format_seed_link_model(groups, 0.5, {"10kbit": 1e4}, reference="ref")).splitlines()
     assert model[0].endswith(
         "| modelled ms/batch 10kbit mean [min, max] | modelled s to 50% 10kbit mean [min, max] | vs ref 10kbit |"
     )

@@ -1,7 +1,6 @@
-"""The one table writer and the results-page generator (lightning_sync/apps/tables.py).
+"""The table writer (lightning_sync/apps/markdown.py) and the results-page generator (tools/gen_docs.py).
 
-- ``markdown_table``: header, rule with alignment, rows; padding for plain text; a wrong column count is refused.
-- No other module of the package writes a Markdown table rule of its own.
+- ``markdown_table``: header, rule with alignment, padded rows; a wrong column count is refused.
 - ``results_page``: a table per results file (compare, bench, a committed .md with its provenance), each with its
   command and provenance, embedded in results.json or beside it; ``--check`` fails when the page differs from what
   the files give.
@@ -9,6 +8,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -17,27 +17,41 @@ from pathlib import Path
 
 import pytest
 
-from lightning_sync.apps.tables import main, markdown_table, results_page
+from lightning_sync.apps.bench.report import utilization_rows
+from lightning_sync.apps.markdown import markdown_table
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
+_SPEC = importlib.util.spec_from_file_location("gen_docs", ROOT / "tools" / "gen_docs.py")
+assert _SPEC is not None and _SPEC.loader is not None
+gen_docs = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(gen_docs)
+main, results_page = gen_docs.main, gen_docs.results_page
+
+
+def _squeezed(text: str) -> str:
+    """``text`` with runs of spaces as one: a padded table's rows as their cells read."""
+    return re.sub(r" +", " ", text)
+
+
 COMPARE_TABLE = "### digits, seeds 0\n\n| mode | acc |\n|:---|---:|\n| ddp | 96.67 |"
 
 
 def test_markdown_table_header_rule_and_rows():
     text = markdown_table(["case", "ms"], [["a", 1.5], ["b", None]])
-    assert text.splitlines() == ["| case | ms |", "|---|---|", "| a | 1.5 |", "| b | - |"]
+    assert text.splitlines() == ["| case   | ms   |", "|:-------|:-----|", "| a      | 1.5  |", "| b      | -    |"]
 
 
 def test_markdown_table_alignment_and_padding():
-    text = markdown_table(["mode", "bytes"], [["ddp", "104,488"], ["allreduce", "2"]], align="lr", pad=True)
+    text = markdown_table(["mode", "bytes"], [["ddp", "104,488"], ["allreduce", "2"]], align="lr")
     lines = text.splitlines()
     assert lines[0] == "| mode      |   bytes |"
     assert lines[1] == "|:----------|--------:|"
     assert lines[3] == "| allreduce |       2 |"
     assert len({len(line) for line in lines}) == 1  # every line as wide: reads as plain text too
-    assert markdown_table(["a", "b", "c"], [], align="lcr").splitlines()[1] == "|:---|:---:|---:|"
+    assert markdown_table(["a", "b", "c"], [[1, 2, 3]], align="lcr").splitlines()[1] == "|:----|:---:|----:|"
+    assert markdown_table(["a", "b"], [], align="lr").splitlines()[0] == "| a   | b   |"  # no rows: headers only
 
 
 @pytest.mark.parametrize(
@@ -47,19 +61,6 @@ def test_markdown_table_alignment_and_padding():
 def test_markdown_table_refuses_a_wrong_shape(rows, align, message):
     with pytest.raises(ValueError, match=message):
         markdown_table(["a", "b"], rows, align=align)
-
-
-def test_no_other_module_writes_a_table_rule():
-    """The one writer: a Markdown rule (``|---``) is built in tables.py only."""
-    rule = re.compile(r"""["']\|(-{3}|:-)|join\(\s*["']-""")
-    found = [
-        f"{path.relative_to(ROOT)}:{n}"
-        for path in (ROOT / "lightning_sync").rglob("*.py")
-        if path.name != "tables.py"
-        for n, line in enumerate(path.read_text().splitlines(), 1)
-        if rule.search(line)
-    ]
-    assert found == []
 
 
 def _results(tmp_path: Path) -> Path:
@@ -122,13 +123,11 @@ def test_a_bench_results_file_is_rendered_by_the_bench_report(tmp_path):
     saved = {**asdict(cfg), "a_field_of_an_older_version": 1}  # asdict nests network as a dict
     (folder / "results.json").write_text(json.dumps({"config": saved, "summary": summary, "records": []}))
     page = results_page([folder])
-    assert "## Benchmark:" in page and "| allreduce | 10.00 |" in page
+    assert "## Benchmark:" in page and "| allreduce | 10.00 |" in _squeezed(page)
     assert "Command and versions not recorded" in page  # no provenance.json: said, not hidden
 
 
 def test_utilization_is_floor_step_time_over_the_case_s_per_rate_slowest_first():
-    from lightning_sync.apps.tables import utilization_rows
-
     def row(rate, case, ms):
         return {"workload": "char_lm", "rate": rate, "case": case, "median_step_time_ms": ms}
 
@@ -159,15 +158,11 @@ def test_check_fails_on_a_stale_page_and_passes_after_writing(tmp_path, capsys):
 
 
 def test_committed_results_page_is_up_to_date():
-    done = subprocess.run(
-        [sys.executable, "-m", "lightning_sync.apps.tables", "--check"], cwd=ROOT, capture_output=True, text=True
-    )
+    done = subprocess.run([sys.executable, "tools/gen_docs.py", "--check"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
 
 def test_bench_headline_gives_time_ratio_utilization_and_short_runs():
-    from lightning_sync.apps.tables import bench_headline
-
     def row(rate, case, vs, ms, repeats=3, **extra):
         return {"workload": "char_lm", "rate": rate, "case": case, "vs_lightning_ddp": vs,
                 "median_step_time_ms": ms, "repeats": [1.0] * repeats, **extra}  # fmt: skip
@@ -179,7 +174,9 @@ def test_bench_headline_gives_time_ratio_utilization_and_short_runs():
         row("10mbit", "streaming_diloco_8", 0.02, 42.0, repeats=1, utilization=0.95),
         row("10mbit", "lightning_ddp", 1.0, 999.0, utilization=0.01),  # a later run's anchor: ignored
     ]
-    text = bench_headline(rows, cases=("lightning_ddp", "streaming_diloco_8", "diloco", "floor", "topk"))
+    text = _squeezed(
+        gen_docs.bench_headline(rows, cases=("lightning_ddp", "streaming_diloco_8", "diloco", "floor", "topk"))
+    )
     assert "| `lightning_ddp` | 1.00x (10%) |" in text
     assert "| `streaming_diloco_8` | 0.02x (95%), 1 seed |" in text
     assert "| `diloco` | not reached (50%) |" in text and "topk" not in text and "3 seeds" in text

@@ -40,12 +40,15 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_sync.apps.tables import markdown_table
+from lightning_sync.apps._console import ProgressReport, quiet_lightning
+from lightning_sync.apps.markdown import format_cell, markdown_table
+from lightning_sync.apps.provenance import provenance
+from lightning_sync.apps.runner import available_strategies, case_dir_name, run_case
+from lightning_sync.apps.stats import spread, verdict
 
 # Each case: Hydra overrides on top of conf/config.yaml.
 CASES: dict[str, list[str]] = {
@@ -195,75 +198,10 @@ def workloads(epochs: int = 30, steps: int = 300) -> dict[str, Workload]:
     }
 
 
-def available_strategies() -> set[str]:
-    """The strategy configs (``conf/strategy/*.yaml``) of this installation."""
-    from lightning_sync.apps.train import CONFIG_DIR
-
-    return {p.stem for p in Path(CONFIG_DIR, "strategy").glob("*.yaml")}
-
-
 def available_cases(cases: dict[str, list[str]] | None = None) -> dict[str, list[str]]:
     """The cases (default: the digits' :data:`CASES`) whose strategy config exists in this installation."""
     names = available_strategies()
     return {k: v for k, v in (CASES if cases is None else cases).items() if v[0].split("=", 1)[1] in names}
-
-
-def case_dir_name(case: str) -> str:
-    """A folder name for a case name (``periodic:diloco/8`` -> ``periodic_diloco_8``)."""
-    return case.replace("/", "_").replace(":", "_").replace("%", "pct")
-
-
-def run_case(overrides: list[str], run_dir: Path, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
-    """Composes the config with ``overrides`` and trains it in this process (ranks are forked).
-
-    Args:
-        overrides: Hydra overrides on top of ``conf/config.yaml``.
-        run_dir: the run folder.
-        callbacks: more Trainer callbacks (e.g. the job's progress display).
-    """
-    from hydra import compose, initialize_config_dir
-    from omegaconf import open_dict
-
-    from lightning_sync.apps.train import CONFIG_DIR, run
-
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    with open_dict(cfg):
-        cfg.run_dir = str(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run(cfg, callbacks)
-
-
-# ---------------------------------------------------------------------------------------------------- seeds
-@dataclass(frozen=True)
-class Spread:
-    """A metric over seeds: its mean and range. ``n`` counts the runs that gave a value (a diverged run gives none)."""
-
-    mean: float
-    low: float
-    high: float
-    n: int
-
-    def overlaps(self, other: Spread) -> bool:
-        """Whether the two ranges share a point: the cases cannot be told apart (a tie)."""
-        return self.low <= other.high and other.low <= self.high
-
-
-def spread(values: Sequence[float | None]) -> Spread | None:
-    """The mean and the min-max range of the values that are not ``None`` (``None`` if there are none)."""
-    kept = [v for v in values if v is not None and math.isfinite(v)]
-    if not kept:
-        return None
-    return Spread(statistics.fmean(kept), min(kept), max(kept), len(kept))
-
-
-def verdict(case: Spread | None, reference: Spread | None, higher_is_better: bool) -> str:
-    """``tie`` when the ranges overlap, else ``better`` or ``worse`` than ``reference``; ``-`` if either is missing."""
-    if case is None or reference is None:
-        return "-"
-    if case.overlaps(reference):
-        return "tie"
-    return "better" if (case.mean > reference.mean) == higher_is_better else "worse"
 
 
 def metric_value(summary: dict[str, Any], metric: str) -> float | None:
@@ -320,11 +258,11 @@ def format_table(work: Workload, rows: list[dict[str, Any]]) -> str:
             r["case"],
             value,
             r["vs_ddp"],
-            _number(r["step_time_ms_median"], ".2f"),
-            _number(sent, ",.0f"),
+            format_cell(r["step_time_ms_median"], ".2f"),
+            format_cell(sent, ",.0f"),
             f"{sent / ref:.3f}" if (sent is not None and ref) else "-",
         ))  # fmt: skip
-    return markdown_table(header, cells, align="lrlrrr", pad=True)
+    return markdown_table(header, cells, align="lrlrrr")
 
 
 def format_results(results: dict[str, Any]) -> str:
@@ -336,10 +274,6 @@ def format_results(results: dict[str, Any]) -> str:
         seeds = ", ".join(map(str, results["seeds"]))
         parts.append(f"### {block['title']}, seeds {seeds}\n\n{format_table(work, block['rows'])}")
     return "\n\n".join(parts)
-
-
-def _number(value: Any, spec: str) -> str:
-    return format(value, spec) if value is not None else "-"
 
 
 def _result_line(index: int, total: int, label: str, work: Workload, summary: dict[str, Any], seconds: float) -> str:
@@ -354,8 +288,8 @@ def _result_line(index: int, total: int, label: str, work: Workload, summary: di
         value = metric_value(summary, work.metric)
         shown = "-" if value is None else format(work.scale * value, work.spec)
         body = (
-            f"{work.label} {shown:>7}  {_number(summary.get('step_time_ms'), '.2f'):>6} ms/step  "
-            f"{_number(summary.get('bytes_sent_per_step'), ',.0f'):>9} bytes/step"
+            f"{work.label} {shown:>7}  {format_cell(summary.get('step_time_ms'), '.2f'):>6} ms/step  "
+            f"{format_cell(summary.get('bytes_sent_per_step'), ',.0f'):>9} bytes/step"
         )
     return f"{head} {body}  ({seconds:.0f} s)"
 
@@ -413,9 +347,6 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     seeds = _parse_seeds(args.seeds) if args.seeds is not None else [0] if args.smoke else list(DEFAULT_SEEDS)
     plan = _plan(args)
-    from lightning_sync.apps._console import ProgressReport, quiet_lightning
-    from lightning_sync.apps.provenance import provenance
-
     quiet_lightning()
     out = Path(args.out)
     base = ["strategy.start_method=fork", "trainer.enable_progress_bar=false"]

@@ -1,8 +1,8 @@
 """Where a result comes from: the code, the command, the software and the CPU, recorded beside every results file.
 
 :func:`provenance` is what the compare job, the benchmark and the notebooks store with their numbers, so that two
-tables from two machines (or two commits) can be told apart and explained. It reads only local facts (``git``,
-package metadata, ``/proc/cpuinfo``, ``/proc/loadavg``) and records no host name or user name.
+tables from two machines (or two commits) can be told apart and explained. It reads only local facts (``git`` in the
+working directory, package metadata, ``/proc/cpuinfo``, ``/proc/loadavg``) and records no host name or user name.
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ from typing import Any
 
 PACKAGES = ("torch", "lightning", "numpy", "scikit-learn", "lightning-sync")
 """The distributions whose versions a record holds, besides Python's."""
-_REPO = Path(__file__).resolve().parents[2]
 
 
 def git_output(*args: str, cwd: str | Path | None = None) -> str | None:
-    """``git <args>``'s output in ``cwd`` (default: the checkout this package runs from); ``None`` outside a
-    checkout or without git."""
+    """``git <args>``'s output in ``cwd`` (default: the working directory, where a job writes its results);
+    ``None`` outside a git checkout or without git."""
     try:
-        proc = subprocess.run(["git", *args], cwd=cwd or _REPO, capture_output=True, text=True, timeout=10, check=False)
+        proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
     return proc.stdout if proc.returncode == 0 else None

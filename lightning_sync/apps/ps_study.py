@@ -1,7 +1,7 @@
 """Parameter-server experiments through Lightning: run ``strategy=ps`` cases and read what every worker saw.
 
 Shared by ``benchmarks/ps_straggler.py`` and ``notebooks/03_parameter_server.py``. One case is one Hydra config run
-in this process with forked ranks (:func:`lightning_sync.apps.compare.run_case`), with a :class:`PSTimeline` callback
+in this process with forked ranks (:func:`lightning_sync.apps.runner.run_case`), with a :class:`PSTimeline` callback
 in every worker. After each push a worker notes the time, the servers' version, the push's staleness and every
 server's ingress so far (all from the strategy's ``last_reply``, a :class:`~lightning_sync.ps.PSReply`); worker 0
 can also probe the validation accuracy every few seconds. Each worker writes its notes to
@@ -37,15 +37,9 @@ from typing import TYPE_CHECKING, Any, cast
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_sync.apps.study import (
-    Timeline,
-    band_cell,
-    batch_loss,
-    format_cell,
-    markdown_table,
-    read_timelines,
-    run_with_timeline,
-)
+from lightning_sync.apps.markdown import band_cell, format_cell, markdown_table
+from lightning_sync.apps.stats import spread, verdict
+from lightning_sync.apps.study import Timeline, batch_loss, read_timelines, run_with_timeline
 
 if TYPE_CHECKING:
     from lightning_sync.strategies.ps import ParameterServerStrategy
@@ -297,18 +291,6 @@ class PSRun:
         rows = self.workers[0]["rows"]
         return [r["t"] - self._origin for r in rows], [r["version"] * self.samples_per_update for r in rows]
 
-    def throughput_curve(self, window_s: float = 1.0) -> tuple[list[float], list[float]]:
-        """``(seconds, samples/s)``: the throughput over each trailing window of ``window_s`` seconds."""
-        t, samples = self.samples_curve()
-        times, rates, start = [], [], 0
-        for end in range(len(t)):
-            while t[end] - t[start] > window_s:
-                start += 1
-            if t[end] - t[start] >= 0.5 * window_s:
-                times.append(t[end])
-                rates.append((samples[end] - samples[start]) / (t[end] - t[start]))
-        return times, rates
-
     def accuracy_curve(self) -> tuple[list[float], list[float]]:
         """``(seconds, validation accuracy)`` of worker 0's probes (empty without ``probe_every_s``)."""
         probes = self.workers[0]["probes"]
@@ -449,13 +431,11 @@ def format_seed_table(rows: Sequence[dict[str, Any]], reference: str = "sync") -
     """:func:`summarize`'s rows as a Markdown table over rounds (e.g. seeds): samples/s, test acc, worker 0's
     ms/step and training seconds as ``mean [min, max]`` over the case's rounds; after samples/s and after test acc a
     ``vs <reference>`` column says ``tie`` when the ranges overlap, else ``better`` or ``worse``
-    (:func:`lightning_sync.apps.compare.verdict`); staleness mean and max over every push of every round.
+    (:func:`lightning_sync.apps.stats.verdict`); staleness mean and max over every push of every round.
 
     Raises:
         ValueError: ``reference`` is not a row's name.
     """
-    from lightning_sync.apps.compare import spread, verdict
-
     by_name = {r["name"]: r for r in rows}
     if reference not in by_name:
         raise ValueError(f"reference {reference!r} is not a case; the cases are: {', '.join(by_name)}")

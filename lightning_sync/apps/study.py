@@ -3,7 +3,7 @@
 Shared by the notebooks (``notebooks/01_overview``, ``02_periodic``, ``04_compression``) and, through
 :class:`Timeline`, :func:`run_with_timeline` and the table helpers, by :mod:`lightning_sync.apps.ps_study`. One case is
 one Hydra config (overrides on ``conf/config.yaml``) trained in this process with forked ranks
-(:func:`lightning_sync.apps.compare.run_case`), with a :class:`Timeline` callback in every rank. A timeline notes the
+(:func:`lightning_sync.apps.runner.run_case`), with a :class:`Timeline` callback in every rank. A timeline notes the
 time, training loss and seconds in collectives of every batch (and a ``periodic`` strategy's divergence and
 period), and rank 0 probes the validation accuracy of the parameters it holds every few batches, without any
 collective. :func:`run_cases` runs several cases and reads each back into a :class:`StudyRun`: its
@@ -41,7 +41,11 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from lightning_sync.apps.tables import markdown_table  # the one table writer; ps_study and notebooks import it here
+from lightning_sync.apps._console import ProgressReport, quiet_lightning
+from lightning_sync.apps.markdown import band_cell, format_cell, markdown_table
+from lightning_sync.apps.provenance import provenance
+from lightning_sync.apps.runner import STUDY_OVERRIDES, case_dir_name, run_case
+from lightning_sync.apps.stats import spread, verdict
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import DDPStrategy
@@ -50,12 +54,8 @@ if TYPE_CHECKING:
 
 TIMELINE_DIR = "timeline"
 """The folder, inside a run folder, of the ranks' timelines (``rank<r>.json``)."""
-DEFAULT_TIME_TO_ACCURACY = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "time_to_accuracy.json"
-"""Where ``python -m lightning_sync.bench`` writes its measured time to accuracy, in a checkout."""
 LINK_RATES: dict[str, float] = {"10mbit": 10e6, "100mbit": 100e6, "1gbit": 1e9}
 """Link rates in bits per second for :func:`modelled_step_seconds`, named as the benchmark's ``network.rate``."""
-STUDY_OVERRIDES = ("strategy.start_method=fork", "callbacks=none", "trainer.enable_progress_bar=false")
-"""What every :func:`run_cases` case gets first: forked ranks, no checkpoints, no Lightning bar."""
 
 
 # ---------------------------------------------------------------------------------------------------- recording
@@ -266,9 +266,6 @@ def run_with_timeline(
     Returns:
         ``(summary, wall seconds of the whole case)``: the summary as :func:`lightning_sync.apps.train.run` returns it.
     """
-    from lightning_sync.apps._console import ProgressReport, quiet_lightning
-    from lightning_sync.apps.compare import run_case
-
     quiet_lightning()
     for old in timeline.out_dir.glob("rank*.json"):
         old.unlink()
@@ -513,9 +510,6 @@ def run_cases(
         probe_every_batches: rank 0's validation probes (see :class:`Timeline`).
         quiet: no per-epoch progress lines.
     """
-    from lightning_sync.apps.compare import case_dir_name
-    from lightning_sync.apps.provenance import provenance
-
     Path(out).mkdir(parents=True, exist_ok=True)  # where these runs came from, beside them
     Path(out, "provenance.json").write_text(json.dumps(provenance(), indent=1) + "\n")
     return {
@@ -553,11 +547,6 @@ def periodic_cases(
 
 
 # ---------------------------------------------------------------------------------------------------- tables
-def format_cell(value: Any, spec: str, suffix: str = "") -> str:
-    """``value`` formatted with ``spec`` (and ``suffix``); ``-`` for ``None``."""
-    return "-" if value is None else format(value, spec) + suffix
-
-
 def _accuracy_cell(run: StudyRun) -> str:
     if run.diverged:
         return f"diverged at step {run.summary.get('diverged_at_step')}"
@@ -648,19 +637,20 @@ def modelled_accuracy_curve(run: StudyRun, bits_per_second: float) -> tuple[list
     return [b * step for b in batches], acc
 
 
-def load_time_to_accuracy(path: str | Path | None = None) -> list[dict[str, Any]]:
-    """Measured time-to-accuracy records (``python -m lightning_sync.bench``), or ``[]`` if the file is absent.
+def load_time_to_accuracy(path: str | Path) -> list[dict[str, Any]]:
+    """Measured time-to-accuracy records (``python -m lightning_sync.bench`` writes them to
+    ``<out>/time_to_accuracy.json``), or ``[]`` if the file is absent.
 
     Each record: ``case`` (str), ``rate`` (str, e.g. ``10mbit``), ``seconds_to_target`` (float, or ``None`` when
     the target was not reached) and ``target`` (the accuracy aimed at).
 
     Args:
-        path: the JSON file (a list of records); ``None``: :data:`DEFAULT_TIME_TO_ACCURACY`.
+        path: the JSON file (a list of records).
 
     Raises:
         ValueError: the file is not a list of such records (names the record and the field).
     """
-    file = Path(path) if path is not None else DEFAULT_TIME_TO_ACCURACY
+    file = Path(path)
     if not file.is_file():
         return []
     records = json.loads(file.read_text())
@@ -693,24 +683,6 @@ def by_case(runs: Mapping[str, StudyRun]) -> dict[str, list[StudyRun]]:
     return grouped
 
 
-def seed_band(
-    curves: Sequence[tuple[Sequence[float], Sequence[float]]], points: int = 50
-) -> tuple[list[float], list[float], list[float], list[float]]:
-    """``(x, mean, low, high)`` of several seeds' curves ``(x, y)``, each interpolated linearly on a common grid of
-    ``points`` values of x over the range every curve covers (empty lists if they share none)."""
-    import numpy as np
-
-    arrays = [(np.asarray(x, float), np.asarray(y, float)) for x, y in curves if len(x)]
-    if not arrays:
-        return [], [], [], []
-    start, end = max(x[0] for x, _ in arrays), min(x[-1] for x, _ in arrays)
-    if end < start:
-        return [], [], [], []
-    grid = np.linspace(start, end, points) if end > start else np.array([start])
-    values = np.stack([np.interp(grid, x, y) for x, y in arrays])
-    return grid.tolist(), values.mean(0).tolist(), values.min(0).tolist(), values.max(0).tolist()
-
-
 def modelled_time_to_loss(run: StudyRun, target: float, bits_per_second: float) -> float | None:
     """The batches rank 0 needed to reach validation loss ``target`` times :func:`modelled_step_seconds`
     (``None``: not reached, or a figure is missing)."""
@@ -718,48 +690,21 @@ def modelled_time_to_loss(run: StudyRun, target: float, bits_per_second: float) 
     return None if batches is None or step is None else batches * step
 
 
-def load_bench_rows(workload: str, root: str | Path | None = None) -> list[dict[str, Any]]:
-    """The summary rows of ``workload`` in every benchmark ``results.json`` under ``root`` (``python -m
-    lightning_sync.bench``; default: ``benchmarks/results`` of the checkout), or ``[]`` if there are none.
+def load_bench_rows(workload: str, root: str | Path) -> list[dict[str, Any]]:
+    """The summary rows of ``workload`` in every benchmark ``results.json`` under ``root`` (the folders ``python -m
+    lightning_sync.bench`` writes), or ``[]`` if there are none.
 
     Each row is the benchmark's (``case``, ``rate``, ``median``, ``spread``, ``target_loss``,
     ``median_bytes_sent_per_step``, ``median_wire_bytes_per_step``, ``median_wire_over_meter``, ...) plus ``file``:
     the results file it came from.
     """
-    folder = Path(root) if root is not None else DEFAULT_TIME_TO_ACCURACY.parent
+    folder = Path(root)
     rows = []
     for file in sorted(folder.rglob("results.json")) if folder.is_dir() else []:
         data = json.loads(file.read_text())
         if isinstance(data, dict) and {"config", "summary"} <= data.keys():
             rows += [{**r, "file": str(file)} for r in data["summary"] if r.get("workload") == workload]
     return rows
-
-
-def band_cell(values: Sequence[float | None], spec: str = ".3f", suffix: str = "") -> str:
-    """``mean [min, max]`` of the values that are not ``None`` (e.g. one per seed), each formatted with ``spec`` (and
-    ``suffix``); ``-`` if there are none. When only some runs gave a value, ``(k of n)`` follows."""
-    from lightning_sync.apps.compare import spread
-
-    found = spread(values)
-    if found is None:
-        return "-"
-    cell = f"{found.mean:{spec}}{suffix} [{found.low:{spec}}, {found.high:{spec}}]"
-    return cell if found.n == len(values) else f"{cell} ({found.n} of {len(values)})"
-
-
-def error_bar(values: Sequence[float | None]) -> tuple[float, list[list[float]]] | None:
-    """``(mean, [[mean - min], [max - mean]])`` of the values that are not ``None`` (e.g. one per seed): a point and
-    its ``yerr`` or ``xerr`` for matplotlib's ``errorbar``, ``bar`` and ``barh``; ``None`` if there are none.
-
-    Both arms are at least 0: the mean of equal values can round just past them, and matplotlib refuses a negative
-    error bar.
-    """
-    from lightning_sync.apps.compare import spread
-
-    found = spread(values)
-    if found is None:
-        return None
-    return found.mean, [[max(0.0, found.mean - found.low)], [max(0.0, found.high - found.mean)]]
 
 
 def _percent(value: float | None) -> float | None:
@@ -792,10 +737,8 @@ def format_seed_runs(
 
     With ``reference`` (a case of ``groups``), a ``vs <reference>`` column after ``test acc`` says ``tie`` when the
     case's range of test accuracy overlaps the reference's, else ``better`` or ``worse``
-    (:func:`lightning_sync.apps.compare.verdict`).
+    (:func:`lightning_sync.apps.stats.verdict`).
     """
-    from lightning_sync.apps.compare import spread, verdict
-
     unknown = [c for c in columns if c not in SEED_METRICS]
     if unknown:
         raise ValueError(f"columns {unknown} are not allowed; choose from: {', '.join(SEED_METRICS)}")
@@ -830,7 +773,6 @@ def format_seed_link_model(
     over its seeds (a seed that never reached ``target`` gives none: ``(k of n)``). With ``reference``, a
     ``vs <reference> <rate>`` column after each rate's modelled seconds says ``tie`` when the ranges overlap, else
     ``better`` (less time) or ``worse``."""
-    from lightning_sync.apps.compare import spread, verdict
 
     def seconds(group: Sequence[StudyRun], bps: float) -> list[float | None]:
         return [modelled_time_to_accuracy(r, target, bps) for r in group]

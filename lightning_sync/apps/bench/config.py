@@ -481,6 +481,15 @@ def reused_ddp_records(cfg: BenchConfig) -> list[dict[str, Any]]:
     ]
 
 
+def config_from_saved(saved: dict[str, Any]) -> BenchConfig:
+    """The :class:`BenchConfig` a results file was written with (fields it no longer knows are left out)."""
+    values = {f.name: saved[f.name] for f in fields(BenchConfig) if f.name in saved}
+    if isinstance(values.get("network"), dict):
+        known = {f.name for f in fields(NetworkConfig)}
+        values["network"] = NetworkConfig(**{k: v for k, v in values["network"].items() if k in known})
+    return BenchConfig(**values)
+
+
 def _convert(name: str, text: str, kind: Any) -> Any:
     """``text`` as a value of the field's type (``list[str]`` from a comma list)."""
     if kind == list[str]:

@@ -12,11 +12,15 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from lightning_sync.apps.bench.config import BOUNDS, OUR_CASES, WORKLOADS, BenchConfig
-from lightning_sync.apps.tables import markdown_table
+from lightning_sync.apps.bench.config import BOUNDS, LM_CASES, OUR_CASES, WORKLOADS, BenchConfig, config_from_saved
+from lightning_sync.apps.markdown import format_cell as _cell
+from lightning_sync.apps.markdown import markdown_table
+from lightning_sync.apps.provenance import provenance
 
 ANCHORS = ("lightning_ddp", "torch_ddp", "floor")
 _METRIC_KEY = {
@@ -109,10 +113,6 @@ def _trained(record: dict[str, Any]) -> bool:
     """Whether a time-to-loss run has a trajectory that ends after at least one step."""
     trajectory = record.get("trajectory") if record.get("ok") else None
     return trajectory is not None and len(trajectory) > 0 and trajectory[-1][1] > 0
-
-
-def _cell(value: Any, spec: str, suffix: str = "") -> str:
-    return "-" if value is None else format(value, spec) + suffix
 
 
 def _payload_kind(case: str) -> str:
@@ -251,6 +251,46 @@ def markdown(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
     return "\n".join(parts)
 
 
+# ------------------------------------------------------------------------------------------------------ utilization
+RATE_ORDER = ("10mbit", "100mbit", "1gbit", "loopback")
+"""Link rates from the slowest: the column order of :func:`utilization_rows`."""
+UTILIZATION_CASES = ("lightning_ddp", *(case for case in LM_CASES if "diloco" in case))
+"""Lightning DDP and every DiLoCo case of the char_lm benchmark, in its order."""
+UTILIZATION_TITLE = "Compute utilization on char_lm (streaming DiLoCo's Table 4)"
+
+
+def utilization_rows(
+    bench_rows: Iterable[dict[str, Any]], cases: Sequence[str] = UTILIZATION_CASES, workload: str = "char_lm"
+) -> list[dict[str, Any]]:
+    """Each case's compute utilization at each link rate: the ``floor`` case's median ms per step (2 ranks that
+    never communicate) over the case's, from the benchmark's summary rows: the row's own ``utilization`` (against
+    the floor of its own run) where it has one; the first row of a rate and case counts.
+
+    Returns:
+        ``[{"case": name, "by_rate": {rate: utilization or None}}]`` in the order of ``cases``, the rates from the
+        slowest; ``[]`` if no rate has a ``floor``.
+    """
+    first: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in bench_rows:
+        if row.get("workload") == workload:
+            first.setdefault((row["rate"], row["case"]), row)
+    rates = sorted(
+        {rate for rate, case in first if case == "floor" and first[rate, case].get("median_step_time_ms")},
+        key=lambda r: RATE_ORDER.index(r) if r in RATE_ORDER else len(RATE_ORDER),
+    )
+    if not rates:
+        return []
+
+    def utilization(rate: str, case: str) -> float | None:
+        row = first.get((rate, case))
+        if row is None or row.get("utilization"):
+            return None if row is None else row["utilization"]
+        ms = row.get("median_step_time_ms")
+        return first[rate, "floor"]["median_step_time_ms"] / ms if ms else None
+
+    return [{"case": case, "by_rate": {rate: utilization(rate, case) for rate in rates}} for case in cases]
+
+
 def time_to_accuracy(rows: list[dict[str, Any]], cfg: BenchConfig) -> list[dict[str, Any]]:
     """``[{"case", "rate", "seconds_to_target", "target"}]`` for the time-to-accuracy rows (medians)."""
     return [
@@ -271,14 +311,10 @@ def write(
     Returns:
         The Markdown text and the files written.
     """
-    from dataclasses import asdict
-
     out.mkdir(parents=True, exist_ok=True)
     rows = summarize(records, cfg)
     text = markdown(rows, cfg)
     files = [out / "results.json", out / "results.md"]
-    from lightning_sync.apps.provenance import provenance
-
     files[0].write_text(
         json.dumps(
             {
@@ -373,11 +409,8 @@ def _plots(rows: list[dict[str, Any]], records: list[dict[str, Any]], out: Path,
 def resummarize(path: Path) -> None:
     """Recomputes the summary and ``results.md`` of a benchmark ``results.json`` from its records, with this
     version's report (the records are untouched; ``resummarized`` notes when and at which commit)."""
-    from lightning_sync.apps.provenance import provenance
-    from lightning_sync.apps.tables import _bench_config
-
     data = json.loads(path.read_text())
-    cfg = _bench_config(data["config"])
+    cfg = config_from_saved(data["config"])
     data["summary"] = summarize(data["records"], cfg)
     data["resummarized"] = provenance()
     path.write_text(json.dumps(data, indent=1))
