@@ -14,6 +14,7 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import ast  # noqa: E402
+import io  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import pickle  # noqa: E402
 import queue  # noqa: E402
@@ -23,6 +24,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
+from collections import Counter  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any
@@ -33,6 +35,7 @@ import torch  # noqa: E402
 import lightning_sync.ps as ps  # noqa: E402
 from lightning_sync.ps._layout import ShardLayout  # noqa: E402
 from lightning_sync.ps._protocol import HEADER_BYTES  # noqa: E402
+from lightning_sync.ps.server import STALENESS_CAP  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -254,13 +257,70 @@ def test_server_shard_state_dict_round_trip_is_bitwise():
         a.record(1, 3)
     b = ps.ServerShard([torch.zeros_like(p) for p in params], range(4), spec, num_workers=2)
     b.load_state_dict(a.state_dict())
-    assert (b.version, b.clocks, b.staleness_history) == (2, [0, 2], [[], [3, 3]])
+    assert (b.version, b.clocks, b.stats()["staleness_histogram"]) == (2, [0, 2], [{}, {3: 2}])
     for g in grads[2:]:
         a.apply(g, [0.1, 0.03])
         b.apply(g, [0.1, 0.03])
     assert torch.equal(a.packed(), b.packed())
     with pytest.raises(ValueError, match="state holds parameters"):
         ps.ServerShard(params[:2], range(2), spec, num_workers=2).load_state_dict(a.state_dict())
+
+
+def _leaves(state: Any) -> int:
+    """How many values a state holds (a tensor counts as one): its size, apart from the tensors' own."""
+    if isinstance(state, dict):
+        return sum(1 + _leaves(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_leaves(v) for v in state)
+    return 1
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_server_shard_staleness_record_is_bounded_and_resumes_its_stats():
+    model = _model()
+    params = list(model.parameters())
+    spec = ps.optimizer_spec(_optimizer(model, "sgd"), params)
+    pushes = 40
+
+    def run(n: int) -> tuple[ps.ServerShard, list[list[int]]]:
+        shard = ps.ServerShard(params, range(4), spec, num_workers=3)
+        values: list[list[int]] = [[], [], []]
+        for k in range(n):  # a few distinct values per worker, and one far beyond the cap
+            worker = k % 3
+            staleness = 5000 if k == 7 else worker + (k // 3) % 6
+            shard.record(worker, staleness)
+            values[worker].append(staleness)
+        return shard, values
+
+    small, _ = run(pushes)
+    large, values = run(10 * pushes)
+    assert _leaves(large.state_dict()) == _leaves(small.state_dict()), "the checkpoint grows with the pushes"
+
+    # The stats are those of the full history (values at or above the cap are counted under it).
+    def histogram(h: list[int]) -> dict[int, int]:
+        clamped = [min(s, STALENESS_CAP) for s in h]
+        return {s: clamped.count(s) for s in sorted(set(clamped))}
+
+    stats = large.stats()
+    assert stats["last_staleness"] == [h[-1] for h in values]
+    assert stats["staleness_histogram"] == [histogram(h) for h in values]
+    assert stats["staleness_histogram"][1][STALENESS_CAP] == 1  # push 7 (worker 1), staleness 5000
+    # A resumed shard (through a weights-only file) reports the same stats, and goes on counting alike.
+    buffer = io.BytesIO()
+    torch.save(large.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = ps.ServerShard(params, range(4), spec, num_workers=3)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    assert resumed.stats() == stats
+    for shard in (large, resumed):
+        shard.record(2, 4)
+    assert resumed.stats() == large.stats()
+    # A state of the older form (every value) loads into the same stats.
+    older = {k: v for k, v in large.state_dict().items() if k not in ("staleness_counts", "last_staleness")}
+    older["staleness_history"] = [h + [4] if w == 2 else h for w, h in enumerate(values)]
+    resumed.load_state_dict(older)
+    assert resumed.stats() == large.stats()
 
 
 @pytest.mark.unit
@@ -451,7 +511,7 @@ def _straggling_worker(rank: int, port: int, mode: str, max_staleness: int, step
         sent = time.monotonic()
         reply = client.push(ps.current_lrs(opt))
         log.append({"sent": sent, "replied": time.monotonic(), "reply": reply})
-    stats = client.server_stats(history=True)[0] if rank == 0 else None
+    stats = client.server_stats()[0] if rank == 0 else None
     client.close()
     if server is not None:
         server.join(10)
@@ -466,12 +526,13 @@ def test_async_records_staleness_and_the_straggler_is_stalest(procs):
         procs.start(f"worker{rank}", _straggling_worker, rank, port, "async", 0, steps, 0.02)
     out = procs.ok([f"worker{r}" for r in range(3)], timeout=30)
     # worker 0 asked for the stats when it finished; the others may still have been pushing then
-    history = out["worker0"]["stats"]["staleness_history"]
-    assert len(history[0]) == steps and all(len(h) <= steps for h in history)
+    histogram = out["worker0"]["stats"]["staleness_histogram"]
+    counted = [sum(h.values()) for h in histogram]
+    assert counted[0] == steps and all(n <= steps for n in counted)
     straggler = [e["reply"].staleness[0] for e in out["worker2"]["log"]]
     fast = [e["reply"].staleness[0] for r in (0, 1) for e in out[f"worker{r}"]["log"]]
     assert all(s >= 0 for s in straggler + fast)
-    assert history[2] == straggler[: len(history[2])]  # the reply carries what the server recorded
+    assert histogram[2] == dict(Counter(straggler[: counted[2]]))  # the reply carries what the server recorded
     assert max(straggler) >= 2 and sum(straggler) / len(straggler) > sum(fast) / len(fast), (straggler, fast)
 
 

@@ -36,7 +36,6 @@ TAG_REPLY_DATA = 104
 FLAG_STOP = 1  # reply: training is over
 FLAG_NOT_APPLIED = 2  # reply to a push: the gradient was not applied (the run had stopped)
 FLAG_SKIPPED = 4  # reply to a push: the step was skipped, a pushed gradient held NaN or Inf
-FLAG_STATS_HISTORY = 1  # STATS request: include the full staleness history
 FLAG_NONFINITE = 2  # PUSH request: this worker's gradient held NaN or Inf, so only its learning rates travel
 
 

@@ -36,7 +36,6 @@ from lightning_sync.ps._protocol import (
     FLAG_NONFINITE,
     FLAG_NOT_APPLIED,
     FLAG_SKIPPED,
-    FLAG_STATS_HISTORY,
     FLAG_STOP,
     HEADER_BYTES,
     HEADER_SLOTS,
@@ -320,11 +319,10 @@ class PSClient:
             raise ValueError(f"states has {len(states)} entries, expected one per server ({self.num_servers})")
         self._exchange(Kind.SET_STATE, [to_blob(s) for s in states])
 
-    def server_stats(self, history: bool = False) -> list[dict[str, Any]]:
-        """Each server's stats: version, worker clocks, staleness (last value and histogram per worker, every value
-        with ``history``), stop state, and its traffic (``bytes_recv``, ``bytes_sent``, ``calls``, ``seconds``)."""
-        flags = FLAG_STATS_HISTORY if history else 0
-        return [from_blob(_payload(answer)) for answer in self._exchange(Kind.STATS, flags=flags)]
+    def server_stats(self) -> list[dict[str, Any]]:
+        """Each server's stats: version, worker clocks, staleness (last value and histogram per worker), stop state,
+        and its traffic (``bytes_recv``, ``bytes_sent``, ``calls``, ``seconds``)."""
+        return [from_blob(_payload(answer)) for answer in self._exchange(Kind.STATS)]
 
     def close(self) -> None:
         """Says goodbye to every server (they stop waiting for this worker) and leaves the group. Idempotent.

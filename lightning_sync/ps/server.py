@@ -14,7 +14,7 @@ worker process) and every mode:
   (pushes applied) is more than ``s`` ahead of the slowest live worker's clock; ``s = 0`` is lockstep.
 
 In every mode a push's staleness is the server version when it is applied minus the version it was computed on
-(``0`` in sync); the server keeps every value per worker (:meth:`ServerShard.stats`).
+(``0`` in sync); the server counts the values per worker and keeps the last one (:meth:`ServerShard.stats`).
 
 Stop: once the version reaches ``max_updates``, or a worker sends a stop request, later pushes are not applied and
 every reply carries the stop flag and its reason; pending sync gradients and withheld ssp replies are answered with
@@ -44,6 +44,7 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,7 +57,6 @@ from lightning_sync.ps._protocol import (
     FLAG_NONFINITE,
     FLAG_NOT_APPLIED,
     FLAG_SKIPPED,
-    FLAG_STATS_HISTORY,
     FLAG_STOP,
     HEADER_SLOTS,
     TAG_REPLY,
@@ -79,6 +79,9 @@ from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, connect_store, serv
 from lightning_sync.ps.optim_spec import OptimizerSpec, build_shard_optimizer, default_push_scale
 from lightning_sync.ps.outer import DelayedNesterov
 from lightning_sync.ps.settings import PSConfig
+
+#: Staleness values from this one up are counted together under it (a histogram of bounded size, whatever the run).
+STALENESS_CAP = 1024
 
 
 class ServerShard:
@@ -119,7 +122,8 @@ class ServerShard:
         self.num_workers = num_workers
         self.version = 0
         self.clocks = [0] * num_workers
-        self.staleness_history: list[list[int]] = [[] for _ in range(num_workers)]
+        self.staleness_counts: list[Counter[int]] = [Counter() for _ in range(num_workers)]
+        self.last_staleness = [-1] * num_workers
         self._packed: torch.Tensor | None = None
         self._packed_version = -1
 
@@ -176,20 +180,24 @@ class ServerShard:
         return self._packed
 
     def record(self, worker: int, staleness: int) -> None:
-        """Books one applied push of ``worker`` with its staleness."""
+        """Books one applied push of ``worker`` with its staleness (counted under :data:`STALENESS_CAP` from there
+        up; the last value is kept as it is)."""
         self.clocks[worker] += 1
-        self.staleness_history[worker].append(int(staleness))
+        self.last_staleness[worker] = int(staleness)
+        self.staleness_counts[worker][min(int(staleness), STALENESS_CAP)] += 1
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """Parameters, optimizer state, version, worker clocks and staleness history (all copies)."""
+        """Parameters, optimizer state, version, worker clocks and the staleness record (all copies; its size does
+        not grow with the number of pushes)."""
         return {
             "indices": list(self.indices),
             "params": [p.detach().clone() for p in self.params],
             "optimizers": [None if opt is None else copy.deepcopy(opt.state_dict()) for opt in self.optimizers],
             "version": self.version,
             "clocks": list(self.clocks),
-            "staleness_history": [list(h) for h in self.staleness_history],
+            "staleness_counts": [dict(sorted(c.items())) for c in self.staleness_counts],
+            "last_staleness": list(self.last_staleness),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -217,20 +225,24 @@ class ServerShard:
                 opt.load_state_dict(copy.deepcopy(opt_state))
         self.version = int(state["version"])
         self.clocks = [int(c) for c in state["clocks"]]
-        self.staleness_history = [[int(s) for s in h] for h in state["staleness_history"]]
+        if "staleness_history" in state:  # older form: every value
+            history = state["staleness_history"]
+            self.staleness_counts = [Counter(min(int(s), STALENESS_CAP) for s in h) for h in history]
+            self.last_staleness = [int(h[-1]) if h else -1 for h in history]
+        else:
+            self.staleness_counts = [Counter({int(s): int(n) for s, n in c.items()}) for c in state["staleness_counts"]]
+            self.last_staleness = [int(s) for s in state["last_staleness"]]
         self._packed = None
 
-    def stats(self, history: bool = False) -> dict[str, Any]:
-        """Version, clocks, last staleness and a staleness histogram per worker (and every value if ``history``)."""
-        out: dict[str, Any] = {
+    def stats(self) -> dict[str, Any]:
+        """Version, clocks, and per worker the last staleness (``-1`` before its first push) and a histogram
+        ``{staleness: pushes}`` in increasing staleness (:data:`STALENESS_CAP` counts that value and all above)."""
+        return {
             "version": self.version,
             "clocks": list(self.clocks),
-            "last_staleness": [h[-1] if h else -1 for h in self.staleness_history],
-            "staleness_histogram": [{s: h.count(s) for s in sorted(set(h))} for h in self.staleness_history],
+            "last_staleness": list(self.last_staleness),
+            "staleness_histogram": [dict(sorted(c.items())) for c in self.staleness_counts],
         }
-        if history:
-            out["staleness_history"] = [list(h) for h in self.staleness_history]
-        return out
 
 
 class _Refused(Exception):
@@ -308,7 +320,7 @@ class ParameterServer:
             raise
         return self.stats()
 
-    def stats(self, history: bool = False) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         """What a STATS request returns: the shard's clocks and staleness, stop state and this server's traffic."""
         total = self.group.meter.total
         out: dict[str, Any] = {
@@ -327,7 +339,7 @@ class ParameterServer:
             "seconds": total.seconds,
         }
         if self.shard is not None:
-            out.update(self.shard.stats(history))
+            out.update(self.shard.stats())
         return out
 
     # ---------------------------------------------------------------- receiving
@@ -497,7 +509,7 @@ class ParameterServer:
             self._send_replies([(worker, self._reply(kind, worker))])
             self._after_change()
         elif kind == Kind.STATS:
-            blob = to_blob(self.stats(history=bool(request.flags & FLAG_STATS_HISTORY)))
+            blob = to_blob(self.stats())
             self._send_replies([(worker, self._reply(kind, worker, payload=blob))])
         elif self.shard is None:
             if kind != Kind.PULL:
@@ -666,12 +678,12 @@ class ParameterServer:
                 replies += self._sync_step()
         if self.withheld:
             assert self.config is not None  # set with the shard
-            staleness = self.shard.staleness_history
+            staleness = self.shard.last_staleness
             for w in sorted(self.withheld):
                 if self.stopped or not self.live[w] or self._lead(w) <= self.config.max_staleness:
                     self.withheld.discard(w)
                     if self.live[w]:
-                        replies.append((w, self._params_reply(Kind.PUSH, w, staleness=staleness[w][-1])))
+                        replies.append((w, self._params_reply(Kind.PUSH, w, staleness=staleness[w])))
         if replies:
             self._send_replies(replies)
 
