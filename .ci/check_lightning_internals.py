@@ -7,7 +7,11 @@ Checked in every Python file under ``lightning_sync/`` (run from the repository 
   launchers, the loops, LightningModule), whether read, written, called or overridden; the names are read from the
   installed Lightning, so a name Lightning adds is covered too;
 - the unstable public uses listed in ``_lightning.UNSTABLE_USES``: writes to ``limit_val_batches``,
-  ``accumulate_grad_batches``, ``max_epochs`` or ``launch``, ``fit_loop``, ``.procs`` and ``callbacks.insert``.
+  ``accumulate_grad_batches``, ``max_epochs`` or ``launch``, ``fit_loop``, ``.procs`` and ``callbacks.insert``;
+- a private name reached through a string: ``getattr(x, "_name")``, ``hasattr``, ``setattr``, ``delattr``;
+- an attribute written or deleted on a Lightning object, i.e. one held as ``trainer``, ``precision_plugin``,
+  ``fit_loop``, ``launcher``, ... (:data:`LIGHTNING_OBJECTS`; ``x.trainer.y = ...`` and ``setattr(trainer, ...)``
+  included), other than the writes Lightning documents (:data:`DOCUMENTED_WRITES`): an instance patch.
 
 Usage: ``python .ci/check_lightning_internals.py [FILE_OR_DIR ...]`` (default ``lightning_sync``). Exit code 1 and
 one line per use when any is found.
@@ -25,15 +29,45 @@ HOME = "lightning_sync/strategies/_lightning.py"
 LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
 WRITES = {"limit_val_batches", "accumulate_grad_batches", "max_epochs", "launch"}
 READS = {"fit_loop", "procs"}
+LIGHTNING_OBJECTS = {
+    "trainer",
+    "strategy",
+    "precision_plugin",
+    "plugin",
+    "accelerator",
+    "cluster_environment",
+    "checkpoint_io",
+    "launcher",
+    "fit_loop",
+    "epoch_loop",
+    "lightning_module",
+    "pl_module",
+}
+"""Names under which lightning_sync holds Lightning objects; writing an attribute on one of them is an instance patch."""
+DOCUMENTED_WRITES = {"should_stop"}
+"""Attributes Lightning documents as set by user code (``trainer.should_stop = True`` stops training); the public
+properties with a setter (``trainer.loggers``, ``strategy.precision_plugin``, ...) are allowed as well."""
+STRING_ACCESS = {"getattr", "hasattr", "setattr", "delattr"}
 
 
 def _lightning_classes() -> list[type]:
     from lightning.pytorch import Callback, LightningModule, Trainer
+    from lightning.pytorch.core.optimizer import LightningOptimizer
     from lightning.pytorch.loops import _FitLoop, _TrainingEpochLoop
+    from lightning.pytorch.plugins import Precision
     from lightning.pytorch.strategies import DDPStrategy
     from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
-    classes = [DDPStrategy, Trainer, LightningModule, Callback, _FitLoop, _TrainingEpochLoop]
+    classes = [
+        DDPStrategy,
+        Trainer,
+        LightningModule,
+        Callback,
+        _FitLoop,
+        _TrainingEpochLoop,
+        LightningOptimizer,
+        Precision,
+    ]
     classes += [_SubprocessScriptLauncher, _MultiProcessingLauncher]
     return [base for cls in classes for base in cls.__mro__ if base.__module__.startswith("lightning.")]
 
@@ -49,6 +83,16 @@ def private_lightning_names() -> set[str]:
             continue
         names.update(re.findall(r"self\.(_[A-Za-z]\w*)\s*(?::[^=\n]+)?=", source))
     return names
+
+
+def public_setters() -> set[str]:
+    """Public properties with a setter on those classes: writing them is Lightning's own API."""
+    return {
+        name
+        for cls in _lightning_classes()
+        for name, value in vars(cls).items()
+        if isinstance(value, property) and value.fset is not None and not name.startswith("_")
+    }
 
 
 def _is_lightning(module: str) -> bool:
@@ -83,7 +127,7 @@ def _defined_names(node: ast.ClassDef) -> set[str]:
             names.add(item.name)
         elif isinstance(item, (ast.Assign, ast.AnnAssign)):
             targets = item.targets if isinstance(item, ast.Assign) else [item.target]
-            for target in targets:
+            for target in (t for top in targets for t in ast.walk(top)):  # ``self._a, self._b = ...`` too
                 if isinstance(target, ast.Name):
                     names.add(target.id)
                 elif isinstance(target, ast.Attribute) and ast.unparse(target.value) == "self":
@@ -91,18 +135,42 @@ def _defined_names(node: ast.ClassDef) -> set[str]:
     return {n for n in names if n.startswith("_")}
 
 
-def own_names(trees: dict[Path, ast.Module], derived: set[str]) -> set[str]:
-    """Private names that lightning_sync defines on its own objects (classes not derived from Lightning's)."""
+def own_names(trees: dict[Path, ast.Module], derived: set[str], all_classes: bool = False) -> set[str]:
+    """Private names that lightning_sync defines on its own objects (classes not derived from Lightning's; with
+    ``all_classes``, on every class of its own)."""
     names: set[str] = set()
     for tree in trees.values():
         for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef) and node.name not in derived:
+            if isinstance(node, ast.ClassDef) and (all_classes or node.name not in derived):
                 names |= _defined_names(node)
     return names
 
 
-def check_file(path: Path, tree: ast.Module, private: set[str], own: set[str], derived: set[str]) -> list[str]:
-    """The uses of Lightning internals in ``path``, one message each."""
+def _holds_lightning_object(owner: ast.expr) -> bool:
+    """Whether ``owner`` reads as a Lightning object: ``trainer``, ``self.trainer``, ``x.trainer.fit_loop``, ..."""
+    if isinstance(owner, ast.Name):
+        return owner.id in LIGHTNING_OBJECTS
+    return isinstance(owner, ast.Attribute) and owner.attr in LIGHTNING_OBJECTS
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def check_file(
+    path: Path,
+    tree: ast.Module,
+    private: set[str],
+    own: set[str],
+    derived: set[str],
+    ours: set[str] = frozenset(),  # type: ignore[assignment]
+    allowed_writes: set[str] = frozenset(),  # type: ignore[assignment]
+) -> list[str]:
+    """The uses of Lightning internals in ``path``, one message each.
+
+    ``ours``: private names our own classes define (reachable through a string); ``allowed_writes``: attributes
+    that may be written on a Lightning object besides :data:`DOCUMENTED_WRITES`.
+    """
     found = []
 
     def report(node: ast.AST, what: str) -> None:
@@ -132,6 +200,23 @@ def check_file(path: Path, tree: ast.Module, private: set[str], own: set[str], d
                 report(node, f"writes Lightning's {node.attr}")
             elif node.attr == "insert" and isinstance(node.value, ast.Attribute) and node.value.attr == "callbacks":
                 report(node, "inserts into the Trainer's callbacks")
+            elif node.attr == "__dict__" and _holds_lightning_object(node.value):
+                report(node, f"reaches into the __dict__ of the Lightning object {owner} (an instance patch)")
+            elif (
+                isinstance(node.ctx, (ast.Store, ast.Del))
+                and _holds_lightning_object(node.value)
+                and node.attr not in DOCUMENTED_WRITES | allowed_writes
+            ):
+                report(node, f"writes {node.attr} on the Lightning object {owner} (an instance patch)")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in STRING_ACCESS:
+            name = node.args[1] if len(node.args) > 1 else None
+            private_name = isinstance(name, ast.Constant) and isinstance(name.value, str) and _is_private(name.value)
+            if private_name and (name.value in private or name.value not in ours):  # type: ignore[union-attr]
+                report(node, f"{node.func.id}() of the private name {name.value!r} through a string")
+            elif node.func.id in {"setattr", "delattr"} and node.args and _holds_lightning_object(node.args[0]):
+                report(
+                    node, f"{node.func.id}() on the Lightning object {ast.unparse(node.args[0])} (an instance patch)"
+                )
     return found
 
 
@@ -142,11 +227,13 @@ def main(argv: list[str]) -> int:
     trees = {f: ast.parse(f.read_text(), filename=str(f)) for f in files}
     derived = lightning_derived_classes(trees)
     own = own_names(trees, derived)
+    ours = own_names(trees, derived, all_classes=True) - private
+    allowed_writes = public_setters()
     problems = [
         msg
         for f, tree in trees.items()
         if not f.resolve().as_posix().endswith(HOME)
-        for msg in check_file(f, tree, private, own, derived)
+        for msg in check_file(f, tree, private, own, derived, ours, allowed_writes)
     ]
     for msg in problems:
         print(msg)

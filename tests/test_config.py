@@ -198,6 +198,40 @@ def test_lightning_internals_check_flags_each_kind_of_use(tmp_path):
     assert lines == [2, 3, 5, 7, 8, 9, 10, 11, 12], found
 
 
+def test_lightning_internals_check_flags_string_access_and_instance_patches(tmp_path):
+    checker = _internals_checker()
+    source = tmp_path / "user.py"
+    source.write_text(
+        "class Mine:\n"
+        "    def __init__(self):\n"
+        "        self._mine, self._other = 1, 2\n"
+        "def f(optimizer, trainer, strategy, plugin, mine):\n"
+        "    getattr(optimizer, '_optimizer', optimizer)\n"
+        "    plugin.clip_gradients = print\n"
+        "    strategy.precision_plugin.__dict__.pop('clip_gradients')\n"
+        "    setattr(trainer, 'max_steps', 3)\n"
+        "    trainer.fit_loop.epoch_loop.anything = 1\n"
+        "    hasattr(mine, '_other')\n"  # a private name of our own: allowed
+        "    trainer.should_stop = True\n"  # documented
+        "    trainer.loggers = []\n"  # a public property with a setter
+        "    strategy.precision_plugin = plugin\n"
+    )
+    assert checker.main([str(source)]) == 1
+    tree = {source: ast.parse(source.read_text())}
+    derived = checker.lightning_derived_classes(tree)
+    found = checker.check_file(
+        source,
+        tree[source],
+        checker.private_lightning_names(),
+        checker.own_names(tree, derived),
+        derived,
+        checker.own_names(tree, derived, all_classes=True) - checker.private_lightning_names(),
+        checker.public_setters(),
+    )
+    lines = sorted({int(msg.split(":")[1]) for msg in found})
+    assert lines == [5, 6, 7, 8, 9], found
+
+
 def test_lightning_internals_only_in_their_module():
     package = Path(lightning_sync.__file__).parent
     assert _internals_checker().main([str(package)]) == 0

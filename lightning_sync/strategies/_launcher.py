@@ -164,8 +164,9 @@ class HydraJobSubprocessLauncher(PopenLauncher):
     _observer: _ChildObserver | None = None
     observer_grace_s: float = 30.0
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, observer_grace_s: float = 30.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.observer_grace_s = observer_grace_s
         self.on_child_lost: list[Callable[[dict[int, int]], None]] = []
         """Called with ``{local_rank: exit code}`` (in the observer's thread) when child ranks are lost, before the
         grace for the main process."""
@@ -239,9 +240,13 @@ def configure_launcher(strategy: Any, lightning_default: Callable[[], None]) -> 
         lightning_default()
         return _frozen.end_frozen_ranks_on_failure(strategy.launcher, strategy, popen=False)
     assert strategy.cluster_environment is not None
-    launcher = HydraJobSubprocessLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
-    # Long enough for the main process to report its own error (its waits end within timeout_s), short enough that
-    # a job whose rank is gone never hangs for minutes with the default timeout_s of 600.
-    launcher.observer_grace_s = min(strategy.config.timeout_s + 5.0, _MAX_OBSERVER_GRACE_S)
+    # The grace: long enough for the main process to report its own error (its waits end within timeout_s), short
+    # enough that a job whose rank is gone never hangs for minutes with the default timeout_s of 600.
+    launcher = HydraJobSubprocessLauncher(
+        strategy.cluster_environment,
+        strategy.num_processes,
+        strategy.num_nodes,
+        observer_grace_s=min(strategy.config.timeout_s + 5.0, _MAX_OBSERVER_GRACE_S),
+    )
     set_launcher(strategy, launcher)
     _frozen.end_frozen_ranks_on_failure(launcher, strategy, popen=True)  # a failing rank kills the frozen ones

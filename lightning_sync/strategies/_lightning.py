@@ -25,6 +25,8 @@ What is used, and where Lightning defines it:
 - ``Trainer.limit_val_batches``, ``Trainer.fit_loop.max_epochs`` and ``Trainer.accumulate_grad_batches``: written
   during ``fit`` by :func:`set_loop_limits` and :func:`set_accumulate_grad_batches`.
 - ``Trainer.callbacks``: a callback inserted first by :func:`insert_callback_first`.
+- ``Precision.clip_gradients``: replaced on the strategy's plugin instance by :func:`route_clip_gradients` and put
+  back by :func:`restore_clip_gradients`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.pytorch.plugins import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
@@ -65,6 +68,7 @@ UNSTABLE_USES = (
     "Trainer.fit_loop.max_epochs (written)",
     "Trainer.accumulate_grad_batches (written)",
     "Trainer.callbacks.insert",
+    "Precision.clip_gradients (replaced on the instance)",
 )
 """Public-looking Lightning attributes used in ways Lightning does not document; also confined to this module."""
 
@@ -169,3 +173,18 @@ def set_accumulate_grad_batches(trainer: pl.Trainer, batches: int) -> None:
 def insert_callback_first(trainer: pl.Trainer, callback: Any) -> None:
     """Puts ``callback`` first among the Trainer's callbacks, so its hooks run before the others'."""
     trainer.callbacks.insert(0, callback)  # type: ignore[attr-defined]  # set by Lightning's callback connector
+
+
+def route_clip_gradients(plugin: Precision, clip: Callable[[Any, Any, Any], None]) -> None:
+    """Makes the precision plugin's ``clip_gradients(optimizer, clip_val, gradient_clip_algorithm)`` call ``clip``.
+
+    Every gradient clipping Lightning does, ``Trainer(gradient_clip_val=...)`` as ``LightningModule.clip_gradients``
+    in manual optimization, ends in this call on the strategy's precision plugin, and Lightning has no hook for a
+    strategy to take it over. So it is replaced on this plugin instance only, until :func:`restore_clip_gradients`.
+    """
+    plugin.clip_gradients = clip  # type: ignore[method-assign, assignment]
+
+
+def restore_clip_gradients(plugin: Precision) -> None:
+    """Undoes :func:`route_clip_gradients`: the plugin's own ``clip_gradients`` again (no-op if not routed)."""
+    plugin.__dict__.pop("clip_gradients", None)

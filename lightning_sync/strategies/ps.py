@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
@@ -31,6 +32,7 @@ from lightning_sync.ps import (
 from lightning_sync.ps.outer import LocalSteps
 from lightning_sync.strategies._detached import DetachableCollectives
 from lightning_sync.strategies._launcher import describe_exit
+from lightning_sync.strategies._lightning import restore_clip_gradients, route_clip_gradients
 
 
 class ParameterServerStrategy(DetachableCollectives):
@@ -107,16 +109,17 @@ class ParameterServerStrategy(DetachableCollectives):
         """Gradient clipping (``Trainer(gradient_clip_val=...)``, or ``self.clip_gradients`` in manual optimization)
         goes with the optimizer's next push: the servers clip what they step with, in sync the average of the
         workers' gradients, as DDP clips the all-reduced gradient. :meth:`teardown` puts the plugin's own back."""
-        plugin = self.precision_plugin
 
         def clip_on_servers(optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
             if clip_val is None or float(clip_val) <= 0:
                 return
             algorithm = CLIP_ALGORITHMS[str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm))]
-            self._clips[id(getattr(optimizer, "_optimizer", optimizer))] = Clip(algorithm, float(clip_val))
+            if isinstance(optimizer, LightningOptimizer):  # manual optimization hands the wrapper in
+                optimizer = optimizer.optimizer
+            self._clips[id(optimizer)] = Clip(algorithm, float(clip_val))
 
         self._clips = {}
-        plugin.clip_gradients = clip_on_servers  # type: ignore[method-assign]
+        route_clip_gradients(self.precision_plugin, clip_on_servers)
 
     def _check_module(self, trainer: pl.Trainer) -> None:
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
@@ -344,7 +347,7 @@ class ParameterServerStrategy(DetachableCollectives):
     def teardown(self) -> None:
         """Ends this rank's servers (awaited after a clean run, stopped after a failure), then tears down."""
         self._restore_loop_limits()
-        self.precision_plugin.__dict__.pop("clip_gradients", None)  # the plugin's own method again
+        restore_clip_gradients(self.precision_plugin)
         servers, self.servers, self.client = self.servers, None, None
         if servers is not None and self.final_server_states is None:
             servers.stop()
