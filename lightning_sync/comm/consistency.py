@@ -83,11 +83,11 @@ def named_replicated_state(
 
 
 # ------------------------------------------------------------------------------------------------ fingerprints
-def _fingerprint(tensor: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """Sum, sum of squares and position-weighted sum of ``tensor``'s elements (numbered from ``offset``), float64."""
+def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum, sum of squares and position-weighted sum of ``tensor``'s elements, in float64."""
     flat = tensor.detach().reshape(-1).to(torch.float64)
     # A cheap position-dependent weight in [1, 2): catches swapped or shifted entries that a sum would miss.
-    idx = torch.arange(offset, offset + flat.numel(), dtype=torch.float64)
+    idx = torch.arange(flat.numel(), dtype=torch.float64)
     weights = 1.0 + torch.frac(idx * 0.6180339887498949)
     return torch.stack([flat.sum(), (flat * flat).sum(), (flat * weights).sum()])
 
@@ -96,16 +96,6 @@ def tensor_fingerprints(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """A ``(len(tensors), 4)`` float64 matrix: each tensor's size, sum, sum of squares and weighted sum."""
     rows = [torch.cat([torch.tensor([float(t.numel())], dtype=torch.float64), _fingerprint(t)]) for t in tensors]
     return torch.stack(rows) if rows else torch.zeros(0, 4, dtype=torch.float64)
-
-
-def replica_fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """A float64 vector of 3 numbers that summarises ``tensors`` (same on every rank iff they are equal, w.h.p.)."""
-    total = torch.zeros(3, dtype=torch.float64)
-    offset = 0
-    for t in tensors:
-        total += _fingerprint(t, offset)
-        offset += t.numel()
-    return total
 
 
 def _gather(mine: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -118,12 +108,6 @@ def _gather(mine: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
 def _differs(values: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """Elementwise ``values != reference``, with NaN equal to NaN (a NaN held by every replica is consistent)."""
     return (values != reference) & ~(values.isnan() & reference.isnan())
-
-
-def replica_fingerprint_spread(tensors: Iterable[torch.Tensor], group: ProcessGroup | None = None) -> float:
-    """Largest absolute difference between any rank's fingerprint and rank 0's (0.0: identical replicas)."""
-    stacked = _gather(replica_fingerprint(tensors), group)
-    return float((stacked - stacked[0]).abs().max())
 
 
 # ------------------------------------------------------------------------------------------------ the check

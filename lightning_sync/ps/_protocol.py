@@ -59,8 +59,7 @@ class Kind(IntEnum):
     PUSH = 3
     STOP = 4
     GET_STATE = 5
-    SET_STATE = 6
-    STATS = 7
+    STATS = 7  # 6 was SET_STATE, removed
     BYE = 8
 
 

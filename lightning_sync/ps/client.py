@@ -306,19 +306,6 @@ class PSClient:
         """
         return [from_blob(_payload(answer)) for answer in self._exchange(Kind.GET_STATE)]
 
-    def load_server_states(self, states: Sequence[dict[str, Any]]) -> None:
-        """Loads one state per server (from :meth:`server_states`) into the running servers.
-
-        The caller makes sure no worker pulls in between (or uses ``init_servers(states)``, which cannot race).
-
-        Raises:
-            ValueError: ``states`` does not have one entry per server.
-            PSServerError: a server refused its state (another shard, pushes pending).
-        """
-        if len(states) != self.num_servers:
-            raise ValueError(f"states has {len(states)} entries, expected one per server ({self.num_servers})")
-        self._exchange(Kind.SET_STATE, [to_blob(s) for s in states])
-
     def server_stats(self) -> list[dict[str, Any]]:
         """Each server's stats: version, worker clocks, staleness (last value and histogram per worker), stop state,
         and its traffic (``bytes_recv``, ``bytes_sent``, ``calls``, ``seconds``)."""

@@ -528,16 +528,6 @@ class ParameterServer:
                 self._after_change()
             elif kind == Kind.GET_STATE:
                 self._send_replies([(worker, self._reply(kind, worker, payload=to_blob(self.shard.state_dict())))])
-            elif kind == Kind.SET_STATE:
-                if self.pending or self.withheld:
-                    raise _Refused("SET_STATE while pushes are pending; load state before training starts")
-                if payload is None:
-                    raise _Refused("SET_STATE without a state")
-                try:
-                    self.shard.load_state_dict(from_blob(payload))
-                except (ValueError, KeyError, RuntimeError) as exc:
-                    raise _Refused(f"cannot load this state: {exc}") from exc
-                self._send_replies([(worker, self._reply(kind, worker))])
             else:
                 raise _Refused(f"unknown request kind {kind!r}")
 
