@@ -11,6 +11,7 @@ import statistics
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -359,18 +360,29 @@ class StragglerCallback(pl.Callback):
         slowdown: how many times as long a slow batch takes, ``>= 1``.
         chance: the probability that a batch of a slow worker is slow, in ``(0, 1]``.
         seed: seeds the draws (with the rank), so a pattern repeats from run to run.
+        clock: returns the current time in seconds (a test passes a fake one).
+        sleep: sleeps for the given seconds (a test passes one that advances its fake clock).
 
     Raises:
         ValueError: a value outside the ranges above, naming the field.
     """
 
-    def __init__(self, rank: int | None = None, slowdown: float = 3.0, chance: float = 1.0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        rank: int | None = None,
+        slowdown: float = 3.0,
+        chance: float = 1.0,
+        seed: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         from lightning_sync.ps.straggler import Straggler
 
         Straggler(0, rank, slowdown)  # checks rank and slowdown
         if isinstance(chance, bool) or not isinstance(chance, (int, float)) or not 0.0 < chance <= 1.0:
             raise ValueError(f"chance={chance!r} is not allowed; it must be a probability in (0, 1]")
         self.rank, self.slowdown, self.chance, self.seed = rank, float(slowdown), float(chance), int(seed)
+        self._clock, self._sleep = clock, sleep
         self.slow_batches = 0
         self._straggler: Any = None
         self._draws: Any = None
@@ -384,7 +396,7 @@ class StragglerCallback(pl.Callback):
 
         rank = trainer.global_rank
         if self.rank is None or self.rank == rank:
-            self._straggler = Straggler(rank, rank, self.slowdown)
+            self._straggler = Straggler(rank, rank, self.slowdown, clock=self._clock, sleep=self._sleep)
             self._draws = random.Random(self.seed * 1_000_003 + rank)
 
     @override

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
 from dist_utils import run_ranks
+from fake_clock import FakeClock
 from torch import nn
 
 from lightning_sync.comm.bucketing import BUCKETINGS, GradientSynchronizer, LaunchTuner, plan_buckets
@@ -213,8 +213,12 @@ def test_tuner_decision_is_the_same_on_every_rank():
 
 
 def _auto_picks_what_is_faster(rank: int, world: int, slow_after: bool) -> None:
+    """Each round takes 10 ms on a fake clock, 30 ms at the slow launch point: the synchronizer must book every
+    round's period to the launch point it ran with, and keep the faster one."""
     model = _mlp()
-    tuner = LaunchTuner(warmup_rounds=1, trial_rounds=3, prefer_after_backward=slow_after)  # prior: the slow one
+    clock = FakeClock()
+    # prior: the slow one, so only the timings can pick the other
+    tuner = LaunchTuner(warmup_rounds=1, trial_rounds=3, prefer_after_backward=slow_after, clock=clock)
     sync = GradientSynchronizer(
         list(model.parameters()),
         NoCompression(),
@@ -224,19 +228,18 @@ def _auto_picks_what_is_faster(rank: int, world: int, slow_after: bool) -> None:
         first_bucket_mb=100 / 2**20,
         tuner=tuner,
     )
-    launch_rest = sync._launch_rest
-
-    def _slowed() -> None:  # a launch point that costs 20 ms more than the other, on every rank
-        if sync.after_backward == slow_after:
-            time.sleep(0.02)
-        launch_rest()
-
-    sync._launch_rest = _slowed
+    tried = []
     for step in range(10):
         sync.start_round()
+        tried.append(sync.after_backward)
         _local_grads(model, rank, step)
         sync.finish()
+        clock.advance(0.030 if sync.after_backward == slow_after else 0.010)
     assert not tuner.deciding
+    assert tried[1:7] == [False, True] * 3, tried  # the trials alternate after one warmup round
+    assert tuner.medians_ms == pytest.approx(
+        {"during_backward": 30.0 if not slow_after else 10.0, "after_backward": 30.0 if slow_after else 10.0}
+    )
     assert sync.launch_point == ("during_backward" if slow_after else "after_backward")
     assert bool(sync._hooks) is (not sync.after_backward), "hooks are dropped once launching after backward"
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from dist_utils import run_ranks
+from fake_clock import FakeClock
 from lightning_utils import WORLD, make_trainer
 from torch import nn
 
@@ -512,20 +512,65 @@ def test_agree_max_is_collective():
     run_ranks(_agree_max_ranks)
 
 
+class _SlowLink(NoCompression):
+    """Exact averages whose transfer takes ``seconds`` on a fake clock (a slow link, without sleeping)."""
+
+    def __init__(self, clock: FakeClock, seconds: float) -> None:
+        super().__init__()
+        self.clock, self.seconds = clock, seconds
+
+    def average(self, bucket, meter, group=None):
+        self.clock.advance(self.seconds)
+        return super().average(bucket, meter, group)
+
+
+def _adaptive_ranks(rank: int, world_size: int) -> None:
+    """Rank 1 computes 20 ms per step, rank 0 10 ms, and a sync takes 30 ms (90 ms from step 16), on a fake clock."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    clock = FakeClock()
+    link = _SlowLink(clock, 0.030)
+    averager = PeriodicAverager(
+        sync_every="auto",
+        target_comm_fraction=0.1,
+        min_sync_every=1,
+        max_sync_every=32,
+        new_compressor=lambda: link,
+        clock=clock,
+    )
+    averager.setup(model.named_parameters(), model.named_buffers(), CommMeter())
+    synced_at, periods = [], []
+    for step in range(1, 61):
+        if step == 16:
+            link.seconds = 0.090  # the link slows down
+        averager.start_step()
+        clock.advance(0.010 * (rank + 1))
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        if averager.step([opt]):
+            synced_at.append(step)
+            periods.append(averager.period)
+    # The ranks agree on the slowest: 20 ms per step. 30 ms per sync at a 10 % target: 0.03 * 0.9 / (0.1 * 0.02) =
+    # 13.5, so 14 steps. At 90 ms the moving average (weight 0.5) first sees 60 ms: 27 steps; then 75 ms: 33.75, so
+    # the largest period, 32. Rank 0 alone (10 ms per step) would choose 27 at once, so a rank that did not agree
+    # fails here.
+    assert synced_at == [1, 15, 29, 56], synced_at
+    assert periods == [14, 14, 27, 32], periods
+    assert averager.adaptive is not None and averager.adaptive.compute_seconds == pytest.approx(0.020)
+    averager.close()
+
+
+@pytest.mark.dist
+@TIMEOUT
+def test_adaptive_period_follows_the_timings_identically_on_every_rank():
+    run_ranks(_adaptive_ranks)
+
+
 @pytest.mark.e2e
 @TIMEOUT
-def test_adaptive_period_grows_under_slow_communication(tmp_path, monkeypatch):
-    """Every collective sleeps 100 ms: the period grows from min_sync_every, identically on both ranks."""
-    original = CommMeter._run
-
-    def slow_run(self, sent, recv, async_op, launch, *named):
-        def slow_launch():
-            time.sleep(0.1)
-            return launch()
-
-        return original(self, sent, recv, async_op, slow_launch, *named)
-
-    monkeypatch.setattr(CommMeter, "_run", slow_run)
+def test_strategy_adapts_the_period_from_measured_steps(tmp_path):
+    """Through the strategy: the ranks time their steps and syncs, agree on one period at every step, and log it."""
 
     class Check(pl.Callback):
         def __init__(self) -> None:
@@ -540,16 +585,16 @@ def test_adaptive_period_grows_under_slow_communication(tmp_path, monkeypatch):
         def on_train_end(self, trainer, pl_module) -> None:
             # the last logged period is the one in force now (a sync in the last step may have changed it)
             assert float(trainer.callback_metrics["sync/period"]) == trainer.strategy.period
-            assert self.periods[0] == 1
-            # 100 ms per sync against at most tens of ms of compute per step: 10 % needs a period of 16 or more
-            assert max(self.periods) >= 8 and self.periods[-1] > 1, self.periods
+            adaptive = trainer.strategy.averager.adaptive
+            assert self.periods[0] == 1 and adaptive.updates >= 1, (self.periods, adaptive.state_dict())
+            assert adaptive.compute_seconds > 0 and adaptive.comm_seconds > 0, adaptive.state_dict()
 
     fit(
         periodic(mode="local_sgd", sync_every="auto", target_comm_fraction=0.1, min_sync_every=1, max_sync_every=16),
         tmp_path,
         "adaptive",
         callbacks=(Check(),),
-        limit_train_batches=18,
+        limit_train_batches=8,
     )
 
 

@@ -8,13 +8,13 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import json  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import lightning.pytorch as pl  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from fake_clock import FakeClock  # noqa: E402
 from lightning_utils import make_trainer  # noqa: E402
 from test_ps_core import _backward, _client, _free_port, _join, _model, procs  # noqa: E402, F401
 
@@ -172,9 +172,10 @@ def test_lightning_sync_local_steps_equals_periodic_diloco(tmp_path):
     assert diff <= 1e-5, diff
 
 
-def _adaptive_worker(rank: int, port: int, seconds: float) -> dict:
-    """Async local SGD with ``local_steps: auto`` (8 for the fastest) for ``seconds``; worker 1's steps take 3x as
-    long as worker 0's."""
+def _adaptive_worker(rank: int, port: int, fast_posted: Any) -> dict:
+    """Async local SGD with ``local_steps: auto`` (8 for the fastest) for 0.96 s of a fake clock; worker 1's steps
+    take 30 ms, worker 0's 10 ms. Worker 1 starts once worker 0 has posted its speed (at its first push), so what
+    it sees does not depend on which process the machine runs first."""
     _, server, group = _join(rank, port, 2, 1, timeout_s=10)
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -182,33 +183,42 @@ def _adaptive_worker(rank: int, port: int, seconds: float) -> dict:
     if rank == 0:
         client.init_servers()
     client.pull()
-    local = LocalSteps(client, 8, lambda: ps.current_lrs(inner), adaptive=True)
+    clock = FakeClock()
+    local = LocalSteps(client, 8, lambda: ps.current_lrs(inner), adaptive=True, clock=clock)
     local.start()
-    pushes, steps, end = 0, 0, time.monotonic() + seconds
-    while time.monotonic() < end:
+    if rank == 1:
+        assert fast_posted.wait(30), "worker 0 did not push within 30 s"
+    pushes, steps, intervals, end = 0, 0, [], clock.now + 0.96
+    while clock.now < end - 1e-9:
         _backward(model, rank, steps)
-        time.sleep(0.01 if rank == 0 else 0.03)
+        clock.advance(0.01 if rank == 0 else 0.03)
         inner.step()
         steps += 1
-        pushes += local.after_step() is not None
+        if local.after_step() is not None:
+            pushes += 1
+            intervals.append(local.local_steps)
+            if rank == 0:
+                fast_posted.set()
     client.close()
     if server is not None:
         server.join(10)
-    return {"local_steps": local.local_steps, "pushes": pushes, "steps": steps}
+    return {"local_steps": local.local_steps, "intervals": intervals, "pushes": pushes, "steps": steps}
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_auto_local_steps_give_a_3x_slower_worker_a_third_of_the_steps(procs):  # noqa: F811
-    port = _free_port()
+    port, fast_posted = _free_port(), procs.ctx.Event()
     for rank in range(2):
-        procs.start(f"worker{rank}", _adaptive_worker, rank, port, 4.0)
+        procs.start(f"worker{rank}", _adaptive_worker, rank, port, fast_posted)
     out = procs.ok(["worker0", "worker1"], timeout=40)
     fast, slow = out["worker0"], out["worker1"]
     print(f"auto local steps: fast {fast}, slow {slow}")
-    assert fast["local_steps"] == 8 and 2 <= slow["local_steps"] <= 4, (fast, slow)
-    assert fast["steps"] > 2 * slow["steps"], (fast, slow)  # the slow worker is slow
-    assert slow["pushes"] >= 0.6 * fast["pushes"], (fast, slow)  # but pushes at about the same rate
+    # 8 * 10 ms / 30 ms = 2.67: 3 steps per push. The slow worker's first interval is the fast one's 8 steps.
+    assert (fast["steps"], slow["steps"]) == (96, 32), (fast, slow)
+    assert fast["intervals"] == [8] * 12 and slow["intervals"] == [3] * 9, (fast, slow)
+    # pushes 80 ms (fast) and 90 ms (slow) apart: about the same rate
+    assert (fast["pushes"], slow["pushes"]) == (12, 9), (fast, slow)
 
 
 @pytest.mark.e2e

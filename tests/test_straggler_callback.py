@@ -1,7 +1,9 @@
 """``StragglerCallback``: one worker slow all the time, or stragglers that come and go, under any strategy.
 
-Single-process fits (rank 0) check who sleeps, how long and how often; the Hydra option ``callbacks=straggler``
-composes with the app's config; bad values name their field.
+The callback's hooks are driven directly with a fake clock (``tests/fake_clock.py``): each batch takes exactly the
+time the test says, so who sleeps, how long and how often are checked exactly, with no real sleep. One fit checks
+that Lightning calls the hooks; the Hydra option ``callbacks=straggler`` composes with the app's config; bad values
+name their field.
 """
 
 from __future__ import annotations
@@ -10,59 +12,73 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import time
+from types import SimpleNamespace
 
 import pytest
-import torch
-from lightning.pytorch.demos.boring_classes import BoringModel
-from lightning_utils import make_trainer
+from fake_clock import FakeClock
 
 from lightning_sync.callbacks import StragglerCallback
 
-pytestmark = pytest.mark.unit
+
+def _batches(callback: StragglerCallback, clock: FakeClock, seconds: list[float], rank: int = 0) -> None:
+    """Runs ``callback``'s hooks as a fit on ``rank`` does, one batch per entry of ``seconds`` (its compute time)."""
+    trainer = SimpleNamespace(global_rank=rank)
+    callback.on_train_start(trainer, None)
+    for i, took in enumerate(seconds):
+        callback.on_train_batch_start(trainer, None, None, i)
+        clock.advance(took)
+        callback.on_train_batch_end(trainer, None, None, None, i)
 
 
-class _SlowModel(BoringModel):
-    """A BoringModel whose step takes at least 20 ms, so a sleep of 2x its time is measurable."""
-
-    def training_step(self, batch, batch_idx):
-        time.sleep(0.02)
-        return super().training_step(batch, batch_idx)
-
-
-def _fit(callback: StragglerCallback, batches: int = 10) -> float:
-    trainer = make_trainer("auto", devices=1, max_steps=batches, callbacks=[callback])
-    torch.manual_seed(0)
-    started = time.perf_counter()
-    trainer.fit(_SlowModel())
-    return time.perf_counter() - started
+@pytest.mark.unit
+def test_the_slow_rank_sleeps_slowdown_minus_one_times_each_batch():
+    clock = FakeClock()
+    slow = StragglerCallback(rank=1, slowdown=3.0, clock=clock, sleep=clock.sleep)
+    took = [0.02, 0.05, 0.01, 0.04]
+    start = clock.now
+    _batches(slow, clock, took, rank=1)
+    assert slow.slow_batches == len(took)
+    assert clock.slept == pytest.approx([2 * t for t in took])  # each batch's own time, not an average
+    assert slow._straggler.slept_s == pytest.approx(2 * sum(took))
+    assert clock.now - start == pytest.approx(3 * sum(took))  # every batch took slowdown times its compute
 
 
-def test_the_slow_rank_sleeps_slowdown_minus_one_times_its_batches():
-    slow = StragglerCallback(rank=0, slowdown=3.0)
-    _fit(slow)
-    assert slow.slow_batches == 10
-    slept = slow._straggler.slept_s
-    assert 10 * 2 * 0.02 <= slept < 10 * 2 * 0.2  # 2x each batch's own time (>= 20 ms each)
-
-
+@pytest.mark.unit
 def test_another_rank_is_never_slowed():
-    other = StragglerCallback(rank=1, slowdown=3.0)
-    _fit(other)
+    clock = FakeClock()
+    other = StragglerCallback(rank=1, slowdown=3.0, clock=clock, sleep=clock.sleep)
+    _batches(other, clock, [0.02] * 5, rank=0)
+    assert other.slow_batches == 0 and other._straggler is None and clock.slept == []
+
+
+@pytest.mark.unit
+def test_stragglers_that_come_and_go_are_drawn_per_batch_and_repeat_with_the_seed():
+    def pattern(seed: int, rank: int) -> list[float]:
+        clock = FakeClock()
+        hiccups = StragglerCallback(rank=None, slowdown=2.0, chance=0.3, seed=seed, clock=clock, sleep=clock.sleep)
+        _batches(hiccups, clock, [0.01 * (1 + i % 3) for i in range(40)], rank=rank)
+        assert len(clock.slept) == hiccups.slow_batches
+        return clock.slept
+
+    first = pattern(7, 0)
+    assert first == pattern(7, 0)  # the seed repeats the pattern
+    assert 2 <= len(first) <= 25  # about 12 of 40
+    assert first != pattern(7, 1) and first != pattern(8, 0)  # each rank and seed draws its own
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_a_fit_runs_the_hooks_on_the_chosen_rank():
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning_utils import make_trainer
+
+    slow, other = StragglerCallback(rank=0, slowdown=1.5), StragglerCallback(rank=1, slowdown=1.5)
+    make_trainer("auto", devices=1, max_steps=4, callbacks=[slow, other]).fit(BoringModel())
+    assert slow.slow_batches == 4 and slow._straggler.slept_s > 0
     assert other.slow_batches == 0 and other._straggler is None
 
 
-def test_stragglers_that_come_and_go_are_drawn_per_batch_and_repeat_with_the_seed():
-    counts = []
-    for _ in range(2):
-        hiccups = StragglerCallback(rank=None, slowdown=2.0, chance=0.3, seed=7)
-        _fit(hiccups, batches=40)
-        counts.append(hiccups.slow_batches)
-    assert counts[0] == counts[1]
-    assert 2 <= counts[0] <= 25  # about 12 of 40
-    assert StragglerCallback(rank=None, chance=0.3, seed=8) is not None
-
-
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [({"slowdown": 0.5}, "slowdown"), ({"chance": 0.0}, "chance"), ({"chance": 1.5}, "chance"), ({"rank": -1}, "rank")],
@@ -72,6 +88,7 @@ def test_bad_values_name_their_field(kwargs, field):
         StragglerCallback(**kwargs)
 
 
+@pytest.mark.unit
 def test_the_hydra_option_builds_the_callback():
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate

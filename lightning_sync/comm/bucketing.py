@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -121,6 +121,8 @@ class LaunchTuner:
         trial_rounds: timed rounds per launch point.
         margin: the relative lead a launch point needs to overrule the prior.
         prefer_after_backward: the prior (``None``: :class:`GradientSynchronizer` sets it from ``same_host_cpu``).
+        clock: returns the current time in seconds; :class:`GradientSynchronizer` reads it at the start of every
+            round (a test passes a fake one and feeds it the rounds' durations).
     """
 
     def __init__(
@@ -129,8 +131,10 @@ class LaunchTuner:
         trial_rounds: int = LAUNCH_TRIAL_ROUNDS,
         margin: float = LAUNCH_MARGIN,
         prefer_after_backward: bool | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         assert warmup_rounds >= 0 and trial_rounds >= 1 and margin >= 0
+        self.clock = clock
         self.warmup_rounds = warmup_rounds
         self.trial_rounds = trial_rounds
         self.margin = margin
@@ -335,7 +339,7 @@ class GradientSynchronizer:
         """Marks that a backward pass whose gradients must be synced is about to run (call on every rank)."""
         if self.sync_enabled:
             if self.tuner is not None and not self._round_active:
-                self._tune(time.perf_counter())
+                self._tune(self.tuner.clock())
             if not self._round_active:
                 self._attach_bucket_views()
                 self.grads_finite = None

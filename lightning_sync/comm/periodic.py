@@ -26,8 +26,8 @@ A *step* is one optimizer step. Group parameters travel as deltas from the globa
 (:class:`~lightning_sync.comm.averaging.ModelAverager`); buffers and optimizer state are averaged exactly.
 
 ``sync_every="auto"``: after each sync of the default group the ranks agree (MAX over ranks) on the measured compute
-seconds per step and that sync's communication seconds, and :class:`~lightning_sync.comm.adaptive.AdaptivePeriod`
-picks the next period, identically everywhere.
+seconds per step and the seconds that sync took (both timed on the averager's ``clock``), and
+:class:`~lightning_sync.comm.adaptive.AdaptivePeriod` picks the next period, identically everywhere.
 
 Per-module periods: ``module_sync_every`` is ``{glob pattern: period}``; patterns are :mod:`fnmatch` globs
 (case-sensitive, ``*`` also crosses dots) on full parameter names such as ``net.4.weight``. A buffer joins the group
@@ -242,6 +242,8 @@ class PeriodicAverager:
         skip_nonfinite: an averaged pseudo-gradient holding a NaN or Inf skips that group's outer step (on every
             rank: the average is identical on all).
         timeout_s: the longest wait for an outer sync in flight (and the timeout of the worker's process group).
+        clock: returns the current time in seconds; ``sync_every="auto"`` times compute and syncs with it (a test
+            passes a fake one and feeds it the durations).
 
     Raises:
         ConfigError: an argument out of range, named as the knob of the same name.
@@ -268,6 +270,7 @@ class PeriodicAverager:
         outer_compression: str = "none",
         skip_nonfinite: bool = True,
         timeout_s: float | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if sync_every != "auto":
             if isinstance(sync_every, bool) or not isinstance(sync_every, int):
@@ -297,6 +300,7 @@ class PeriodicAverager:
             self.new_compressor = outer_compressor_factory(outer_compression)
         self.skip_nonfinite = bool(skip_nonfinite)
         self.timeout_s = timeout_s
+        self.clock = clock
         self._worker: OuterSyncWorker | None = None
         self.groups: list[SyncGroup] = []
         self.steps = 0
@@ -428,7 +432,7 @@ class PeriodicAverager:
     def start_step(self) -> None:
         """Marks the start of an optimizer step's compute (for ``sync_every="auto"``; a no-op while one runs)."""
         if self._step_started is None and self.meter is not None:
-            self._step_started = time.perf_counter()
+            self._step_started = self.clock()
             self._step_comm_start = self.meter.total.seconds
 
     def step(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[SyncGroup]:
@@ -495,20 +499,19 @@ class PeriodicAverager:
         Returns:
             This rank's divergence ``||params - average||`` over the groups' parameters, at sync time.
         """
-        meter = self._require_meter()
-        comm_start = meter.total.seconds
+        started = self.clock()
         squared = 0.0
         for group in groups:
             group.in_flight = group.averager.launch_(self._sign, self.steps)
             squared += self._apply_one(group, alpha=0.0)
-        return self._after_apply(groups, optimizers, squared, lambda: meter.total.seconds - comm_start)
+        return self._after_apply(groups, optimizers, squared, lambda: self.clock() - started)
 
     def _apply(self, groups: Sequence[SyncGroup], optimizers: Sequence[torch.optim.Optimizer]) -> float:
         """Applies the outer syncs in flight of ``groups`` (with ``fragment_alpha``); ``sync_every="auto"`` counts
         the seconds this waited, not the transfer hidden behind the inner steps."""
-        started = time.perf_counter()
+        started = self.clock()
         squared = sum(self._apply_one(group, self.fragment_alpha) for group in groups)
-        return self._after_apply(groups, optimizers, squared, lambda: time.perf_counter() - started)
+        return self._after_apply(groups, optimizers, squared, lambda: self.clock() - started)
 
     def _apply_one(self, group: SyncGroup, alpha: float) -> float:
         """Applies ``group``'s outer sync in flight; returns this rank's squared divergence at launch."""
@@ -594,7 +597,7 @@ class PeriodicAverager:
         comm = self.meter.total.seconds - self._step_comm_start
         if any(group.in_flight is not None for group in self.groups):
             comm = 0.0  # the worker's transfer, booked on the meter meanwhile, ran beside this compute
-        self._compute_seconds += max(time.perf_counter() - self._step_started - comm, 0.0)
+        self._compute_seconds += max(self.clock() - self._step_started - comm, 0.0)
         self._compute_steps += 1
         self._step_started = None
 

@@ -100,10 +100,18 @@ class LocalSteps:
         client: the worker's client; its servers run an outer optimizer (``PSConfig.local_steps > 1``).
         local_steps: inner steps per push (>= 1).
         lrs: returns the learning rates a push carries (the servers' outer optimizer ignores them).
+        adaptive: after each push, scale this worker's interval so that it pushes about as often as the fastest
+            worker: ``round(local_steps * fastest / own seconds per step)``, in ``[1, local_steps]``.
+        clock: returns the current time in seconds; ``adaptive`` times the steps with it (a test passes a fake one).
     """
 
     def __init__(
-        self, client: PSClient, local_steps: int, lrs: Callable[[], Sequence[float]], adaptive: bool = False
+        self,
+        client: PSClient,
+        local_steps: int,
+        lrs: Callable[[], Sequence[float]],
+        adaptive: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
             raise ValueError(f"local_steps={local_steps!r} must be an integer >= 1")
@@ -111,13 +119,14 @@ class LocalSteps:
         self.local_steps = local_steps  # this worker's count for the current interval
         self.steps = 0  # inner steps since the last push
         self.anchor: list[torch.Tensor] = []
-        self._started = time.monotonic()
+        self._clock = clock
+        self._started = clock()
 
     def start(self) -> None:
         """Starts an interval from the parameters the model holds now (call after every pull)."""
         self.anchor = [p.detach().clone() for p in self.client.params]
         self.steps = 0
-        self._started = time.monotonic()
+        self._started = self._clock()
 
     def after_step(self) -> PSReply | None:
         """Counts one inner step; at the end of an interval pushes the pseudo-gradient and returns the reply (the
@@ -125,7 +134,7 @@ class LocalSteps:
         self.steps += 1
         if self.steps < self.local_steps:
             return None
-        seconds_per_step = (time.monotonic() - self._started) / self.steps
+        seconds_per_step = (self._clock() - self._started) / self.steps
         grads = [p.grad for p in self.client.params]
         for p, start in zip(self.client.params, self.anchor):
             p.grad = start - p.detach()

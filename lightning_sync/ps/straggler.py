@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 
 class Straggler:
@@ -18,12 +19,21 @@ class Straggler:
         worker: this process's worker rank.
         slow_worker: the rank of the worker to slow down, or ``None`` for none.
         slowdown: the factor, ``>= 1`` (``1`` does nothing).
+        clock: returns the current time in seconds (a test passes a fake one).
+        sleep: sleeps for the given seconds (a test passes one that advances its fake clock).
 
     Raises:
         ValueError: ``slowdown < 1`` or a rank is negative.
     """
 
-    def __init__(self, worker: int, slow_worker: int | None = None, slowdown: float = 1.0) -> None:
+    def __init__(
+        self,
+        worker: int,
+        slow_worker: int | None = None,
+        slowdown: float = 1.0,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         if isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
             raise ValueError(f"worker={worker!r} must be an integer >= 0")
         bad_slow = isinstance(slow_worker, bool) or not isinstance(slow_worker, int) or slow_worker < 0
@@ -35,6 +45,7 @@ class Straggler:
         self.slow_worker = slow_worker
         self.slowdown = float(slowdown)
         self.slept_s = 0.0
+        self._clock, self._sleep = clock, sleep
         self._started: float | None = None
 
     @property
@@ -44,7 +55,7 @@ class Straggler:
 
     def step_start(self) -> None:
         """Marks the start of a step."""
-        self._started = time.perf_counter()
+        self._started = self._clock()
 
     def step_end(self) -> float:
         """Sleeps ``(slowdown - 1) x`` the time since :meth:`step_start` if this is the slow worker.
@@ -54,7 +65,7 @@ class Straggler:
         """
         if self._started is None:
             return 0.0
-        elapsed, self._started = time.perf_counter() - self._started, None
+        elapsed, self._started = self._clock() - self._started, None
         return self.delay(elapsed)
 
     def delay(self, step_s: float) -> float:
@@ -62,6 +73,6 @@ class Straggler:
         if not self.active or step_s <= 0:
             return 0.0
         extra = (self.slowdown - 1.0) * step_s
-        time.sleep(extra)
+        self._sleep(extra)
         self.slept_s += extra
         return extra
