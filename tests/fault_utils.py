@@ -16,6 +16,26 @@ from pathlib import Path
 HAS_PROC = Path("/proc/self/cmdline").exists()
 
 
+def load_factor() -> float:
+    """How many times slower than an idle machine a process runs now: runnable processes (the 1-minute load
+    average) per core, at least 1.
+
+    A timeout is a wall-clock timer and fires on time under any load; what follows it (a process noticing, printing,
+    killing its peers, interpreters exiting) is CPU work that a loaded machine stretches by about this factor.
+    """
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return 1.0
+    return max(1.0, load / (os.cpu_count() or 1))
+
+
+def allowed_s(timeout_s: float, margin_s: float) -> float:
+    """The longest a failure may take to end a job: the ``timeout_s`` that detects it, then ``margin_s`` (measured
+    on an idle machine) stretched by :func:`load_factor`. On an idle machine, ``timeout_s + margin_s``."""
+    return timeout_s + margin_s * load_factor()
+
+
 def _cmdlines() -> dict[int, str]:
     out = {}
     for entry in Path("/proc").iterdir():

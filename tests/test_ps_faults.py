@@ -1,5 +1,6 @@
 """A parameter-server job whose worker or server dies (SIGKILL) or freezes (SIGSTOP) mid-run: it fails within
-``timeout_s`` plus a few seconds, names the lost process, and leaves no process behind.
+``timeout_s`` plus a few seconds (stretched by the machine's load, see ``fault_utils.allowed_s``), names the lost
+process, and leaves no process behind.
 
 The job is the Hydra app with the ``popen`` launcher (as a user runs it): rank 0 is the command, rank 1 its child,
 the server a process started by rank 0 (see :mod:`fault_utils`).
@@ -10,7 +11,7 @@ from __future__ import annotations
 import signal
 
 import pytest
-from fault_utils import HAS_PROC, run_and_hit
+from fault_utils import HAS_PROC, allowed_s, load_factor, run_and_hit
 
 TIMEOUT_S = 8.0
 pytestmark = pytest.mark.skipif(not HAS_PROC, reason="needs /proc")
@@ -23,10 +24,10 @@ pytestmark = pytest.mark.skipif(not HAS_PROC, reason="needs /proc")
 def test_lost_process_fails_the_job_in_time_and_leaves_no_orphan(tmp_path, target, how):
     overrides = ["strategy=ps", f"strategy.timeout_s={TIMEOUT_S}", "trainer.max_epochs=1000", "test=false"]
     process = {"worker1": "rank1", "server0": "server0"}[target]
-    outcome = run_and_hit(overrides, tmp_path / "run", process, how, wait_s=TIMEOUT_S + 30)
+    outcome = run_and_hit(overrides, tmp_path / "run", process, how, wait_s=allowed_s(TIMEOUT_S, 30.0))
     print(f"{target} {how.name}: exit code {outcome.returncode} after {outcome.seconds:.1f} s")
     assert outcome.returncode != 0
-    assert outcome.seconds < TIMEOUT_S + 15, outcome.seconds
+    assert outcome.seconds < allowed_s(TIMEOUT_S, 15.0), outcome.seconds
     names = {"worker1": ("worker 1", "rank 1", "[rank: 1] Child process"), "server0": ("server 0",)}[target]
     assert any(name in outcome.stderr for name in names), outcome.stderr[-3000:]
     assert not outcome.left, f"orphans: {outcome.left}"
@@ -40,10 +41,10 @@ def test_a_lost_worker_ends_an_async_job_in_time_naming_it(tmp_path, mode, how):
     """The server serves the healthy worker meanwhile (tests/test_ps_stall.py shows its steps rising) and declares
     the lost one lost once: after ``timeout_s`` when frozen, at once when its connection closes."""
     overrides = ["strategy=ps", f"strategy.mode={mode}", f"strategy.timeout_s={TIMEOUT_S}", "trainer.max_epochs=1000"]
-    outcome = run_and_hit([*overrides, "test=false"], tmp_path / "run", "rank1", how, wait_s=TIMEOUT_S + 30)
+    outcome = run_and_hit([*overrides, "test=false"], tmp_path / "run", "rank1", how, wait_s=allowed_s(TIMEOUT_S, 30.0))
     print(f"{mode} worker1 {how.name}: exit code {outcome.returncode} after {outcome.seconds:.1f} s")
     assert outcome.returncode != 0
-    assert outcome.seconds < TIMEOUT_S + 10, outcome.seconds
+    assert outcome.seconds < allowed_s(TIMEOUT_S, 10.0), outcome.seconds
     assert "worker 1 (ps rank 1)" in outcome.stderr, outcome.stderr[-3000:]
     assert not outcome.left, f"orphans: {outcome.left}"
 
@@ -57,6 +58,7 @@ def test_a_lost_worker_ends_the_job_in_seconds_not_after_timeout_s(tmp_path):
     outcome = run_and_hit(overrides, tmp_path / "run", "rank1", signal.SIGKILL, wait_s=60)
     print(f"worker1 SIGKILL, timeout_s=120: exit code {outcome.returncode} after {outcome.seconds:.1f} s")
     assert outcome.returncode != 0
-    assert outcome.seconds < 120 / 4, outcome.seconds  # about a second; a quarter of timeout_s on a loaded machine
+    # about a second on an idle machine; never as long as the timeout it must not wait for
+    assert outcome.seconds < min(120 / 4 * load_factor(), 120 / 2), outcome.seconds
     assert "rank 1 (local) was lost" in outcome.stderr, outcome.stderr[-3000:]
     assert not outcome.left, f"orphans: {outcome.left}"
