@@ -1,10 +1,10 @@
 """What the jobs print: Lightning's banners and known-harmless warnings silenced, and one progress display per run.
 
-:func:`quiet_lightning` drops, by message, the informational lines Lightning prints around every ``fit``/``test``
-(accelerator banners, the logger tip, "Initializing distributed", the ``distributed_backend=gloo`` box, ...) and the
-warnings it raises for settings these jobs choose on purpose. It works through logging filters on Lightning's own
-loggers and ``warnings`` filters on exact messages, so anything else (errors, other warnings) still shows. Both kinds
-of filter are process state, so ranks forked afterwards (``strategy.start_method=fork``) inherit them.
+:func:`quiet_lightning` sets Lightning's loggers to WARNING, which drops the informational lines it prints around
+every ``fit``/``test`` (accelerator banners, the logger tip, "Initializing distributed", ...), and silences the
+warnings it raises for settings these jobs choose on purpose (``warnings`` filters on exact messages), so errors and
+other warnings still show. Both are process state, so ranks forked afterwards (``strategy.start_method=fork``)
+inherit them. The model summary is off in ``conf/trainer`` (``enable_model_summary: false``).
 
 :class:`ProgressReport` is the progress display of one run, drawn on global rank 0 only: a tqdm bar when its stream
 is a terminal, one plain line per epoch otherwise (a CI log stays readable).
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import sys
 import time
 import warnings
@@ -24,30 +23,10 @@ import lightning.pytorch as pl
 from tqdm import tqdm
 from typing_extensions import override
 
-# Starts of the informational lines Lightning prints around every fit/test.
-_BANNERS = (
-    r"GPU available: ",
-    r"TPU available: ",
-    r"HPU available: ",
-    r"💡 Tip: ",
-    r"`Trainer\((limit|num_sanity_val)_\w+=.*\)` was configured",
-    r"-+\ndistributed_backend=",
-    r"`Trainer.fit` stopped: `max_(epochs|steps)=",
-    r"LOCAL_RANK: \d+ - ",
-    r"Restoring states from the checkpoint path",
-    r"Restored all states from the checkpoint",
-    # lightning_sync's own: bucketing=auto's choice (summary.json keeps it as launch_point)
-    r"lightning_sync: bucketing=auto launches buckets",
-)
-# Logger name -> starts of the messages dropped from it. Lightning's rank_zero_info goes through whichever of the two
-# rank_zero loggers was imported last, so both are listed.
-_QUIET_LOGGERS: dict[str, tuple[str, ...]] = {
-    "lightning.pytorch.utilities.rank_zero": _BANNERS,
-    "lightning.fabric.utilities.rank_zero": _BANNERS,
-    "lightning.pytorch.accelerators.cuda": (r"LOCAL_RANK: \d+ - ",),
-    "lightning.fabric.utilities.distributed": (r"Initializing distributed: ",),
-    "lightning.pytorch.callbacks.model_summary": (r"\s*\|? *Name +\| Type",),
-}
+_QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric")
+"""Lightning's loggers: set to WARNING, they drop the INFO lines printed around every fit/test (accelerator banners,
+the logger tip, "Initializing distributed", the ``distributed_backend`` box, the fit's end, lightning_sync's own
+``rank_zero_info`` notes); warnings and errors still show."""
 # Warnings these jobs cause on purpose (message start, as ``warnings.filterwarnings`` matches it).
 _HARMLESS_WARNINGS = (
     # torch's pytree API used by Lightning 2.6 itself
@@ -66,27 +45,13 @@ _HARMLESS_WARNINGS = (
 )
 
 
-class _DropMessages(logging.Filter):
-    """Drops the records whose message starts with one of ``patterns``."""
-
-    def __init__(self, patterns: tuple[str, ...]) -> None:
-        super().__init__()
-        self._pattern = re.compile("|".join(f"(?:{p})" for p in patterns))
-
-    @override
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self._pattern.match(record.getMessage()) is None
-
-
 def quiet_lightning() -> None:
     """Silences Lightning's banners and the known-harmless warnings in this process and the ranks it forks.
 
     Idempotent: calling it again adds no second filter.
     """
-    for name, patterns in _QUIET_LOGGERS.items():
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropMessages) for f in logger.filters):
-            logger.addFilter(_DropMessages(patterns))
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
     for message in _HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
 

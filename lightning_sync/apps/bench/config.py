@@ -490,51 +490,52 @@ def config_from_saved(saved: dict[str, Any]) -> BenchConfig:
     return BenchConfig(**values)
 
 
-def _convert(name: str, text: str, kind: Any) -> Any:
-    """``text`` as a value of the field's type (``list[str]`` from a comma list)."""
-    if kind == list[str]:
-        return [part.strip() for part in text.split(",") if part.strip()]
-    if kind is bool:
-        if text.lower() in ("true", "false"):
-            return text.lower() == "true"
-        raise ConfigError(f"{name}={text!r} is not allowed; it must be true or false")
-    for number in (int, float):
-        if kind is number:
-            try:
-                return number(text)
-            except ValueError:
-                expected = "an integer" if number is int else "a number"
-                raise ConfigError(f"{name}={text!r} is not allowed; it must be {expected}") from None
-    return text
+def _expected(kind: Any) -> str:
+    """What a value of the field's type looks like, for an error message."""
+    return {int: "an integer", float: "a number", bool: "true or false"}.get(
+        kind, f"a {getattr(kind, '__name__', kind)}"
+    )
 
 
-def _is_group(value: Any) -> bool:
-    return hasattr(value, "__dataclass_fields__")
+def _known_fields() -> list[str]:
+    return [f.name for f in fields(BenchConfig) if f.name != "network"] + [
+        f"network.{f.name}" for f in fields(NetworkConfig)
+    ]
 
 
 def parse_overrides(overrides: list[str], base: BenchConfig | None = None) -> BenchConfig:
     """A validated :class:`BenchConfig`: ``base`` (default: the defaults) with ``key=value`` overrides applied.
 
+    OmegaConf merges the overrides into the dataclass's schema (``OmegaConf.from_dotlist``) and checks each value's
+    type; a list field also takes a plain comma list (``cases=allreduce,periodic``), and an empty one (``cases=``).
+
     Raises:
         ConfigError: an override without ``=``, an unknown key, or a bad value (naming field, value, allowed).
     """
-    cfg = base if base is not None else BenchConfig()
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    hints = {**get_type_hints(BenchConfig), **{f"network.{k}": v for k, v in get_type_hints(NetworkConfig).items()}}
+    dotlist = []
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"{item!r} is not an override; write key=value, e.g. network.rate=1gbit")
-        target: Any = cfg
-        *path, leaf = key.split(".")
-        for part in path:
-            if part not in {f.name for f in fields(target)} or not _is_group(getattr(target, part)):
-                raise ConfigError(f"{key}={value!r}: {part!r} is not a group; groups: network")
-            target = getattr(target, part)
-        hints = get_type_hints(type(target))
-        names = [f.name for f in fields(target) if not _is_group(getattr(target, f.name))]
-        if leaf not in names:
-            scope = ".".join(path) + "." if path else ""
-            allowed = [scope + n for n in names] + ([] if path else ["network.rate", "network.prefix"])
-            raise ConfigError(f"{key} is not a field of the benchmark; known fields: {', '.join(allowed)}")
-        setattr(target, leaf, _convert(key, value, hints[leaf]))
+        if key not in hints or key == "network":
+            raise ConfigError(f"{key} is not a field of the benchmark; known fields: {', '.join(_known_fields())}")
+        if hints[key] == list[str] and not value.startswith("["):
+            value = "[" + value + "]"  # a comma list, as the command line writes it
+        elif hints[key] is str:
+            value = repr(value)  # as typed: no YAML reading of a path or a name
+        dotlist.append(f"{key}={value}")
+    schema = OmegaConf.structured(base if base is not None else BenchConfig())
+    try:
+        merged = OmegaConf.merge(schema, OmegaConf.from_dotlist(dotlist))
+    except (ConfigAttributeError, ConfigKeyError, ValidationError) as error:
+        key = str(error.full_key)
+        given = next((item.partition("=")[2] for item in overrides if item.partition("=")[0] == key), None)
+        raise ConfigError(f"{key}={given!r} is not allowed; it must be {_expected(hints.get(key))}") from None
+    cfg = OmegaConf.to_object(merged)
+    assert isinstance(cfg, BenchConfig)
     cfg.validate()
     return cfg
