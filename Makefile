@@ -18,7 +18,7 @@ BENCH_ARGS ?=
 # The quick tier: no process group, or 2-rank collectives that take seconds; no Trainer fits, no root, nothing slow.
 FAST_MARKERS := (unit or dist) and not (e2e or netns or slow)
 
-.PHONY: setup test test-fast check lint typecheck imports docs docs-gen lock compare bench notebook clean-venv
+.PHONY: setup test test-fast check lint typecheck imports docs docs-gen lock compare bench gpu-check notebook clean-venv
 
 setup: $(VENV)/.installed
 
@@ -78,6 +78,16 @@ compare: setup
 # e.g. `make bench BENCH_ARGS="workloads=digits network.rate=10mbit"` (emulated links need root). See --help.
 bench: setup
 	OMP_NUM_THREADS=1 $(PY) -m lightning_sync.bench $(BENCH_ARGS)
+
+# The GPU path on one CUDA GPU, in at most 8 minutes (benchmarks/gpu_check.py): every mode on char_lm, the core
+# collectives on CUDA tensors, the int8/int4 codec's GB/s, step times; the report goes to benchmarks/results/gpu/,
+# then docs/guide/gpu.md is written from it. No `setup`: a GPU machine's own python3 (its CUDA torch) runs it when
+# there is no $(VENV). Exits 1 when a case failed. On a CPU: make gpu-check GPU_CHECK_ARGS=--allow-cpu.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS); status=$$?; \
+		$(GPU_PYTHON) benchmarks/gpu_report_to_docs.py && exit $$status
 
 notebook: setup
 	OMP_NUM_THREADS=1 $(PY) notebooks/01_overview.py
