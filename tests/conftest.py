@@ -1,10 +1,70 @@
-"""Test-wide setup: one OpenMP thread per process, set before torch is imported.
+"""Test-wide setup: one OpenMP thread per process, set before torch is imported; and the tiers kept honest.
 
 With the ``fork`` start method, a child deadlocks in libgomp if the parent ran a multi-threaded torch op first.
+
+Every test carries a tier marker (``pyproject.toml`` defines them); collection fails on one that has none. A test
+whose tier is ``unit`` (marked ``unit`` and no heavier tier) runs in this process only: starting a process, a
+process group, a Lightning ``Trainer`` or a Python interpreter fails it, naming what it started, so the fast tier
+stays fast. A heavier marker wins over a module-wide ``unit``.
 """
 
+from __future__ import annotations
+
+import multiprocessing.process
 import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning,ignore::FutureWarning")
+
+TIERS = ("unit", "dist", "e2e", "netns")
+HEAVIER_THAN_UNIT = ("dist", "e2e", "netns")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
+    if untiered:
+        raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}): {untiered}")
+
+
+def _refuse(what: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"a `unit` test {what}; mark it `dist` or `e2e` (see the markers in pyproject.toml)")
+
+    return refuse
+
+
+def _is_python(args: Any) -> bool:
+    argv0 = args if isinstance(args, (str, bytes, os.PathLike)) else next(iter(args), "")
+    program = os.fsdecode(argv0).split()[0] if os.fsdecode(argv0).strip() else ""
+    return program == sys.executable or os.path.basename(program).startswith("python")
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_stay_in_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    node = request.node
+    if node.get_closest_marker("unit") is None or any(node.get_closest_marker(t) for t in HEAVIER_THAN_UNIT):
+        yield
+        return
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse("starts a process"))
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None:
+        monkeypatch.setattr(distributed, "init_process_group", _refuse("starts a process group"))
+    lightning = sys.modules.get("lightning.pytorch")
+    if lightning is not None:
+        monkeypatch.setattr(lightning.Trainer, "__init__", _refuse("builds a Trainer"))
+    popen_init = subprocess.Popen.__init__
+
+    def popen(self: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> None:
+        if _is_python(args):
+            _refuse(f"starts a Python interpreter ({args!r})")()
+        popen_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen)
+    yield

@@ -119,7 +119,7 @@ def test_hydra_modes_match_the_registered_strategies():
         assert hydra.utils.get_class(target) is cls and cls.config_class is config_class
 
 
-@pytest.mark.slow  # four fresh interpreters, each importing torch
+@pytest.mark.e2e  # four fresh interpreters, each importing torch; e2e wins over the module-wide unit
 @pytest.mark.parametrize(
     "knobs, message, imported",
     [

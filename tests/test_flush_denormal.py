@@ -18,8 +18,6 @@ from lightning_utils import make_trainer
 from lightning_sync import AllReduceStrategy
 from lightning_sync.callbacks import FlushDenormal
 
-pytestmark = pytest.mark.unit
-
 SUBNORMAL = 1e-39  # below float32's smallest normal number, 1.18e-38
 
 
@@ -36,6 +34,7 @@ class _Probe(BoringModel):
         return super().training_step(batch, batch_idx)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_every_rank_flushes_subnormals_while_it_fits_and_the_default_returns():
     assert _product_of_a_subnormal() != 0.0  # torch's default keeps them
@@ -47,12 +46,14 @@ def test_every_rank_flushes_subnormals_while_it_fits_and_the_default_returns():
     assert _product_of_a_subnormal() != 0.0  # cleared at teardown
 
 
+@pytest.mark.e2e
 def test_without_the_callback_a_rank_keeps_subnormals():
     trainer = make_trainer("auto", devices=1, max_steps=1)
     with pytest.raises(AssertionError, match="not flushed"):
         trainer.fit(_Probe())
 
 
+@pytest.mark.unit
 def test_the_hydra_option_builds_the_callback():
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
