@@ -155,7 +155,6 @@ def test_check_fails_on_a_stale_page_and_passes_after_writing(tmp_path, capsys):
     assert main([str(root), "--out", str(out), "--check"]) == 1
 
 
-@pytest.mark.e2e  # a fresh interpreter; e2e wins over the module-wide unit
 def test_committed_results_page_is_up_to_date(monkeypatch, capsys):
     monkeypatch.undo()  # drops the compare formatter's stand-in: the committed page is rendered by the real one
     monkeypatch.chdir(ROOT)
