@@ -256,7 +256,6 @@ def _end_job(trainer: Any, launch_env: dict[str, str | None], failed: bool = Fal
     launcher = getattr(trainer.strategy, "launcher", None)
     wait_children = getattr(launcher, "wait_children", None)
     if launcher is not None and wait_children is not None:  # (a launcher is there when wait_children is)
-        launcher.stop_observing()  # this rank handles its children from here: no SIGKILL of it while it reports
         if failed:
             for rank, code in launcher.exited_children().items():  # the likely cause of this rank's error
                 print(f"error: rank {rank} (local) was lost first: {describe_exit(code)}", file=sys.stderr)

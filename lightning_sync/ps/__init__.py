@@ -29,7 +29,6 @@ from lightning_sync.ps.optim_spec import (
 from lightning_sync.ps.placement import (
     ColocatedServer,
     ServerProcesses,
-    abandon_servers,
     start_colocated_server,
     start_server_processes,
     start_servers,
@@ -61,7 +60,6 @@ __all__ = [
     "ServerShard",
     "ServerStepOptimizer",
     "Straggler",
-    "abandon_servers",
     "build_shard_optimizer",
     "connect_store",
     "current_lrs",

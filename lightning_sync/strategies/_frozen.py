@@ -110,9 +110,6 @@ def kill_frozen_ranks(launcher: Any, rank: int, error: BaseException) -> None:
     """
     children = launcher_children(launcher)
     if any(proc.poll() is None and is_stopped(proc.pid) for proc in children):
-        stop_observing = getattr(launcher, "stop_observing", None)
-        if stop_observing is not None:  # this process handles its children now: the observer must not act on them
-            stop_observing()
         for local_rank, proc in enumerate(children, start=1):
             if proc.poll() is None:
                 kill_if_stopped(proc.pid, f"rank {local_rank} (local)")

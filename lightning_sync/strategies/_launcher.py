@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -86,100 +85,20 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
     return command, get_original_cwd()
 
 
-_OBSERVER_POLL_S = 0.5
-_MAX_OBSERVER_GRACE_S = 30.0
-
-
 def describe_exit(code: int) -> str:
     """``"killed by SIGKILL"`` or ``"exit code 1"``: a child's exit code, as a user reads it."""
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
-class _ChildObserver(threading.Thread):
-    """Watches the ``popen`` children, as Lightning's own observer does, but can be stood down.
-
-    When a child exits with an error while the observer is armed, it names the child on stderr, runs the
-    ``on_lost`` handlers (a mode's way to make the main process's own waits fail now: ``ps`` stops its servers,
-    whose loss the blocked worker hears at once), kills the other children and, if the main process has not ended on
-    its own within ``grace_s`` (the main process disarms the observer as soon as it handles a failure), kills the
-    main process too: a main process stuck in a wait never outlives its children by more than ``grace_s``.
-
-    Lightning's observer cannot be stood down, so it raced the main process's own failure handling: after the main
-    process had killed a frozen child on purpose, the observer SIGKILLed the main process before its error was
-    printed.
-    """
-
-    def __init__(
-        self,
-        procs: list[subprocess.Popen],
-        grace_s: float,
-        on_lost: list[Callable[[dict[int, int]], None]] | None = None,
-    ) -> None:
-        super().__init__(daemon=True, name="lightning-sync-child-observer")
-        self._procs = procs
-        self._grace_s = grace_s
-        self._on_lost = on_lost if on_lost is not None else []
-        self._disarmed = threading.Event()
-
-    def disarm(self) -> None:
-        """Stops watching: the main process handles the children itself from now on."""
-        self._disarmed.set()
-
-    @override
-    def run(self) -> None:
-        while not self._disarmed.wait(_OBSERVER_POLL_S):
-            codes = {local_rank: proc.poll() for local_rank, proc in enumerate(self._procs, start=1)}
-            if all(code == 0 for code in codes.values()):
-                return
-            failed = {rank: code for rank, code in codes.items() if code not in (None, 0)}
-            if failed:
-                break
-        else:
-            return
-        for local_rank, code in failed.items():
-            print(
-                f"error: rank {local_rank} (local) was lost: {describe_exit(code)}; stopping the job",
-                file=sys.stderr,
-                flush=True,
-            )
-        for handler in list(self._on_lost):
-            try:
-                handler(failed)
-            except Exception as error:  # noqa: BLE001 - a handler only speeds the end up; the grace still bounds it
-                print(f"error: while stopping the job: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
-        for proc in self._procs:
-            if proc.poll() is None:
-                proc.kill()
-        if not self._disarmed.wait(self._grace_s):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 class HydraJobSubprocessLauncher(PopenLauncher):
-    """Lightning's ``popen`` launcher, with two changes.
+    """Lightning's ``popen`` launcher, except that under Hydra a child runs the parent's job, never its sweep.
 
-    - A child under Hydra runs the parent's job, never its sweep.
-    - The child observer can be stood down (:meth:`stop_observing`) by the main process's own failure handling.
+    Under Hydra, Lightning's ``_call_children_scripts`` starts each child with the parent's whole command line,
+    ``-m`` and the sweep's overrides included, so every child of a ``-m`` job runs the whole sweep (Lightning issue
+    #15689, https://github.com/Lightning-AI/pytorch-lightning/issues/15689). This launcher overrides only that
+    method, and only under Hydra, where :meth:`start_children` starts each child on :func:`hydra_job_command`;
+    otherwise Lightning's own runs. Lightning's ``launch``, child observer and ``kill`` are used as they are.
     """
-
-    _observer: _ChildObserver | None = None
-    observer_grace_s: float = 30.0
-
-    def __init__(self, *args: Any, observer_grace_s: float = 30.0, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.observer_grace_s = observer_grace_s
-        self.on_child_lost: list[Callable[[dict[int, int]], None]] = []
-        """Called with ``{local_rank: exit code}`` (in the observer's thread) when child ranks are lost, before the
-        grace for the main process."""
-
-    @override
-    def watch_children(self) -> None:
-        self._observer = _ChildObserver(self.children, self.observer_grace_s, self.on_child_lost)
-        self._observer.start()
-
-    def stop_observing(self) -> None:
-        """Disarms the child observer (no-op when there is none)."""
-        if self._observer is not None:
-            self._observer.disarm()
 
     @override
     def start_children(self) -> None:
@@ -240,13 +159,6 @@ def configure_launcher(strategy: Any, lightning_default: Callable[[], None]) -> 
         lightning_default()
         return _frozen.end_frozen_ranks_on_failure(strategy.launcher, strategy, popen=False)
     assert strategy.cluster_environment is not None
-    # The grace: long enough for the main process to report its own error (its waits end within timeout_s), short
-    # enough that a job whose rank is gone never hangs for minutes with the default timeout_s of 600.
-    launcher = HydraJobSubprocessLauncher(
-        strategy.cluster_environment,
-        strategy.num_processes,
-        strategy.num_nodes,
-        observer_grace_s=min(strategy.config.timeout_s + 5.0, _MAX_OBSERVER_GRACE_S),
-    )
+    launcher = HydraJobSubprocessLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
     set_launcher(strategy, launcher)
     _frozen.end_frozen_ranks_on_failure(launcher, strategy, popen=True)  # a failing rank kills the frozen ones

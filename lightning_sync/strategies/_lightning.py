@@ -16,11 +16,10 @@ What is used, and where Lightning defines it:
 - ``DDPStrategy._launcher`` and ``DDPStrategy._start_method``: set by :func:`set_launcher`, read by
   :func:`start_method`.
 - ``lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher``: the ``popen`` launcher,
-  subclassed by :class:`PopenLauncher` (its ``launch`` is a copy of Lightning's with a hook where Lightning starts
-  its child observer; its ``_call_children_scripts`` and ``_check_can_spawn_children`` are reached through
-  :meth:`PopenLauncher.start_children` and :meth:`PopenLauncher.check_can_start_children`; its ``procs`` list
-  through :attr:`PopenLauncher.children` and :func:`launcher_children`).
-- ``lightning.fabric.utilities.distributed._set_num_threads_if_needed``: called by :meth:`PopenLauncher.launch`.
+  subclassed by :class:`PopenLauncher`, which overrides only ``_call_children_scripts`` (reached through
+  :meth:`PopenLauncher.start_children`; ``_check_can_spawn_children`` through
+  :meth:`PopenLauncher.check_can_start_children`; its ``procs`` list through :attr:`PopenLauncher.children` and
+  :func:`launcher_children`). Lightning's ``launch``, child observer and ``kill`` are used as they are.
 - ``launcher.launch``: replaced on one launcher instance by :func:`replace_launch`.
 - ``Trainer.limit_val_batches``, ``Trainer.fit_loop.max_epochs`` and ``Trainer.accumulate_grad_batches``: written
   during ``fit`` by :func:`set_loop_limits` and :func:`set_accumulate_grad_batches`.
@@ -35,7 +34,6 @@ import subprocess
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.plugins import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -57,7 +55,6 @@ PRIVATE_NAMES = (
     "_SubprocessScriptLauncher",
     "_call_children_scripts",
     "_check_can_spawn_children",
-    "_set_num_threads_if_needed",
 )
 """The private Lightning names used in this module (and only here)."""
 
@@ -106,8 +103,9 @@ def set_launcher(strategy: DDPStrategy, launcher: Any) -> None:
 class PopenLauncher(_SubprocessScriptLauncher):
     """Lightning's ``popen`` launcher, its private parts behind names of ours.
 
-    :meth:`launch` is Lightning's, except that :meth:`watch_children` replaces Lightning's child observer (which
-    cannot be stood down). Subclasses override :meth:`start_children` and :meth:`watch_children`.
+    Only ``_call_children_scripts`` is overridden: it calls :meth:`start_children`, which subclasses override.
+    Lightning's ``launch`` starts the children through it, then its own child observer (a child that exits with an
+    error makes it SIGKILL the other children and this process).
     """
 
     @property
@@ -118,18 +116,6 @@ class PopenLauncher(_SubprocessScriptLauncher):
     @children.setter
     def children(self, procs: list[subprocess.Popen]) -> None:
         self.procs = procs
-
-    @override
-    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-        if not self.cluster_environment.creates_processes_externally:
-            self._call_children_scripts()
-            self.watch_children()
-        _set_num_threads_if_needed(num_processes=self.num_processes)
-        return function(*args, **kwargs)
-
-    def watch_children(self) -> None:
-        """Called once the children are started, to watch them (here: nothing watches them)."""
 
     @override
     def _call_children_scripts(self) -> None:

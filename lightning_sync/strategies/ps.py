@@ -23,7 +23,6 @@ from lightning_sync.ps import (
     PSGroup,
     ServerStepOptimizer,
     Straggler,
-    abandon_servers,
     connect_store,
     current_lrs,
     optimizer_spec,
@@ -31,7 +30,6 @@ from lightning_sync.ps import (
 )
 from lightning_sync.ps.outer import LocalSteps
 from lightning_sync.strategies._detached import DetachableCollectives
-from lightning_sync.strategies._launcher import describe_exit
 from lightning_sync.strategies._lightning import restore_clip_gradients, route_clip_gradients
 
 
@@ -141,14 +139,6 @@ class ParameterServerStrategy(DetachableCollectives):
             store, self.global_rank, world, cfg.num_servers, cfg.timeout_s, prefix=prefix, meter=self.meter
         )
         self._straggler = Straggler(self.global_rank, cfg.slow_worker if cfg.slow_worker >= 0 else None, cfg.slowdown)
-        handlers = getattr(self.launcher, "on_child_lost", None)  # popen: a lost worker rank stops the servers
-        if handlers is not None and self.servers is not None:
-            first = self.node_rank * self.num_processes
-            handlers.append(
-                lambda lost: abandon_servers(
-                    self._group, self.servers, {first + rank: describe_exit(code) for rank, code in lost.items()}
-                )
-            )
 
     @property
     def _local_steps(self) -> int:
