@@ -48,11 +48,14 @@ test-fast: setup
 # The checks CI runs before the tests.
 check: lint typecheck imports docs
 
-# ruff (rules and format) and the rule that Lightning internals live in lightning_sync/strategies/_lightning.py.
+# ruff (rules and format), the rule that Lightning internals live in lightning_sync/strategies/_lightning.py, and
+# the conventions of the text: a short README, the docs nav and links, no history or findings in the docs and
+# docstrings, notebooks that take everything from the package (.ci/check_conventions.py).
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) .ci/check_lightning_internals.py lightning_sync
+	$(PY) .ci/check_conventions.py
 
 typecheck: setup
 	$(VENV)/bin/mypy lightning_sync

@@ -178,8 +178,8 @@ class DivergenceGuard(pl.Callback):
     ``trainer.should_stop`` on every rank (Lightning does not reduce ``should_stop`` across ranks itself, and a
     rank left training would wait forever in its next collective). The exchange is plain ``torch.distributed``,
     outside the strategy's communication meter, so ``comm/*`` still counts only sync traffic; it runs after
-    :class:`SyncReport` has timed the batch (list this callback after it). One exchange (an all-gather of 5
-    numbers) took about 0.6 ms on 2 gloo ranks on this 2-core machine, hence one every 10 batches by default.
+    :class:`SyncReport` has timed the batch (list this callback after it). One exchange is an all-gather of 5
+    numbers, a latency-bound collective: one every 10 batches by default keeps it off most steps.
 
     The summary gets ``diverged`` (bool), and for a diverged run ``diverged_at_step`` (the optimizer step whose
     loss was bad, as ``trainer.global_step`` counts after it), ``diverged_loss`` (the loss, or the window's mean

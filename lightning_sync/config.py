@@ -85,7 +85,7 @@ class StrategyConfig:
     the step for every worker in ``sync``, that worker's push in ``async``/``ssp``."""
     freeze_gc: bool = True
     """When training starts, exempt every object alive then from later garbage collections (``gc.freeze``, free;
-    undone at teardown), so that a full collection over the start-up heap (250 ms here) does not stall a random
+    undone at teardown), so that a full collection over the start-up heap does not stall a random
     rank, and every rank waiting for it, in the middle of training."""
 
     def __post_init__(self) -> None:
@@ -164,14 +164,14 @@ class GradientSyncKnobs(CompressionKnobs):
     """Gradient compressor: ``none``, ``fp16``, ``bf16``, ``topk`` or ``powersgd``."""
     bucketing: str = "auto"
     """``auto``: the ``overlap`` buckets, launched during backward or right after it, whichever the first sync
-    rounds measure faster on this machine (all ranks agree); ``overlap``: buckets launched during backward as their
+    rounds measure faster where it runs (all ranks agree); ``overlap``: buckets launched during backward as their
     last gradient lands; ``flat``: the same buckets, launched right after backward; ``naive``: the textbook
     per-parameter all-reduce loop (kept for comparison). ``auto``, ``overlap`` and ``flat`` send the same buckets, so
     they end with the same bits on any number of ranks."""
     bucket_cap_mb: float = 4.0
-    """Bucket size in MiB. Smaller than DDP's 25: on a 1 Gbit link the 10.5 MB latency-bound MLP stepped in 108 ms
-    with 1, 2 or 4 MiB and in 121 ms with 25, whose second bucket waits for the end of backward (the benchmark's
-    ``allreduce_overlap`` case). Every launch point sends these buckets (``flat`` too)."""
+    """Bucket size in MiB. Smaller than DDP's 25, so that a model of a few tens of MB fills several buckets
+    and the later ones do not all wait for the end of backward (the benchmark's ``allreduce_overlap`` case).
+    Every launch point sends these buckets (``flat`` too)."""
     first_bucket_mb: float = 1.0
     """Size of the first bucket in MiB, small so that communication starts early in backward (``overlap``,
     ``auto``; ``flat`` uses the same buckets)."""

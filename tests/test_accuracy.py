@@ -9,7 +9,7 @@ import pytest
 
 from lightning_sync.apps.compare import CASES, run_case
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # five 540-step runs; a training outcome
 
 COMPRESSED = ["allreduce+fp16", "allreduce+bf16", "allreduce+topk1%", "allreduce+powersgd4"]
 COMMON = ["strategy.start_method=fork", "trainer.max_epochs=30", "trainer.limit_val_batches=0", "seed=0"]

@@ -234,7 +234,7 @@ class GradientSynchronizer:
             clone if you need a gradient beyond the optimizer step).
         group: the process group (``None``: default).
         tuner: how ``auto`` measures (``None``: a :class:`LaunchTuner` with its defaults).
-        same_host_cpu: whether every rank of ``group`` runs on this machine's cores (``None``: assume so for CPU
+        same_host_cpu: whether every rank of ``group`` runs on one machine's cores (``None``: assume so for CPU
             tensors), which sets ``auto``'s prior: there gloo's transfers compete with backward for the same cores
             (after backward); across machines the NIC and the kernel carry them (during backward).
         check_finite: in :meth:`finish`, check each bucket for NaN and Inf as soon as its average has arrived, while

@@ -45,8 +45,7 @@ def grads_are_finite(params: Iterable[torch.Tensor]) -> bool:
     """Whether every gradient of ``params`` is free of NaN and Inf.
 
     One ``aminmax`` per gradient (a NaN makes both ends NaN, an Inf one end infinite; nothing can overflow), then
-    one host sync. On CPU this costs 0.9 ms for the 10.5 MB of the latency-bound MLP, where an infinity norm took
-    7.6 ms (and 12.7 ms of a 164 ms step on an emulated 1 Gbit link).
+    one host sync: one pass over each gradient, cheaper than an infinity norm of each.
     """
     return ends_are_finite([extremes(p.grad) for p in params if p.grad is not None and p.grad.numel() > 0])
 

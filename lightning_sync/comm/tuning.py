@@ -1,6 +1,7 @@
 """Every number in :mod:`lightning_sync.comm` that was chosen by measurement or convention, named once.
 
-Change one here and every algorithm that uses it follows. Each comment says where the number came from.
+Change one here and every algorithm that uses it follows. Each comment says why the number is what it is; the
+measurements behind them are in the commit messages.
 """
 
 MIB = 1024 * 1024
@@ -15,17 +16,16 @@ LAUNCH_WARMUP_ROUNDS = 3
 LAUNCH_TRIAL_ROUNDS = 8
 """``bucketing=auto``: timed rounds per launch point."""
 LAUNCH_MARGIN = 0.10
-"""``bucketing=auto``: the relative lead a launch point needs to overrule the device prior. Lightning-level trials
-swing by 5-8% on a shared 2-core VM; with 3% a noisy trial picked the slower launch point in 1-2 runs of 6."""
+"""``bucketing=auto``: the relative lead a launch point needs to overrule the device prior: above the trial-to-trial
+noise of step times on a shared CPU machine, so that noise alone does not pick the slower launch point."""
 
 PARALLEL_CHUNKS = 2
 """Uncompressed and cast all-reduces: a large payload goes as this many concurrent slices (gloo runs concurrent
-collectives on two worker threads by default): 58.9 -> 54.6 ms/step on the 40x256 MLP."""
+collectives on two worker threads by default, so two slices travel in parallel)."""
 MIN_CHUNK_MB = 4.0
 """The smallest such slice, in MiB: a payload is split only from 8 MiB. The all-reduce buckets (4 MiB by default) go
-whole: several of them are in flight at once already, and splitting them too made a sync round of the 40x256 MLP's
-four buckets slower (after backward, 2 ranks on loopback, rounds alternated: 1.20x against one 10.5 MB payload in
-two slices with 1 MiB slices, 1.15x with 4 MiB)."""
+whole: several of them are in flight at once already, so splitting them adds collectives without adding
+parallelism."""
 
 ADAPTIVE_SMOOTHING = 0.5
 """``sync_every=auto``: weight of the newest measurement in the moving averages of compute and comm time."""

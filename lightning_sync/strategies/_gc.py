@@ -1,9 +1,9 @@
 """Keeps Python's full garbage collections off the training steps (the ``freeze_gc`` knob).
 
 A full (generation 2) collection walks every tracked object. Once Lightning, torch, the model and the data are
-loaded that is hundreds of thousands of objects: one pass took 250 ms here, and it falls on a random step of a
-random rank, so in a synchronous mode every other rank waits for it at the next collective (the digits benchmark
-saw one such stall per run, longer than 30 optimizer steps). Moving everything alive when training starts into the
+loaded that is hundreds of thousands of objects: one pass can take longer than many small optimizer steps, and it
+falls on a random step of a random rank, so in a synchronous mode every other rank waits for it at the next
+collective. Moving everything alive when training starts into the
 permanent generation (``gc.freeze``, which only splices lists: it costs nothing) leaves the collector only what
 training allocates itself; cyclic garbage made by training is still collected. The objects frozen here are the
 ones that live for the whole fit anyway; whatever garbage is among them waits until the fit ends and
