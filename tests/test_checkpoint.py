@@ -31,6 +31,7 @@ from lightning_sync import AllReduceStrategy, DDPSyncStrategy, PeriodicSyncStrat
 from lightning_sync.errors import CheckpointError
 from lightning_sync.examples.data import DigitsDataModule
 from lightning_sync.examples.models import DigitsClassifier
+from lightning_sync.strategies._checkpoint import sync_state_path
 
 pytestmark = pytest.mark.e2e
 
@@ -101,12 +102,25 @@ def test_resume_is_exact(case, tmp_path):
     assert diff == 0.0, f"{case}: the resumed run differs from the straight run by {diff:.3e}"
     assert resumed_comm == straight_comm, "communication totals did not resume"
     assert straight_comm[0]["calls"] > 0
-    saved = torch.load(checkpoint, weights_only=False)["lightning_sync"]
-    assert len(saved["ranks"]) == 2
-    if case.startswith(("periodic-local_sgd", "periodic-diloco")):  # each rank's own optimizer state is saved
-        states = [rank["optimizer_states"][0]["state"] for rank in saved["ranks"]]
+    _check_one_state_per_file(case, checkpoint)
+
+
+def _check_one_state_per_file(case: str, checkpoint: Path) -> None:
+    """Lightning's file holds rank 0's model and no rank's sync state; each rank's file holds its own state only."""
+    main = torch.load(checkpoint, weights_only=True)
+    assert main["lightning_sync"] == {"strategy": CASES[case][0]().strategy_name, "world_size": 2}
+    ranks = [torch.load(sync_state_path(checkpoint, rank), weights_only=True) for rank in (0, 1)]
+    assert all(isinstance(state["sync_steps"], int) for state in ranks)
+    if case.startswith(("periodic-local_sgd", "periodic-diloco")):  # replicas differ: each rank saved its own
+        assert all(len(state["optimizer_states"]) == 1 for state in ranks)  # one copy, not one per rank
+        modules = [state["module_state"] for state in ranks]
+        assert all(torch.equal(main["state_dict"][k], modules[0][k]) for k in modules[0]), "rank 0's is Lightning's"
+        assert any(not torch.equal(modules[0][k], modules[1][k]) for k in modules[0]), "ranks' models are equal"
+        states = [state["optimizer_states"][0]["state"] for state in ranks]
         first = next(iter(states[0]))
         assert not torch.equal(*(list(s[first].values())[-1] for s in states)), "ranks' optimizer states are equal"
+    else:  # replicas are identical: Lightning's file has the model, the ranks' files no copy of it
+        assert all("module_state" not in state and "optimizer_states" not in state for state in ranks)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +161,7 @@ class _WithWorldSize(AllReduceStrategy):
 
 
 def test_plain_lightning_checkpoint_is_refused_with_a_way_out(allreduce_checkpoint, tmp_path):
-    plain = torch.load(allreduce_checkpoint, weights_only=False)
+    plain = torch.load(allreduce_checkpoint, weights_only=True)
     del plain["lightning_sync"]
     torch.save(plain, tmp_path / "plain.ckpt")
     with pytest.raises(CheckpointError, match=r"no lightning_sync state.*load_from_checkpoint"):

@@ -29,6 +29,7 @@ from lightning_sync.comm.periodic import PeriodicAverager, validate_module_polic
 from lightning_sync.config import PeriodicConfig
 from lightning_sync.examples.data import DigitsDataModule
 from lightning_sync.examples.models import DigitsClassifier
+from lightning_sync.strategies._checkpoint import sync_state_path
 
 TIMEOUT = pytest.mark.timeout(120)
 
@@ -786,6 +787,7 @@ def test_diloco_resume_from_checkpoint_is_exact(tmp_path):
         ckpt_path=ckpt,
         **common,
     )
-    saved = torch.load(ckpt, weights_only=False)["lightning_sync"]
-    assert saved["strategy"] == "sync_periodic" and len(saved["ranks"]) == WORLD
+    saved = torch.load(ckpt, weights_only=True)["lightning_sync"]
+    assert saved == {"strategy": "sync_periodic", "world_size": WORLD}
+    assert all(sync_state_path(ckpt, rank).is_file() for rank in range(WORLD))
     assert max_diff(straight, resumed) == 0.0

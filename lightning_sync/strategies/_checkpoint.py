@@ -1,13 +1,21 @@
 """Checkpoints that resume a lightning_sync run exactly: every rank's sync state, checked on load.
 
-Lightning writes rank 0's view of the run (model, optimizer state, loops). This mixin adds, under the key
-``"lightning_sync"``, the strategy's name and every rank's own :meth:`~SyncStateCheckpointing.sync_state_dict`,
-gathered to rank 0: step counters, compressor memory (error-feedback residuals, PowerSGD factors), the mode's own
-state, the communication totals, and, where the mode lets the replicas differ between syncs (local SGD, DiLoCo),
-each rank's own model and optimizer state, which Lightning alone would replace on every rank by rank 0's.
+A checkpoint is one file per rank next to Lightning's:
+
+* ``<checkpoint>``, written by rank 0 through Lightning (model, optimizer state, loops), with, under the key
+  ``"lightning_sync"``, the strategy's name and the number of ranks;
+* ``<checkpoint>.rank<r>.pt`` (:func:`sync_state_path`), written by rank ``r`` itself through the strategy's
+  ``CheckpointIO``: its own :meth:`~SyncStateCheckpointing.sync_state_dict`, that is step counters, compressor
+  memory (error-feedback residuals, PowerSGD factors), the mode's own state, the communication totals, and, where
+  the mode lets the replicas differ between syncs (local SGD, DiLoCo), its own model and optimizer state, which
+  Lightning alone would replace on every rank by rank 0's.
+
+No rank receives another rank's state, on save or on load. The per-rank files hold tensors and plain values only, so
+they are read with ``weights_only=True`` (unless the caller asks for ``weights_only=False``).
 
 On load it refuses, with a :class:`~lightning_sync.errors.CheckpointError` that names both sides, a file it cannot
-read, a checkpoint without lightning_sync state, and one from another strategy or another number of ranks.
+read, a checkpoint without lightning_sync state, one from another strategy or another number of ranks, and a
+missing per-rank file.
 """
 
 from __future__ import annotations
@@ -16,7 +24,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_sync.comm.meter import CommStats
@@ -34,6 +41,25 @@ _WEIGHTS_ONLY_HINT = (
     "to start a new run from its weights only, load them into the module (e.g. Module.load_from_checkpoint) and fit "
     "without ckpt_path"
 )
+
+
+def sync_state_path(checkpoint_path: str | Path, rank: int) -> Path:
+    """The file holding rank ``rank``'s sync state, next to the checkpoint ``checkpoint_path`` (a symlink, as
+    ``ModelCheckpoint(save_last="link")`` writes for ``last.ckpt``, is followed to the file it names)."""
+    path = Path(checkpoint_path)
+    if path.is_symlink():
+        path = path.resolve()
+    return path.with_name(f"{path.name}.rank{rank}.pt")
+
+
+def _read(path: Path, load: Any) -> Any:
+    try:
+        return load()
+    except Exception as error:  # torch.load raises many types for a truncated or foreign file
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} cannot be read ({type(error).__name__}: {error}); the file is truncated, "
+            "corrupt or not a PyTorch checkpoint"
+        ) from error
 
 
 class SyncStateCheckpointing(_Host):
@@ -103,45 +129,53 @@ class SyncStateCheckpointing(_Host):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
-        """Adds every rank's sync state to the checkpoint (gathered to rank 0, which writes the file)."""
-        checkpoint[_CHECKPOINT_KEY] = {"strategy": self.strategy_name, "ranks": self._gather_sync_states()}
+        """Rank 0 writes Lightning's checkpoint, marked with the strategy and the number of ranks; every rank writes
+        its own sync state next to it (:func:`sync_state_path`). Called on every rank (Lightning's
+        ``Trainer.save_checkpoint`` waits at a barrier afterwards); no rank sends its state to another."""
+        ranks = self.num_nodes * self.num_processes  # not world_size, which a detached fit (ps) reports as 1
+        checkpoint[_CHECKPOINT_KEY] = {"strategy": self.strategy_name, "world_size": ranks}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        self.checkpoint_io.save_checkpoint(self.sync_state_dict(), sync_state_path(filepath, self.global_rank))
 
-    def _gather_sync_states(self) -> list[Any]:
-        """Every rank's :meth:`sync_state_dict`, in rank order (one all-gather)."""
-        state = self.sync_state_dict()
-        if not (dist.is_available() and dist.is_initialized()):
-            return [state]
-        states: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(states, state)
-        return states
+    @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        """Rank 0 removes Lightning's file, every rank its own sync-state file (``ModelCheckpoint`` calls this on
+        every rank)."""
+        super().remove_checkpoint(filepath)
+        self.checkpoint_io.remove_checkpoint(sync_state_path(filepath, self.global_rank))
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Loads the checkpoint and keeps this rank's sync state to restore once the strategy is set up.
+        """Loads the checkpoint (Lightning's file, as ``weights_only`` says) and this rank's sync-state file (with
+        ``weights_only=True`` unless ``weights_only`` is ``False``), and keeps that state to restore once the
+        strategy is set up.
 
         Raises:
-            CheckpointError: the file is missing or unreadable, has no lightning_sync state, or was saved by another
-                strategy or another number of ranks.
+            CheckpointError: a file is missing or unreadable, or the checkpoint has no lightning_sync state, or was
+                saved by another strategy or another number of ranks.
         """
         path = Path(checkpoint_path)
         if not path.is_file():
             raise CheckpointError(f"checkpoint {str(path)!r} does not exist (or is not a file)")
-        try:
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False)
-        except Exception as error:  # torch.load raises many types for a truncated or foreign file
-            raise CheckpointError(
-                f"checkpoint {str(path)!r} cannot be read ({type(error).__name__}: {error}); the file is truncated, "
-                "corrupt or not a PyTorch checkpoint"
-            ) from error
+        checkpoint: dict[str, Any] = _read(
+            path, lambda: super(SyncStateCheckpointing, self).load_checkpoint(path, weights_only)
+        )
         if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint:
             raise CheckpointError(f"checkpoint {str(path)!r} is not a Lightning checkpoint (no 'state_dict')")
-        ranks = self._this_runs_sync_states(checkpoint, path)
-        self._pending_sync_state = ranks[self.global_rank]
+        self._check_this_run(checkpoint, path)
+        own = sync_state_path(path, self.global_rank)
+        if not own.is_file():
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} has no sync state of rank {self.global_rank}: {str(own)!r} does not exist "
+                "(each rank writes its own file next to the checkpoint; copy or move them together)"
+            )
+        self._pending_sync_state = _read(
+            own, lambda: self.checkpoint_io.load_checkpoint(own, weights_only=weights_only is not False)
+        )
         self._pending_optimizer_states = self._pending_sync_state.get("optimizer_states")
         return checkpoint
 
-    def _this_runs_sync_states(self, checkpoint: Mapping[str, Any], path: Path) -> list[dict[str, Any]]:
+    def _check_this_run(self, checkpoint: Mapping[str, Any], path: Path) -> None:
         saved = checkpoint.get(_CHECKPOINT_KEY)
         if saved is None:
             raise CheckpointError(
@@ -153,13 +187,11 @@ class SyncStateCheckpointing(_Host):
                 f"checkpoint {str(path)!r} was saved by strategy {saved.get('strategy')!r}, this run uses "
                 f"{self.strategy_name!r}; resume with the same strategy, or {_WEIGHTS_ONLY_HINT}"
             )
-        ranks = saved["ranks"]
-        if len(ranks) != self.world_size:
+        if saved.get("world_size") != self.world_size:
             raise CheckpointError(
-                f"checkpoint {str(path)!r} was saved by {len(ranks)} ranks, this run has {self.world_size}; resume "
-                f"with the same number of ranks, or {_WEIGHTS_ONLY_HINT}"
+                f"checkpoint {str(path)!r} was saved by {saved.get('world_size')} ranks, this run has "
+                f"{self.world_size}; resume with the same number of ranks, or {_WEIGHTS_ONLY_HINT}"
             )
-        return ranks
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

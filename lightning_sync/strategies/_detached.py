@@ -102,14 +102,6 @@ class DetachableCollectives(SyncStrategyBase):
         return decision if self._detached else super().reduce_boolean_decision(decision, all=all)
 
     @override
-    def _gather_sync_states(self) -> list[Any]:
-        """Every rank's sync state; while detached, this rank's own in its slot (no rank waits for another)."""
-        if not self._detached:
-            return super()._gather_sync_states()
-        world = self.num_processes * self.num_nodes
-        return [self.sync_state_dict() if rank == self.global_rank else {"sync_steps": 0} for rank in range(world)]
-
-    @override
     def check_replicas(self, atol: float = 0.0) -> list[Any]:
         """Nothing to compare in a fit whose ranks run apart: the replicas differ between pulls, and the ranks reach a
         step count at different times, so a check would pair collectives wrongly."""
