@@ -8,10 +8,10 @@ Dedicated (:func:`start_server_processes`, called on worker 0 after it hosts the
     client.close()               # every worker: the servers exit by themselves after the last goodbye
     servers.wait(timeout_s=30)   # exit codes, 0 each; servers.stop() kills them if they do not
 
-Each server is a fresh interpreter running :func:`lightning_sync.ps.server.main` (as ``python -m lightning_sync.ps``
-does, but without importing Lightning: it starts in about 2 s; nothing of the worker is inherited). It
-dies with its parent (``PR_SET_PDEATHSIG`` plus a parent-pid watch), on Ctrl-C and SIGTERM at once, and by itself
-when no worker talks to it for ``timeout_s``. An ``atexit`` hook of the parent stops the ones still running.
+Each server is a fresh interpreter, ``python -m lightning_sync.ps`` (:mod:`lightning_sync.ps.__main__`; nothing of
+the worker is inherited). It dies with its parent (``PR_SET_PDEATHSIG`` plus a parent-pid watch), on Ctrl-C and
+SIGTERM at once, and by itself when no worker talks to it for ``timeout_s``. An ``atexit`` hook of the parent stops
+the ones still running.
 
 Colocated (:func:`start_colocated_server`, on worker ``r < k``): server ``r`` runs in a daemon thread of worker
 ``r``'s process with its own member of the group (PS rank ``W + r``), so it ends with that process; it also returns
@@ -29,23 +29,11 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from lightning_sync.ps.errors import PSError, PSTimeoutError
 from lightning_sync.ps.group import DEFAULT_PREFIX
 from lightning_sync.ps.server import run_server
-
-# A server needs torch and lightning_sync.ps only. ``python -m lightning_sync.ps`` would first run the package's
-# __init__, which imports Lightning to register the strategies (seconds of start-up and hundreds of MB per server);
-# this bootstrap stands an empty package in for it, so the server process never imports Lightning.
-_SERVER_BOOTSTRAP = (
-    "import sys, types; "
-    "package = types.ModuleType('lightning_sync'); package.__path__ = [sys.argv[1]]; "
-    "sys.modules['lightning_sync'] = package; "
-    "from lightning_sync.ps.server import exit_after; "
-    "exit_after(sys.argv[2:])"
-)
 
 
 def _check_counts(num_workers: int, num_servers: int) -> None:
@@ -188,11 +176,10 @@ def start_server_processes(
     _check_counts(num_workers, num_servers)
     environ = dict(os.environ if env is None else env)
     environ.setdefault("OMP_NUM_THREADS", "1")
-    package_dir = str(Path(__file__).resolve().parents[1])
     processes = []
     for server in range(num_servers):
         command = [
-            python or sys.executable, "-c", _SERVER_BOOTSTRAP, package_dir,
+            python or sys.executable, "-m", "lightning_sync.ps",
             "--host", host, "--port", str(port), "--server", str(server),
             "--num-workers", str(num_workers), "--num-servers", str(num_servers),
             "--timeout-s", repr(float(timeout_s)), "--prefix", prefix, "--parent-pid", str(os.getpid()),
