@@ -1083,7 +1083,7 @@ def _case_summary(case: dict[str, Any]) -> str:
         return (case["error"] or "").strip().splitlines()[-1][:160] if case["error"] else ""
     d = case["details"]
     if case["section"] == "strategy":
-        return f"{d['median_step_ms']:.2f} ms/step, loss {d['train_loss']:.3f}"
+        return f"{d['median_step_ms']:.2f} ms/step, loss {d['train_loss']:.4f}"
     if case["section"] == "quantizer":
         ratio = d.get("gpu_over_cpu") or {}
         return ", ".join(f"{op} GPU/CPU {x:.1f}x" for op, x in ratio.items()) or "CPU only"

@@ -196,7 +196,7 @@ def test_two_rank_case_on_cuda(name):
 
 
 @pytest.mark.cuda
-@pytest.mark.unit
+@pytest.mark.dist
 @CUDA
 @pytest.mark.timeout(120)
 def test_package_collectives_on_a_one_rank_nccl_group():
