@@ -12,7 +12,7 @@ Sections (a case is ``section/name``; ``--list`` prints them all):
     ``Trainer(accelerator=gpu, devices=1)`` fits of the char_lm example (:func:`lightning_sync.examples.models.
     build_char_lm`) for a few steps with each mode: ``ddp`` with each comm hook, ``allreduce`` with each
     compression, ``periodic`` local SGD, DiLoCo and streaming DiLoCo with int8/int4 outer compression, ``ps`` sync
-    and async; each in 32-bit and in bf16-mixed. One rank: the collectives return at once, so these cases check
+    and async, and Lightning's own single-device strategy as the baseline; each in 32-bit and in bf16-mixed. One rank: the collectives return at once, so these cases check
     the strategies' device handling (hooks, buckets, global copies, the parameter server's copies) and the
     precision plugins; the collectives themselves are the next section's.
 ``collective``
@@ -99,14 +99,16 @@ class StrategyCase:
     """A Lightning fit of the char_lm example with one strategy."""
 
     name: str
-    mode: str  # ddp | allreduce | periodic | ps
+    mode: str  # ddp | allreduce | periodic | ps, or lightning (the baseline: Lightning's own strategy)
     knobs: dict[str, Any]
     precision: str
     what: str
 
 
 def _strategy_cases() -> list[StrategyCase]:
-    base: list[tuple[str, str, dict[str, Any], str]] = []
+    base: list[tuple[str, str, dict[str, Any], str]] = [
+        ("lightning_single_device", "lightning", {}, "Lightning's own single-device strategy: the baseline")
+    ]
     for hook in ("none", "fp16", "bf16", "powersgd", "topk"):
         knobs: dict[str, Any] = {"comm_hook": hook}
         if hook == "powersgd":
@@ -296,6 +298,9 @@ def _step_timer(device: str) -> Any:
 
 def _make_strategy(case: StrategyCase) -> Any:
     import lightning_sync
+
+    if case.mode == "lightning":
+        return "auto"  # one device: Lightning's SingleDeviceStrategy
 
     classes = {
         "ddp": lightning_sync.DDPSyncStrategy,

@@ -47,7 +47,7 @@ def test_the_cases_cover_every_mode_compressor_and_precision():
         for compressor in COMPRESSORS:
             assert f"ddp_{compressor}_{precision}" in names
             assert f"allreduce_{compressor}_{precision}" in names
-        for other in ("periodic_local_sgd", "periodic_diloco", "periodic_streaming_int8", "periodic_streaming_int4",
+        for other in ("lightning_single_device", "periodic_local_sgd", "periodic_diloco", "periodic_streaming_int8", "periodic_streaming_int4",
                       "ps_sync", "ps_async"):  # fmt: skip
             assert f"{other}_{precision}" in names
     assert {c.precision for c in gpu_check.STRATEGY_CASES} == {"32-true", "bf16-mixed"}
