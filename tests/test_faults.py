@@ -16,10 +16,12 @@ import signal
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from dist_utils import run_ranks
 from fault_utils import HAS_PROC, allowed_s, run_and_hit
 from lightning.pytorch.callbacks import Callback
@@ -46,10 +48,11 @@ _NAMED = {
 }
 
 
-def _rank_1_silent(rank: int, world_size: int) -> None:
+def _rank_1_silent(rank: int, world_size: int, rank_0_done: Any) -> None:
     groups = [dist.new_group(timeout=timedelta(seconds=2)) for _ in range(2)]  # a timed-out group stays closed
     if rank == 1:
-        time.sleep(6.0)  # silent through both of rank 0's collectives
+        # silent (alive, connections open) through both of rank 0's collectives, however long the machine takes
+        assert rank_0_done.wait(60), "rank 0 did not finish its checks within 60 s"
         return
     meter = CommMeter(timeout_s=2.0)
     with pytest.raises(PeerError, match=r"^all_reduce on rank 0 failed: rank 1 did not answer within 2 s"):
@@ -61,12 +64,13 @@ def _rank_1_silent(rank: int, world_size: int) -> None:
     )
     with pytest.raises(PeerError, match=r"^all_reduce on rank 0 failed: rank 1 did not answer within 2 s"):
         wait_future(future, "gradient all_reduce", groups[1])
+    rank_0_done.set()
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_silent_peer_is_named_by_the_collective_that_waits_for_it():
-    run_ranks(_rank_1_silent)
+    run_ranks(_rank_1_silent, mp.get_context("fork").Event())
 
 
 def _check(mode: str, how: signal.Signals, rank: int, outcome) -> None:

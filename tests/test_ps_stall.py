@@ -18,6 +18,7 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from fault_utils import allowed_s  # noqa: E402
 from test_ps_core import (  # noqa: E402
     _backward,
     _free_port,
@@ -74,10 +75,10 @@ def test_a_frozen_worker_neither_stalls_the_server_nor_chains_waits(procs, mode,
     assert "error" in server, server
     assert "worker 1 (ps rank 1)" in server["error"] and "worker 0 (ps rank 0)" not in server["error"], server
     lost_after = server["at"] - signalled.value
-    assert TIMEOUT_S - 0.5 <= lost_after <= TIMEOUT_S + 3.0, lost_after  # declared lost after timeout_s, once
+    assert TIMEOUT_S - 0.5 <= lost_after <= allowed_s(TIMEOUT_S, 3.0), lost_after  # lost after timeout_s, once
     survivor = procs.ok(["worker0"], timeout=TIMEOUT_S + 5)["worker0"]
     assert survivor["error"] and "worker 1 (ps rank 1)" in survivor["error"], survivor  # the reason reaches it
-    assert survivor["at"] - server["at"] <= 3.0, survivor["at"] - server["at"]
+    assert survivor["at"] - server["at"] <= allowed_s(0.0, 3.0), survivor["at"] - server["at"]
     times = torch.tensor(list(pushed_at[: count.value]))
     frozen = int(((times > signalled.value + 0.5) & (times < signalled.value + TIMEOUT_S - 0.5)).sum())
     print(
