@@ -1,18 +1,21 @@
 """Where a result comes from: the code, the command, the software and the CPU, recorded beside every results file.
 
 :func:`provenance` is what the compare job, the benchmark and the notebooks store with their numbers, so that two
-tables from two machines (or two commits) can be told apart and explained. It reads only local facts (``git`` in the
-working directory, package metadata, ``/proc/cpuinfo``, ``/proc/loadavg``) and records no host name or user name.
+tables from two machines (or two commits) can be told apart and explained. It reads only local facts (``git`` in
+the checkout of an editable install, package metadata, ``/proc/cpuinfo``, ``/proc/loadavg``) and records no host
+name or user name.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import shlex
 import subprocess
 import sys
+import urllib.parse
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
@@ -23,8 +26,8 @@ PACKAGES = ("torch", "lightning", "numpy", "scikit-learn", "lightning-sync")
 
 
 def git_output(*args: str, cwd: str | Path | None = None) -> str | None:
-    """``git <args>``'s output in ``cwd`` (default: the working directory, where a job writes its results);
-    ``None`` outside a git checkout or without git."""
+    """``git <args>``'s output in ``cwd`` (default: the working directory); ``None`` outside a git checkout or
+    without git."""
     try:
         proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):
@@ -32,11 +35,29 @@ def git_output(*args: str, cwd: str | Path | None = None) -> str | None:
     return proc.stdout if proc.returncode == 0 else None
 
 
+def source_checkout(distribution: str = "lightning-sync") -> str | None:
+    """The source folder of an editable install of ``distribution`` (its PEP 610 ``direct_url.json``), or ``None``
+    for an installed wheel, whose version alone says which code ran."""
+    try:
+        text = metadata.distribution(distribution).read_text("direct_url.json")
+    except metadata.PackageNotFoundError:
+        return None
+    info = json.loads(text or "{}")
+    url = str(info.get("url", ""))
+    if not info.get("dir_info", {}).get("editable") or not url.startswith("file://"):
+        return None
+    return urllib.parse.unquote(urllib.parse.urlparse(url).path)
+
+
 def git_state() -> dict[str, Any]:
     """``{"commit": full hash or None, "dirty": True if tracked files differ from it (None: unknown),
-    "dirty_files": the first 20 of them}``."""
-    commit = (git_output("rev-parse", "HEAD") or "").strip() or None
-    status = git_output("status", "--porcelain", "--untracked-files=no") if commit else None
+    "dirty_files": the first 20 of them}`` of the code that runs: the checkout of an editable install
+    (:func:`source_checkout`); all ``None`` for an installed wheel."""
+    checkout = source_checkout()
+    if checkout is None:
+        return {"commit": None, "dirty": None, "dirty_files": []}
+    commit = (git_output("rev-parse", "HEAD", cwd=checkout) or "").strip() or None
+    status = git_output("status", "--porcelain", "--untracked-files=no", cwd=checkout) if commit else None
     files = [line[3:] for line in (status or "").splitlines()]
     return {"commit": commit, "dirty": None if status is None else bool(status), "dirty_files": files[:20]}
 

@@ -26,7 +26,16 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from lightning_sync.apps.bench.config import BOUNDS, CASE_HELP, WORKLOADS, BenchConfig, NetworkConfig, parse_overrides
+from lightning_sync.apps.bench.config import (
+    BOUNDS,
+    CASE_HELP,
+    WORKLOADS,
+    BenchConfig,
+    NetworkConfig,
+    parse_overrides,
+    reused_ddp_records,
+)
+from lightning_sync.apps.provenance import provenance
 from lightning_sync.config import knob_docs
 from lightning_sync.errors import ConfigError
 
@@ -138,8 +147,6 @@ def _reuse_ddp(
     run's repeat of their seed), lets them set the targets, and returns the plan without those runs."""
     if not cfg.ddp_from:
         return plan
-    from lightning_sync.apps.bench.config import reused_ddp_records
-
     repeat_of = {cfg.seed_of(r): r for r in range(cfg.repeats)}
     reused: set[tuple[str, str, int]] = set()
     for old in reused_ddp_records(cfg):
@@ -228,8 +235,6 @@ def main(argv: list[str] | None = None) -> None:
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = Path(args.out) if args.out else Path("outputs", "bench", stamp)
     signal.signal(signal.SIGTERM, _raise_exit)
-    from lightning_sync.apps.provenance import provenance
-
     started = provenance()
     records: list[dict[str, Any]] = []
     all_ok = False
