@@ -9,26 +9,26 @@ launcher and register DDP communication hooks, changes to the Trainer's loop lim
 
 from __future__ import annotations
 
+import inspect
+import textwrap
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Self, override
 
 from lightning_sync.callbacks import SyncMetricsLogger
 from lightning_sync.comm.compression import Compressor
 from lightning_sync.comm.consistency import check_same_structure
 from lightning_sync.comm.meter import CommMeter
 from lightning_sync.comm.nonfinite import NonFiniteStepWarning, drop_grads, grads_are_finite, skipped_step_message
-from lightning_sync.config import StrategyConfig
+from lightning_sync.config import StrategyConfig, knob_docs
 from lightning_sync.errors import ConfigError
 from lightning_sync.strategies._checkpoint import SyncStateCheckpointing
 from lightning_sync.strategies._gc import freeze_startup_heap, release_startup_heap
@@ -37,19 +37,50 @@ from lightning_sync.strategies._lightning import LightningDDPHooks, insert_callb
 from lightning_sync.strategies._replicas import ReplicaChecking
 from lightning_sync.strategies._torchelastic import join_restarted_torchelastic_group
 
+LIGHTNING_ARGUMENTS: dict[str, str] = {
+    "accelerator": "Lightning's accelerator (``None``: the Trainer's).",
+    "parallel_devices": "The devices of this node's ranks (``None``: the Trainer's).",
+    "cluster_environment": "How the ranks find each other (``None``: the one the Trainer detects).",
+    "checkpoint_io": "The plugin that writes and reads checkpoints (``None``: Lightning's).",
+    "precision_plugin": "The precision plugin (``None``: the one of the Trainer's ``precision``).",
+    "process_group_backend": "The torch.distributed backend (``None``: ``nccl`` on CUDA, else ``gloo``).",
+}
+"""Lightning's own strategy arguments, which every mode's constructor takes as ``DDPStrategy`` does, with their
+documentation."""
+
+
+def _args_section(strategy: type) -> str:
+    """The Google-style ``Args:`` section of ``strategy``'s constructor: each parameter, in signature order, with its
+    help (a field's of the strategy's ``config_class``, or a Lightning argument's; ``""`` for any other)."""
+    docs = {**knob_docs(strategy.config_class), **LIGHTNING_ARGUMENTS}  # type: ignore[attr-defined]
+    lines = ["Args:"]
+    for name in list(inspect.signature(strategy.__init__).parameters)[1:]:  # type: ignore[misc]  # after self
+        lines += textwrap.wrap(
+            f"{name}: {docs.get(name, '')}", 116, initial_indent="    ", subsequent_indent="        ",
+            break_long_words=False, break_on_hyphens=False,
+        )  # fmt: skip
+    return "\n".join(lines)
+
 
 class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, LightningDDPHooks):
     """Base of the lightning_sync strategies.
 
+    A mode's constructor lists the fields of its config dataclass (``config_class``) as keyword arguments, each
+    defaulting to the field's default (``comm_hook: str = DDPConfig.comm_hook``), then Lightning's own strategy
+    arguments (:data:`LIGHTNING_ARGUMENTS`), and passes them all on as its ``locals()``. So IDEs, type checkers and
+    LightningCLI (``--trainer.strategy.sync_every=8``) see every knob, while the dataclass stays the one place that
+    holds the defaults and validates them. The constructor's ``Args:`` documentation is filled in from the fields'
+    help when the class is defined (:meth:`__init_subclass__`), so a knob is documented once, in
+    :mod:`lightning_sync.config`. ``tests/test_config.py`` checks that every constructor's parameters are its
+    config's fields plus Lightning's arguments, with the same defaults, each documented.
+
     Args:
-        config: the strategy's config dataclass (``config_class``); ``None`` for its defaults.
-        accelerator: Lightning's own, as for ``DDPStrategy``; so are ``parallel_devices``, ``cluster_environment``,
-            ``checkpoint_io``, ``precision_plugin`` and ``process_group_backend``.
-        **knobs: fields of ``config_class``, overriding ``config``'s.
+        arguments: the mode's constructor arguments, by name: one per field of ``config_class`` and one per
+            Lightning argument (other names, such as ``self``, are ignored).
 
     Raises:
-        ConfigError: an unknown knob or a bad value, named ``strategy.<knob>`` (raised here, in the launching
-            process, before any rank starts).
+        ConfigError: a bad value, named ``strategy.<knob>`` (raised here, in the launching process, before any rank
+            starts).
 
     Attributes:
         config: the validated config.
@@ -62,27 +93,16 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, LightningDDPHook
     strategy_name: ClassVar[str] = ""
     """The name registered with Lightning's ``StrategyRegistry`` (the first docstring line is its description)."""
 
-    def __init__(
-        self,
-        config: StrategyConfig | None = None,
-        *,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        **knobs: Any,
-    ) -> None:
+    def __init__(self, arguments: Mapping[str, Any]) -> None:
         try:
-            self.config = self.config_class.with_knobs(config, knobs)
+            self.config = self.config_class.from_arguments(arguments)
             self._check_algorithm_knobs()
         except ConfigError as error:
             raise error.under("strategy") from None
+        lightning = {name: arguments[name] for name in LIGHTNING_ARGUMENTS}
         super().__init__(
-            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend=process_group_backend, start_method=self.config.start_method,
-            timeout=timedelta(seconds=self.config.timeout_s), **self._torch_ddp_kwargs(),
+            **lightning, start_method=self.config.start_method, timeout=timedelta(seconds=self.config.timeout_s),
+            **self._torch_ddp_kwargs(),
         )  # fmt: skip
         self.meter: CommMeter | None = None
         self._sync_steps = 0
@@ -90,6 +110,18 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, LightningDDPHook
         self.skipped_steps = 0
         """Optimizer steps skipped because the gradients held a NaN or Inf (``skip_nonfinite``)."""
         self._heap_frozen = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Appends the ``Args:`` of a mode that defines its constructor to its docstring: each field of its
+        ``config_class`` with the field's help, then Lightning's arguments."""
+        super().__init_subclass__(**kwargs)
+        if "__init__" in vars(cls) and cls.__doc__:
+            cls.__doc__ = inspect.cleandoc(cls.__doc__) + "\n\n" + _args_section(cls)
+
+    @classmethod
+    def from_config(cls, config: StrategyConfig, **lightning: Any) -> Self:
+        """The strategy with ``config``'s knobs (a ``config_class`` instance) and Lightning's arguments ``lightning``."""
+        return cls(**config.knobs(), **lightning)
 
     def _check_algorithm_knobs(self) -> None:
         """Checks the knobs that the mode's algorithms own, by building what can be built before launch."""

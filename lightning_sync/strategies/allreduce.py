@@ -7,6 +7,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
@@ -28,19 +30,46 @@ class AllReduceStrategy(SyncStrategyBase):
     so the parameters come out bit for bit the same whichever it is. Non-final micro-batches of
     ``accumulate_grad_batches`` send nothing. Manual optimization, several optimizers and precision plugins work.
 
-    Args:
-        config: an :class:`~lightning_sync.config.AllReduceConfig` (``None``: its defaults).
-        **kwargs: its fields (``bucketing``, ``bucket_cap_mb``, ``compression``, ...), overriding ``config``'s, and
-            Lightning's own strategy arguments (see :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
+    Takes the fields of :class:`~lightning_sync.config.AllReduceConfig` and Lightning's own strategy arguments, as
+    keyword arguments (``Args:`` below is filled in from the fields' help; see
+    :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
     """
 
     config_class = AllReduceConfig
     strategy_name = "sync_allreduce"
+    synchronizer: GradientSynchronizer | None = None
+    """The gradient all-reduce (built in :meth:`configure_ddp`)."""
+    _synced = False
 
-    def __init__(self, config: AllReduceConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
-        self.synchronizer: GradientSynchronizer | None = None
-        self._synced = False
+    def __init__(
+        self,
+        *,
+        compression: str = AllReduceConfig.compression,
+        bucketing: str = AllReduceConfig.bucketing,
+        bucket_cap_mb: float = AllReduceConfig.bucket_cap_mb,
+        first_bucket_mb: float = AllReduceConfig.first_bucket_mb,
+        find_unused_parameters: bool = AllReduceConfig.find_unused_parameters,
+        gradient_as_bucket_view: bool = AllReduceConfig.gradient_as_bucket_view,
+        broadcast_buffers: bool = AllReduceConfig.broadcast_buffers,
+        topk_density: float = AllReduceConfig.topk_density,
+        error_feedback: bool = AllReduceConfig.error_feedback,
+        powersgd_rank: int = AllReduceConfig.powersgd_rank,
+        powersgd_start_iter: int = AllReduceConfig.powersgd_start_iter,
+        powersgd_warm_start: bool = AllReduceConfig.powersgd_warm_start,
+        start_method: str = AllReduceConfig.start_method,
+        timeout_s: float = AllReduceConfig.timeout_s,
+        check_consistency_every: int = AllReduceConfig.check_consistency_every,
+        on_mismatch: str = AllReduceConfig.on_mismatch,
+        skip_nonfinite: bool = AllReduceConfig.skip_nonfinite,
+        freeze_gc: bool = AllReduceConfig.freeze_gc,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+    ) -> None:
+        super().__init__(locals())
 
     @override
     def _check_algorithm_knobs(self) -> None:

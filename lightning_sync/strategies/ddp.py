@@ -5,6 +5,9 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins import CheckpointIO, ClusterEnvironment, Precision
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -29,17 +32,42 @@ class DDPSyncStrategy(SyncStrategyBase):
     registers its hook, on gloo as on NCCL. ``comm_hook="none"`` registers a plain metered all-reduce, so every mode
     reports bytes the same way.
 
-    Args:
-        config: a :class:`~lightning_sync.config.DDPConfig` (``None``: its defaults).
-        **kwargs: its fields (``comm_hook``, ``bucket_cap_mb``, ...), overriding ``config``'s, and Lightning's own
-            strategy arguments (see :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
+    Takes the fields of :class:`~lightning_sync.config.DDPConfig` and Lightning's own strategy arguments, as keyword
+    arguments (``Args:`` below is filled in from the fields' help; see
+    :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
     """
 
     config_class = DDPConfig
     strategy_name = "sync_ddp"
 
-    def __init__(self, config: DDPConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
+    def __init__(
+        self,
+        *,
+        comm_hook: str = DDPConfig.comm_hook,
+        bucket_cap_mb: float = DDPConfig.bucket_cap_mb,
+        find_unused_parameters: bool = DDPConfig.find_unused_parameters,
+        gradient_as_bucket_view: bool = DDPConfig.gradient_as_bucket_view,
+        static_graph: bool = DDPConfig.static_graph,
+        broadcast_buffers: bool = DDPConfig.broadcast_buffers,
+        topk_density: float = DDPConfig.topk_density,
+        error_feedback: bool = DDPConfig.error_feedback,
+        powersgd_rank: int = DDPConfig.powersgd_rank,
+        powersgd_start_iter: int = DDPConfig.powersgd_start_iter,
+        powersgd_warm_start: bool = DDPConfig.powersgd_warm_start,
+        start_method: str = DDPConfig.start_method,
+        timeout_s: float = DDPConfig.timeout_s,
+        check_consistency_every: int = DDPConfig.check_consistency_every,
+        on_mismatch: str = DDPConfig.on_mismatch,
+        skip_nonfinite: bool = DDPConfig.skip_nonfinite,
+        freeze_gc: bool = DDPConfig.freeze_gc,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+    ) -> None:
+        super().__init__(locals())
         self.hook_state: DDPHookState | None = None
 
     @override

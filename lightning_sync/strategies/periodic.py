@@ -6,7 +6,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
@@ -16,6 +18,7 @@ from lightning_sync.comm.consistency import named_replicated_state
 from lightning_sync.comm.periodic import PeriodicAverager, validate_module_policy
 from lightning_sync.config import PeriodicConfig
 from lightning_sync.errors import CheckpointError, ConfigError
+from lightning_sync.strategies._base import SyncStrategyBase
 from lightning_sync.strategies._lightning import set_accumulate_grad_batches
 from lightning_sync.strategies.allreduce import AllReduceStrategy
 
@@ -39,17 +42,57 @@ class PeriodicSyncStrategy(AllReduceStrategy):
     ``sync/divergence`` (this rank's distance from the average, measured at sync time) at every sync, and
     ``sync/skipped_outer_steps`` when an outer step was skipped for a non-finite pseudo-gradient.
 
-    Args:
-        config: a :class:`~lightning_sync.config.PeriodicConfig` (``None``: its defaults).
-        **kwargs: its fields (``mode``, ``sync_every``, ...), overriding ``config``'s, and Lightning's own strategy
-            arguments (see :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
+    Takes the fields of :class:`~lightning_sync.config.PeriodicConfig` and Lightning's own strategy arguments, as
+    keyword arguments (``Args:`` below is filled in from the fields' help; see
+    :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
     """
 
     config_class = PeriodicConfig  # type: ignore[assignment]  # a sibling of AllReduceConfig (same gradient knobs)
     strategy_name = "sync_periodic"
 
-    def __init__(self, config: PeriodicConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        *,
+        mode: str = PeriodicConfig.mode,
+        sync_every: int | str = PeriodicConfig.sync_every,
+        warmup_steps: int = PeriodicConfig.warmup_steps,
+        average_optimizer_state: bool = PeriodicConfig.average_optimizer_state,
+        outer_lr: float = PeriodicConfig.outer_lr,
+        outer_momentum: float = PeriodicConfig.outer_momentum,
+        outer_nesterov: bool = PeriodicConfig.outer_nesterov,
+        target_comm_fraction: float = PeriodicConfig.target_comm_fraction,
+        min_sync_every: int = PeriodicConfig.min_sync_every,
+        max_sync_every: int = PeriodicConfig.max_sync_every,
+        module_sync_every: dict[str, int] | list[Any] | None = PeriodicConfig.module_sync_every,
+        fragments: int = PeriodicConfig.fragments,
+        sync_delay: int = PeriodicConfig.sync_delay,
+        fragment_alpha: float = PeriodicConfig.fragment_alpha,
+        outer_compression: str = PeriodicConfig.outer_compression,
+        compression: str = PeriodicConfig.compression,
+        bucketing: str = PeriodicConfig.bucketing,
+        bucket_cap_mb: float = PeriodicConfig.bucket_cap_mb,
+        first_bucket_mb: float = PeriodicConfig.first_bucket_mb,
+        find_unused_parameters: bool = PeriodicConfig.find_unused_parameters,
+        gradient_as_bucket_view: bool = PeriodicConfig.gradient_as_bucket_view,
+        topk_density: float = PeriodicConfig.topk_density,
+        error_feedback: bool = PeriodicConfig.error_feedback,
+        powersgd_rank: int = PeriodicConfig.powersgd_rank,
+        powersgd_start_iter: int = PeriodicConfig.powersgd_start_iter,
+        powersgd_warm_start: bool = PeriodicConfig.powersgd_warm_start,
+        start_method: str = PeriodicConfig.start_method,
+        timeout_s: float = PeriodicConfig.timeout_s,
+        check_consistency_every: int = PeriodicConfig.check_consistency_every,
+        on_mismatch: str = PeriodicConfig.on_mismatch,
+        skip_nonfinite: bool = PeriodicConfig.skip_nonfinite,
+        freeze_gc: bool = PeriodicConfig.freeze_gc,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+    ) -> None:
+        SyncStrategyBase.__init__(self, locals())  # not AllReduceStrategy.__init__, which takes its own knobs
         self._accumulating: tuple[pl.Trainer, int] | None = None
         self._logged_period: int | None = None
         self._logged_skips = 0

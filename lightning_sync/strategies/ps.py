@@ -7,7 +7,10 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
@@ -47,18 +50,47 @@ class ParameterServerStrategy(DetachableCollectives):
     other (:class:`~lightning_sync.strategies._detached.DetachableCollectives`); see the README's "Parameter server".
     Logged: ``ps/version``, ``ps/staleness`` (async, ssp) and ``ps/server<i>_ingress_per_update``.
 
-    Args:
-        config: a :class:`~lightning_sync.config.ParameterServerConfig` (``None``: its defaults).
-        **kwargs: its fields (``mode``, ``num_servers``, ...), overriding ``config``'s, and Lightning's own
-            strategy arguments (see :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
+    Takes the fields of :class:`~lightning_sync.config.ParameterServerConfig` and Lightning's own strategy
+    arguments, as keyword arguments (``Args:`` below is filled in from the fields' help; see
+    :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
     """
 
     config_class = ParameterServerConfig
     strategy_name = "sync_ps"
     skips_nonfinite_steps = True  # the push carries the check and the servers skip (see _skipping_nonfinite)
 
-    def __init__(self, config: ParameterServerConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
+    def __init__(
+        self,
+        *,
+        mode: str = ParameterServerConfig.mode,
+        max_staleness: int = ParameterServerConfig.max_staleness,
+        num_servers: int = ParameterServerConfig.num_servers,
+        placement: str = ParameterServerConfig.placement,
+        compression: str = ParameterServerConfig.compression,
+        topk_density: float = ParameterServerConfig.topk_density,
+        error_feedback: bool = ParameterServerConfig.error_feedback,
+        slow_worker: int = ParameterServerConfig.slow_worker,
+        slowdown: float = ParameterServerConfig.slowdown,
+        push_scale: float | str = ParameterServerConfig.push_scale,
+        local_steps: int | str = ParameterServerConfig.local_steps,
+        max_local_steps: int = ParameterServerConfig.max_local_steps,
+        outer_lr: float = ParameterServerConfig.outer_lr,
+        outer_momentum: float = ParameterServerConfig.outer_momentum,
+        outer_nesterov: bool = ParameterServerConfig.outer_nesterov,
+        start_method: str = ParameterServerConfig.start_method,
+        timeout_s: float = ParameterServerConfig.timeout_s,
+        check_consistency_every: int = ParameterServerConfig.check_consistency_every,
+        on_mismatch: str = ParameterServerConfig.on_mismatch,
+        skip_nonfinite: bool = ParameterServerConfig.skip_nonfinite,
+        freeze_gc: bool = ParameterServerConfig.freeze_gc,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+    ) -> None:
+        super().__init__(locals())
         self.client: PSClient | None = None
         self.servers: Any | None = None  # the handle of the servers this rank started, if any
         self.last_reply: Any = None
