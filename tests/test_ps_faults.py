@@ -13,14 +13,18 @@ import signal
 import pytest
 from fault_utils import HAS_PROC, allowed_s, load_factor, run_and_hit
 
-TIMEOUT_S = 8.0
+TIMEOUT_S = 15.0  # also the rendezvous timeout: rank 1 must import torch and Lightning within it (~12 s when loaded)
 pytestmark = pytest.mark.skipif(not HAS_PROC, reason="needs /proc")
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("target", ["worker1", "server0"])
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "target, how",
+    # a killed worker 1 of this sync job: the stricter test_a_lost_worker_ends_the_job_in_seconds_not_after_timeout_s
+    [("worker1", signal.SIGSTOP), ("server0", signal.SIGKILL), ("server0", signal.SIGSTOP)],
+    ids=["worker1-SIGSTOP", "server0-SIGKILL", "server0-SIGSTOP"],
+)
 def test_lost_process_fails_the_job_in_time_and_leaves_no_orphan(tmp_path, target, how):
     overrides = ["strategy=ps", f"strategy.timeout_s={TIMEOUT_S}", "trainer.max_epochs=1000", "test=false"]
     process = {"worker1": "rank1", "server0": "server0"}[target]
@@ -34,7 +38,7 @@ def test_lost_process_fails_the_job_in_time_and_leaves_no_orphan(tmp_path, targe
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["async", "ssp"])
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
 def test_a_lost_worker_ends_an_async_job_in_time_naming_it(tmp_path, mode, how):
