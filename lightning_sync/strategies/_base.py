@@ -23,7 +23,6 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import Self, override
 
-from lightning_sync.callbacks import SyncMetricsLogger
 from lightning_sync.comm.compression import Compressor
 from lightning_sync.comm.consistency import check_same_structure
 from lightning_sync.comm.meter import CommMeter
@@ -34,6 +33,7 @@ from lightning_sync.strategies._checkpoint import SyncStateCheckpointing
 from lightning_sync.strategies._gc import freeze_startup_heap, release_startup_heap
 from lightning_sync.strategies._launcher import configure_launcher
 from lightning_sync.strategies._lightning import LightningDDPHooks, insert_callback_first
+from lightning_sync.strategies._metrics import SyncMetricsLogger
 from lightning_sync.strategies._replicas import ReplicaChecking
 from lightning_sync.strategies._torchelastic import join_restarted_torchelastic_group
 
@@ -159,7 +159,7 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, LightningDDPHook
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         """Sets up the model and optimizers, restores sync state from a checkpoint being resumed, and adds the
-        :class:`~lightning_sync.callbacks.SyncMetricsLogger` callback (first, so that the other callbacks' batch-end
+        :class:`~lightning_sync.strategies._metrics.SyncMetricsLogger` callback (first, so that the other callbacks' batch-end
         hooks see this step's ``comm/*`` and ``sync/*``).
 
         Raises:
@@ -275,7 +275,7 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, LightningDDPHook
 
     # ------------------------------------------------------------------ metrics
     def step_metrics(self, write: bool) -> dict[str, float]:
-        """The metrics to log after a training batch (called by :class:`~lightning_sync.callbacks.SyncMetricsLogger`).
+        """The metrics to log after a training batch (called by :class:`~lightning_sync.strategies._metrics.SyncMetricsLogger`).
 
         Args:
             write: whether the logger writes this step. Only then are ``comm/*`` returned, as the mean per
