@@ -6,11 +6,17 @@ process can end it. Its peers' collectives fail after ``timeout_s`` (naming it, 
 :class:`~lightning_sync.comm.meter.PeerError`), and each failing rank kills the stopped ranks it can see:
 
 - ``popen``, main process (rank 0 of the node): its stopped children, named by local rank. It is the command a
-  user runs, so when a child is frozen the job ends here.
+  user runs, so when a child is frozen the job ends here. Lightning's child observer acts only on children that
+  exited, and Lightning kills the children only on ``KeyboardInterrupt``, so a frozen child would outlive a plain
+  ``Trainer`` job (the Hydra app also kills them in ``_end_job``; ``tests/test_faults.py`` SIGSTOP of rank 1
+  checks that the frozen rank is named and killed).
 - ``popen``, child rank: its parent if that is the job's main process and it is stopped. Nothing else could end a
-  frozen main process; the job's command then exits killed by SIGKILL, after this rank said why on stderr.
+  frozen main process (Lightning's observer is a thread of it); the job's command then exits killed by SIGKILL,
+  after this rank said why on stderr. Without it ``test_frozen_main_process_is_killed_by_its_child_rank`` hangs.
 - ``fork``/``spawn`` rank: its stopped siblings that run a rank's command line. torch's join would SIGTERM them
-  (which a stopped process does not act on) and SIGKILL them only 30 s later.
+  (which a stopped process does not act on) and SIGKILL them only 30 s later: without it the job of
+  ``test_fork_rank_frozen_mid_run_is_named_and_killed`` ends 45 s after the freeze, not ``timeout_s`` (15 s) plus
+  a few seconds.
 
 Only stopped processes (state ``T`` in ``/proc/<pid>/stat``) are killed, never a running one nor one stopped by a
 debugger (state ``t``). Where there is no ``/proc``, nothing is found.

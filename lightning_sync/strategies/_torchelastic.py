@@ -12,11 +12,14 @@ import torch.distributed as dist
 def join_restarted_torchelastic_group(strategy: Any) -> None:
     """After a torchrun restart, joins the default process group through a store prefixed by the restart count.
 
-    torchrun's workers share the agent's TCPStore (``TORCHELASTIC_USE_AGENT_STORE``), and with the c10d rendezvous
-    (``--standalone``) that store outlives a restart, under the same keys: a restarted rank then read a peer's
-    address from the failed attempt and gloo timed out connecting to it ("connectFullMesh failed ... Connect
-    timeout"), so ``--max-restarts`` never recovered. A prefix per attempt keeps each attempt's keys apart.
-    Lightning's own ``init_process_group`` then sees the group initialised and leaves it.
+    The failure it handles: torchrun's workers share the agent's TCPStore (``TORCHELASTIC_USE_AGENT_STORE``), and
+    with the c10d rendezvous (``--standalone``) that store outlives a restart, under the same keys: a restarted rank
+    reads a peer's address from the failed attempt and gloo fails connecting to it ("Gloo connectFullMesh failed ...
+    timed out connecting: Connection refused"), so ``--max-restarts`` never recovers. This is torch's issue #135712
+    (https://github.com/pytorch/pytorch/issues/135712, sharing the rendezvous store breaks torchelastic restarts;
+    its workaround, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, must be set for torchrun, out of a library's reach).
+    ``tests/test_restart.py`` fails that way without this function. A prefix per attempt keeps each attempt's keys
+    apart; Lightning's own ``init_process_group`` then sees the group initialised and leaves it.
 
     Args:
         strategy: a lightning_sync strategy whose world ranks are set (``set_world_ranks``).
