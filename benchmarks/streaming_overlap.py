@@ -48,18 +48,17 @@ STREAMING = dict(fragments=4, sync_delay=2, fragment_alpha=0.5)
 
 
 def _averager(case: str, period: int):
-    from lightning_sync.comm.periodic import PeriodicAverager
+    from lightning_sync.comm.periodic import PeriodicAverager, StreamingOptions
 
-    if case == "diloco":
-        return PeriodicAverager(sync_every=period, outer=True, timeout_s=300.0)
-    if case == "streaming_fp32":
-        return PeriodicAverager(sync_every=period, outer=True, timeout_s=300.0, **STREAMING)
-    if case == "streaming":
-        return PeriodicAverager(sync_every=period, outer=True, timeout_s=300.0, outer_compression="int4", **STREAMING)
-    if case == "streaming_d4":
-        knobs = dict(STREAMING, sync_delay=4)
-        return PeriodicAverager(sync_every=period, outer=True, timeout_s=300.0, outer_compression="int4", **knobs)
-    return None
+    streaming = {
+        "diloco": StreamingOptions(),
+        "streaming_fp32": StreamingOptions(**STREAMING),
+        "streaming": StreamingOptions(**STREAMING, outer_compression="int4"),
+        "streaming_d4": StreamingOptions(**dict(STREAMING, sync_delay=4), outer_compression="int4"),
+    }.get(case)
+    if streaming is None:
+        return None
+    return PeriodicAverager(sync_every=period, outer=True, timeout_s=300.0, streaming=streaming)
 
 
 def worker(args: argparse.Namespace) -> None:

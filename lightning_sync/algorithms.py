@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from lightning_sync.comm.bucketing import GradientSynchronizer
 from lightning_sync.comm.compression import Compressor, compressor_factory
-from lightning_sync.comm.periodic import PeriodicAverager
+from lightning_sync.comm.periodic import AdaptiveOptions, PeriodicAverager, StreamingOptions
 from lightning_sync.config import (
     DDPConfig,
     GradientSyncKnobs,
@@ -83,6 +83,10 @@ def build_parts(cfg: StrategyConfig) -> AlgorithmParts:
     parts = AlgorithmParts(compressor_factory(cfg.compression, **cfg.compressor_options()))
     if isinstance(cfg, PeriodicConfig) and cfg.mode != "gradient":
         parts.averager = PeriodicAverager(
-            outer=cfg.mode == "diloco", new_compressor=parts.new_compressor, **cfg.arguments_for(PeriodicAverager)
+            outer=cfg.mode == "diloco",
+            new_compressor=parts.new_compressor,
+            streaming=StreamingOptions(**cfg.arguments_for(StreamingOptions)),
+            adaptive=AdaptiveOptions(**cfg.arguments_for(AdaptiveOptions)),
+            **cfg.arguments_for(PeriodicAverager),
         )
     return parts

@@ -25,7 +25,7 @@ from lightning_sync.comm.adaptive import AdaptivePeriod, agree_max, choose_perio
 from lightning_sync.comm.averaging import ModelAverager, average_buffers, average_optimizer_state, make_outer_optimizer
 from lightning_sync.comm.compression import NoCompression
 from lightning_sync.comm.meter import CommMeter, ring_all_reduce_bytes
-from lightning_sync.comm.periodic import PeriodicAverager, validate_module_policy
+from lightning_sync.comm.periodic import AdaptiveOptions, PeriodicAverager, validate_module_policy
 from lightning_sync.config import PeriodicConfig
 from lightning_sync.examples.data import DigitsDataModule
 from lightning_sync.examples.models import DigitsClassifier
@@ -539,9 +539,7 @@ def _adaptive_ranks(rank: int, world_size: int) -> None:
     link = _SlowLink(clock, 0.030)
     averager = PeriodicAverager(
         sync_every="auto",
-        target_comm_fraction=0.1,
-        min_sync_every=1,
-        max_sync_every=32,
+        adaptive=AdaptiveOptions(target_comm_fraction=0.1, min_sync_every=1, max_sync_every=32),
         new_compressor=lambda: link,
         clock=clock,
     )

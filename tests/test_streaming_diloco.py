@@ -24,7 +24,7 @@ from lightning_sync.algorithms import build_parts
 from lightning_sync.comm.averaging import ModelAverager, make_outer_optimizer
 from lightning_sync.comm.compression import FlatBucket, NoCompression
 from lightning_sync.comm.meter import CommMeter, PeerError
-from lightning_sync.comm.periodic import PeriodicAverager
+from lightning_sync.comm.periodic import AdaptiveOptions, PeriodicAverager, StreamingOptions
 from lightning_sync.comm.quantized import BLOCK, Int4Compression, Int8Compression
 from lightning_sync.comm.streaming import stagger_offsets, strided_fragments
 from lightning_sync.config import PeriodicConfig
@@ -109,8 +109,14 @@ class Loop:
     ],
 )
 def test_knob_errors_name_field_value_and_what_is_allowed(kwargs, message):
+    streaming = {
+        k: kwargs.pop(k) for k in ("fragments", "sync_delay", "fragment_alpha", "outer_compression") if k in kwargs
+    }
+    adaptive = {k: kwargs.pop(k) for k in ("min_sync_every",) if k in kwargs}
     with pytest.raises(ConfigError) as info:
-        PeriodicAverager(outer=True, **kwargs)
+        PeriodicAverager(
+            outer=True, streaming=StreamingOptions(**streaming), adaptive=AdaptiveOptions(**adaptive), **kwargs
+        )
     assert message in str(info.value)
 
 
@@ -214,8 +220,8 @@ def _reference_diloco(rank: int, outer: bool, steps: int, period: int) -> torch.
 def _exactness_ranks(rank: int, world: int) -> None:
     for outer in (True, False):
         reference = _reference_diloco(rank, outer, steps=21, period=4)
-        knobs = dict(fragments=1, sync_delay=0, fragment_alpha=0.0, outer_compression="none")
-        loop = Loop(rank, PeriodicAverager(sync_every=4, outer=outer, **knobs))
+        streaming = StreamingOptions(fragments=1, sync_delay=0, fragment_alpha=0.0, outer_compression="none")
+        loop = Loop(rank, PeriodicAverager(sync_every=4, outer=outer, streaming=streaming))
         synced = loop.run(21)
         loop.averager.finish([loop.opt])
         assert [i + 1 for i, s in enumerate(synced) if s] == [4, 8, 12, 16, 20]
@@ -237,7 +243,7 @@ def _bytes_ranks(rank: int, world: int) -> None:
         ("k4", dict(fragments=4)),
         ("k4_int4_delay1", dict(fragments=4, sync_delay=1, outer_compression="int4")),
     ]:
-        loop = Loop(rank, PeriodicAverager(sync_every=8, outer=True, **knobs))
+        loop = Loop(rank, PeriodicAverager(sync_every=8, outer=True, streaming=StreamingOptions(**knobs)))
         sent = []
         for _ in range(16):
             before = loop.meter.total.bytes_sent
@@ -286,8 +292,8 @@ def _anchor_flat(group) -> torch.Tensor:
 
 
 def _delay_ranks(rank: int, world: int, alpha: float, outer: bool, codec: str) -> None:
-    knobs = dict(fragments=2, sync_delay=1, fragment_alpha=alpha, outer_compression=codec)
-    loop = Loop(rank, PeriodicAverager(sync_every=4, outer=outer, **knobs))
+    streaming = StreamingOptions(fragments=2, sync_delay=1, fragment_alpha=alpha, outer_compression=codec)
+    loop = Loop(rank, PeriodicAverager(sync_every=4, outer=outer, streaming=streaming))
     groups = {group.label: group for group in loop.averager.groups}
     schedule = []
     for _ in range(9):
@@ -368,12 +374,12 @@ def _resume_ranks(rank: int, world: int, knobs: dict) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("codec", ["none", "int8"])
 def test_resume_with_a_fragment_in_flight_equals_the_uninterrupted_run(codec):
-    knobs = dict(sync_every=4, outer=True, fragments=2, sync_delay=1, fragment_alpha=0.5, outer_compression=codec)
-    run_ranks(_resume_ranks, knobs)
+    streaming = StreamingOptions(fragments=2, sync_delay=1, fragment_alpha=0.5, outer_compression=codec)
+    run_ranks(_resume_ranks, dict(sync_every=4, outer=True, streaming=streaming))
 
 
 def _composition_ranks(rank: int, world: int) -> None:
-    knobs = dict(fragments=2, sync_delay=1, outer=True)
+    knobs = dict(streaming=StreamingOptions(fragments=2, sync_delay=1), outer=True)
     averager = PeriodicAverager(sync_every=4, warmup_steps=2, module_sync_every={"3.*": 8}, **knobs)
     loop = Loop(rank, averager)
     assert [(g.label, g.period, g.offset) for g in averager.groups] == [
@@ -388,7 +394,8 @@ def _composition_ranks(rank: int, world: int) -> None:
     assert torch.equal(rows[0], rows[1])
     averager.close()
 
-    averager = PeriodicAverager(sync_every="auto", min_sync_every=4, max_sync_every=16, **knobs)
+    adaptive = AdaptiveOptions(min_sync_every=4, max_sync_every=16)
+    averager = PeriodicAverager(sync_every="auto", adaptive=adaptive, **knobs)
     loop = Loop(rank, averager)
     synced = loop.run(16)
     assert averager.adaptive is not None and averager.adaptive.compute_seconds is not None
@@ -407,7 +414,8 @@ def test_fragments_compose_with_module_groups_warmup_and_auto():
 
 # ---------------------------------------------------------------------------------------------------------- faults
 def _nonfinite_ranks(rank: int, world: int, delay: int, codec: str) -> None:
-    averager = PeriodicAverager(sync_every=4, outer=True, fragments=2, sync_delay=delay, outer_compression=codec)
+    streaming = StreamingOptions(fragments=2, sync_delay=delay, outer_compression=codec)
+    averager = PeriodicAverager(sync_every=4, outer=True, streaming=streaming)
     loop = Loop(rank, averager)
     first, second = averager.groups
     start = _fragment_flat(first).clone()
@@ -446,7 +454,8 @@ FROZEN_TIMEOUT_S = 4.0
 
 
 def _frozen_ranks(rank: int, world: int, stamp: str, result: str) -> None:
-    averager = PeriodicAverager(sync_every=4, outer=True, fragments=2, sync_delay=1, timeout_s=FROZEN_TIMEOUT_S)
+    streaming = StreamingOptions(fragments=2, sync_delay=1)
+    averager = PeriodicAverager(sync_every=4, outer=True, streaming=streaming, timeout_s=FROZEN_TIMEOUT_S)
     loop = Loop(rank, averager)
     dist.barrier()
     if rank == 1:  # frozen before it launches fragment 0 (step 1): rank 0's outer sync stays in flight

@@ -213,12 +213,49 @@ class SyncGroup:
     skipped: int = 0
 
 
+@dataclass(frozen=True)
+class StreamingOptions:
+    """Streaming DiLoCo: each sync group split into fragments that sync in turn, each in the background.
+
+    Args:
+        fragments: split each sync group into this many fragments, strided by layer, that sync in turn (at most one
+            per layer; ``<=`` every period).
+        sync_delay: steps between the launch of a fragment's outer all-reduce and its apply (``0 <= sync_delay <
+            period / fragments`` for every period).
+        fragment_alpha: on apply, the parameters become ``alpha * local + (1 - alpha) * global``, in [0, 1).
+        outer_compression: codec of the pseudo-gradients: ``none`` (the averager's ``new_compressor``'s),
+            ``bf16``, ``fp16``, ``int8``, ``int4``.
+
+    The :class:`PeriodicAverager` checks them, against each other and against its periods.
+    """
+
+    fragments: int = 1
+    sync_delay: int = 0
+    fragment_alpha: float = 0.0
+    outer_compression: str = "none"
+
+
+@dataclass(frozen=True)
+class AdaptiveOptions:
+    """``sync_every="auto"``: the bounds and the target of the adaptive period (checked by
+    :class:`~lightning_sync.comm.adaptive.AdaptivePeriod`).
+
+    Args:
+        target_comm_fraction: the share of time to spend communicating, in (0, 1].
+        min_sync_every: the smallest (and first) period.
+        max_sync_every: the largest period.
+    """
+
+    target_comm_fraction: float = 0.1
+    min_sync_every: int = 1
+    max_sync_every: int = 64
+
+
 class PeriodicAverager:
     """Averages replicas every ``sync_every`` optimizer steps: local SGD, or DiLoCo with ``outer=True``.
 
     Args:
-        sync_every: optimizer steps per sync, an integer ``>= 1``, or ``"auto"`` to adapt it to
-            ``target_comm_fraction``.
+        sync_every: optimizer steps per sync, an integer ``>= 1``, or ``"auto"`` to adapt it (see ``adaptive``).
         warmup_steps: optimizer steps whose gradients the owner all-reduces (as DDP) before the local phase.
         outer: DiLoCo: the averaged pseudo-gradient ``global - local`` goes through an outer SGD on the global copy
             (``outer_lr``, ``outer_momentum``, ``outer_nesterov``); otherwise local SGD's plain average.
@@ -227,18 +264,10 @@ class PeriodicAverager:
         outer_nesterov: Nesterov momentum for the outer SGD (ignored when ``outer_momentum`` is 0).
         module_sync_every: per-module periods, ``{glob pattern: period}`` (see the module docstring).
         average_optimizer_state: also average the floating optimizer state (momentum, Adam moments) at each sync.
-        target_comm_fraction: ``sync_every="auto"``: the share of time to spend communicating, in (0, 1].
-        min_sync_every: ``sync_every="auto"``: the smallest (and first) period.
-        max_sync_every: ``sync_every="auto"``: the largest period.
         new_compressor: makes each group's compressor (each keeps its own memory); default: exact averages.
         bucket_cap_mb: size of the flat buckets the deltas travel in.
-        fragments: streaming DiLoCo: split each sync group into this many fragments, strided by layer, that sync
-            in turn (at most one per layer; ``<=`` every period).
-        sync_delay: steps between the launch of a fragment's outer all-reduce and its apply (``0 <= sync_delay <
-            period / fragments`` for every period).
-        fragment_alpha: on apply, the parameters become ``alpha * local + (1 - alpha) * global``, in [0, 1).
-        outer_compression: codec of the pseudo-gradients: ``none`` (the ``new_compressor``'s), ``bf16``,
-            ``fp16``, ``int8``, ``int4``.
+        streaming: streaming DiLoCo's fragments, delay, mixing and codec (default: one fragment, no delay).
+        adaptive: ``sync_every="auto"``: the target share of time spent communicating and the period's bounds.
         skip_nonfinite: an averaged pseudo-gradient holding a NaN or Inf skips that group's outer step (on every
             rank: the average is identical on all).
         timeout_s: the longest wait for an outer sync in flight (and the timeout of the worker's process group).
@@ -259,15 +288,10 @@ class PeriodicAverager:
         outer_nesterov: bool = True,
         module_sync_every: Any = None,
         average_optimizer_state: bool = False,
-        target_comm_fraction: float = 0.1,
-        min_sync_every: int = 1,
-        max_sync_every: int = 64,
         new_compressor: Callable[[], Compressor] = NoCompression,
         bucket_cap_mb: float = 25.0,
-        fragments: int = 1,
-        sync_delay: int = 0,
-        fragment_alpha: float = 0.0,
-        outer_compression: str = "none",
+        streaming: StreamingOptions = StreamingOptions(),
+        adaptive: AdaptiveOptions = AdaptiveOptions(),
         skip_nonfinite: bool = True,
         timeout_s: float | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -281,7 +305,9 @@ class PeriodicAverager:
         check_range("outer_momentum", outer_momentum, low=0, high=1, high_open=True)
         check_range("bucket_cap_mb", bucket_cap_mb, low=0, low_open=True)
         self.adaptive = (
-            AdaptivePeriod(target_comm_fraction, min_sync_every, max_sync_every) if sync_every == "auto" else None
+            AdaptivePeriod(adaptive.target_comm_fraction, adaptive.min_sync_every, adaptive.max_sync_every)
+            if sync_every == "auto"
+            else None
         )
         self.sync_every = sync_every
         self.warmup_steps = int(warmup_steps)
@@ -292,12 +318,12 @@ class PeriodicAverager:
         self.average_optimizer_state = bool(average_optimizer_state)
         self.new_compressor = new_compressor
         self.bucket_cap_mb = float(bucket_cap_mb)
-        self._check_streaming(fragments, sync_delay, fragment_alpha, outer_compression, new_compressor)
-        self.fragments, self.sync_delay = int(fragments), int(sync_delay)
-        self.fragment_alpha = float(fragment_alpha)
-        self.outer_compression = outer_compression
-        if outer_compression != "none":
-            self.new_compressor = outer_compressor_factory(outer_compression)
+        self._check_streaming(streaming, new_compressor)
+        self.fragments, self.sync_delay = int(streaming.fragments), int(streaming.sync_delay)
+        self.fragment_alpha = float(streaming.fragment_alpha)
+        self.outer_compression = streaming.outer_compression
+        if self.outer_compression != "none":
+            self.new_compressor = outer_compressor_factory(self.outer_compression)
         self.skip_nonfinite = bool(skip_nonfinite)
         self.timeout_s = timeout_s
         self.clock = clock
@@ -316,16 +342,15 @@ class PeriodicAverager:
         self._compute_seconds = 0.0
         self._compute_steps = 0
 
-    def _check_streaming(
-        self,
-        fragments: int,
-        sync_delay: int,
-        fragment_alpha: float,
-        outer_compression: str,
-        new_compressor: Callable[[], Compressor],
-    ) -> None:
+    def _check_streaming(self, streaming: StreamingOptions, new_compressor: Callable[[], Compressor]) -> None:
         """Checks the streaming knobs against each other and against every period (fixed ones, or the smallest
         adaptive one)."""
+        fragments, sync_delay, outer_compression = (
+            streaming.fragments,
+            streaming.sync_delay,
+            streaming.outer_compression,
+        )
+        fragment_alpha = streaming.fragment_alpha
         check_range("fragments", fragments, low=1, integer=True)
         check_range("sync_delay", sync_delay, low=0, integer=True)
         check_range("fragment_alpha", fragment_alpha, low=0, high=1, high_open=True)
