@@ -51,8 +51,9 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
+from lightning_sync.apps.cases import periodic_cases
 from lightning_sync.apps.stats import error_bar, seed_band
-from lightning_sync.apps.study import by_case, format_seed_runs, periodic_cases, run_cases, seed_cases
+from lightning_sync.apps.study import by_case, format_seed_runs, run_cases, seed_cases
 
 MODES = ("gradient", "local_sgd", "diloco")
 COLORS = {"gradient": "tab:blue", "local_sgd": "tab:orange", "diloco": "tab:green"}

@@ -50,6 +50,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
+from lightning_sync.apps.cases import CATALOGUE
 from lightning_sync.apps.markdown import format_cell, markdown_table
 from lightning_sync.apps.stats import error_bar, seed_band
 from lightning_sync.apps.study import (
@@ -67,17 +68,15 @@ from lightning_sync.apps.study import (
 # the checkout's benchmark results (a notebook runs in notebooks/; a script knows its own path)
 RESULTS = Path(globals().get("__file__", "notebook")).resolve().parent.parent / "benchmarks" / "results"
 
+# the main job's allreduce cases (lightning_sync.apps.cases), by this notebook's names
 COMPRESSION = {
-    "none": [],
-    "fp16": [],
-    "bf16": [],
-    "topk 1%": ["strategy.topk_density=0.01"],
-    "powersgd r4": ["strategy.powersgd_rank=4"],
+    "none": "allreduce",
+    "fp16": "allreduce+fp16",
+    "bf16": "allreduce+bf16",
+    "topk 1%": "allreduce+topk1%",
+    "powersgd r4": "allreduce+powersgd4",
 }
-cases = {
-    name: ["strategy=allreduce", f"strategy.compression={name.split()[0]}", *knobs]
-    for name, knobs in COMPRESSION.items()
-}
+cases = {label: CATALOGUE[name].overrides() for label, name in COMPRESSION.items()}
 COLORS = dict(zip(cases, ("black", "tab:blue", "tab:cyan", "tab:orange", "tab:green")))
 
 # %% [markdown]

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
+from lightning_sync.apps.cases import hydra_cases
 from lightning_sync.apps.markdown import band_cell, format_cell, markdown_table
 from lightning_sync.apps.provenance import provenance, summary_line
 from lightning_sync.apps.stats import error_bar, seed_band
@@ -66,14 +67,9 @@ print(f"unigram baseline: {data.unigram_entropy:.3f} nats/char ({data.unigram_bi
 # lr 0.7, momentum 0.9) over the model's AdamW.
 
 # %%
-MODES = {
-    "ddp": ["strategy=ddp"],
-    "allreduce+powersgd4": ["strategy=allreduce", "strategy.compression=powersgd", "strategy.powersgd_rank=4"],
-    "allreduce+topk1%": ["strategy=allreduce", "strategy.compression=topk", "strategy.topk_density=0.01"],
-    "periodic:local_sgd/8": ["strategy=periodic", "strategy.mode=local_sgd", "strategy.sync_every=8"],
-    "periodic:diloco/8": ["strategy=periodic", "strategy.mode=diloco", "strategy.sync_every=8"],
-    "ps:async": ["strategy=ps", "strategy.mode=async"],
-}
+MODES = hydra_cases(
+    ["ddp", "allreduce+powersgd4", "allreduce+topk1%", "periodic:local_sgd/8", "periodic:diloco/8", "ps:async"]
+)
 COLORS = dict(zip(MODES, plt.get_cmap("tab10").colors))
 common = [
     "experiment=char_lm",

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_sync.apps.compare import CASES, run_case
+from lightning_sync.apps.compare import CASES
+from lightning_sync.apps.runner import run_case
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # five 540-step runs; a training outcome
 

@@ -107,6 +107,40 @@ def test_opt_in_cases_run_only_when_named_and_ps_trains_on_the_same_samples():
         _plan(_parser().parse_args(["--workloads", "digits", "--cases", "ps:async_local/8"]))
 
 
+@pytest.mark.unit
+def test_one_catalogue_gives_the_main_job_s_overrides_and_the_bench_s_arguments():
+    from lightning_sync.apps.bench.config import OUR_CASES, BenchConfig
+    from lightning_sync.apps.cases import CATALOGUE, select
+    from lightning_sync.apps.compare import CASES
+
+    # a case both harnesses run is one definition under two names
+    assert OUR_CASES["powersgd"] is CATALOGUE["allreduce+powersgd4"] and OUR_CASES["ps_async"] is CATALOGUE["ps:async"]
+    assert (
+        CASES["allreduce+powersgd4"]
+        == LM_CASES["allreduce+powersgd4"]
+        == [
+            "strategy=allreduce",
+            "strategy.compression=powersgd",
+            "strategy.powersgd_rank=4",
+        ]
+    )
+    assert OUR_CASES["powersgd"].arguments(BenchConfig()) == {"compression": "powersgd", "powersgd_rank": 4}
+    # diloco on the digits takes AdamW inside; the language model has it already
+    assert (
+        CASES["periodic:diloco/8"][-1] == "experiment=diloco"
+        and "experiment=diloco" not in LM_CASES["periodic:diloco/8"]
+    )
+    # the bench's period knob replaces sync_every; at its default both harnesses run the same period
+    periodic = OUR_CASES["periodic"]
+    assert periodic is CATALOGUE["periodic:local_sgd/8"] and periodic.arguments(BenchConfig())["sync_every"] == 8
+    assert periodic.arguments(BenchConfig(sync_every=3)) == {"mode": "local_sgd", "sync_every": 3}
+    # settings that differ on purpose are two cases
+    assert CATALOGUE["streaming_diloco_8"].knobs["outer_momentum"] == 0.0
+    assert "outer_momentum" not in CATALOGUE["periodic:streaming_diloco/8"].knobs
+    with pytest.raises(KeyError, match="nope"):
+        select("ddp", "nope")
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_smoke_run_gives_both_tables_and_a_results_file_with_provenance(tmp_path):

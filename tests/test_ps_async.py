@@ -123,7 +123,8 @@ def test_async_and_ssp_with_adamw_are_within_two_points_of_sync_on_the_digits(tm
     """AdamW (lr 0.003, 10 epochs) through the app; ``push_scale: auto`` is 1 for AdamW. The mean test accuracy over
     seeds 0, 1, 2 is compared: one async run's order of updates depends on timing, and a single run moved by more
     than 2 points (8 of 360 test images) against a sync run at the top of its seed spread."""
-    from lightning_sync.apps.compare import CASES, run_case
+    from lightning_sync.apps.compare import CASES
+    from lightning_sync.apps.runner import run_case
 
     adamw = ["model.optimizer=adamw", "model.lr=0.003"]
     runs: dict[str, list[float]] = {case: [] for case in ("ps:sync", "ps:async", "ps:ssp/2")}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_sync.apps.cases import periodic_cases
 from lightning_sync.apps.markdown import band_cell
 from lightning_sync.apps.stats import error_bar
 from lightning_sync.apps.study import (
@@ -24,7 +25,6 @@ from lightning_sync.apps.study import (
     modelled_accuracy_curve,
     modelled_step_seconds,
     modelled_time_to_accuracy,
-    periodic_cases,
     run_cases,
     seed_cases,
 )
@@ -202,7 +202,7 @@ def test_measured_time_to_accuracy_is_optional_and_checked(tmp_path):
 def test_periodic_cases_pair_diloco_with_its_inner_adamw():
     cases = periodic_cases(("gradient", "diloco"), (1, 8))
     assert list(cases) == ["gradient/1", "gradient/8", "diloco/1", "diloco/8"]
-    assert cases["diloco/8"][0] == "experiment=diloco" and "strategy.sync_every=8" in cases["diloco/8"]
+    assert cases["diloco/8"][-1] == "experiment=diloco" and "strategy.sync_every=8" in cases["diloco/8"]
     assert "experiment=diloco" not in cases["gradient/8"]
     with pytest.raises(ValueError, match="probe_every_batches=0"):
         Timeline("x", probe_every_batches=0)

@@ -45,80 +45,30 @@ from pathlib import Path
 from typing import Any
 
 from lightning_sync.apps._console import ProgressReport, quiet_lightning
+from lightning_sync.apps.cases import hydra_cases
 from lightning_sync.apps.markdown import format_cell, markdown_table
 from lightning_sync.apps.provenance import provenance
 from lightning_sync.apps.runner import available_strategies, case_dir_name, run_case
 from lightning_sync.apps.stats import spread, verdict
 
-# Each case: Hydra overrides on top of conf/config.yaml.
-CASES: dict[str, list[str]] = {
-    "ddp": ["strategy=ddp"],
-    "ddp+fp16_hook": ["strategy=ddp", "strategy.comm_hook=fp16"],
-    "ddp+powersgd_hook": ["strategy=ddp", "strategy.comm_hook=powersgd"],
-    "allreduce": ["strategy=allreduce"],
-    "allreduce+fp16": ["strategy=allreduce", "strategy.compression=fp16"],
-    "allreduce+bf16": ["strategy=allreduce", "strategy.compression=bf16"],
-    "allreduce+topk1%": ["strategy=allreduce", "strategy.compression=topk", "strategy.topk_density=0.01"],
-    "allreduce+powersgd4": ["strategy=allreduce", "strategy.compression=powersgd", "strategy.powersgd_rank=4"],
-    "periodic:local_sgd/8": ["strategy=periodic", "strategy.mode=local_sgd", "strategy.sync_every=8"],
-    # The paper's setting (conf/experiment/diloco.yaml): AdamW inside, outer Nesterov SGD at lr 0.7, momentum 0.9.
-    # On top of this model's default inner SGD (lr 0.1, momentum 0.9) that outer momentum diverges.
-    "periodic:diloco/8": ["strategy=periodic", "strategy.mode=diloco", "strategy.sync_every=8", "experiment=diloco"],
-    # One dedicated server process; in async and ssp the same samples as the other rows, one update per push.
-    "ps:sync": ["strategy=ps", "strategy.mode=sync"],
-    "ps:async": ["strategy=ps", "strategy.mode=async"],
-    "ps:ssp/2": ["strategy=ps", "strategy.mode=ssp", "strategy.max_staleness=2"],
-}
-# The language model's cases: the reference and the modes that cut bytes (the regime this workload is sized for).
-# CharGPT trains with AdamW already, so diloco needs no experiment of its own.
-LM_CASES: dict[str, list[str]] = {
-    "ddp": ["strategy=ddp"],
-    "allreduce+powersgd4": CASES["allreduce+powersgd4"],
-    "periodic:local_sgd/8": CASES["periodic:local_sgd/8"],
-    "periodic:diloco/8": ["strategy=periodic", "strategy.mode=diloco", "strategy.sync_every=8"],
-}
+# The cases of each workload, from the catalogue (lightning_sync.apps.cases): {case: Hydra overrides}.
+CASES: dict[str, list[str]] = hydra_cases(
+    [
+        *("ddp", "ddp+fp16_hook", "ddp+powersgd_hook"),
+        *("allreduce", "allreduce+fp16", "allreduce+bf16", "allreduce+topk1%", "allreduce+powersgd4"),
+        *("periodic:local_sgd/8", "periodic:diloco/8", "ps:sync", "ps:async", "ps:ssp/2"),
+    ],
+    digits=True,
+)
+# The language model's: the reference and the modes that cut bytes (the regime this workload is sized for).
+LM_CASES = hydra_cases(("ddp", "allreduce+powersgd4", "periodic:local_sgd/8", "periodic:diloco/8"))
 # Language-model cases that run only when named in --cases: not part of the main job's ten minutes.
-LM_OPT_IN_CASES: dict[str, list[str]] = {
-    "periodic:streaming_diloco/16": [
-        "strategy=periodic",
-        "strategy.mode=diloco",
-        "strategy.sync_every=16",
-        "strategy.fragments=4",
-        "strategy.sync_delay=2",
-        "strategy.fragment_alpha=0.5",
-        "strategy.outer_compression=int4",
-    ],
-    "periodic:streaming_diloco/8": [
-        "strategy=periodic",
-        "strategy.mode=diloco",
-        "strategy.sync_every=8",
-        "strategy.fragments=4",
-        "strategy.sync_delay=1",
-        "strategy.fragment_alpha=0.5",
-        "strategy.outer_compression=int4",
-    ],
-    "periodic:streaming_diloco/8/k2": [
-        "strategy=periodic",
-        "strategy.mode=diloco",
-        "strategy.sync_every=8",
-        "strategy.fragments=2",
-        "strategy.sync_delay=3",
-        "strategy.fragment_alpha=0.5",
-        "strategy.outer_compression=int4",
-    ],
-    "periodic:streaming_diloco/12": [
-        "strategy=periodic",
-        "strategy.mode=diloco",
-        "strategy.sync_every=12",
-        "strategy.fragments=4",
-        "strategy.sync_delay=2",
-        "strategy.fragment_alpha=0.5",
-        "strategy.outer_compression=int4",
-    ],
-    "ps:async": CASES["ps:async"],
-    "ps:async_local/8": ["strategy=ps", "strategy.mode=async", "strategy.local_steps=8"],
-    "ps:async_local/auto": ["strategy=ps", "strategy.mode=async", "strategy.local_steps=auto"],
-}
+LM_OPT_IN_CASES = hydra_cases(
+    [
+        *("periodic:streaming_diloco/16", "periodic:streaming_diloco/8", "periodic:streaming_diloco/8/k2"),
+        *("periodic:streaming_diloco/12", "ps:async", "ps:async_local/8", "ps:async_local/auto"),
+    ]
+)
 REFERENCE = "ddp"
 """The case every other case of a workload is compared with (``vs ddp``)."""
 DEFAULT_SEEDS = (0, 1, 2)

@@ -504,7 +504,7 @@ def run_cases(
     name with ``/``, ``:``, ``%``, spaces and other punctuation replaced (``auto, target 2%`` -> ``auto_target_2pct``).
 
     Args:
-        cases: ``{name: Hydra overrides}`` (e.g. :data:`lightning_sync.apps.compare.CASES`).
+        cases: ``{name: Hydra overrides}`` (e.g. :func:`lightning_sync.apps.cases.hydra_cases`).
         out: the parent folder of the run folders.
         common: overrides for every case, applied last (epochs, batch limits, seed).
         probe_every_batches: rank 0's validation probes (see :class:`Timeline`).
@@ -522,28 +522,6 @@ def run_cases(
         )
         for name, overrides in cases.items()
     }
-
-
-def periodic_cases(
-    modes: Iterable[str], periods: Iterable[int | str], extra: Sequence[str] = ()
-) -> dict[str, list[str]]:
-    """``{"<mode>/<period>": overrides}`` for ``strategy=periodic``, every mode at every period.
-
-    ``diloco`` runs as ``experiment=diloco`` (AdamW inside, the pairing of its paper: on this model's default inner
-    SGD with momentum its outer momentum diverges); ``gradient`` and ``local_sgd`` keep the model's SGD.
-    """
-    cases = {}
-    for mode in modes:
-        base = ["experiment=diloco"] if mode == "diloco" else []
-        for period in periods:
-            cases[f"{mode}/{period}"] = [
-                *base,
-                "strategy=periodic",
-                f"strategy.mode={mode}",
-                f"strategy.sync_every={period}",
-                *extra,
-            ]
-    return cases
 
 
 # ---------------------------------------------------------------------------------------------------- tables

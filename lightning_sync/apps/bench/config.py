@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
+from lightning_sync.apps.cases import Case, select
 from lightning_sync.errors import ConfigError, check_choice, check_range
 
 RATES = ("loopback", "10mbit", "100mbit", "1gbit")
@@ -45,127 +46,13 @@ class Workload:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class OurCase:
-    """A case that runs one of our strategies.
-
-    Attributes:
-        strategy: the class name in :mod:`lightning_sync` (``AllReduceStrategy``, ...).
-        knobs: its keyword arguments; a value ``"$name"`` is the benchmark knob ``name`` (e.g. ``"$sync_every"``).
-        about: one line for ``--help``.
-    """
-
-    strategy: str
-    knobs: dict[str, Any]
-    about: str
-
-    def arguments(self, cfg: Any) -> dict[str, Any]:
-        """The knobs with every ``"$name"`` replaced by ``cfg.name``."""
-        return {
-            k: getattr(cfg, v[1:]) if isinstance(v, str) and v.startswith("$") else v for k, v in self.knobs.items()
-        }
-
-
-# Our strategies as cases: adding one (e.g. a periodic mode with more knobs) is one line here.
-OUR_CASES: dict[str, OurCase] = {
-    "sync_ddp": OurCase("DDPSyncStrategy", {}, "our DDPSyncStrategy (torch DDP through the meter)"),
-    "allreduce": OurCase("AllReduceStrategy", {}, "our AllReduceStrategy, defaults (bucketing=auto)"),
-    "allreduce_flat": OurCase("AllReduceStrategy", {"bucketing": "flat"}, "our AllReduceStrategy(bucketing='flat')"),
-    "allreduce_overlap": OurCase(
-        "AllReduceStrategy", {"bucketing": "overlap"}, "our AllReduceStrategy(bucketing='overlap')"
-    ),
-    "periodic": OurCase(
-        "PeriodicSyncStrategy",
-        {"mode": "local_sgd", "sync_every": "$sync_every"},
-        "our PeriodicSyncStrategy(mode='local_sgd', sync_every=sync_every)",
-    ),
-    "diloco": OurCase(
-        "PeriodicSyncStrategy",
-        {"mode": "diloco", "sync_every": "$diloco_sync_every"},
-        "our PeriodicSyncStrategy(mode='diloco', sync_every=diloco_sync_every), outer SGD lr 0.7, Nesterov 0.9",
-    ),
-    "streaming_diloco": OurCase(
-        "PeriodicSyncStrategy",
-        {
-            "mode": "diloco",
-            "sync_every": "$diloco_sync_every",
-            "fragments": 4,
-            "sync_delay": 2,
-            "fragment_alpha": 0.5,
-            "outer_compression": "int4",
-        },
-        "diloco with fragments=4, sync_delay=2, fragment_alpha=0.5, outer_compression='int4' (streaming DiLoCo)",
-    ),
-    "diloco_8": OurCase(
-        "PeriodicSyncStrategy",
-        {"mode": "diloco", "sync_every": "$sync_every", "outer_momentum": 0.0},
-        "diloco every sync_every steps with an outer SGD without momentum: streaming_diloco_8 without fragments, "
-        "delay or int4",
-    ),
-    "streaming_diloco_8_k2": OurCase(
-        "PeriodicSyncStrategy",
-        {
-            "mode": "diloco",
-            "sync_every": "$sync_every",
-            "fragments": 2,
-            "sync_delay": 3,
-            "fragment_alpha": 0.5,
-            "outer_compression": "int4",
-            "outer_momentum": 0.0,
-        },
-        "streaming_diloco_8 with 2 fragments and sync_delay=3: the same bytes per step, each transfer twice as "
-        "large with 3 inner steps to hide behind",
-    ),
-    "diloco_12": OurCase(
-        "PeriodicSyncStrategy",
-        {"mode": "diloco", "sync_every": 12, "outer_momentum": 0.0},
-        "diloco every 12 steps with an outer SGD without momentum: streaming_diloco_12 without fragments, delay or "
-        "int4",
-    ),
-    "streaming_diloco_12": OurCase(
-        "PeriodicSyncStrategy",
-        {
-            "mode": "diloco",
-            "sync_every": 12,
-            "fragments": 4,
-            "sync_delay": 2,
-            "fragment_alpha": 0.5,
-            "outer_compression": "int4",
-            "outer_momentum": 0.0,
-        },
-        "diloco every 12 steps with fragments=4, sync_delay=2, fragment_alpha=0.5, int4 and an outer SGD without "
-        "momentum (a fragment syncs every 3 steps, so each transfer has 2 steps to hide behind)",
-    ),
-    "streaming_diloco_8": OurCase(
-        "PeriodicSyncStrategy",
-        {
-            "mode": "diloco",
-            "sync_every": "$sync_every",
-            "fragments": 4,
-            "sync_delay": 1,
-            "fragment_alpha": 0.5,
-            "outer_compression": "int4",
-            "outer_momentum": 0.0,
-        },
-        "diloco every sync_every steps with fragments=4, sync_delay=1, fragment_alpha=0.5, int4 and an outer SGD "
-        "without momentum (the setting that matches DDP's loss on char_lm in 300 steps)",
-    ),
-    "powersgd": OurCase(
-        "AllReduceStrategy",
-        {"compression": "powersgd", "powersgd_rank": 4},
-        "our AllReduceStrategy(compression='powersgd', powersgd_rank=4)",
-    ),
-    "topk": OurCase(
-        "AllReduceStrategy",
-        {"compression": "topk", "topk_density": 0.01},
-        "our AllReduceStrategy(compression='topk', topk_density=0.01)",
-    ),
-    "ps_async": OurCase(
-        "ParameterServerStrategy",
-        {"mode": "async"},
-        "our ParameterServerStrategy(mode='async'), one dedicated server on node 0",
-    ),
-}
+OUR_CASES: dict[str, Case] = select(
+    *("sync_ddp", "allreduce", "allreduce_flat", "allreduce_overlap", "periodic", "diloco", "streaming_diloco"),
+    *("diloco_8", "streaming_diloco_8_k2", "diloco_12", "streaming_diloco_12", "streaming_diloco_8"),
+    *("powersgd", "topk", "ps_async"),
+)
+"""The cases that run one of our strategies, from the catalogue (:mod:`lightning_sync.apps.cases`) by their
+benchmark names; a case's ``period_knob`` (``sync_every``, ``diloco_sync_every``) sets its period here."""
 
 # Every case's name and what it runs; the first six are the anchors and bounds.
 CASE_HELP: dict[str, str] = {

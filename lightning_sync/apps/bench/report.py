@@ -122,7 +122,7 @@ def _payload_kind(case: str) -> str:
     if any(knobs.get(k, "none") != "none" for k in ("compression", "outer_compression")):
         return "compressed"
     if ours is not None or case.startswith(("lightning_ddp", "torch_")):
-        return "ring" if ours is None or ours.strategy != "ParameterServerStrategy" else "push"
+        return "ring" if ours is None or ours.group != "ps" else "push"
     return ""
 
 

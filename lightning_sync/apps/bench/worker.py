@@ -105,10 +105,11 @@ def _clock_for(
 
 
 def _strategy(case: str, cfg: BenchConfig) -> Any:
+    from hydra.utils import get_class
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-    import lightning_sync
     from lightning_sync.apps.bench.lightning_parts import NoSyncStrategy
+    from lightning_sync.apps.conf_store import MODES
 
     if case in ("lightning_ddp", "lightning_ddp_view"):
         return DDPStrategy(
@@ -119,14 +120,14 @@ def _strategy(case: str, cfg: BenchConfig) -> Any:
     if case == "floor":  # compute and Lightning's loop only
         return NoSyncStrategy(skip_nonfinite=False, timeout_s=cfg.timeout_s)
     ours = OUR_CASES[case]
-    return getattr(lightning_sync, ours.strategy)(**ours.arguments(cfg), timeout_s=cfg.timeout_s)
+    return get_class(MODES[ours.group][0])(**ours.arguments(cfg), timeout_s=cfg.timeout_s)
 
 
 def _cross_host(case: str, node: int, sent: float, recv: float) -> float:
     """The meter's bytes of this rank that cross the link: what it sent, as every collective's bytes reach a peer
     on the other host; for ps, whose server runs on node 0, node 0's worker talks to it over loopback, and another
     node's worker sends its pushes and receives the server's replies over the link."""
-    if case in OUR_CASES and OUR_CASES[case].strategy == "ParameterServerStrategy":
+    if case in OUR_CASES and OUR_CASES[case].group == "ps":
         return 0.0 if node == 0 else sent + recv
     return sent
 

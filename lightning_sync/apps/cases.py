@@ -1,0 +1,148 @@
+"""The comparison cases: every sync mode and knob setting that the main job, the benchmark and the notebooks run.
+
+A :class:`Case` is a strategy (its Hydra option, ``conf/strategy/<group>.yaml``) and its knobs, defined once in
+:data:`CATALOGUE`. ``python -m lightning_sync.compare`` and the notebooks run it as Hydra overrides
+(:meth:`Case.overrides`, :func:`hydra_cases`); ``python -m lightning_sync.bench`` builds the strategy from the same
+knobs (:meth:`Case.arguments`). Each harness selects its cases by name (:func:`select`): a case both run has the
+main job's name and the benchmark's as its ``alias``. Where the two deliberately run different settings (the
+benchmark's DiLoCo variants on an outer SGD without momentum), they are two cases.
+
+A leaf: it imports nothing of torch, Lightning or Hydra.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Case:
+    """One comparison case.
+
+    Attributes:
+        name: its name in the main job's tables and in the notebooks (``periodic:diloco/8``).
+        group: the strategy's Hydra option: ``ddp``, ``allreduce``, ``periodic`` or ``ps``.
+        knobs: the strategy's knobs (``strategy.<knob>=<value>``, or its constructor's keyword arguments).
+        about: one line for ``--help`` and the results page.
+        alias: its name in the benchmark, where that differs (``powersgd``).
+        period_knob: the benchmark knob that sets ``sync_every`` there (its default is ``knobs["sync_every"]``).
+    """
+
+    name: str
+    group: str
+    knobs: dict[str, Any] = field(default_factory=dict)
+    about: str = ""
+    alias: str = ""
+    period_knob: str = ""
+
+    def overrides(self) -> list[str]:
+        """The Hydra overrides on ``conf/config.yaml`` that select the strategy and set its knobs."""
+        return [f"strategy={self.group}", *(f"strategy.{k}={v}" for k, v in self.knobs.items())]
+
+    def arguments(self, knobs: Any) -> dict[str, Any]:
+        """The strategy's keyword arguments, ``sync_every`` read from ``knobs.<period_knob>`` when it has one."""
+        return {**self.knobs, **({"sync_every": getattr(knobs, self.period_knob)} if self.period_knob else {})}
+
+
+def _streaming(name: str, every: int, fragments: int, delay: int, about: str, sgd: bool = False, **more: Any) -> Case:
+    """Streaming DiLoCo: ``fragments`` fragments synced ``delay`` steps late, fragment_alpha 0.5, int4 outer
+    payloads; ``sgd``: an outer SGD without momentum."""
+    knobs = {"mode": "diloco", "sync_every": every, "fragments": fragments, "sync_delay": delay}
+    knobs |= {"fragment_alpha": 0.5, "outer_compression": "int4", **({"outer_momentum": 0.0} if sgd else {})}
+    return Case(name, "periodic", knobs, about, **more)
+
+
+_SGD = "an outer SGD without momentum"
+# fmt: off
+_CASES = (
+    Case("ddp", "ddp", {}, "our DDPSyncStrategy (torch DDP through the meter)", alias="sync_ddp"),
+    Case("ddp+fp16_hook", "ddp", {"comm_hook": "fp16"}, "DDP with torch's fp16 compression hook"),
+    Case("ddp+powersgd_hook", "ddp", {"comm_hook": "powersgd"}, "DDP with torch's PowerSGD hook"),
+    Case("allreduce", "allreduce", {}, "our AllReduceStrategy, defaults (bucketing=auto)"),
+    Case("allreduce+fp16", "allreduce", {"compression": "fp16"}, "gradients all-reduced in fp16"),
+    Case("allreduce+bf16", "allreduce", {"compression": "bf16"}, "gradients all-reduced in bf16"),
+    Case("allreduce+topk1%", "allreduce", {"compression": "topk", "topk_density": 0.01},
+         "our AllReduceStrategy(compression='topk', topk_density=0.01)", alias="topk"),
+    Case("allreduce+powersgd4", "allreduce", {"compression": "powersgd", "powersgd_rank": 4},
+         "our AllReduceStrategy(compression='powersgd', powersgd_rank=4)", alias="powersgd"),
+    Case("periodic:local_sgd/8", "periodic", {"mode": "local_sgd", "sync_every": 8},
+         "our PeriodicSyncStrategy(mode='local_sgd', sync_every=sync_every)", alias="periodic",
+         period_knob="sync_every"),
+    Case("periodic:diloco/8", "periodic", {"mode": "diloco", "sync_every": 8},
+         "DiLoCo every 8 steps, the strategy's outer Nesterov SGD (lr 0.7, momentum 0.9)"),
+    # one dedicated server process; in async and ssp the same samples as the other rows, one update per push
+    Case("ps:sync", "ps", {"mode": "sync"}, "parameter server, synchronous"),
+    Case("ps:async", "ps", {"mode": "async"},
+         "our ParameterServerStrategy(mode='async'), one dedicated server on node 0", alias="ps_async"),
+    Case("ps:ssp/2", "ps", {"mode": "ssp", "max_staleness": 2}, "stale-synchronous, at most 2 steps apart"),
+    _streaming("periodic:streaming_diloco/16", 16, 4, 2, "diloco with fragments=4, sync_delay=2, "
+               "fragment_alpha=0.5, outer_compression='int4' (streaming DiLoCo)", alias="streaming_diloco",
+               period_knob="diloco_sync_every"),
+    _streaming("periodic:streaming_diloco/8", 8, 4, 1, "streaming DiLoCo every 8 steps, sync_delay=1"),
+    _streaming("periodic:streaming_diloco/8/k2", 8, 2, 3, "streaming DiLoCo, 2 fragments, sync_delay=3"),
+    _streaming("periodic:streaming_diloco/12", 12, 4, 2, "streaming DiLoCo every 12 steps"),
+    Case("ps:async_local/8", "ps", {"mode": "async", "local_steps": 8}, "async ps, 8 local steps per push"),
+    Case("ps:async_local/auto", "ps", {"mode": "async", "local_steps": "auto"}, "async ps, local steps auto"),
+    # the benchmark's own: bucketing variants, and DiLoCo at a benchmark knob's period or with an outer plain SGD
+    Case("allreduce_flat", "allreduce", {"bucketing": "flat"}, "our AllReduceStrategy(bucketing='flat')"),
+    Case("allreduce_overlap", "allreduce", {"bucketing": "overlap"}, "our AllReduceStrategy(bucketing='overlap')"),
+    Case("diloco", "periodic", {"mode": "diloco", "sync_every": 16}, "our PeriodicSyncStrategy(mode='diloco', "
+         "sync_every=diloco_sync_every), outer SGD lr 0.7, Nesterov 0.9", period_knob="diloco_sync_every"),
+    Case("diloco_8", "periodic", {"mode": "diloco", "sync_every": 8, "outer_momentum": 0.0}, "diloco every "
+         f"sync_every steps with {_SGD}: streaming_diloco_8 without fragments, delay or int4",
+         period_knob="sync_every"),
+    _streaming("streaming_diloco_8_k2", 8, 2, 3, "streaming_diloco_8 with 2 fragments and sync_delay=3: the same "
+               "bytes per step, each transfer twice as large with 3 inner steps to hide behind", True,
+               period_knob="sync_every"),
+    Case("diloco_12", "periodic", {"mode": "diloco", "sync_every": 12, "outer_momentum": 0.0},
+         f"diloco every 12 steps with {_SGD}: streaming_diloco_12 without fragments, delay or int4"),
+    _streaming("streaming_diloco_12", 12, 4, 2, "diloco every 12 steps with fragments=4, sync_delay=2, "
+               f"fragment_alpha=0.5, int4 and {_SGD} (a fragment syncs every 3 steps, so each transfer has 2 steps "
+               "to hide behind)", True),
+    _streaming("streaming_diloco_8", 8, 4, 1, "diloco every sync_every steps with fragments=4, sync_delay=1, "
+               f"fragment_alpha=0.5, int4 and {_SGD} (the setting that matches DDP's loss on char_lm in 300 steps)",
+               True, period_knob="sync_every"),
+)
+# fmt: on
+CATALOGUE: dict[str, Case] = {key: case for case in _CASES for key in (case.name, case.alias) if key}
+"""Every case, by its name and by its alias."""
+
+
+def select(*names: str) -> dict[str, Case]:
+    """``{name: case}`` of :data:`CATALOGUE`, in the order given (a name or an alias).
+
+    Raises:
+        KeyError: a name that is not in the catalogue (naming it and the known names).
+    """
+    unknown = [n for n in names if n not in CATALOGUE]
+    if unknown:
+        raise KeyError(f"cases {unknown} are not in the catalogue; known: {', '.join(CATALOGUE)}")
+    return {name: CATALOGUE[name] for name in names}
+
+
+DIGITS_DILOCO = "experiment=diloco"
+"""What a ``diloco`` case adds on the digits classifier: AdamW inside, as DiLoCo's paper pairs them
+(``conf/experiment/diloco.yaml``); the classifier's default inner SGD with momentum diverges under the outer
+momentum. The language model trains with AdamW already."""
+
+
+def _on(case: Case, digits: bool) -> list[str]:
+    return [*case.overrides(), *([DIGITS_DILOCO] if digits and case.knobs.get("mode") == "diloco" else [])]
+
+
+def hydra_cases(names: Iterable[str], digits: bool = False) -> dict[str, list[str]]:
+    """``{name: Hydra overrides}`` of the named cases; ``digits``: for the digits classifier (:data:`DIGITS_DILOCO`)."""
+    return {name: _on(case, digits) for name, case in select(*names).items()}
+
+
+def periodic_cases(
+    modes: Iterable[str], periods: Iterable[int | str], extra: Sequence[str] = ()
+) -> dict[str, list[str]]:
+    """``{"<mode>/<period>": overrides}`` of ``strategy=periodic`` on the digits classifier, every mode at every
+    period (``diloco`` with :data:`DIGITS_DILOCO`; ``gradient`` and ``local_sgd`` keep the model's SGD), then
+    ``extra``."""
+    every = list(periods)
+    grid = [Case(f"{m}/{p}", "periodic", {"mode": m, "sync_every": p}) for m in modes for p in every]
+    return {case.name: [*_on(case, digits=True), *extra] for case in grid}
