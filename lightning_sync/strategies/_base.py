@@ -112,11 +112,12 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, LightningDDPHook
         self._heap_frozen = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Appends the ``Args:`` of a mode that defines its constructor to its docstring: each field of its
-        ``config_class`` with the field's help, then Lightning's arguments."""
+        """Appends the ``Args:`` of a mode that defines its constructor to its docstring (unless it has one): each
+        field of its ``config_class`` with the field's help, then Lightning's arguments."""
         super().__init_subclass__(**kwargs)
-        if "__init__" in vars(cls) and cls.__doc__:
-            cls.__doc__ = inspect.cleandoc(cls.__doc__) + "\n\n" + _args_section(cls)
+        doc = inspect.cleandoc(cls.__doc__ or "")
+        if "__init__" in vars(cls) and doc and "\nArgs:\n" not in doc:
+            cls.__doc__ = doc + "\n\n" + _args_section(cls)
 
     @classmethod
     def from_config(cls, config: StrategyConfig, **lightning: Any) -> Self:
