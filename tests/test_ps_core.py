@@ -37,7 +37,7 @@ from fault_utils import allowed_s  # noqa: E402
 import lightning_sync.ps as ps  # noqa: E402
 from lightning_sync.ps._layout import ShardLayout  # noqa: E402
 from lightning_sync.ps._protocol import HEADER_BYTES  # noqa: E402
-from lightning_sync.ps.server import STALENESS_CAP  # noqa: E402
+from lightning_sync.ps.shard import STALENESS_CAP  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -7,8 +7,10 @@ Parts, one module per concern:
 * :mod:`~lightning_sync.ps.sharding`: which server holds which parameter (balanced by bytes);
 * :mod:`~lightning_sync.ps.optim_spec`: the worker's optimizer as a picklable recipe, rebuilt per shard;
 * :mod:`~lightning_sync.ps.codec`: pushed-gradient encodings (``none``, ``fp16``, ``bf16``, ``topk``);
-* :mod:`~lightning_sync.ps.server`: the shard state and the server loop (``sync``, ``async``, ``ssp``; stop,
-  checkpoint, stats), also ``python -m lightning_sync.ps`` (a dedicated server);
+* :mod:`~lightning_sync.ps.shard`: one server's shard state and the arithmetic of a step (no communication);
+* :mod:`~lightning_sync.ps.server`: the server loop (``sync``, ``async``, ``ssp``; stop, checkpoint, stats);
+* :mod:`~lightning_sync.ps.liveness`: when the server declares a silent worker lost;
+* ``python -m lightning_sync.ps`` (:mod:`lightning_sync.ps.__main__`): a dedicated server process;
 * :mod:`~lightning_sync.ps.client`: the worker's client (init, pull, push, stop, states, stats, close);
 * :mod:`~lightning_sync.ps.placement`: dedicated server processes or colocated server threads;
 * :mod:`~lightning_sync.ps.straggler`: slowing one worker down for experiments.
@@ -33,8 +35,9 @@ from lightning_sync.ps.placement import (
     start_server_processes,
     start_servers,
 )
-from lightning_sync.ps.server import ParameterServer, ServerShard, run_server
+from lightning_sync.ps.server import ParameterServer, run_server
 from lightning_sync.ps.settings import COMPRESSIONS, MODES, PSConfig
+from lightning_sync.ps.shard import ServerShard
 from lightning_sync.ps.sharding import shard_by_bytes, shard_indices
 from lightning_sync.ps.straggler import Straggler
 
