@@ -1,0 +1,80 @@
+"""Dense compressors: the bucket all-reduced as it is, or cast to fp16 / bf16 for the wire."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch.distributed import ProcessGroup
+
+from lightning_sync.comm.compression.base import Compressor, FlatBucket, _completed
+from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.tuning import MIB, MIN_CHUNK_MB, PARALLEL_CHUNKS
+from lightning_sync.errors import check_range
+
+
+class CastCompression(Compressor):
+    """Ring all-reduce of the bucket, cast to ``wire_dtype`` for the wire (``None``: sent as it is), then the mean.
+
+    The payload is divided by the world size before the sum (unless the owner already did), which also keeps a
+    16-bit sum in range. A payload of at least ``2 * min_chunk_mb`` is sent as ``parallel_chunks`` all-reduces of
+    contiguous slices, launched together: gloo runs concurrent collectives on separate worker threads (two by
+    default), so a large transfer uses more than one core while the rank waits for it. The bytes are the same.
+
+    Args:
+        parallel_chunks: the most slices one payload is split into (1: never split).
+        min_chunk_mb: the smallest slice, in MiB.
+    """
+
+    wire_dtype: ClassVar[torch.dtype | None] = None
+
+    def __init__(self, parallel_chunks: int = PARALLEL_CHUNKS, min_chunk_mb: float = MIN_CHUNK_MB) -> None:
+        super().__init__()
+        check_range("parallel_chunks", parallel_chunks, low=1, integer=True)
+        check_range("min_chunk_mb", min_chunk_mb, low=0, low_open=True)
+        self.parallel_chunks = int(parallel_chunks)
+        self.min_chunk_bytes = min_chunk_mb * MIB
+
+    def _slices(self, wire: torch.Tensor) -> list[torch.Tensor]:
+        nbytes = wire.numel() * wire.element_size()
+        chunks = max(1, min(self.parallel_chunks, int(nbytes // self.min_chunk_bytes)))
+        return list(wire.chunk(chunks)) if chunks > 1 else [wire]
+
+    def average(self, bucket: FlatBucket, meter: CommMeter, group: ProcessGroup | None = None) -> torch.futures.Future:
+        n = meter.world_size(group)
+        buffer = bucket.buffer
+        if n == 1:
+            return _completed(buffer)
+        wire = buffer if self.wire_dtype is None else buffer.to(self.wire_dtype)
+        if not bucket.divided:
+            wire.div_(n)
+        futures = [meter.all_reduce(part, group=group, async_op=True).get_future() for part in self._slices(wire)]
+        done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
+
+        def _decode(done: torch.futures.Future) -> torch.Tensor:
+            done.value()  # the first failed slice's error (collect_all ends at a failure, before the other slices)
+            if wire is not buffer:
+                buffer.copy_(wire)
+            return buffer
+
+        return done.then(_decode)
+
+
+class NoCompression(CastCompression):
+    """Plain all-reduce in the buffer's own dtype (fp32 for fp32 gradients): the exact mean."""
+
+    name = "none"
+
+
+class FP16Compression(CastCompression):
+    """IEEE half precision on the wire (pre-divided by the world size to keep the sum in range)."""
+
+    name = "fp16"
+    wire_dtype = torch.float16
+
+
+class BF16Compression(CastCompression):
+    """bfloat16 on the wire: fp32's range, 8 bits of mantissa."""
+
+    name = "bf16"
+    wire_dtype = torch.bfloat16

@@ -1,0 +1,251 @@
+"""PowerSGD: low-rank gradient compression by one step of power iteration, with error feedback and warm start."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+from typing_extensions import override
+
+from lightning_sync.comm.compression.base import Compressor, FlatBucket, _completed
+from lightning_sync.comm.compression.cast import NoCompression
+from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.nonfinite import zero_nonfinite_
+from lightning_sync.errors import check_range
+
+
+@dataclass
+class _PowerSGDMemory:
+    """What PowerSGD keeps for one bucket between calls."""
+
+    shapes: list[torch.Size]
+    generator: torch.Generator
+    q: list[torch.Tensor]  # one (m, rank) factor per compressed matrix, identical on all ranks
+    residuals: list[torch.Tensor | None]  # one (n, m) error-feedback residual per compressed matrix
+
+
+def _orthonormalize(p: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning the columns of ``p`` (``n x r``, ``r <= n``), via Householder QR.
+
+    Householder QR always returns orthonormal columns, also for rank-deficient or all-zero ``p`` (no division by a
+    vanishing norm, hence no NaN). It is deterministic, so ranks holding identical ``p`` get identical results.
+    """
+    q, _ = torch.linalg.qr(p, mode="reduced")
+    return q
+
+
+class PowerSGDCompression(Compressor):
+    """Low-rank gradient compression by one step of power iteration (Vogels et al., 2019, "PowerSGD").
+
+    While ``steps < start_iter`` it is exactly :class:`NoCompression`. After that, per bucket:
+
+    * every tensor with ``ndim >= 2`` is viewed as a matrix ``M`` of shape ``(shape[0], prod(shape[1:]))``; it is
+      compressed iff ``rank * (n + m) < n * m``. Every other tensor (biases, small matrices) goes, packed into one
+      flat buffer, through one plain all-reduce;
+    * for the compressed matrices (with error feedback ``M += residual`` first): ``P = M @ Q``; all ``P`` are
+      all-reduced packed in one buffer; each ``P`` is orthonormalised; ``Q = M^T @ P``; all ``Q`` are all-reduced
+      packed in one buffer and divided by the world size; the approximation ``P @ Q^T`` (= ``P P^T mean(M)``) is
+      written back into the bucket and ``residual = M - approximation``.
+
+    So a compressed ``n x m`` matrix puts exactly ``rank * (n + m)`` fp32 values on the wire. ``Q`` starts from a
+    :class:`torch.Generator` seeded with ``seed + bucket.index`` (identical on all ranks); with ``warm_start`` the
+    previous step's (all-reduced, hence identical) ``Q`` is reused, otherwise a fresh one is drawn from that
+    generator every call. A warm-started column that became exactly zero (e.g. after an all-zero gradient) is
+    redrawn, so the factor cannot collapse. Results are bit-identical on all ranks.
+
+    Every collective is issued from the calling thread, in program order: the ``P`` all-reduce (and the remainder's)
+    is launched asynchronously and waited for in :meth:`average`, then the ``Q`` all-reduce is launched
+    asynchronously and the returned future completes after it. Issuing the second collective from a completion
+    callback instead is unsafe on gloo with several buckets in flight: a blocking call there starves gloo's worker
+    threads (deadlock), an asynchronous one can reach the process group in a different order on different ranks.
+
+    With one rank the buffer already is the mean and is returned untouched.
+
+    Args:
+        rank: the rank of the approximation (``>= 1``).
+        start_iter: number of initial steps averaged without compression (``>= 0``).
+        error_feedback: keep ``M - approximation`` and add it to the next call's matrix.
+        warm_start: reuse the previous ``Q`` instead of drawing a fresh one each call.
+        seed: seed of the per-bucket generator (``seed + bucket.index``).
+    """
+
+    name = "powersgd"
+
+    def __init__(
+        self,
+        rank: int,
+        start_iter: int = 0,
+        error_feedback: bool = True,
+        warm_start: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        check_range("powersgd_rank", rank, low=1, integer=True)
+        check_range("powersgd_start_iter", start_iter, low=0, integer=True)
+        self.rank = int(rank)
+        self.start_iter = int(start_iter)
+        self.error_feedback = bool(error_feedback)
+        self.warm_start = bool(warm_start)
+        self.seed = int(seed)
+        self._memory: dict[int, _PowerSGDMemory] = {}
+        self._uncompressed = NoCompression()
+
+    # ------------------------------------------------------------------ layout
+    def is_compressed(self, shape: torch.Size) -> bool:
+        """Whether a tensor of this shape is sent as rank-``rank`` factors (else it is all-reduced as is)."""
+        if len(shape) < 2:
+            return False
+        n, m = shape[0], math.prod(shape[1:])
+        return self.rank * (n + m) < n * m
+
+    def _memory_for(self, bucket: FlatBucket, device: torch.device) -> _PowerSGDMemory:
+        shapes = [torch.Size(s) for s in bucket.shapes]
+        mem = self._memory.get(bucket.index)
+        if mem is None:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(self.seed + bucket.index)
+            mem = _PowerSGDMemory(shapes=shapes, generator=generator, q=[], residuals=[])
+            self._memory[bucket.index] = mem
+        elif mem.shapes != shapes:
+            raise ValueError(
+                f"PowerSGDCompression: bucket {bucket.index} changed layout from {mem.shapes} to {shapes}; "
+                "bucket indices must keep their layout"
+            )
+        return mem
+
+    def _initial_q(self, mem: _PowerSGDMemory, slot: int, m: int, device: torch.device) -> torch.Tensor:
+        """The ``Q`` to multiply with for compressed matrix number ``slot`` (identical on all ranks)."""
+        if self.warm_start and slot < len(mem.q):
+            q = mem.q[slot].to(device)
+            dead = q.abs().sum(dim=0) == 0
+            if bool(dead.any()):
+                fresh = torch.randn(m, self.rank, generator=mem.generator).to(device)
+                q = torch.where(dead.unsqueeze(0), fresh, q)
+            return q
+        return torch.randn(m, self.rank, generator=mem.generator).to(device)
+
+    # ------------------------------------------------------------------ averaging
+    def average(self, bucket: FlatBucket, meter: CommMeter, group: ProcessGroup | None = None) -> torch.futures.Future:
+        if self.steps < self.start_iter:
+            return self._uncompressed.average(bucket, meter, group)
+        world = meter.world_size(group)
+        buffer = bucket.buffer
+        if world == 1:
+            return _completed(buffer)
+        device = buffer.device
+        mem = self._memory_for(bucket, device)
+
+        views = bucket.views()
+        compressed = [i for i, v in enumerate(views) if self.is_compressed(v.shape)]
+        plain = [i for i, v in enumerate(views) if not self.is_compressed(v.shape)]
+
+        # Remainder: one flat uncompressed all-reduce of the pre-divided tensors.
+        rest: torch.Tensor | None = None
+        rest_fut: torch.futures.Future | None = None
+        if plain and sum(views[i].numel() for i in plain) > 0:
+            rest = torch.cat([views[i].reshape(-1) for i in plain]).mul_(bucket.scale(world))
+            rest_fut = meter.all_reduce(rest, group=group, async_op=True).get_future()
+
+        # Matrices (plus residuals), and P = M @ Q for all of them packed into one buffer.
+        mats: list[torch.Tensor] = []
+        ps: list[torch.Tensor] = []
+        q_flat: torch.Tensor | None = None
+        q_fut: torch.futures.Future | None = None
+        if compressed:
+            qs = []
+            for slot, i in enumerate(compressed):
+                mat = views[i].reshape(views[i].shape[0], -1).to(torch.float32, copy=True)
+                residual = mem.residuals[slot] if self.error_feedback and slot < len(mem.residuals) else None
+                if residual is not None:
+                    mat.add_(residual.to(device))
+                mats.append(mat)
+                qs.append(self._initial_q(mem, slot, mat.shape[1], device))
+            p_flat = torch.cat([(mat @ q).reshape(-1) for mat, q in zip(mats, qs)])
+            meter.all_reduce(p_flat, group=group, async_op=True).wait()
+
+            # Orthonormalise each P (identical on all ranks); Q = M^T @ P, packed into one buffer.
+            offset = 0
+            for mat in mats:
+                numel = mat.shape[0] * self.rank
+                ps.append(_orthonormalize(p_flat[offset : offset + numel].view(mat.shape[0], self.rank)))
+                offset += numel
+            q_flat = torch.cat([(mat.t() @ p).reshape(-1) for mat, p in zip(mats, ps)])
+            q_fut = meter.all_reduce(q_flat, group=group, async_op=True).get_future()
+
+        pending = [f for f in (rest_fut, q_fut) if f is not None]
+
+        def _decode(done: Any) -> torch.Tensor:
+            if done is not None:
+                done.value()  # the first failed collective's error (collect_all ends at a failure)
+            if rest is not None:
+                offset = 0
+                for i in plain:
+                    numel = views[i].numel()
+                    views[i].copy_(rest[offset : offset + numel].view_as(views[i]))
+                    offset += numel
+            if q_flat is not None:
+                q_flat.mul_(bucket.scale(world))
+                residual_share = 1.0 / world if bucket.divided else 1.0
+                new_q, new_res, offset = [], [], 0
+                for i, mat, p in zip(compressed, mats, ps):
+                    numel = mat.shape[1] * self.rank
+                    q = q_flat[offset : offset + numel].view(mat.shape[1], self.rank)
+                    offset += numel
+                    approx = p @ q.t()
+                    views[i].copy_(approx.view_as(views[i]))
+                    new_q.append(q.clone())
+                    # ``mat`` is this rank's share: the full gradient, or gradient / world when ``divided``;
+                    # the residual is what the mean's approximation left out of it, in the same units.
+                    new_res.append(mat.sub_(approx, alpha=residual_share) if self.error_feedback else None)
+                mem.q = new_q if self.warm_start else []
+                mem.residuals = new_res if self.error_feedback else []
+            return buffer
+
+        if not pending:
+            return _completed(_decode(None))
+        return torch.futures.collect_all(pending).then(_decode)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Step count and, per bucket index, the layout, generator state, ``Q`` factors and residuals (cloned)."""
+        return {
+            "steps": self.steps,
+            "rank": self.rank,
+            "buckets": {
+                i: {
+                    "shapes": [tuple(s) for s in mem.shapes],
+                    "generator": mem.generator.get_state().clone(),
+                    "q": [q.clone() for q in mem.q],
+                    "residuals": [None if r is None else r.clone() for r in mem.residuals],
+                }
+                for i, mem in self._memory.items()
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "rank" in state and int(state["rank"]) != self.rank:
+            raise ValueError(f"PowerSGDCompression: state was saved with rank {state['rank']}, not {self.rank}")
+        memory: dict[int, _PowerSGDMemory] = {}
+        for i, saved in state.get("buckets", {}).items():
+            generator = torch.Generator(device="cpu")
+            generator.set_state(saved["generator"].clone())
+            memory[int(i)] = _PowerSGDMemory(
+                shapes=[torch.Size(s) for s in saved["shapes"]],
+                generator=generator,
+                q=[q.clone() for q in saved["q"]],
+                residuals=[None if r is None else r.clone() for r in saved["residuals"]],
+            )
+        self._memory = memory
+
+    @override
+    def forget_nonfinite(self) -> None:
+        """Redraws a bucket's ``Q`` factors when any holds a NaN or Inf (they are all-reduced, so every rank does
+        the same), and zeroes the non-finite entries of the residuals (each rank's own)."""
+        for mem in self._memory.values():
+            if not all(bool(q.isfinite().all()) for q in mem.q):
+                mem.q = []
+            zero_nonfinite_(r for r in mem.residuals if r is not None)

@@ -1,0 +1,104 @@
+"""Errors of collectives that another rank caused, restated to name that rank.
+
+A collective that fails because another rank is frozen (it did not answer within the group's timeout) or gone (its
+connection closed) raises a :class:`PeerError` naming that rank, e.g. ``all_reduce on rank 0 failed: rank 1 did not
+answer within 8 s``. This module reads the backend's error strings (gloo's wording) to tell those failures from
+others (a shape mismatch, a bad argument), which are left as they are.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+class PeerError(RuntimeError):
+    """A collective failed because another rank of its group did not answer within the group's timeout (a frozen
+    or stalled process) or closed its connection (its process is gone). The message names the rank."""
+
+
+# What gloo says of a silent peer and of a lost one; any other error (a shape mismatch, a bad argument) is not
+# restated. A torch future wraps an error raised in a ``then`` callback in "Got the following error ...: <type>: ".
+_SILENT = ("timed out", "timeout")
+_WAITED_MS = re.compile(r"waiting (\d+) ?ms")
+_GONE = ("connection closed", "closed by peer", "connection reset", "broken pipe", "connection refused")
+_CALLBACK_PREFIX = re.compile(r"^(?:Got the following error when running the callback: \w+(?:\.\w+)*: )+")
+_RESTATED = re.compile(r"^[\w ]+ on rank \d+ failed: ")  # a PeerError's message, seen through such wrapping
+
+
+def _peers(group: ProcessGroup | None) -> str:
+    """The other ranks of ``group`` (global ranks): ``"rank 1"``, or ``"one of ranks 1, 2, 3"``."""
+    me = dist.get_rank()
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    others = [r for r in ranks if r != me]
+    return f"rank {others[0]}" if len(others) == 1 else "one of ranks " + ", ".join(map(str, others))
+
+
+def peer_error(
+    op: str, group: ProcessGroup | None, error: BaseException, timeout_s: float | None = None
+) -> PeerError | None:
+    """``error`` of collective ``op`` restated as a :class:`PeerError` naming the peer, if a peer caused it.
+
+    On 2 ranks the peer is named exactly; on more the backend does not say which rank failed to answer, so the
+    others are listed. An error that already is (or wraps) a :class:`PeerError` message is returned unwrapped.
+
+    Args:
+        op: what was running (``"all_reduce"``).
+        group: its process group (``None``: default).
+        error: what the backend raised.
+        timeout_s: the group's timeout, for the message (``None``: as the backend's message says, if it does).
+
+    Returns:
+        The restated error, or ``None`` when ``error`` does not come from a silent or lost peer.
+    """
+    text = _CALLBACK_PREFIX.sub("", str(error).strip())
+    first = text.splitlines()[0] if text else type(error).__name__
+    if _RESTATED.match(first):
+        return PeerError(first)
+    lowered = first.lower()
+    if any(marker in lowered for marker in _GONE):
+        what = "closed its connection (its process is gone)"
+    elif any(marker in lowered for marker in _SILENT):
+        waited = _WAITED_MS.search(first)
+        if timeout_s is None and waited is not None:
+            timeout_s = int(waited.group(1)) / 1000
+        what = "did not answer" + ("" if timeout_s is None else f" within {timeout_s:g} s")
+    else:
+        return None
+    try:
+        who, me = _peers(group), dist.get_rank()
+    except (RuntimeError, ValueError):  # the group is already gone
+        return None
+    return PeerError(f"{op} on rank {me} failed: {who} {what} (backend: {first})")
+
+
+def wait_future(future: torch.futures.Future, op: str, group: ProcessGroup | None = None) -> Any:
+    """``future.wait()``, where a failure that a silent or lost peer caused is raised as a :class:`PeerError`
+    naming that peer (the wait takes as long as the backend takes: gloo fails a collective after the group's
+    timeout).
+
+    Args:
+        future: a future built on the meter's (e.g. a compressor's ``average``).
+        op: what it was, for the message.
+        group: the collective's process group (``None``: default).
+    """
+    with naming_peer(op, group):
+        return future.wait()
+
+
+@contextmanager
+def naming_peer(op: str | None, group: Any, timeout_s: float | None = None) -> Iterator[None]:
+    """Raises an error of the block that a silent or lost peer caused as :func:`peer_error` (``op=None``: as it is)."""
+    try:
+        yield
+    except RuntimeError as error:
+        restated = None if op is None else peer_error(op, group, error, timeout_s)
+        if restated is None:
+            raise
+        raise restated from error
