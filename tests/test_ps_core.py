@@ -275,6 +275,30 @@ def test_server_shard_state_dict_round_trip_is_bitwise():
         ps.ServerShard(params[:2], range(2), spec, num_workers=2).load_state_dict(a.state_dict())
 
 
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_worker_liveness_declares_only_unheld_silent_workers_lost():
+    from lightning_sync.ps.liveness import WorkerLiveness
+
+    clock = FakeClock()
+    names = {None: "server 0", 0: "worker 0", 1: "worker 1", 2: "worker 2"}
+    watch = WorkerLiveness(3, timeout_s=5.0, connect_timeout_s=20.0, name=names.__getitem__, clock=clock)
+    clock.advance(10.0)
+    watch.check(initialized=False, held=())  # before the initial parameters nobody is lost
+    assert watch.bound(False) == 20.0 and watch.patience(False, ()) == pytest.approx(10.01)
+    watch.restart()
+    clock.advance(4.0)
+    watch.heard(0)
+    assert watch.patience(True, held={1}) == pytest.approx(1.01)  # worker 2 is due first; worker 1 is held
+    clock.advance(2.0)  # worker 1 (held) and worker 2 silent for 6 s, worker 0 for 2 s
+    with pytest.raises(ps.PSTimeoutError, match=r"^worker 2 sent nothing for 6\.0 s \(server 0 heard"):
+        watch.check(initialized=True, held={1})
+    watch.live[2] = False  # a goodbye
+    watch.check(initialized=True, held={1})
+    error = watch.silence_error(held={0, 1}, context="waiting for requests")
+    assert str(error).startswith("worker 1 sent nothing for 6.0 s; worker 0 sent nothing for 2.0 s (server 0 waiting")
+
+
 def _leaves(state: Any) -> int:
     """How many values a state holds (a tensor counts as one): its size, apart from the tensors' own."""
     if isinstance(state, dict):
