@@ -363,11 +363,10 @@ def main(argv: list[str] | None = None) -> None:
 def _exit_without_finalizing() -> None:
     """Ends a finished run with exit code 0, skipping the interpreter's finalization.
 
-    Runs here sometimes aborted *after* writing their result (3 of 8 invocations of the loopback test run):
-    ``terminate called without an active exception`` (SIGABRT) while the interpreter was being torn down, with no
-    Python frame left, in the plain torch loops as well as under Lightning (gloo's worker threads outliving the
-    interpreter, pytorch/pytorch#190489). The run's work is done and flushed at this point, so nothing is lost by
-    leaving at once; the process group goes first.
+    Handles a run that aborts *after* writing its result: ``terminate called without an active exception``
+    (SIGABRT) while the interpreter is torn down, with no Python frame left, in the plain torch loops as well as
+    under Lightning (gloo's worker threads outliving the interpreter, pytorch/pytorch#190489). The run's work is
+    done and flushed at this point, so nothing is lost by leaving at once; the process group goes first.
     """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
