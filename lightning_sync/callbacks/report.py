@@ -1,0 +1,102 @@
+"""The bench summary writer: step time and communication per optimizer step, as a JSON summary on rank 0."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from typing_extensions import override
+
+from lightning_sync.callbacks.summary import merge_summary
+
+
+class SyncReport(pl.Callback):
+    """Times every training batch and sums the strategy's communication; writes a JSON summary on rank 0.
+
+    The step time of a batch is the wall time from ``on_train_batch_start`` to ``on_train_batch_end`` on rank 0
+    (forward, backward, sync and optimizer step; data loading excluded). The first ``warmup_steps`` batches are
+    left out of the median. Bytes per step divide what the meter counted during training (setup traffic
+    excluded) by the optimizer steps taken; strategies without a lightning_sync meter (e.g. Lightning's own
+    ``"ddp"``) report none.
+
+    Args:
+        path: where to write the summary JSON after fit/test (``None``: don't write); an existing file is updated.
+        warmup_steps: batches left out of the step-time median.
+    """
+
+    def __init__(self, path: str | None = None, warmup_steps: int = 3) -> None:
+        self.path = path
+        self.warmup_steps = warmup_steps
+        self.step_seconds: list[float] = []
+        self.summary: dict[str, Any] = {}
+        self._started = 0.0
+        self._comm_at_start: Any = None
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A new fit starts a new summary: a file left by an earlier run in the same folder is removed."""
+        if self.path is not None and trainer.is_global_zero:
+            Path(self.path).unlink(missing_ok=True)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Notes where a resumed fit resumed (``resumed_from``, ``resumed_at_step``; said on rank 0's stderr)."""
+        meter = getattr(trainer.strategy, "meter", None)
+        self._comm_at_start = meter.total if meter is not None else None
+        if trainer.ckpt_path:
+            self.summary.update(resumed_from=str(trainer.ckpt_path), resumed_at_step=trainer.global_step)
+            if trainer.is_global_zero:
+                print(
+                    f"resumed from {trainer.ckpt_path} at step {trainer.global_step} (epoch {trainer.current_epoch})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        self._started = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.step_seconds.append(time.perf_counter() - self._started)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        timed = self.step_seconds[self.warmup_steps :] or self.step_seconds
+        steps = max(trainer.global_step, 1)
+        self.summary.update(
+            strategy=type(trainer.strategy).__name__,
+            world_size=trainer.world_size,
+            optimizer_steps=trainer.global_step,
+            batches=len(self.step_seconds),
+            step_time_ms=1000 * statistics.median(timed) if timed else None,
+        )
+        synchronizer = getattr(trainer.strategy, "synchronizer", None)
+        if synchronizer is not None:
+            self.summary["launch_point"] = synchronizer.launch_point
+        meter = getattr(trainer.strategy, "meter", None)
+        if meter is not None and self._comm_at_start is not None:
+            # training only (setup broadcasts are not a step's), and across resumes, as global_step is
+            total = getattr(trainer.strategy, "comm_totals", None) or meter.total - self._comm_at_start
+            self.summary.update(
+                bytes_sent_per_step=total.bytes_sent / steps,
+                bytes_recv_per_step=total.bytes_recv / steps,
+                calls_per_step=total.calls / steps,
+                comm_seconds_per_step=total.seconds / steps,
+            )
+        self._write(trainer)
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.summary["test"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
+        self._write(trainer)
+
+    def _write(self, trainer: pl.Trainer) -> None:
+        if trainer.is_global_zero:
+            merge_summary(self.path, self.summary)
