@@ -39,7 +39,7 @@ from typing_extensions import override
 
 from lightning_sync.apps.markdown import band_cell, format_cell, markdown_table
 from lightning_sync.apps.stats import spread, verdict
-from lightning_sync.apps.study import Timeline, batch_loss, read_timelines, run_with_timeline
+from lightning_sync.apps.timeline import Timeline, batch_loss, read_timelines, run_with_timeline
 
 if TYPE_CHECKING:
     from lightning_sync.strategies.ps import ParameterServerStrategy
@@ -129,7 +129,7 @@ class PSTimeline(Timeline):
     the reply was not to an applied push, e.g. the pull after the stop), ``applied``, ``ingress`` (each server's
     bytes received so far) and ``loss`` (the batch's training loss). Worker 0 with ``probe_every_s`` also evaluates
     the model on the datamodule's validation split every ``probe_every_s`` seconds, as
-    :class:`~lightning_sync.apps.study.Timeline` does, noting the servers' version with each probe.
+    :class:`~lightning_sync.apps.timeline.Timeline` does, noting the servers' version with each probe.
 
     Args:
         out_dir: where to write ``rank<r>.json`` (created if missing).
