@@ -25,7 +25,8 @@ from lightning_sync.comm.adaptive import AdaptivePeriod, agree_max, choose_perio
 from lightning_sync.comm.averaging import ModelAverager, average_buffers, average_optimizer_state, make_outer_optimizer
 from lightning_sync.comm.compression import NoCompression
 from lightning_sync.comm.meter import CommMeter, ring_all_reduce_bytes
-from lightning_sync.comm.periodic import AdaptiveOptions, PeriodicAverager, validate_module_policy
+from lightning_sync.comm.module_policy import validate_module_policy
+from lightning_sync.comm.periodic import AdaptiveOptions, PeriodicAverager
 from lightning_sync.config import PeriodicConfig
 from lightning_sync.examples.data import DigitsDataModule
 from lightning_sync.examples.models import DigitsClassifier

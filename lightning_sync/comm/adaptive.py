@@ -18,7 +18,9 @@ numbers.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +30,69 @@ from torch.distributed import ProcessGroup
 from lightning_sync.comm.meter import CommMeter
 from lightning_sync.comm.tuning import ADAPTIVE_SMOOTHING, ROUNDING_SLACK
 from lightning_sync.errors import check_range
+
+
+@dataclass(frozen=True)
+class AdaptiveOptions:
+    """``sync_every="auto"``: the bounds and the target of the adaptive period (checked by
+    :class:`~lightning_sync.comm.adaptive.AdaptivePeriod`).
+
+    Args:
+        target_comm_fraction: the share of time to spend communicating, in (0, 1].
+        min_sync_every: the smallest (and first) period.
+        max_sync_every: the largest period.
+    """
+
+    target_comm_fraction: float = 0.1
+    min_sync_every: int = 1
+    max_sync_every: int = 64
+
+
+class ComputeTimer:
+    """Measures the compute seconds per optimizer step: each step's wall time less the communication the meter
+    booked during it.
+
+    Args:
+        clock: returns the current time in seconds (a test passes a fake one and feeds it the durations).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self._started: float | None = None
+        self._comm_start = 0.0
+        self._seconds = 0.0
+        self._steps = 0
+
+    def start(self, comm_seconds: float) -> None:
+        """Marks the start of a step's compute (a no-op while one runs); ``comm_seconds``: the meter's total now."""
+        if self._started is None:
+            self._started = self.clock()
+            self._comm_start = comm_seconds
+
+    def stop(self, comm_seconds: float, overlapped: bool) -> None:
+        """Books the step started by :meth:`start` (nothing if none was); ``comm_seconds``: the meter's total now.
+
+        Args:
+            overlapped: the communication booked meanwhile ran on a worker thread beside this compute, so none of
+                it is taken off.
+        """
+        if self._started is None:
+            return
+        comm = comm_seconds - self._comm_start
+        if overlapped:
+            comm = 0.0
+        self._seconds += max(self.clock() - self._started - comm, 0.0)
+        self._steps += 1
+        self._started = None
+
+    @property
+    def mean(self) -> float:
+        """The mean compute seconds per step booked since the last :meth:`reset` (0 for none)."""
+        return self._seconds / self._steps if self._steps else 0.0
+
+    def reset(self) -> None:
+        """Starts over (the step running now, if any, is still booked by :meth:`stop`)."""
+        self._seconds, self._steps = 0.0, 0
 
 
 def choose_period(

@@ -29,26 +29,23 @@ A *step* is one optimizer step. Group parameters travel as deltas from the globa
 seconds per step and the seconds that sync took (both timed on the averager's ``clock``), and
 :class:`~lightning_sync.comm.adaptive.AdaptivePeriod` picks the next period, identically everywhere.
 
-Per-module periods: ``module_sync_every`` is ``{glob pattern: period}``; patterns are :mod:`fnmatch` globs
-(case-sensitive, ``*`` also crosses dots) on full parameter names such as ``net.4.weight``. A buffer joins the group
-whose pattern matches its name. A pattern matching no parameter, or a parameter matched twice, is a ConfigError.
+Per-module periods: ``module_sync_every`` is ``{glob pattern: period}`` on full parameter names
+(:mod:`lightning_sync.comm.module_policy`); each pattern makes a sync group (:mod:`lightning_sync.comm.sync_groups`).
 """
 
 from __future__ import annotations
 
-import copy
-import fnmatch
+import functools
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from lightning_sync.comm.adaptive import AdaptivePeriod, agree_max
+from lightning_sync.comm.adaptive import AdaptiveOptions, AdaptivePeriod, ComputeTimer, agree_max
 from lightning_sync.comm.averaging import (
     average_buffers,
     average_optimizer_state,
@@ -57,198 +54,17 @@ from lightning_sync.comm.averaging import (
 )
 from lightning_sync.comm.compression import Compressor, NoCompression
 from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.module_policy import POLICY_FIELD, assign_patterns, normalize_module_policy
 from lightning_sync.comm.quantized import outer_compressor_factory
 from lightning_sync.comm.streaming import (
-    InFlight,
     OuterSyncWorker,
     StreamingAverager,
-    layer_of,
+    StreamingOptions,
+    check_streaming_options,
     new_stream_group,
-    stagger_offsets,
-    strided_fragments,
 )
+from lightning_sync.comm.sync_groups import SyncGroup, build_sync_groups, groups_state, load_groups_state
 from lightning_sync.errors import ConfigError, check_range
-
-DEFAULT_GROUP = "*"
-POLICY_FIELD = "module_sync_every"
-
-
-# ------------------------------------------------------------------------------------------------ per-module policy
-def normalize_module_policy(value: Any, field: str = POLICY_FIELD) -> dict[str, int] | None:
-    """``module_sync_every`` as a plain ``{pattern: period}`` dict (``None`` when unset).
-
-    Accepts a mapping ``{pattern: period}``, or a list whose items are ``{pattern: period}`` one-entry mappings,
-    ``{"pattern": p, "every": n}`` mappings or ``[pattern, period]`` pairs (OmegaConf containers work as well).
-    Patterns are non-empty strings, periods integers ``>= 1``, and a pattern may appear only once.
-    """
-    if value is None:
-        return None
-    pairs: list[tuple[Any, Any]] = []
-    if isinstance(value, Mapping):
-        pairs = list(value.items())
-    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        for item in value:
-            if isinstance(item, Mapping) and set(item.keys()) == {"pattern", "every"}:
-                pairs.append((item["pattern"], item["every"]))
-            elif isinstance(item, Mapping) and len(item) == 1:
-                pairs.extend(item.items())
-            elif isinstance(item, Sequence) and not isinstance(item, (str, bytes)) and len(item) == 2:
-                pairs.append((item[0], item[1]))
-            else:
-                raise ConfigError(
-                    f"{field} item {item!r} is not allowed; each item must be {{pattern: period}}, "
-                    "{pattern: ..., every: ...} or [pattern, period]"
-                )
-    else:
-        raise ConfigError(
-            f"{field}={value!r} is not allowed; it must be null, a mapping {{pattern: period}} or a list of "
-            "[pattern, period] pairs"
-        )
-    if not pairs:
-        raise ConfigError(f"{field}={value!r} is not allowed; give at least one pattern (or null for none)")
-    policy: dict[str, int] = {}
-    for pattern, period in pairs:
-        if not isinstance(pattern, str) or not pattern:
-            raise ConfigError(f"{field} pattern {pattern!r} is not allowed; it must be a non-empty string")
-        if pattern in policy:
-            raise ConfigError(f"{field} pattern {pattern!r} is not allowed; it appears twice")
-        check_range(f"{field}[{pattern!r}]", period, low=1, integer=True)
-        policy[pattern] = int(period)
-    return policy
-
-
-def match_module_policy(
-    names: Iterable[str], policy: Mapping[str, int], field: str = POLICY_FIELD, what: str = "parameter"
-) -> dict[str, str]:
-    """Assigns each name to the one pattern of ``policy`` that matches it (fnmatch, case-sensitive).
-
-    Returns:
-        ``{name: pattern}`` for every name matched by a pattern (names matched by none are left out).
-
-    Raises:
-        ConfigError: a name matched by two patterns.
-    """
-    assigned: dict[str, str] = {}
-    for name in names:
-        hits = [pattern for pattern in policy if fnmatch.fnmatchcase(name, pattern)]
-        if len(hits) > 1:
-            raise ConfigError(
-                f"{field}: {what} {name!r} is matched by {len(hits)} patterns ({', '.join(repr(h) for h in hits)}); "
-                "each parameter may match at most one pattern"
-            )
-        if hits:
-            assigned[name] = hits[0]
-    return assigned
-
-
-def validate_module_policy(model: nn.Module | Iterable[str], policy: Any, field: str = POLICY_FIELD) -> dict[str, int]:
-    """Checks a ``module_sync_every`` policy against a model before training (can run before any rank starts).
-
-    Args:
-        model: the model, or an iterable of its parameter names.
-        policy: ``{pattern: period}`` or a list form accepted by :func:`normalize_module_policy`; ``None``: none.
-
-    Returns:
-        ``{parameter name: period}`` for every parameter a pattern matches (the others use ``sync_every``).
-
-    Raises:
-        ConfigError: a bad policy, a pattern that matches no parameter, or a parameter matched by two patterns.
-    """
-    normalized = normalize_module_policy(policy, field)
-    if normalized is None:
-        return {}
-    names = [name for name, _ in model.named_parameters()] if isinstance(model, nn.Module) else list(model)
-    assigned = match_module_policy(names, normalized, field)
-    _check_every_pattern_used(names, normalized, assigned, field)
-    return {name: normalized[pattern] for name, pattern in assigned.items()}
-
-
-def _check_every_pattern_used(
-    names: Sequence[str], policy: Mapping[str, int], assigned: Mapping[str, str], field: str = POLICY_FIELD
-) -> None:
-    """Raises ConfigError for the first pattern of ``policy`` that no name was assigned to."""
-    for pattern in set(policy) - set(assigned.values()):
-        shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-        raise ConfigError(
-            f"{field}: pattern {pattern!r} matches no parameter; patterns are fnmatch globs on full parameter "
-            f"names such as {shown}"
-        )
-
-
-# ------------------------------------------------------------------------------------------------ the averager
-@dataclass
-class SyncGroup:
-    """Parameters (and buffers) synced together, with their own period and global copy: a ``module_sync_every``
-    group, or one fragment of it (``fragments > 1``).
-
-    Attributes:
-        label: the ``module_sync_every`` pattern, or ``"*"`` for the parameters no pattern matches; a fragment's
-            label adds ``#f`` (``"*#0"``).
-        period: a fixed period, or ``None`` for the default group (which follows ``sync_every``, maybe adaptive).
-        params: the parameters (those with ``requires_grad``).
-        buffers: the module buffers synced with this group.
-        averager: the global copy and the averaging.
-        outer: DiLoCo's outer optimizer over ``averager.anchors`` (``None`` for local SGD).
-        since_sync: optimizer steps since this group was last synced.
-        syncs: how many times this group was synced.
-        offset: ``since_sync`` at the start of the local phase (staggers the fragments of a group).
-        fragments: how many fragments its ``module_sync_every`` group was split into.
-        in_flight: its outer sync between launch and apply (``sync_delay > 0``).
-        mixed: its parameters differ from the global copy since the last apply (``fragment_alpha > 0``).
-        skipped: outer steps skipped for a non-finite pseudo-gradient.
-    """
-
-    label: str
-    period: int | None
-    params: list[nn.Parameter]
-    buffers: list[torch.Tensor]
-    averager: StreamingAverager
-    outer: torch.optim.Optimizer | None = None
-    since_sync: int = 0
-    syncs: int = 0
-    offset: int = 0
-    fragments: int = 1
-    in_flight: InFlight | None = None
-    mixed: bool = False
-    skipped: int = 0
-
-
-@dataclass(frozen=True)
-class StreamingOptions:
-    """Streaming DiLoCo: each sync group split into fragments that sync in turn, each in the background.
-
-    Args:
-        fragments: split each sync group into this many fragments, strided by layer, that sync in turn (at most one
-            per layer; ``<=`` every period).
-        sync_delay: steps between the launch of a fragment's outer all-reduce and its apply (``0 <= sync_delay <
-            period / fragments`` for every period).
-        fragment_alpha: on apply, the parameters become ``alpha * local + (1 - alpha) * global``, in [0, 1).
-        outer_compression: codec of the pseudo-gradients: ``none`` (the averager's ``new_compressor``'s),
-            ``bf16``, ``fp16``, ``int8``, ``int4``.
-
-    The :class:`PeriodicAverager` checks them, against each other and against its periods.
-    """
-
-    fragments: int = 1
-    sync_delay: int = 0
-    fragment_alpha: float = 0.0
-    outer_compression: str = "none"
-
-
-@dataclass(frozen=True)
-class AdaptiveOptions:
-    """``sync_every="auto"``: the bounds and the target of the adaptive period (checked by
-    :class:`~lightning_sync.comm.adaptive.AdaptivePeriod`).
-
-    Args:
-        target_comm_fraction: the share of time to spend communicating, in (0, 1].
-        min_sync_every: the smallest (and first) period.
-        max_sync_every: the largest period.
-    """
-
-    target_comm_fraction: float = 0.1
-    min_sync_every: int = 1
-    max_sync_every: int = 64
 
 
 class PeriodicAverager:
@@ -290,8 +106,8 @@ class PeriodicAverager:
         average_optimizer_state: bool = False,
         new_compressor: Callable[[], Compressor] = NoCompression,
         bucket_cap_mb: float = 25.0,
-        streaming: StreamingOptions = StreamingOptions(),
-        adaptive: AdaptiveOptions = AdaptiveOptions(),
+        streaming: StreamingOptions = StreamingOptions(),  # noqa: B008 - frozen, so one shared default is safe
+        adaptive: AdaptiveOptions = AdaptiveOptions(),  # noqa: B008 - frozen, so one shared default is safe
         skip_nonfinite: bool = True,
         timeout_s: float | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -337,46 +153,17 @@ class PeriodicAverager:
         self._all_params: list[torch.Tensor] = []
         self._all_buffers: list[torch.Tensor] = []
         self._warmup_step_done = False
-        self._step_started: float | None = None
-        self._step_comm_start = 0.0
-        self._compute_seconds = 0.0
-        self._compute_steps = 0
+        self._compute = ComputeTimer(clock)
 
     def _check_streaming(self, streaming: StreamingOptions, new_compressor: Callable[[], Compressor]) -> None:
         """Checks the streaming knobs against each other and against every period (fixed ones, or the smallest
         adaptive one)."""
-        fragments, sync_delay, outer_compression = (
-            streaming.fragments,
-            streaming.sync_delay,
-            streaming.outer_compression,
-        )
-        fragment_alpha = streaming.fragment_alpha
-        check_range("fragments", fragments, low=1, integer=True)
-        check_range("sync_delay", sync_delay, low=0, integer=True)
-        check_range("fragment_alpha", fragment_alpha, low=0, high=1, high_open=True)
-        outer_compressor_factory(outer_compression)
-        base = new_compressor().name
-        if outer_compression != "none" and base != "none":
-            raise ConfigError(
-                f"outer_compression={outer_compression!r} is not allowed with compression={base!r}; the "
-                "pseudo-gradients take one codec: set compression=none, or outer_compression=none"
-            )
         # without ``adaptive``, sync_every is not "auto": __init__ checked it is an integer
         periods = [("sync_every", cast(int, self.sync_every))] if self.adaptive is None else []
         if self.adaptive is not None:
             periods.append(("min_sync_every", self.adaptive.min_every))
         periods += [(f"{POLICY_FIELD}[{pattern!r}]", every) for pattern, every in self.policy.items()]
-        for field, period in periods:
-            if fragments > period:
-                raise ConfigError(
-                    f"fragments={fragments} is not allowed with {field}={period}; it must be <= {field} (each "
-                    "fragment syncs at its own step of the period)"
-                )
-            if sync_delay * fragments >= period:
-                raise ConfigError(
-                    f"sync_delay={sync_delay} is not allowed with {field}={period} and fragments={fragments}; it "
-                    f"must be >= 0 and < {field} / fragments = {period / fragments:g}"
-                )
+        check_streaming_options(streaming, new_compressor, periods)
 
     # ------------------------------------------------------------------ schedule
     @property
@@ -408,10 +195,9 @@ class PeriodicAverager:
         """
         named = list(named_parameters)
         named_buffers = list(named_buffers)
-        names = [name for name, _ in named]
-        param_pattern = match_module_policy(names, self.policy)
-        _check_every_pattern_used(names, self.policy, param_pattern)
-        buffer_pattern = match_module_policy([name for name, _ in named_buffers], self.policy, what="buffer")
+        param_pattern, buffer_pattern = assign_patterns(
+            [name for name, _ in named], [name for name, _ in named_buffers], self.policy
+        )
         self.meter, self.group = meter, group
         self._all_params = [p for _, p in named if p.requires_grad]
         self._all_buffers = [b for _, b in named_buffers]
@@ -420,45 +206,25 @@ class PeriodicAverager:
         if self.sync_delay > 0:
             sync_group = new_stream_group(group, self.timeout_s)
             self._worker = OuterSyncWorker()
-        for label, period in [(DEFAULT_GROUP, None), *self.policy.items()]:
-            members = [(n, p) for n, p in named if p.requires_grad and param_pattern.get(n, DEFAULT_GROUP) == label]
-            buffers = [(n, b) for n, b in named_buffers if buffer_pattern.get(n, DEFAULT_GROUP) == label]
-            split = strided_fragments([n for n, _ in members], self.fragments)
-            offsets = stagger_offsets(self.period if period is None else period, len(split))
-            layers = [{layer_of(members[i][0]) for i in indices} for indices in split]
-            for f, (indices, offset) in enumerate(zip(split, offsets)):
-                params = [members[i][1] for i in indices]
-                # a buffer goes with its module's fragment; one of a module without parameters, with the last
-                mine = [
-                    b
-                    for n, b in buffers
-                    if layer_of(n) in layers[f]
-                    or (f == len(split) - 1 and not any(layer_of(n) in other for other in layers))
-                ]
-                averager = StreamingAverager(params, self.new_compressor(), meter, self.bucket_cap_mb, sync_group)
-                outer = None
-                if self.outer and averager.anchors:
-                    outer = make_outer_optimizer(averager, self.outer_lr, self.outer_momentum, self.outer_nesterov)
-                name = label if len(split) == 1 else f"{label}#{f}"
-                self.groups.append(
-                    SyncGroup(
-                        name,
-                        period,
-                        params,
-                        mine,
-                        averager,
-                        outer,
-                        since_sync=offset,
-                        offset=offset,
-                        fragments=len(split),
-                    )
-                )
+        new_averager = functools.partial(self._new_averager, meter=meter, sync_group=sync_group)
+        self.groups = build_sync_groups(
+            named, named_buffers, param_pattern, buffer_pattern, self.policy, self.fragments, self.period, new_averager
+        )
+
+    def _new_averager(
+        self, params: list[nn.Parameter], meter: CommMeter, sync_group: ProcessGroup | None
+    ) -> tuple[StreamingAverager, torch.optim.Optimizer | None]:
+        """A fragment's global copy and averaging, and DiLoCo's outer optimizer over it (``None`` for local SGD)."""
+        averager = StreamingAverager(params, self.new_compressor(), meter, self.bucket_cap_mb, sync_group)
+        outer = None
+        if self.outer and averager.anchors:
+            outer = make_outer_optimizer(averager, self.outer_lr, self.outer_momentum, self.outer_nesterov)
+        return averager, outer
 
     def start_step(self) -> None:
         """Marks the start of an optimizer step's compute (for ``sync_every="auto"``; a no-op while one runs)."""
-        if self._step_started is None and self.meter is not None:
-            self._step_started = self.clock()
-            self._step_comm_start = self.meter.total.seconds
+        if self.meter is not None:
+            self._compute.start(self.meter.total.seconds)
 
     def step(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[SyncGroup]:
         """Call after every optimizer step, on every rank: syncs what is due.
@@ -617,22 +383,16 @@ class PeriodicAverager:
 
     # ------------------------------------------------------------------ adaptive period
     def _measure_compute(self) -> None:
-        if self._step_started is None or self.meter is None:
-            return
-        comm = self.meter.total.seconds - self._step_comm_start
-        if any(group.in_flight is not None for group in self.groups):
-            comm = 0.0  # the worker's transfer, booked on the meter meanwhile, ran beside this compute
-        self._compute_seconds += max(self.clock() - self._step_started - comm, 0.0)
-        self._compute_steps += 1
-        self._step_started = None
+        if self.meter is not None:
+            # with an outer sync in flight, the worker's transfer booked on the meter meanwhile ran beside this compute
+            self._compute.stop(self.meter.total.seconds, any(group.in_flight is not None for group in self.groups))
 
     def _adapt(self, comm_seconds: float) -> None:
         """Chooses the next period from the slowest rank's measurements (identical on every rank)."""
         assert self.adaptive is not None
-        compute = self._compute_seconds / self._compute_steps if self._compute_steps else 0.0
-        compute, comm = agree_max([compute, comm_seconds], self._require_meter(), self.group)
+        compute, comm = agree_max([self._compute.mean, comm_seconds], self._require_meter(), self.group)
         self.adaptive.update(compute, comm)
-        self._compute_seconds, self._compute_steps = 0.0, 0
+        self._compute.reset()
 
     def _require_meter(self) -> CommMeter:
         if self.meter is None:
@@ -646,25 +406,9 @@ class PeriodicAverager:
         An outer sync in flight is drained (waited for, at most ``timeout_s``) and its average saved unapplied, so
         the resumed run applies it at the step the uninterrupted run does.
         """
-        flights = [
-            None if group.in_flight is None else group.averager.flight_state(group.in_flight, self.timeout_s)
-            for group in self.groups
-        ]
         return {
             "steps": self.steps,
-            "groups": [
-                {
-                    "label": group.label,
-                    "since_sync": group.since_sync,
-                    "syncs": group.syncs,
-                    "averager": group.averager.state_dict(),
-                    "outer": copy.deepcopy(group.outer.state_dict()) if group.outer is not None else None,
-                    "in_flight": flight,
-                    "mixed": group.mixed,
-                    "skipped": group.skipped,
-                }
-                for group, flight in zip(self.groups, flights)
-            ],
+            "groups": groups_state(self.groups, self.timeout_s),
             "adaptive": self.adaptive.state_dict() if self.adaptive is not None else None,
         }
 
@@ -673,19 +417,4 @@ class PeriodicAverager:
         self.steps = int(state["steps"])
         if self.adaptive is not None and state.get("adaptive") is not None:
             self.adaptive.load_state_dict(state["adaptive"])
-        labels = [saved["label"] for saved in state["groups"]]
-        if labels != [group.label for group in self.groups]:
-            raise ValueError(
-                f"checkpoint has sync groups {labels}, this run has {[g.label for g in self.groups]}; resume with "
-                "the same module_sync_every and fragments"
-            )
-        for group, saved in zip(self.groups, state["groups"]):
-            group.since_sync = int(saved["since_sync"])
-            group.syncs = int(saved["syncs"])
-            group.averager.load_state_dict(saved["averager"])
-            if group.outer is not None and saved["outer"] is not None:
-                group.outer.load_state_dict(saved["outer"])
-            flight = saved.get("in_flight")
-            group.in_flight = None if flight is None else group.averager.load_flight_state(flight)
-            group.mixed = bool(saved.get("mixed", False))
-            group.skipped = int(saved.get("skipped", 0))
+        load_groups_state(self.groups, state["groups"])

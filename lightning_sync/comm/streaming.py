@@ -26,11 +26,81 @@ import datetime
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
 from lightning_sync.comm.averaging import InFlight, ModelAverager
+from lightning_sync.comm.compression import Compressor
+from lightning_sync.comm.quantized import outer_compressor_factory
+from lightning_sync.errors import ConfigError, check_range
+
+
+# ------------------------------------------------------------------------------------------------ options
+@dataclass(frozen=True)
+class StreamingOptions:
+    """Streaming DiLoCo: each sync group split into fragments that sync in turn, each in the background.
+
+    Args:
+        fragments: split each sync group into this many fragments, strided by layer, that sync in turn (at most one
+            per layer; ``<=`` every period).
+        sync_delay: steps between the launch of a fragment's outer all-reduce and its apply (``0 <= sync_delay <
+            period / fragments`` for every period).
+        fragment_alpha: on apply, the parameters become ``alpha * local + (1 - alpha) * global``, in [0, 1).
+        outer_compression: codec of the pseudo-gradients: ``none`` (the averager's ``new_compressor``'s),
+            ``bf16``, ``fp16``, ``int8``, ``int4``.
+
+    The :class:`PeriodicAverager` checks them, against each other and against its periods.
+    """
+
+    fragments: int = 1
+    sync_delay: int = 0
+    fragment_alpha: float = 0.0
+    outer_compression: str = "none"
+
+
+def check_streaming_options(
+    streaming: StreamingOptions, new_compressor: Callable[[], Compressor], periods: Sequence[tuple[str, int]]
+) -> None:
+    """Checks the streaming knobs against each other and against every period.
+
+    Args:
+        streaming: the knobs.
+        new_compressor: makes the compressor of the pseudo-gradients when ``outer_compression`` is ``none``.
+        periods: ``(knob, period)`` for every period a sync group may have (fixed ones, or the smallest adaptive
+            one), named as the knob that sets it.
+
+    Raises:
+        ConfigError: a knob out of range, or one that does not fit a period, named as the knob.
+    """
+    fragments, sync_delay, outer_compression = (
+        streaming.fragments,
+        streaming.sync_delay,
+        streaming.outer_compression,
+    )
+    fragment_alpha = streaming.fragment_alpha
+    check_range("fragments", fragments, low=1, integer=True)
+    check_range("sync_delay", sync_delay, low=0, integer=True)
+    check_range("fragment_alpha", fragment_alpha, low=0, high=1, high_open=True)
+    outer_compressor_factory(outer_compression)
+    base = new_compressor().name
+    if outer_compression != "none" and base != "none":
+        raise ConfigError(
+            f"outer_compression={outer_compression!r} is not allowed with compression={base!r}; the "
+            "pseudo-gradients take one codec: set compression=none, or outer_compression=none"
+        )
+    for field, period in periods:
+        if fragments > period:
+            raise ConfigError(
+                f"fragments={fragments} is not allowed with {field}={period}; it must be <= {field} (each "
+                "fragment syncs at its own step of the period)"
+            )
+        if sync_delay * fragments >= period:
+            raise ConfigError(
+                f"sync_delay={sync_delay} is not allowed with {field}={period} and fragments={fragments}; it "
+                f"must be >= 0 and < {field} / fragments = {period / fragments:g}"
+            )
 
 
 # ------------------------------------------------------------------------------------------------ fragments

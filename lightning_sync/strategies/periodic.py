@@ -15,7 +15,8 @@ from typing_extensions import override
 
 from lightning_sync.comm.averaging import average_buffers
 from lightning_sync.comm.consistency import named_replicated_state
-from lightning_sync.comm.periodic import PeriodicAverager, validate_module_policy
+from lightning_sync.comm.module_policy import validate_module_policy
+from lightning_sync.comm.periodic import PeriodicAverager
 from lightning_sync.config import PeriodicConfig
 from lightning_sync.errors import CheckpointError, ConfigError
 from lightning_sync.strategies._base import SyncStrategyBase

@@ -1,0 +1,160 @@
+"""The sync groups of a periodic averager: how parameters and buffers are laid out in them, and their checkpoint state.
+
+Nothing here knows of Lightning; :class:`~lightning_sync.comm.periodic.PeriodicAverager` owns the schedule. A sync
+group is a ``module_sync_every`` group (:mod:`lightning_sync.comm.module_policy`), or the default group ``"*"``, or,
+with ``fragments > 1``, one of its fragments strided by layer (:mod:`lightning_sync.comm.streaming`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_sync.comm.module_policy import DEFAULT_GROUP
+from lightning_sync.comm.streaming import InFlight, StreamingAverager, layer_of, stagger_offsets, strided_fragments
+
+
+@dataclass
+class SyncGroup:
+    """Parameters (and buffers) synced together, with their own period and global copy: a ``module_sync_every``
+    group, or one fragment of it (``fragments > 1``).
+
+    Attributes:
+        label: the ``module_sync_every`` pattern, or ``"*"`` for the parameters no pattern matches; a fragment's
+            label adds ``#f`` (``"*#0"``).
+        period: a fixed period, or ``None`` for the default group (which follows ``sync_every``, maybe adaptive).
+        params: the parameters (those with ``requires_grad``).
+        buffers: the module buffers synced with this group.
+        averager: the global copy and the averaging.
+        outer: DiLoCo's outer optimizer over ``averager.anchors`` (``None`` for local SGD).
+        since_sync: optimizer steps since this group was last synced.
+        syncs: how many times this group was synced.
+        offset: ``since_sync`` at the start of the local phase (staggers the fragments of a group).
+        fragments: how many fragments its ``module_sync_every`` group was split into.
+        in_flight: its outer sync between launch and apply (``sync_delay > 0``).
+        mixed: its parameters differ from the global copy since the last apply (``fragment_alpha > 0``).
+        skipped: outer steps skipped for a non-finite pseudo-gradient.
+    """
+
+    label: str
+    period: int | None
+    params: list[nn.Parameter]
+    buffers: list[torch.Tensor]
+    averager: StreamingAverager
+    outer: torch.optim.Optimizer | None = None
+    since_sync: int = 0
+    syncs: int = 0
+    offset: int = 0
+    fragments: int = 1
+    in_flight: InFlight | None = None
+    mixed: bool = False
+    skipped: int = 0
+
+
+def build_sync_groups(
+    named: Sequence[tuple[str, nn.Parameter]],
+    named_buffers: Sequence[tuple[str, torch.Tensor]],
+    param_pattern: Mapping[str, str],
+    buffer_pattern: Mapping[str, str],
+    policy: Mapping[str, int],
+    fragments: int,
+    default_period: int,
+    new_averager: Callable[[list[nn.Parameter]], tuple[StreamingAverager, torch.optim.Optimizer | None]],
+) -> list[SyncGroup]:
+    """The default group, then one group per ``policy`` pattern, each split into up to ``fragments`` fragments.
+
+    Args:
+        named: the model's named parameters (only those with ``requires_grad`` join a group).
+        named_buffers: the model's named buffers.
+        param_pattern: each matched parameter's pattern (the others join the default group).
+        buffer_pattern: each matched buffer's pattern (the others join the default group).
+        policy: ``{pattern: period}``.
+        fragments: how many fragments to split each group into (at most one per layer).
+        default_period: the default group's period, which staggers its fragments.
+        new_averager: makes a fragment's averager and outer optimizer (``None``: local SGD) from its parameters.
+    """
+    groups: list[SyncGroup] = []
+    for label, period in [(DEFAULT_GROUP, None), *policy.items()]:
+        members = [(n, p) for n, p in named if p.requires_grad and param_pattern.get(n, DEFAULT_GROUP) == label]
+        buffers = [(n, b) for n, b in named_buffers if buffer_pattern.get(n, DEFAULT_GROUP) == label]
+        split = strided_fragments([n for n, _ in members], fragments)
+        offsets = stagger_offsets(default_period if period is None else period, len(split))
+        layers = [{layer_of(members[i][0]) for i in indices} for indices in split]
+        for f, (indices, offset) in enumerate(zip(split, offsets)):
+            params = [members[i][1] for i in indices]
+            # a buffer goes with its module's fragment; one of a module without parameters, with the last
+            mine = [
+                b
+                for n, b in buffers
+                if layer_of(n) in layers[f]
+                or (f == len(split) - 1 and not any(layer_of(n) in other for other in layers))
+            ]
+            averager, outer = new_averager(params)
+            name = label if len(split) == 1 else f"{label}#{f}"
+            groups.append(
+                SyncGroup(
+                    name,
+                    period,
+                    params,
+                    mine,
+                    averager,
+                    outer,
+                    since_sync=offset,
+                    offset=offset,
+                    fragments=len(split),
+                )
+            )
+    return groups
+
+
+def groups_state(groups: Sequence[SyncGroup], timeout_s: float | None = None) -> list[dict[str, Any]]:
+    """Each group's step counts, global copy, compressor memory, outer optimizer and outer sync in flight.
+
+    An outer sync in flight is drained (waited for, at most ``timeout_s``) and its average saved unapplied, so the
+    resumed run applies it at the step the uninterrupted run does.
+    """
+    flights = [
+        None if group.in_flight is None else group.averager.flight_state(group.in_flight, timeout_s) for group in groups
+    ]
+    return [
+        {
+            "label": group.label,
+            "since_sync": group.since_sync,
+            "syncs": group.syncs,
+            "averager": group.averager.state_dict(),
+            "outer": copy.deepcopy(group.outer.state_dict()) if group.outer is not None else None,
+            "in_flight": flight,
+            "mixed": group.mixed,
+            "skipped": group.skipped,
+        }
+        for group, flight in zip(groups, flights)
+    ]
+
+
+def load_groups_state(groups: Sequence[SyncGroup], saved_groups: Sequence[dict[str, Any]]) -> None:
+    """Restores :func:`groups_state` into ``groups`` (they must have the same labels and sizes).
+
+    Raises:
+        ValueError: the saved groups' labels differ from these.
+    """
+    labels = [saved["label"] for saved in saved_groups]
+    if labels != [group.label for group in groups]:
+        raise ValueError(
+            f"checkpoint has sync groups {labels}, this run has {[g.label for g in groups]}; resume with "
+            "the same module_sync_every and fragments"
+        )
+    for group, saved in zip(groups, saved_groups):
+        group.since_sync = int(saved["since_sync"])
+        group.syncs = int(saved["syncs"])
+        group.averager.load_state_dict(saved["averager"])
+        if group.outer is not None and saved["outer"] is not None:
+            group.outer.load_state_dict(saved["outer"])
+        flight = saved.get("in_flight")
+        group.in_flight = None if flight is None else group.averager.load_flight_state(flight)
+        group.mixed = bool(saved.get("mixed", False))
+        group.skipped = int(saved.get("skipped", 0))
