@@ -28,17 +28,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, required=True, help="bound of every wait after the rendezvous")
     parser.add_argument("--connect-timeout-s", type=float, default=None, help="bound of the rendezvous")
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="store prefix of the PS group")
-    parser.add_argument("--parent-pid", type=int, default=None, help="exit as soon as this process is gone")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m lightning_sync.ps``: exit code 0 after a clean end, 1 after an error."""
     args = _parse_args(argv)
-    if args.parent_pid is not None:
-        from lightning_sync.ps._parent_watch import die_with_parent
-
-        die_with_parent(args.parent_pid)
     # The loop waits inside gloo, where Python cannot run a KeyboardInterrupt: let Ctrl-C and SIGTERM end the
     # process at once instead.
     signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -9,7 +9,7 @@ Dedicated (:func:`start_server_processes`, called on worker 0 after it hosts the
     servers.wait(timeout_s=30)   # exit codes, 0 each; servers.stop() kills them if they do not
 
 Each server is a fresh interpreter, ``python -m lightning_sync.ps`` (:mod:`lightning_sync.ps.__main__`; nothing of
-the worker is inherited). It dies with its parent (``PR_SET_PDEATHSIG`` plus a parent-pid watch), on Ctrl-C and
+the worker is inherited). It exits when its parent's connection closes (a killed parent included), on Ctrl-C and
 SIGTERM at once, and by itself when no worker talks to it for ``timeout_s``. An ``atexit`` hook of the parent stops
 the ones still running.
 
@@ -182,7 +182,7 @@ def start_server_processes(
             python or sys.executable, "-m", "lightning_sync.ps",
             "--host", host, "--port", str(port), "--server", str(server),
             "--num-workers", str(num_workers), "--num-servers", str(num_servers),
-            "--timeout-s", repr(float(timeout_s)), "--prefix", prefix, "--parent-pid", str(os.getpid()),
+            "--timeout-s", repr(float(timeout_s)), "--prefix", prefix,
         ]  # fmt: skip
         if connect_timeout_s is not None:
             command += ["--connect-timeout-s", repr(float(connect_timeout_s))]
