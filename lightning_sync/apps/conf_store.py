@@ -15,14 +15,14 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from lightning_sync.algorithms import build_parts
 from lightning_sync.config import AllReduceConfig, DDPConfig, ParameterServerConfig, PeriodicConfig, StrategyConfig
 from lightning_sync.errors import ConfigError
 
 SCHEMA_GROUP = "schema/strategy"
 
-# Hydra option -> (the strategy class Hydra instantiates, its config dataclass). Written out rather than read off
-# the classes so that composing and checking a config imports neither torch nor Lightning; a test checks that it
-# matches lightning_sync.STRATEGIES.
+# Hydra option -> (the strategy class Hydra instantiates, its config dataclass); a test checks that it matches
+# lightning_sync.STRATEGIES.
 MODES: dict[str, tuple[str, type[StrategyConfig]]] = {
     "ddp": ("lightning_sync.DDPSyncStrategy", DDPConfig),
     "allreduce": ("lightning_sync.AllReduceStrategy", AllReduceConfig),
@@ -42,9 +42,9 @@ def register_strategy_schemas() -> None:
 
 
 def check_strategy_knobs(strategy: Any) -> None:
-    """Checks a composed ``strategy`` node as the strategy's constructor would, without importing Lightning: its
-    config dataclass first (no torch either, so the strategy's own knobs answer at once), then the algorithms the
-    knobs configure (:func:`lightning_sync.algorithms.build_parts`, which imports torch).
+    """Checks a composed ``strategy`` node as the strategy's constructor would, in the launching process before
+    any rank starts: its config dataclass first, then the algorithms the knobs configure
+    (:func:`lightning_sync.algorithms.build_parts`).
 
     Raises:
         ConfigError: naming ``strategy.<knob>``, the value and what is allowed.
@@ -61,9 +61,6 @@ def check_strategy_knobs(strategy: Any) -> None:
             f"strategy.{unknown[0]} is not a knob of {config_class.__name__}; known knobs: {', '.join(sorted(known))}"
         )
     try:
-        config = config_class(**knobs)
-        from lightning_sync.algorithms import build_parts
-
-        build_parts(config)
+        build_parts(config_class(**knobs))
     except ConfigError as error:
         raise error.under("strategy") from None
