@@ -60,9 +60,11 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy lightning_sync
 
-# The layering contracts ([tool.importlinter] in pyproject.toml).
+# The layering contracts ([tool.importlinter] in pyproject.toml), and no import cycle anywhere in the package
+# (function-level imports included).
 imports: setup
 	$(VENV)/bin/lint-imports
+	$(PY) .ci/check_import_cycles.py lightning_sync
 
 docs: setup
 	@test -f mkdocs.yml || { echo "make docs: mkdocs.yml not found; the docs site cannot be built" >&2; exit 1; }

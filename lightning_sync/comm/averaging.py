@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -45,8 +45,12 @@ from lightning_sync.comm.meter import CommMeter, PeerError, wait_future
 from lightning_sync.comm.nonfinite import ends_are_finite, extremes
 from lightning_sync.comm.tuning import MIB
 
-if TYPE_CHECKING:
-    from lightning_sync.comm.streaming import OuterSyncWorker
+
+class JobRunner(Protocol):
+    """Runs a job off the calling thread (:class:`~lightning_sync.comm.streaming.OuterSyncWorker`, or any
+    ``concurrent.futures.Executor``)."""
+
+    def submit(self, job: Callable[[], Any], /) -> concurrent.futures.Future: ...
 
 
 WAIT_GRACE_S = 5.0
@@ -251,7 +255,7 @@ class ModelAverager:
 
     # The same sync split in two, so that its collectives can run while inner steps do (streaming DiLoCo):
     # launch_ packs and starts averaging, apply_ (after complete_) steps the global copy and loads it.
-    def launch_(self, sign: float, step: int, worker: OuterSyncWorker | None = None) -> InFlight:
+    def launch_(self, sign: float, step: int, worker: JobRunner | None = None) -> InFlight:
         """Packs ``sign * (local - global copy)`` and starts averaging it (on ``worker``, or from this thread).
 
         Args:

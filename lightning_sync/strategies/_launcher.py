@@ -21,7 +21,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_sync.strategies import _frozen
+import lightning_sync.strategies._frozen as _frozen
 from lightning_sync.strategies._lightning import PopenLauncher, set_launcher, start_method
 
 # Command-line flags of a Hydra app that select the config, with whether they take a value.
