@@ -18,11 +18,11 @@ The client never calls ``optimizer.step()``: the servers hold the optimizer. Eve
 once (all sends launched, then all replies awaited), and every wait is bounded by the group's ``timeout_s``; a lost
 or silent server raises :class:`~lightning_sync.ps.errors.PSTimeoutError` or
 :class:`~lightning_sync.ps.errors.PSPeerLostError` naming it (with the server's own last words when it left some).
+The exchange itself, its waits and that rule, is :func:`lightning_sync.ps._exchange.exchange`.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from lightning_sync.comm.nonfinite import grads_are_finite
+from lightning_sync.ps._exchange import exchange, reply_timeout_s
 from lightning_sync.ps._layout import ShardLayout, as_bytes
 from lightning_sync.ps._protocol import (
     CLIP_NORM,
@@ -38,16 +39,10 @@ from lightning_sync.ps._protocol import (
     FLAG_SKIPPED,
     FLAG_STOP,
     HEADER_BYTES,
-    HEADER_SLOTS,
-    TAG_REPLY,
-    TAG_REPLY_DATA,
-    TAG_REQUEST,
-    TAG_REQUEST_DATA,
     Clip,
     Kind,
     ReplyHeader,
     Request,
-    Status,
     StopCode,
     checksum,
     from_blob,
@@ -55,7 +50,7 @@ from lightning_sync.ps._protocol import (
     to_blob,
 )
 from lightning_sync.ps.codec import GradientCodec
-from lightning_sync.ps.errors import PSError, PSPeerLostError, PSServerError, PSTimeoutError
+from lightning_sync.ps.errors import PSError, PSServerError
 from lightning_sync.ps.group import PSGroup
 from lightning_sync.ps.optim_spec import OptimizerSpec
 from lightning_sync.ps.settings import PSConfig
@@ -361,117 +356,22 @@ class PSClient:
             raise RuntimeError(f"{kind.name} on a closed PSClient")
         if self._broken is not None:
             raise RuntimeError(f"{kind.name} after an earlier error of this PSClient: {self._broken}")
+        requests = []
+        for i in range(self.num_servers):
+            payload = payloads[i] if payloads is not None else None
+            nbytes = 0 if payload is None else payload.numel()
+            requests.append(
+                Request(kind, self.worker, self.versions[i], nbytes, self.checksums[i], flags, optimizer, clip)
+            )
+        timeout = reply_timeout_s(self.group, kind, initialized=min(self.versions) >= 0)
         try:
-            return self._exchange_once(kind, payloads, flags, optimizer, clip)
+            return exchange(self.group, kind, requests, payloads, self._replies, timeout)
         except PSServerError:
             raise  # a refusal: the transport is fine, the client stays usable
         except PSError as exc:
             self._broken = exc
             self.group.report_failure(f"{type(exc).__name__}: {exc}")
             raise
-
-    def _exchange_once(
-        self,
-        kind: Kind,
-        payloads: Sequence[torch.Tensor | None] | None,
-        flags: int,
-        optimizer: int = 0,
-        clip: Clip | None = None,
-    ) -> list[tuple[ReplyHeader, torch.Tensor | None]]:
-        group = self.group
-        ranks = [group.server_rank(i) for i in range(self.num_servers)]
-        headers = [torch.zeros(HEADER_SLOTS, dtype=torch.int64) for _ in ranks]
-        what = kind.name
-        peer = ranks[0]  # the server being dealt with when an error strikes
-        graced = False  # whether the wait that failed already included the grace for a server's report
-        failed: tuple[int, str] | None = None  # (ps rank, report) of a peer that had already given up
-        try:
-            reply_works = []
-            for i, rank in enumerate(ranks):
-                peer = rank
-                reply_works.append(group.recv(headers[i], rank, TAG_REPLY))
-            sends = []
-            for i, rank in enumerate(ranks):
-                peer = rank
-                payload = payloads[i] if payloads is not None else None
-                nbytes = 0 if payload is None else payload.numel()
-                request = Request(
-                    kind, self.worker, self.versions[i], nbytes, self.checksums[i], flags, optimizer, clip
-                )
-                sends.append((i, group.send(request.header(), rank, TAG_REQUEST)))
-                if payload is not None and nbytes:
-                    sends.append((i, group.send(payload, rank, TAG_REQUEST_DATA)))
-            # A peer that already gave up left its reason in the store: stop now rather than wait out timeout_s on
-            # the servers it gave up on (asked while the sends are in flight, so a healthy step pays no latency).
-            failed = group.first_reported_failure()
-            if failed is not None:
-                raise PSPeerLostError(f"{group.name(failed[0])} failed before this {what}: {failed[1]}")
-            deadline = time.monotonic() + group.timeout_s
-            for i, work in sends:
-                peer = ranks[i]
-                group.wait(work, peer, f"it to take the {what}", receiving=False, timeout_s=_left(deadline))
-            deadline = time.monotonic() + self._reply_timeout(kind)
-            graced = True
-            for i, work in enumerate(reply_works):
-                peer = ranks[i]
-                group.wait(work, peer, f"the reply to the {what}", receiving=True, timeout_s=_left(deadline))
-            replies = [ReplyHeader.parse(h) for h in headers]
-            data_works = []
-            buffers: list[torch.Tensor | None] = []
-            for i, reply in enumerate(replies):
-                if reply.payload_nbytes <= 0:
-                    buffers.append(None)
-                    continue
-                peer = ranks[i]
-                usable = reply.status == Status.OK and reply.payload_nbytes == self._replies[i].numel()
-                buffer = self._replies[i] if usable else torch.empty(reply.payload_nbytes, dtype=torch.uint8)
-                buffers.append(buffer)
-                data_works.append((i, group.recv(buffer, peer, TAG_REPLY_DATA)))
-            for i, work in data_works:
-                peer = ranks[i]
-                group.wait(work, peer, f"the data of the reply to the {what}", receiving=True)
-        except PSError as exc:
-            if failed is not None:
-                raise  # it quotes the peer's own report already
-            # A server that gave up on another worker writes why just as our own wait ends: give it the grace,
-            # unless a timed-out wait for replies has just given it (waiting twice only delays the error).
-            patience_s = 0.0 if graced and isinstance(exc, PSTimeoutError) else min(self.group.timeout_s / 4, 5.0)
-            reporter, report = self._report_of(peer, patience_s=patience_s)
-            raise type(exc)(f"{exc}; {group.name(reporter)} reported: {report}" if report else str(exc)) from exc
-        errors = [
-            f"{group.name(ranks[i])} refused the {what}: {bytes(buffer.tolist()).decode(errors='replace')}"
-            for i, (reply, buffer) in enumerate(zip(replies, buffers))
-            if reply.status == Status.ERROR and buffer is not None
-        ]
-        if errors:
-            raise PSServerError("; ".join(errors))
-        return list(zip(replies, buffers))
-
-    def _reply_timeout(self, kind: Kind) -> float:
-        """How long to wait for replies.
-
-        Before the servers hold parameters (INIT, first pulls) a reply may wait for worker 0's INIT:
-        ``connect_timeout_s``. Otherwise ``timeout_s`` plus a grace of a quarter of it (at most 5 s): a server that
-        gives up on a silent worker after ``timeout_s`` then closes its connections, and the waiting workers hear
-        its reason instead of timing out at the same moment.
-        """
-        if kind == Kind.INIT or (kind == Kind.PULL and min(self.versions) < 0):
-            return self.group.connect_timeout_s
-        return self.group.timeout_s + min(self.group.timeout_s / 4, 5.0)
-
-    def _report_of(self, ps_rank: int, patience_s: float) -> tuple[int, str | None]:
-        """``(rank, message)``: the failure message server ``ps_rank`` left in the store (it may write it just after
-        closing its connections), waiting up to ``patience_s`` for it; failing that, another member's, which ends
-        the wait at once (e.g. a lost worker reported by the launcher, which then stopped the servers)."""
-        deadline = time.monotonic() + patience_s
-        while True:
-            report = self.group.reported_failure(ps_rank)
-            if report:
-                return ps_rank, report
-            other = self.group.first_reported_failure()
-            if other is not None or time.monotonic() > deadline:
-                return other if other is not None else (ps_rank, None)
-            time.sleep(0.05)
 
     def _to_reply(self, answers: list[tuple[ReplyHeader, torch.Tensor | None]], push: bool) -> PSReply:
         applied, skipped = push, False
@@ -502,10 +402,6 @@ class PSClient:
         )
         self.last_reply = reply
         return reply
-
-
-def _left(deadline: float) -> float:
-    return max(deadline - time.monotonic(), 0.001)
 
 
 def _payload(answer: tuple[ReplyHeader, torch.Tensor | None]) -> torch.Tensor:
