@@ -9,6 +9,7 @@ Traffic only ever goes to 127.0.0.1 or to the emulated hosts' own addresses.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -78,14 +79,36 @@ def _node_command(node: int, nodes: int, master: str, port: int, spec_path: Path
     ]
 
 
+def _descendants(pids: list[int]) -> list[int]:
+    """Every live descendant of ``pids``, read from ``/proc`` (Linux; elsewhere none)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], list(pids)
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
 def _kill(procs: list[subprocess.Popen]) -> None:
-    """SIGKILLs each node's whole process group (torchrun and its worker), then reaps them."""
-    for proc in procs:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    """SIGKILLs each node's whole process group and every descendant, then reaps them.
+
+    torchrun starts its workers in sessions of their own, so killing the node's process group alone leaves a
+    worker that is still importing running until its rendezvous gives up; its pids are read before the kill.
+    """
+    live = [proc.pid for proc in procs if proc.poll() is None]
+    for pid in _descendants(live):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
     for proc in procs:
         try:
             proc.wait(timeout=10)
