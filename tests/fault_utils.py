@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning_sync._proc import parent_pid
+
 HAS_PROC = Path("/proc/self/cmdline").exists()
 
 
@@ -47,22 +49,13 @@ def _cmdlines() -> dict[int, str]:
     return out
 
 
-def _parent(pid: int) -> int | None:
-    """The parent pid of ``pid`` (from ``/proc/<pid>/stat``), ``None`` if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
 def job_processes(run_dir: Path, main_pid: int) -> dict[str, int]:
     """``{"rank0": pid, "rank1": pid, "server0": pid}`` of a 2-rank job (whichever of them exist now)."""
     found = {}
     for pid, cmd in _cmdlines().items():
         if f"hydra.run.dir={run_dir}" in cmd and "lightning_sync.train" in cmd:
             found["rank0" if pid == main_pid else "rank1"] = pid
-        elif "lightning_sync.ps" in cmd and "--server 0" in cmd and _parent(pid) == main_pid:
+        elif "lightning_sync.ps" in cmd and "--server 0" in cmd and parent_pid(pid) == main_pid:
             found["server0"] = pid
     return found
 

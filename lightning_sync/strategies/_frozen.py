@@ -32,23 +32,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning_sync._proc import stat_fields
 from lightning_sync.strategies._lightning import launcher_children, replace_launch
 
 LAUNCHER_PID_ENV = "LIGHTNING_SYNC_LAUNCHER_PID"
 """Set for the ``popen`` children of a main process: its pid (so a child knows its parent is the job's main)."""
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command name (state first, then the parent pid), if any."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def is_stopped(pid: int) -> bool:
     """Whether ``pid`` is stopped by a signal (``False`` if it is gone, or there is no ``/proc``)."""
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return fields is not None and fields[0] == "T"
 
 
@@ -94,7 +87,7 @@ def _stopped_sibling_ranks() -> list[int]:
         return []
     found = []
     for pid in pids:
-        fields = _stat_fields(pid)
+        fields = stat_fields(pid)
         if fields is None or fields[0] != "T" or int(fields[1]) != parent:
             continue
         try:

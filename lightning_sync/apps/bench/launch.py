@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning_sync
+from lightning_sync._proc import descendants
 from lightning_sync.apps.netns import EmulatedHost, emulated_hosts
 
 NODES = 2
@@ -79,23 +80,6 @@ def _node_command(node: int, nodes: int, master: str, port: int, spec_path: Path
     ]
 
 
-def _descendants(pids: list[int]) -> list[int]:
-    """Every live descendant of ``pids``, read from ``/proc`` (Linux; elsewhere none)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        parents.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], list(pids)
-    while todo:
-        children = parents.get(todo.pop(), [])
-        found += children
-        todo += children
-    return found
-
-
 def _kill(procs: list[subprocess.Popen]) -> None:
     """SIGKILLs each node's whole process group and every descendant, then reaps them.
 
@@ -103,7 +87,7 @@ def _kill(procs: list[subprocess.Popen]) -> None:
     worker that is still importing running until its rendezvous gives up; its pids are read before the kill.
     """
     live = [proc.pid for proc in procs if proc.poll() is None]
-    for pid in _descendants(live):
+    for pid in descendants(live):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     for pid in live:
