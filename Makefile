@@ -1,7 +1,7 @@
 # Developer and CI entry points. `make test` = `make setup` + the whole test suite; `make compare` = `make setup` +
 # the main job (every sync mode on the digits, one table in outputs/compare/). `.ci/run` = `make check` + `make test`.
 #
-# `make setup` installs the exact versions and hashes of requirements.lock (every extra: apps, test, dev, docs),
+# `make setup` installs the exact versions and hashes of requirements.lock (every extra: apps, test, dev, docs, ft),
 # then the project itself without dependencies. `make lock` refreshes the lock from pyproject.toml and
 # requirements.in. The lock holds torch's CPU wheel (2.13.0+cpu): pip finds it in a find-links folder or an index
 # that has it (on a machine without it: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make setup; see
@@ -36,7 +36,7 @@ $(VENV)/.installed: $(PY) $(LOCK) pyproject.toml
 lock: $(PY)
 	$(PIP) install 'pip-tools>=7.4'
 	$(VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras --no-emit-find-links \
-		--no-emit-index-url --extra apps,test,dev,docs --output-file $(LOCK) pyproject.toml requirements.in
+		--no-emit-index-url --extra apps,test,dev,docs,ft --output-file $(LOCK) pyproject.toml requirements.in
 
 # Any non-zero pytest exit, 5 ("no tests ran") included, fails the target and so `make` and .ci/run (nothing masks it).
 test: setup

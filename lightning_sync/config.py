@@ -310,23 +310,36 @@ class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
     )
     fragments: int = knob(
         1,
-        """``local_sgd``/``diloco`` (streaming DiLoCo): split each sync group into this many fragments, strided by layer
-        (layer i joins fragment i % fragments), each with its own global copy and outer optimizer state; each fragment
-        syncs every period, staggered so that one fragment syncs every period/fragments steps and the largest single
-        transfer is about 1/fragments of the model. At most every period; a group with fewer layers gets one fragment
-        per layer.""",
+        """``local_sgd``/``diloco`` (streaming DiLoCo): split each sync group into this many fragments, each with its own
+        global copy and outer optimizer state, that sync in turn: each fragment syncs every period, staggered so that
+        fragment f first syncs after (f + 1) * period // fragments steps. Formed by block: block i of the model's
+        repeated blocks (the children of its largest nn.ModuleList or nn.Sequential of identical modules) joins
+        fragment i % fragments, and a parameter outside the blocks (embeddings, final norm, head) the fragment of the
+        nearest block before it (the first block's before any); a model without repeated blocks is split the same way
+        by layer (each parameter's own module). At most every period; a group with fewer blocks gets one fragment per
+        block.""",
+    )
+    fragment_modules: Any = knob(
+        None,
+        """``local_sgd``/``diloco`` (streaming DiLoCo): explicit fragments instead of the block rule, in sync order
+        (fragment 0 syncs first), as torchft's DiLoCo takes a list of modules: a list with one entry per fragment, each
+        a module-name pattern or a list of them, e.g. ``[[tok_emb, pos_emb, blocks.0], [blocks.1, ln_f]]``. Patterns
+        are fnmatch globs (case-sensitive, ``*`` also crosses dots) on module names; a parameter belongs to a pattern
+        matching any module that holds it. Every parameter must be in exactly one fragment and every pattern must match
+        one; ``fragments`` is then the list's length (leave it at 1). Not with ``module_sync_every``.""",
     )
     sync_delay: int = knob(
         0,
         """``local_sgd``/``diloco`` (streaming DiLoCo): inner steps between the start of a fragment's outer all-reduce
         and the apply of its result; the transfer runs in the background (on gloo as well) meanwhile. ``0 <=
-        sync_delay < period / fragments``.""",
+        sync_delay < period // fragments``.""",
     )
     fragment_alpha: float = knob(
         0.0,
-        """``local_sgd``/``diloco`` (streaming DiLoCo): on apply, a fragment's parameters become ``alpha * local + (1 -
-        alpha) * global``, keeping part of the ``sync_delay`` local steps (0: load the global copy); in [0, 1). The
-        streaming DiLoCo paper found 0.5 robust for sync_delay < 5.""",
+        """``local_sgd``/``diloco`` (streaming DiLoCo): on apply, a fragment's parameters become ``global.lerp(local,
+        alpha)`` = ``alpha * local + (1 - alpha) * global``, keeping part of the ``sync_delay`` local steps (0: load the
+        global copy; 1: keep the local weights, only the global copy steps); in [0, 1]. The streaming DiLoCo paper
+        found 0.5 robust for sync_delay < 5.""",
     )
     outer_compression: str = knob(
         "none",
@@ -351,6 +364,7 @@ class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
             ("warmup_steps", self.warmup_steps != 0, "gradient accumulation has no local steps to warm up"),
             ("module_sync_every", self.module_sync_every is not None, "gradients are synced as one model"),
             ("fragments", self.fragments != 1, "gradients are synced as one model"),
+            ("fragment_modules", self.fragment_modules is not None, "gradients are synced as one model"),
             ("sync_delay", self.sync_delay != 0, "the optimizer step needs the synced gradients"),
             ("fragment_alpha", self.fragment_alpha != 0.0, "there is no global copy to mix with"),
             ("outer_compression", self.outer_compression != "none", "there is no outer step; use compression"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 import signal
 import time
 
@@ -23,10 +24,11 @@ from lightning_sync import ConfigError
 from lightning_sync.algorithms import build_parts
 from lightning_sync.comm.averaging import ModelAverager, make_outer_optimizer
 from lightning_sync.comm.compression import FlatBucket, NoCompression
+from lightning_sync.comm.fragments import block_fragments, layer_fragments, split_fragments
 from lightning_sync.comm.meter import CommMeter, PeerError
 from lightning_sync.comm.periodic import AdaptiveOptions, PeriodicAverager, StreamingOptions
 from lightning_sync.comm.quantized import BLOCK, Int4Compression, Int8Compression
-from lightning_sync.comm.streaming import stagger_offsets, strided_fragments
+from lightning_sync.comm.streaming import stagger_offsets
 from lightning_sync.config import PeriodicConfig
 from lightning_sync.strategies._checkpoint import sync_state_path
 
@@ -90,12 +92,12 @@ class Loop:
         (dict(fragments=0), "fragments=0 is not allowed; it must be >= 1"),
         (dict(fragments=1.5), "fragments=1.5 is not allowed; it must be an integer"),
         (dict(sync_delay=-1), "sync_delay=-1 is not allowed; it must be >= 0"),
-        (dict(fragment_alpha=1.0), "fragment_alpha=1.0 is not allowed; it must be in [0, 1)"),
+        (dict(fragment_alpha=1.5), "fragment_alpha=1.5 is not allowed; it must be in [0, 1]"),
         (dict(outer_compression="int2"), "outer_compression='int2' is not allowed; choose one of: none, bf16"),
         (dict(fragments=9, sync_every=8), "fragments=9 is not allowed with sync_every=8; it must be <= sync_every"),
         (
             dict(fragments=4, sync_every=8, sync_delay=2),
-            "sync_delay=2 is not allowed with sync_every=8 and fragments=4; it must be >= 0 and < sync_every / "
+            "sync_delay=2 is not allowed with sync_every=8 and fragments=4; it must be >= 0 and < sync_every // "
             "fragments = 2",
         ),
         (
@@ -140,7 +142,7 @@ def test_knob_errors_through_the_strategy_config():
 @pytest.mark.unit
 def test_fragments_are_strided_by_layer_and_staggered():
     names = [f"net.{i}.{kind}" for i in range(6) for kind in ("weight", "bias")]
-    split = strided_fragments(names, 3)
+    split = layer_fragments(names, 3)
     assert [[names[i] for i in part] for part in split][0] == [
         "net.0.weight",
         "net.0.bias",
@@ -148,11 +150,142 @@ def test_fragments_are_strided_by_layer_and_staggered():
         "net.3.bias",
     ]
     assert [len(part) for part in split] == [4, 4, 4]
-    assert len(strided_fragments(names[:4], 4)) == 2  # two layers: one fragment per layer
-    assert strided_fragments([], 4) == [[]]
+    assert len(layer_fragments(names[:4], 4)) == 2  # two layers: one fragment per layer
+    assert layer_fragments([], 4) == [[]] == block_fragments([], 4)
     # fragment f first syncs after (f + 1) * period // k steps: one fragment every period / k steps
     assert stagger_offsets(8, 4) == [6, 4, 2, 0]
     assert stagger_offsets(8, 1) == [0]
+
+
+def _char_gpt(n_layer: int = 4) -> nn.Module:
+    from lightning_sync.examples.models import CharGPT
+
+    torch.manual_seed(0)
+    return CharGPT(vocab_size=32, block_size=16, d_model=32, n_layer=n_layer, n_head=2)
+
+
+def _group_modules(averager: PeriodicAverager, model: nn.Module) -> list[list[str]]:
+    """Each group's parameters, as the names of the blocks (``blocks.i``) or modules that hold them."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for group in averager.groups:
+        modules: list[str] = []
+        for p in group.params:
+            parts = names[id(p)].split(".")
+            module = ".".join(parts[:2]) if parts[0] == "blocks" else ".".join(parts[:-1])
+            if module not in modules:
+                modules.append(module)
+        out.append(modules)
+    return out
+
+
+@pytest.mark.unit
+def test_fragments_take_whole_blocks_strided_and_the_rest_beside_the_nearest_block():
+    """Block i joins fragment i % k; the embeddings go with the first block, the final norm with the last block's
+    fragment; the tied head is the embedding. Without repeated blocks (an MLP of different widths) layers are the
+    units."""
+    model = _char_gpt(n_layer=4)
+    for k, expected in [
+        (1, [["tok_emb", "pos_emb", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "ln_f"]]),
+        (2, [["tok_emb", "pos_emb", "blocks.0", "blocks.2"], ["blocks.1", "blocks.3", "ln_f"]]),
+        (3, [["tok_emb", "pos_emb", "blocks.0", "blocks.3", "ln_f"], ["blocks.1"], ["blocks.2"]]),
+        (8, [["tok_emb", "pos_emb", "blocks.0"], ["blocks.1"], ["blocks.2"], ["blocks.3", "ln_f"]]),
+    ]:
+        averager = PeriodicAverager(sync_every=8, outer=True, streaming=StreamingOptions(fragments=k))
+        if k > 4:
+            with pytest.warns(UserWarning, match=f"fragments={k}: sync group '\\*' has 4 blocks .* gets 4 fragments"):
+                averager.setup(model.named_parameters(), model.named_buffers(), CommMeter())
+        else:
+            averager.setup(model.named_parameters(), model.named_buffers(), CommMeter())
+        assert _group_modules(averager, model) == expected, k
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    split = block_fragments([(n, p.shape) for n, p in mlp.named_parameters()], 2)
+    assert split == [[0, 1, 4, 5], [2, 3]]  # by layer: 0 and 4, then 2
+    square = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3))
+    split = block_fragments([(n, p.shape) for n, p in square.named_parameters()], 2)
+    assert split == [[0, 1, 4, 5, 6, 7], [2, 3]]  # 3 blocks 0, 1, 2; the head goes with block 2's fragment, 0
+    assert split_fragments([(n, p.shape) for n, p in square.named_parameters()], 2, (("0", "2"), ("[13]",))) == [
+        [0, 1, 4, 5],
+        [2, 3, 6, 7],
+    ]
+
+
+@pytest.mark.unit
+def test_fragment_modules_name_the_fragments_in_sync_order():
+    model = _char_gpt(n_layer=2)
+    explicit = [["blocks.1", "ln_f"], ["tok_emb", "pos_emb", "blocks.0"]]  # fragment 0 syncs first
+    averager = PeriodicAverager(sync_every=8, outer=True, streaming=StreamingOptions(fragment_modules=explicit))
+    assert averager.fragments == 2
+    averager.setup(model.named_parameters(), model.named_buffers(), CommMeter())
+    assert _group_modules(averager, model) == [["blocks.1", "ln_f"], ["tok_emb", "pos_emb", "blocks.0"]]
+    assert [g.offset for g in averager.groups] == stagger_offsets(8, 2)
+    # through the strategy's keyword constructor and its check against the model, before any rank starts
+    from lightning_sync import PeriodicSyncStrategy
+
+    strategy = PeriodicSyncStrategy(mode="diloco", sync_every=8, fragment_modules=explicit)
+    assert strategy.averager is not None and strategy.averager.fragments == 2
+    strategy.validate_model(model)
+    bad = PeriodicSyncStrategy(mode="diloco", sync_every=8, fragment_modules=[["blocks.*"], ["tok_emb", "pos_emb"]])
+    with pytest.raises(ConfigError, match=r"strategy.fragment_modules: parameter 'ln_f.weight' is in no fragment"):
+        bad.validate_model(model)
+
+
+@pytest.mark.unit
+def test_the_guide_prints_the_char_gpt_partition_the_code_forms():
+    """docs/guide/streaming-diloco.md holds tools/gen_fragments.py's tables, as the code forms them now."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "gen_fragments.py"
+    spec = importlib.util.spec_from_file_location("gen_fragments", path)
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    text = gen.GUIDE.read_text()
+    assert gen.updated(text) == text, "the guide's fragment tables are stale: run python tools/gen_fragments.py"
+    assert "| 0 | `tok_emb`, `pos_emb`, `blocks.0` |" in text
+
+
+def _setup_error(patterns, model=None, **knobs) -> str:
+    model = model or _char_gpt(n_layer=2)
+    with pytest.raises(ConfigError) as info:
+        averager = PeriodicAverager(
+            sync_every=8, outer=True, streaming=StreamingOptions(fragment_modules=patterns, **knobs)
+        )
+        averager.setup(model.named_parameters(), model.named_buffers(), CommMeter())
+    return str(info.value)
+
+
+@pytest.mark.unit
+def test_fragment_modules_errors_name_field_value_and_what_is_allowed():
+    rest = ["tok_emb", "pos_emb", "ln_f"]
+    assert "fragment_modules[1] pattern 'blocks.7' matches no module holding a parameter" in _setup_error(
+        [["blocks.0", *rest], ["blocks.1", "blocks.7"]]
+    )
+    assert (
+        "fragment_modules: parameter 'blocks.1.ln1.weight' is in fragments 0 ('blocks.*') and 1 ('blocks.1'); "
+        "every parameter must be in exactly one"
+    ) in _setup_error([["blocks.*", *rest], ["blocks.1"]])
+    assert "fragment_modules: parameter 'ln_f.weight' is in no fragment" in _setup_error(
+        [["blocks.0", "tok_emb", "pos_emb"], ["blocks.1"]]
+    )
+    for value, message in [
+        ("blocks.0", "fragment_modules='blocks.0' is not allowed; it must be a list with one entry per fragment"),
+        ([], "fragment_modules=[] is not allowed; it must be a list"),
+        ([["a"], []], "fragment_modules[1]=[] is not allowed; it must be a pattern or a list of patterns"),
+        ([["a", 3]], "fragment_modules[0] pattern 3 is not allowed; it must be a non-empty string"),
+        ([["a"], ["a"]], "fragment_modules[1] pattern 'a' is not allowed; it appears twice"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            StreamingOptions(fragment_modules=value)
+    with pytest.raises(ConfigError, match=r"fragments=3 is not allowed with fragment_modules of 2 fragments"):
+        StreamingOptions(fragments=3, fragment_modules=[["a"], ["b"]])
+    with pytest.raises(ConfigError, match=r"fragment_modules=\[\['a'\]\] is not allowed with module_sync_every"):
+        PeriodicAverager(module_sync_every={"x.*": 4}, streaming=StreamingOptions(fragment_modules=[["a"]]))
+    with pytest.raises(ConfigError, match="fragment_modules=.* is not allowed with mode='gradient'"):
+        PeriodicConfig(mode="gradient", fragment_modules=[["a"]])
+    with pytest.raises(ConfigError, match=r"fragment_modules\[0\] pattern '' is not allowed"):
+        build_parts(PeriodicConfig(mode="diloco", fragment_modules=[[""]]))
 
 
 # ---------------------------------------------------------------------------------------------------------- quantizer
@@ -275,6 +408,94 @@ def test_int4_sends_at_most_a_seventh_and_four_fragments_a_quarter_per_transfer(
     run_ranks(_bytes_ranks)
 
 
+def _fixed_cost_ranks(rank: int, world: int) -> None:
+    """The 8 x Linear(64, 64) MLP, sync_every=8, 64 steps: every byte the averager sends is payload."""
+    numel = [2 * WIDTH * (WIDTH + 1)] * 4  # 4 fragments of 2 layers; 1 fragment: all 8
+    for knobs in [
+        dict(),
+        dict(outer_compression="int4"),
+        dict(fragments=4),
+        dict(fragments=4, outer_compression="int4"),
+    ]:
+        loop = Loop(
+            rank, PeriodicAverager(sync_every=8, outer=True, streaming=StreamingOptions(**knobs)), make_model(8)
+        )
+        per_fragment = [sum(numel)] if "fragments" not in knobs else numel
+        if "outer_compression" in knobs:  # codes and a scale per block, each rank's chunk padded to whole blocks
+            codec = Int4Compression()
+            payload = [world * codec.chunk_bytes(math.ceil(n / (world * BLOCK)) * BLOCK) for n in per_fragment]
+        else:
+            payload = [4 * n for n in per_fragment]
+        wire = [2 * (world - 1) / world * b for b in payload]  # what a ring all-reduce of that payload sends
+        synced = loop.run(64)
+        in_training = loop.meter.total.bytes_sent
+        flushed = loop.averager.finish([loop.opt])
+        labels = [g.label for g in loop.averager.groups]
+        expected = sum(wire[labels.index(label)] for step in synced for label in step)
+        assert in_training == expected, (knobs, in_training, expected)
+        # the end of fit syncs the fragments with local steps: 3 of 4 (fragment 3 synced at step 64), none of 1
+        assert loop.meter.total.bytes_sent - in_training == sum(wire[labels.index(g.label)] for g in flushed)
+        assert len(flushed) == (3 if "fragments" in knobs else 0)
+        if rank == 0:
+            syncs = sum(len(step) for step in synced)
+            print(f"{knobs}: {in_training / syncs:.0f} bytes per fragment sync, {len(flushed)} flushed at the end")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_bytes_per_outer_sync_are_the_payload_and_nothing_else():
+    run_ranks(_fixed_cost_ranks)
+
+
+def _uneven_ranks(rank: int, world: int) -> None:
+    """k = 3 does not divide H = 8: fragment f still applies at (f + 1) * 8 // 3 + 8 j."""
+    streaming = StreamingOptions(fragments=3, sync_delay=1)
+    loop = Loop(rank, PeriodicAverager(sync_every=8, outer=True, streaming=streaming))
+    synced = loop.run(19)
+    applied = {label: [i + 1 for i, s in enumerate(synced) if label in s] for label in ("*#0", "*#1", "*#2")}
+    assert applied == {"*#0": [2, 10, 18], "*#1": [5, 13], "*#2": [8, 16]}, applied
+    loop.averager.close()
+
+    # fragment_alpha=1: the parameters keep the local weights exactly; the global copy still takes the outer step
+    streaming = StreamingOptions(fragments=2, sync_delay=1, fragment_alpha=1.0)
+    loop = Loop(rank, PeriodicAverager(sync_every=4, outer=True, streaming=streaming))
+    first = loop.averager.groups[0]
+    start = _anchor_flat(first).clone()
+    loop.averager.start_step()
+    loop.inner_step()
+    assert loop.averager.step([loop.opt]) == []  # fragment 0 launched
+    loop.averager.start_step()
+    loop.inner_step()
+    local = _fragment_flat(first).clone()
+    assert [g.label for g in loop.averager.step([loop.opt])] == ["*#0"]
+    assert torch.equal(_fragment_flat(first), local) and first.mixed
+    assert not torch.equal(_anchor_flat(first), start)
+    rows = both_ranks(_anchor_flat(first))
+    assert torch.equal(rows[0], rows[1])
+    loop.run(3)
+    loop.averager.finish([loop.opt])  # the end of fit loads the global copy everywhere
+    rows = both_ranks(flat(loop.model))
+    assert torch.equal(rows[0], rows[1])
+    loop.averager.close()
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_fragments_keep_their_schedule_when_k_does_not_divide_h_and_alpha_one_keeps_the_local_weights():
+    run_ranks(_uneven_ranks)
+
+
+@pytest.mark.unit
+def test_a_delay_that_would_move_fragment_0s_first_sync_is_refused_before_start():
+    """H=8, k=3: fragment 0 first syncs at step 8 // 3 = 2, so its outer sync cannot launch 2 steps before."""
+    with pytest.raises(ConfigError) as info:
+        PeriodicAverager(sync_every=8, outer=True, streaming=StreamingOptions(fragments=3, sync_delay=2))
+    assert "sync_delay=2 is not allowed with sync_every=8 and fragments=3; it must be >= 0 and < sync_every // " in str(
+        info.value
+    )
+    PeriodicAverager(sync_every=8, outer=True, streaming=StreamingOptions(fragments=3, sync_delay=1))
+
+
 # ---------------------------------------------------------------------------------------------------------- in flight
 def _fragment_flat(group) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in group.params])
@@ -309,8 +530,8 @@ def _delay_ranks(rank: int, world: int, alpha: float, outer: bool, codec: str) -
             anchor = _anchor_flat(group)
             rows = both_ranks(anchor)
             assert torch.equal(rows[0], rows[1]), "the global copy differs between ranks after an apply"
-            mixed = local[label].lerp(anchor, 1.0 - alpha) if alpha else anchor
-            assert torch.allclose(_fragment_flat(group), mixed, rtol=0, atol=1e-6)
+            mixed = anchor.lerp(local[label], alpha) if alpha else anchor  # rounded as torchft's DiLoCo rounds it
+            assert torch.equal(_fragment_flat(group), mixed)
             if alpha == 0:
                 rows = both_ranks(_fragment_flat(group))
                 assert torch.equal(rows[0], rows[1]), "a fragment's replicas differ right after its apply"

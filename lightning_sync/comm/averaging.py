@@ -328,7 +328,8 @@ class ModelAverager:
         timeout_s: float | None = None,
     ) -> bool:
         """Completes ``flight`` and applies it: the outer step (``outer``; ``None``: local SGD's plain average) on
-        the global copy, then the parameters become ``alpha * local + (1 - alpha) * global``.
+        the global copy, then the parameters become ``global.lerp(local, alpha)``, ``global + alpha * (local -
+        global)`` rounded as torchft's ``DiLoCo`` rounds it (``alpha=1`` keeps the local weights exactly).
 
         With ``skip_nonfinite`` an average holding a NaN or Inf (identical on every rank, so every rank decides the
         same) skips the outer step: the global copy and the outer optimizer stay as they are and the parameters
@@ -354,8 +355,9 @@ class ModelAverager:
             anchor.grad = None
             if alpha == 0.0:
                 _unpack(anchor, bucket_params)
-            else:  # the delta bucket is free again: mix in it
-                _unpack(_pack(bucket_params, delta).lerp_(anchor, 1.0 - alpha), bucket_params)
+            else:  # the delta bucket is free again: mix in it, global.lerp(local, alpha) as torchft rounds it
+                local = _pack(bucket_params, delta)
+                _unpack(torch.lerp(anchor, local, alpha, out=local), bucket_params)
         return True
 
     def state_dict(self) -> dict[str, Any]:

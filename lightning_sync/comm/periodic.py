@@ -13,14 +13,14 @@ Lightning strategy, or a plain training loop) then only reports what happened:
 * :meth:`PeriodicAverager.finish` at the end of training: syncs every group with unsynced steps.
 
 Streaming DiLoCo (:mod:`lightning_sync.comm.streaming`): with ``fragments=k`` every sync group is split into up to
-``k`` fragments strided by layer, each with its own global copy, compressor and outer optimizer; fragment ``f`` of a
-group with period ``p`` syncs every ``p`` steps, first after ``(f + 1) * p // k`` steps, so one fragment syncs every
-``p / k`` steps. With ``sync_delay=τ`` a fragment's outer all-reduce starts ``τ`` steps before its sync step and runs
-on a worker thread while the inner steps go on; at the sync step its result is applied and the fragment's
-parameters become ``fragment_alpha * local + (1 - fragment_alpha) * global``. ``outer_compression`` chooses the
-codec of the pseudo-gradients (int8/int4: :mod:`lightning_sync.comm.quantized`). With ``fragments=1``,
-``sync_delay=0``, ``fragment_alpha=0`` and ``outer_compression="none"`` the schedule and every operation are
-DiLoCo's (and local SGD's) as without them.
+``k`` fragments strided by block (:mod:`lightning_sync.comm.fragments`; or as ``fragment_modules`` names them), each
+with its own global copy, compressor and outer optimizer; fragment ``f`` of a group with period ``p`` syncs every
+``p`` steps, first after ``(f + 1) * p // k`` steps, so one fragment syncs every ``p / k`` steps. With
+``sync_delay=τ`` a fragment's outer all-reduce starts ``τ`` steps before its sync step and runs on a worker thread
+while the inner steps go on; at the sync step its result is applied and the fragment's parameters become
+``global.lerp(local, fragment_alpha)``. ``outer_compression`` chooses the codec of the pseudo-gradients (int8/int4:
+:mod:`lightning_sync.comm.quantized`). With ``fragments=1``, ``sync_delay=0``, ``fragment_alpha=0`` and
+``outer_compression="none"`` the schedule and every operation are DiLoCo's (and local SGD's) as without them.
 
 A *step* is one optimizer step. Group parameters travel as deltas from the global copy through the compressor
 (:class:`~lightning_sync.comm.averaging.ModelAverager`); buffers and optimizer state are averaged exactly.
@@ -137,6 +137,7 @@ class PeriodicAverager:
         self._check_streaming(streaming, new_compressor)
         self.fragments, self.sync_delay = int(streaming.fragments), int(streaming.sync_delay)
         self.fragment_alpha = float(streaming.fragment_alpha)
+        self.fragment_modules = streaming.fragment_modules
         self.outer_compression = streaming.outer_compression
         if self.outer_compression != "none":
             self.new_compressor = outer_compressor_factory(self.outer_compression)
@@ -164,6 +165,11 @@ class PeriodicAverager:
             periods.append(("min_sync_every", self.adaptive.min_every))
         periods += [(f"{POLICY_FIELD}[{pattern!r}]", every) for pattern, every in self.policy.items()]
         check_streaming_options(streaming, new_compressor, periods)
+        if streaming.fragment_modules is not None and self.policy:
+            raise ConfigError(
+                f"fragment_modules={[list(f) for f in streaming.fragment_modules]!r} is not allowed with "
+                f"{POLICY_FIELD}; explicit fragments split one group: leave one of them unset"
+            )
 
     # ------------------------------------------------------------------ schedule
     @property
@@ -191,7 +197,8 @@ class PeriodicAverager:
         replicas). With ``sync_delay > 0`` it also makes the outer syncs' process group (a collective call).
 
         Raises:
-            ConfigError: a ``module_sync_every`` pattern matches no parameter, or a parameter matches two.
+            ConfigError: a ``module_sync_every`` pattern matches no parameter, or a parameter matches two; a
+                ``fragment_modules`` pattern matches no parameter, or a parameter is in two fragments or in none.
         """
         named = list(named_parameters)
         named_buffers = list(named_buffers)
@@ -208,7 +215,15 @@ class PeriodicAverager:
             self._worker = OuterSyncWorker()
         new_averager = functools.partial(self._new_averager, meter=meter, sync_group=sync_group)
         self.groups = build_sync_groups(
-            named, named_buffers, param_pattern, buffer_pattern, self.policy, self.fragments, self.period, new_averager
+            named,
+            named_buffers,
+            param_pattern,
+            buffer_pattern,
+            self.policy,
+            self.fragments,
+            self.period,
+            new_averager,
+            self.fragment_modules,
         )
 
     def _new_averager(

@@ -3,12 +3,9 @@ flight while inner steps run, and the apply that mixes the local and the global 
 
 Nothing here knows of Lightning; :class:`~lightning_sync.comm.periodic.PeriodicAverager` owns the schedule.
 
-Fragments are strided by layer: the parameters are grouped by the module that holds them (``net.4.weight`` and
-``net.4.bias`` form layer ``net.4``), layers are numbered in model order, and layer ``i`` joins fragment
-``i % fragments``. Each fragment then spans the whole depth of the network, so every outer step moves shallow and
-deep layers together and no part of the network waits a whole period for its first outer step; the paper found
-strided fragments better than contiguous ones. Layers are never split, so a fragment holds about ``1/fragments``
-of the model when the layers are of similar size.
+Fragments are formed by block (:mod:`lightning_sync.comm.fragments`): block ``i`` of the model's repeated blocks
+joins fragment ``i % fragments``, so each fragment spans the whole depth of the network and every outer step moves
+shallow and deep layers together; the paper found strided fragments better than contiguous ones.
 
 An outer sync in flight: :meth:`ModelAverager.launch_ <lightning_sync.comm.averaging.ModelAverager.launch_>` packs the pseudo-gradients at step ``t`` and hands the
 averaging to a :class:`OuterSyncWorker`, a thread that runs the compressor's collectives (and waits for them) on a
@@ -33,6 +30,7 @@ import torch.distributed as dist
 
 from lightning_sync.comm.averaging import InFlight, ModelAverager
 from lightning_sync.comm.compression import Compressor
+from lightning_sync.comm.fragments import normalize_fragment_modules
 from lightning_sync.comm.quantized import outer_compressor_factory
 from lightning_sync.errors import ConfigError, check_range
 
@@ -43,21 +41,41 @@ class StreamingOptions:
     """Streaming DiLoCo: each sync group split into fragments that sync in turn, each in the background.
 
     Args:
-        fragments: split each sync group into this many fragments, strided by layer, that sync in turn (at most one
-            per layer; ``<=`` every period).
+        fragments: split each sync group into this many fragments, strided by block, that sync in turn (at most
+            one per block, or per layer without repeated blocks; ``<=`` every period).
         sync_delay: steps between the launch of a fragment's outer all-reduce and its apply (``0 <= sync_delay <
-            period / fragments`` for every period).
-        fragment_alpha: on apply, the parameters become ``alpha * local + (1 - alpha) * global``, in [0, 1).
+            period // fragments`` for every period).
+        fragment_alpha: on apply, the parameters become ``global.lerp(local, alpha)``, in [0, 1] (1: they keep
+            the local weights, and only the global copy takes the outer step).
         outer_compression: codec of the pseudo-gradients: ``none`` (the averager's ``new_compressor``'s),
             ``bf16``, ``fp16``, ``int8``, ``int4``.
+        fragment_modules: explicit fragments in sync order, each a module-name pattern or a list of them
+            (:mod:`lightning_sync.comm.fragments`); ``None``: by block. Their number is the number of fragments.
 
-    The :class:`PeriodicAverager` checks them, against each other and against its periods.
+    The :class:`PeriodicAverager` checks them, against each other and against its periods; ``fragment_modules`` is
+    checked here, when the options are made.
+
+    Raises:
+        ConfigError: ``fragment_modules`` is not a list of patterns or lists of patterns, or ``fragments`` is
+            neither 1 nor its length.
     """
 
     fragments: int = 1
     sync_delay: int = 0
     fragment_alpha: float = 0.0
     outer_compression: str = "none"
+    fragment_modules: tuple[tuple[str, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        patterns = normalize_fragment_modules(self.fragment_modules)
+        object.__setattr__(self, "fragment_modules", patterns)  # frozen: the normalized form, once
+        if patterns is not None:
+            if self.fragments not in (1, len(patterns)):
+                raise ConfigError(
+                    f"fragments={self.fragments!r} is not allowed with fragment_modules of {len(patterns)} "
+                    f"fragments; leave it at 1 or set it to {len(patterns)}"
+                )
+            object.__setattr__(self, "fragments", len(patterns))
 
 
 def check_streaming_options(
@@ -82,7 +100,7 @@ def check_streaming_options(
     fragment_alpha = streaming.fragment_alpha
     check_range("fragments", fragments, low=1, integer=True)
     check_range("sync_delay", sync_delay, low=0, integer=True)
-    check_range("fragment_alpha", fragment_alpha, low=0, high=1, high_open=True)
+    check_range("fragment_alpha", fragment_alpha, low=0, high=1)
     outer_compressor_factory(outer_compression)
     base = new_compressor().name
     if outer_compression != "none" and base != "none":
@@ -96,36 +114,15 @@ def check_streaming_options(
                 f"fragments={fragments} is not allowed with {field}={period}; it must be <= {field} (each "
                 "fragment syncs at its own step of the period)"
             )
-        if sync_delay * fragments >= period:
+        if sync_delay >= period // fragments:  # fragment 0 first syncs after period // fragments steps
             raise ConfigError(
                 f"sync_delay={sync_delay} is not allowed with {field}={period} and fragments={fragments}; it "
-                f"must be >= 0 and < {field} / fragments = {period / fragments:g}"
+                f"must be >= 0 and < {field} // fragments = {period // fragments} (fragment 0 first syncs "
+                f"{period // fragments} steps in, and its outer sync launches sync_delay steps before)"
             )
 
 
-# ------------------------------------------------------------------------------------------------ fragments
-def layer_of(name: str) -> str:
-    """The module holding parameter (or buffer) ``name``: ``net.4.weight`` -> ``net.4``."""
-    return name.rsplit(".", 1)[0] if "." in name else ""
-
-
-def strided_fragments(names: Sequence[str], fragments: int) -> list[list[int]]:
-    """Splits parameters into fragments strided by layer: layer ``i`` (in order of first appearance) goes to
-    fragment ``i % k``, with ``k = min(fragments, layers)``.
-
-    Returns:
-        For each fragment, the indices into ``names`` of its parameters (one empty fragment for no names).
-    """
-    layers: dict[str, int] = {}
-    for name in names:
-        layers.setdefault(layer_of(name), len(layers))
-    k = max(1, min(fragments, len(layers)))
-    out: list[list[int]] = [[] for _ in range(k)]
-    for index, name in enumerate(names):
-        out[layers[layer_of(name)] % k].append(index)
-    return out
-
-
+# ------------------------------------------------------------------------------------------------ schedule
 def stagger_offsets(period: int, fragments: int) -> list[int]:
     """Each fragment's starting count of steps since its last sync, so that fragment ``f`` first syncs after
     ``(f + 1) * period // fragments`` steps and the fragments take turns every ``period / fragments`` steps

@@ -2,12 +2,13 @@
 
 Nothing here knows of Lightning; :class:`~lightning_sync.comm.periodic.PeriodicAverager` owns the schedule. A sync
 group is a ``module_sync_every`` group (:mod:`lightning_sync.comm.module_policy`), or the default group ``"*"``, or,
-with ``fragments > 1``, one of its fragments strided by layer (:mod:`lightning_sync.comm.streaming`).
+with ``fragments > 1``, one of its fragments, strided by block (:mod:`lightning_sync.comm.fragments`).
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_sync.comm.fragments import buffer_fragments, split_fragments
 from lightning_sync.comm.module_policy import DEFAULT_GROUP
-from lightning_sync.comm.streaming import InFlight, StreamingAverager, layer_of, stagger_offsets, strided_fragments
+from lightning_sync.comm.streaming import InFlight, StreamingAverager, stagger_offsets
 
 
 @dataclass
@@ -65,6 +67,7 @@ def build_sync_groups(
     fragments: int,
     default_period: int,
     new_averager: Callable[[list[nn.Parameter]], tuple[StreamingAverager, torch.optim.Optimizer | None]],
+    fragment_modules: Sequence[Sequence[str]] | None = None,
 ) -> list[SyncGroup]:
     """The default group, then one group per ``policy`` pattern, each split into up to ``fragments`` fragments.
 
@@ -74,26 +77,32 @@ def build_sync_groups(
         param_pattern: each matched parameter's pattern (the others join the default group).
         buffer_pattern: each matched buffer's pattern (the others join the default group).
         policy: ``{pattern: period}``.
-        fragments: how many fragments to split each group into (at most one per layer).
+        fragments: how many fragments to split each group into (at most one per block, or per layer).
         default_period: the default group's period, which staggers its fragments.
         new_averager: makes a fragment's averager and outer optimizer (``None``: local SGD) from its parameters.
+        fragment_modules: explicit fragments (module-name patterns, in sync order) instead of the block rule; only
+            without ``policy`` (the averager refuses both together).
+
+    Raises:
+        ConfigError: a ``fragment_modules`` pattern matching no parameter, or a parameter in two fragments or none.
     """
     groups: list[SyncGroup] = []
     for label, period in [(DEFAULT_GROUP, None), *policy.items()]:
         members = [(n, p) for n, p in named if p.requires_grad and param_pattern.get(n, DEFAULT_GROUP) == label]
         buffers = [(n, b) for n, b in named_buffers if buffer_pattern.get(n, DEFAULT_GROUP) == label]
-        split = strided_fragments([n for n, _ in members], fragments)
+        split = split_fragments([(n, p.shape) for n, p in members], fragments, fragment_modules)
+        if len(split) < fragments and len(members) > 1:
+            warnings.warn(
+                f"fragments={fragments}: sync group {label!r} has {len(split)} blocks (or layers, without repeated "
+                f"blocks), so it gets {len(split)} fragments (a block is never split); fragment_modules names others",
+                stacklevel=2,
+            )
         offsets = stagger_offsets(default_period if period is None else period, len(split))
-        layers = [{layer_of(members[i][0]) for i in indices} for indices in split]
+        owner = buffer_fragments([n for n, _ in members], split, [n for n, _ in buffers])
         for f, (indices, offset) in enumerate(zip(split, offsets)):
             params = [members[i][1] for i in indices]
-            # a buffer goes with its module's fragment; one of a module without parameters, with the last
-            mine = [
-                b
-                for n, b in buffers
-                if layer_of(n) in layers[f]
-                or (f == len(split) - 1 and not any(layer_of(n) in other for other in layers))
-            ]
+            # a buffer goes with the fragment of the innermost module above it that is in one fragment
+            mine = [b for (_, b), at in zip(buffers, owner) if at == f]
             averager, outer = new_averager(params)
             name = label if len(split) == 1 else f"{label}#{f}"
             groups.append(

@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lightning_sync.comm.averaging import average_buffers
 from lightning_sync.comm.consistency import named_replicated_state
+from lightning_sync.comm.fragments import explicit_fragments, normalize_fragment_modules
 from lightning_sync.comm.module_policy import validate_module_policy
 from lightning_sync.comm.periodic import PeriodicAverager
 from lightning_sync.config import PeriodicConfig
@@ -37,7 +38,8 @@ class PeriodicSyncStrategy(AllReduceStrategy):
     per-step gradient all-reduce, per-module periods, adaptive period) and the averaging (plain average, or DiLoCo's
     outer optimizer). At the end of ``fit`` every group with unsynced steps is synced once more, so the model
     returned is the common one; between syncs each rank validates its own replica. Streaming DiLoCo's knobs
-    (``fragments``, ``sync_delay``, ``fragment_alpha``, ``outer_compression``) are the averager's.
+    (``fragments``, ``fragment_modules``, ``sync_delay``, ``fragment_alpha``, ``outer_compression``) are the
+    averager's.
 
     Logged per optimizer step: ``sync/period`` at the first step, when it changes and at every sync, and
     ``sync/divergence`` (this rank's distance from the average, measured at sync time) at every sync, and
@@ -66,6 +68,7 @@ class PeriodicSyncStrategy(AllReduceStrategy):
         max_sync_every: int = PeriodicConfig.max_sync_every,
         module_sync_every: dict[str, int] | list[Any] | None = PeriodicConfig.module_sync_every,
         fragments: int = PeriodicConfig.fragments,
+        fragment_modules: list[Any] | None = PeriodicConfig.fragment_modules,
         sync_delay: int = PeriodicConfig.sync_delay,
         fragment_alpha: float = PeriodicConfig.fragment_alpha,
         outer_compression: str = PeriodicConfig.outer_compression,
@@ -129,15 +132,22 @@ class PeriodicSyncStrategy(AllReduceStrategy):
         return None if self.averager is None else self.averager.last_divergence
 
     def validate_model(self, model: nn.Module) -> dict[str, int]:
-        """Checks ``module_sync_every`` against ``model`` (e.g. in the launching process, before ranks start).
+        """Checks ``module_sync_every`` and ``fragment_modules`` against ``model`` (e.g. in the launching process,
+        before ranks start).
 
         Returns:
             ``{parameter name: period}`` for the parameters a pattern matches.
 
         Raises:
-            ConfigError: a pattern matching no parameter, or a parameter matched by two patterns.
+            ConfigError: a pattern matching no parameter, or a parameter matched by two patterns (or, for
+                ``fragment_modules``, in no fragment).
         """
-        return validate_module_policy(model, self.config.module_sync_every, "strategy.module_sync_every")
+        periods = validate_module_policy(model, self.config.module_sync_every, "strategy.module_sync_every")
+        patterns = normalize_fragment_modules(self.config.fragment_modules, "strategy.fragment_modules")
+        if patterns is not None:
+            names = [name for name, p in model.named_parameters() if p.requires_grad]
+            explicit_fragments(names, patterns, "strategy.fragment_modules")
+        return periods
 
     # ------------------------------------------------------------------ setup
     @override

@@ -1,0 +1,259 @@
+"""Streaming DiLoCo's fragments: which parameters sync together, and in which order the fragments sync.
+
+Nothing here knows of Lightning; :mod:`lightning_sync.comm.sync_groups` calls :func:`split_fragments` for every sync
+group. Everything works on parameter names (and shapes), so a plain training loop and the strategy form the same
+fragments from ``named_parameters()``.
+
+**By block** (the default, as the streaming DiLoCo paper and torchft form them). The model's *repeated blocks* are
+the children of one container (an ``nn.ModuleList`` or ``nn.Sequential``, whose children are named ``0``, ``1``,
+...) that hold the same parameter names with the same shapes, e.g. the ``blocks.0``, ``blocks.1``, ... of a
+transformer. Where several containers qualify, the one whose blocks hold the most parameters is taken. Block ``i``
+joins fragment ``i % k`` (strided, which the paper found better than contiguous fragments), with
+``k = min(fragments, blocks)``, and a block is never split. A parameter outside every block (embeddings, a final
+norm, an output head) joins the fragment of the nearest block before it in model order, and one before the first
+block joins the first block's: the embeddings sync with the block that reads them, the final norm and the head
+with the block that feeds them, which is where torchtitan's fragments put them; they stay out of the stride, so a
+large embedding or head never makes a fragment of its own.
+
+**By layer** (the fallback, for a model without at least two repeated blocks, such as an MLP of different widths):
+each parameter's own module (``net.4.weight`` and ``net.4.bias`` form layer ``net.4``) is a unit, layers are
+numbered in model order and layer ``i`` joins fragment ``i % k``, with ``k = min(fragments, layers)``.
+
+**Explicit** (``fragment_modules``): a list with one entry per fragment, in sync order (fragment 0 syncs first), each
+a module-name pattern or a list of them, as torchft's ``DiLoCo`` takes a list of modules. Patterns are
+:mod:`fnmatch` globs (case-sensitive, ``*`` also crosses dots) on module names such as ``tok_emb``, ``blocks.0`` or
+``blocks.[02]``; a parameter belongs to a pattern that matches the name of any module holding it (its own module or
+one above it). Every parameter must be in exactly one fragment, and every pattern must match at least one parameter.
+A parameter shared by two modules (a tied head) is named by its first name, as ``named_parameters()`` names it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lightning_sync.errors import ConfigError
+
+FRAGMENTS_FIELD = "fragment_modules"
+
+NamedShapes = Sequence[tuple[str, Sequence[int]]]
+"""``(parameter name, shape)`` in model order."""
+
+
+# ------------------------------------------------------------------------------------------------ the knob
+def normalize_fragment_modules(value: Any, field: str = FRAGMENTS_FIELD) -> tuple[tuple[str, ...], ...] | None:
+    """``fragment_modules`` as a tuple of fragments, each a tuple of patterns (``None`` when unset).
+
+    Accepts a list whose items are a pattern (a one-pattern fragment) or a list of patterns (OmegaConf containers
+    work as well).
+
+    Raises:
+        ConfigError: not a list, an empty list or fragment, a pattern that is not a non-empty string, or a pattern
+            given twice; named as the field, with the value and what is allowed.
+    """
+    if value is None:
+        return None
+    allowed = "a list with one entry per fragment, in sync order, each a module-name pattern or a list of them"
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence) or not value:
+        raise ConfigError(f"{field}={value!r} is not allowed; it must be {allowed} (or null: fragments by block)")
+    fragments: list[tuple[str, ...]] = []
+    seen: set[str] = set()
+    for index, item in enumerate(value):
+        patterns = [item] if isinstance(item, str) else item
+        if isinstance(patterns, Mapping) or not isinstance(patterns, Sequence) or not patterns:
+            raise ConfigError(f"{field}[{index}]={item!r} is not allowed; it must be a pattern or a list of patterns")
+        for pattern in patterns:
+            if not isinstance(pattern, str) or not pattern:
+                raise ConfigError(f"{field}[{index}] pattern {pattern!r} is not allowed; it must be a non-empty string")
+            if pattern in seen:
+                raise ConfigError(f"{field}[{index}] pattern {pattern!r} is not allowed; it appears twice")
+            seen.add(pattern)
+        fragments.append(tuple(patterns))
+    return tuple(fragments)
+
+
+# ------------------------------------------------------------------------------------------------ names
+def layer_of(name: str) -> str:
+    """The module holding parameter (or buffer) ``name``: ``net.4.weight`` -> ``net.4``."""
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def modules_of(name: str) -> list[str]:
+    """The modules holding parameter ``name``, innermost first, the root left out: ``a.b.w`` -> ``[a.b, a]``."""
+    parts = name.split(".")[:-1]
+    return [".".join(parts[:depth]) for depth in range(len(parts), 0, -1)]
+
+
+def find_blocks(named: NamedShapes) -> list[str]:
+    """The model's repeated blocks, by module name in model order (``[]`` when there are fewer than two).
+
+    A block is a child of a container with an integer name (``blocks.3``, or ``3`` under a top-level
+    ``nn.Sequential``); children of one container with the same parameter names and shapes form a candidate, and
+    the candidate holding the most parameter entries wins (the first in model order on a tie).
+    """
+    # (container, signature) -> its children in order, and their entries
+    children: dict[str, dict[str, list[tuple[str, tuple[int, ...]]]]] = {}
+    numel: dict[str, int] = {}
+    for name, shape in named:
+        parts = name.split(".")
+        for depth in range(len(parts) - 1):  # parts[depth] is a child module, not the parameter itself
+            if parts[depth].isdigit():
+                container, child = ".".join(parts[:depth]), ".".join(parts[: depth + 1])
+                children.setdefault(container, {}).setdefault(child, []).append(
+                    (".".join(parts[depth + 1 :]), tuple(shape))
+                )
+                size = 1
+                for dim in shape:
+                    size *= int(dim)
+                numel[child] = numel.get(child, 0) + size
+    best: list[str] = []
+    best_size = 0
+    for members in children.values():
+        by_signature: dict[tuple[tuple[str, tuple[int, ...]], ...], list[str]] = {}
+        for child, signature in members.items():
+            by_signature.setdefault(tuple(signature), []).append(child)
+        for blocks in by_signature.values():
+            size = sum(numel[child] for child in blocks)
+            if len(blocks) >= 2 and size > best_size:
+                best, best_size = blocks, size
+    return best
+
+
+# ------------------------------------------------------------------------------------------------ the rules
+def layer_fragments(names: Sequence[str], fragments: int) -> list[list[int]]:
+    """By layer: layer ``i`` (each parameter's own module, in order of first appearance) joins fragment ``i % k``,
+    with ``k = min(fragments, layers)``.
+
+    Returns:
+        For each fragment, the indices into ``names`` of its parameters (one empty fragment for no names).
+    """
+    layers: dict[str, int] = {}
+    for name in names:
+        layers.setdefault(layer_of(name), len(layers))
+    k = max(1, min(fragments, len(layers)))
+    out: list[list[int]] = [[] for _ in range(k)]
+    for index, name in enumerate(names):
+        out[layers[layer_of(name)] % k].append(index)
+    return out
+
+
+def block_fragments(named: NamedShapes, fragments: int) -> list[list[int]]:
+    """By block: block ``i`` joins fragment ``i % k`` (``k = min(fragments, blocks)``), each other parameter the
+    fragment of the nearest block before it (the first block's before any); by layer without repeated blocks.
+
+    Returns:
+        For each fragment, the indices into ``named`` of its parameters, in model order.
+    """
+    names = [name for name, _ in named]
+    if fragments <= 1 or not names:
+        return [list(range(len(names)))]
+    blocks = find_blocks(named)
+    if len(blocks) < 2:
+        return layer_fragments(names, fragments)
+    index_of = {block: i for i, block in enumerate(blocks)}
+    k = min(fragments, len(blocks))
+    out: list[list[int]] = [[] for _ in range(k)]
+    current = 0  # the fragment of the last block seen (the first block's before any)
+    for index, name in enumerate(names):
+        block = next((m for m in modules_of(name) if m in index_of), None)
+        if block is not None:
+            current = index_of[block] % k
+        out[current].append(index)
+    return out
+
+
+def explicit_fragments(
+    names: Sequence[str], patterns: Sequence[Sequence[str]], field: str = FRAGMENTS_FIELD
+) -> list[list[int]]:
+    """The fragments ``patterns`` name (see the module docstring), in their order.
+
+    Raises:
+        ConfigError: a pattern matching no parameter, a parameter in two fragments or in none.
+    """
+    out: list[list[int]] = [[] for _ in patterns]
+    used: set[str] = set()
+    for index, name in enumerate(names):
+        modules = modules_of(name)
+        hits = []
+        for f, fragment in enumerate(patterns):
+            matched = [p for p in fragment if any(fnmatch.fnmatchcase(m, p) for m in modules)]
+            used.update(matched)
+            if matched:
+                hits.append((f, matched[0]))
+        if not hits:
+            raise ConfigError(
+                f"{field}: parameter {name!r} is in no fragment; every parameter must be in exactly one: add a "
+                f"pattern for one of its modules ({', '.join(modules) or 'none: give it a module'})"
+            )
+        if len(hits) > 1:
+            shown = " and ".join(f"{f} ({p!r})" for f, p in hits)
+            raise ConfigError(
+                f"{field}: parameter {name!r} is in fragments {shown}; every parameter must be in exactly one"
+            )
+        out[hits[0][0]].append(index)
+    for f, fragment in enumerate(patterns):
+        for pattern in fragment:
+            if pattern not in used:
+                examples = sorted({m for name in names for m in modules_of(name)}, key=len)[:6]
+                raise ConfigError(
+                    f"{field}[{f}] pattern {pattern!r} matches no module holding a parameter; patterns are fnmatch "
+                    f"globs on module names such as {', '.join(examples)}"
+                )
+    return out
+
+
+def split_fragments(
+    named: NamedShapes, fragments: int, patterns: Sequence[Sequence[str]] | None = None
+) -> list[list[int]]:
+    """A sync group's fragments: ``patterns`` (``fragment_modules``) when given, else by block (by layer without
+    repeated blocks).
+
+    Returns:
+        For each fragment, in sync order, the indices into ``named`` of its parameters.
+    """
+    if patterns is not None:
+        return explicit_fragments([name for name, _ in named], patterns)
+    return block_fragments(named, fragments)
+
+
+def buffer_fragments(names: Sequence[str], split: Sequence[Sequence[int]], buffers: Sequence[str]) -> list[int]:
+    """Each buffer's fragment: that of the innermost module above it whose parameters are all in one fragment (a
+    BatchNorm's statistics go with its weight); the last fragment where there is none."""
+    owners: dict[str, set[int]] = {}
+    for f, indices in enumerate(split):
+        for i in indices:
+            for module in modules_of(names[i]):
+                owners.setdefault(module, set()).add(f)
+    out = []
+    for buffer in buffers:
+        found = [owners[m] for m in modules_of(buffer) if m in owners]
+        single = next((next(iter(s)) for s in found if len(s) == 1), None)
+        out.append(len(split) - 1 if single is None else single)
+    return out
+
+
+def describe_fragments(named: NamedShapes, fragments: int, patterns: Sequence[Sequence[str]] | None = None) -> str:
+    """A Markdown table of the fragments: each fragment's modules (blocks whole, other parameters by module) and
+    its share of the parameter entries."""
+    split = split_fragments(named, fragments, patterns)
+    blocks = set(find_blocks(named)) if patterns is None else set()
+    sizes = []
+    for _, shape in named:
+        size = 1
+        for dim in shape:
+            size *= int(dim)
+        sizes.append(size)
+    total = max(1, sum(sizes))
+    rows = ["| fragment | modules | parameters | share |", "|---|---|---|---|"]
+    for f, indices in enumerate(split):
+        modules: list[str] = []
+        for i in indices:
+            name = named[i][0]
+            module = next((m for m in modules_of(name) if m in blocks), None) or layer_of(name) or name
+            if module not in modules:
+                modules.append(module)
+        count = sum(sizes[i] for i in indices)
+        shown = ", ".join(f"`{m}`" for m in modules)
+        rows.append(f"| {f} | {shown} | {count:,} | {count / total:.1%} |")
+    return "\n".join(rows)
