@@ -753,6 +753,68 @@ def _fit_digits(tmp_path, epochs: int, callbacks=(), ckpt_path=None):
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
+def test_lightning_bytes_are_the_setup_broadcast_then_the_outer_syncs_payload(tmp_path):
+    """Through the strategy (replica check at every step included): before training, the broadcast of rank 0's model
+    ((n-1)/n of it); during training, exactly each fragment sync's int4 payload; at the end, the flush of the
+    fragments with local steps."""
+    import json
+
+    import lightning.pytorch as pl
+    from lightning_utils import WORLD, make_trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_sync import PeriodicSyncStrategy
+
+    out = tmp_path / "bytes.json"
+
+    class Mlp(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_model(8)
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            return (self.net(x) - x).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class Record(pl.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.start = trainer.strategy.meter.total.bytes_sent
+            self.steps: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            self.steps.append(trainer.strategy.meter.total.bytes_sent)
+
+        def teardown(self, trainer, pl_module, stage) -> None:
+            if trainer.is_global_zero:
+                end = trainer.strategy.meter.total.bytes_sent
+                out.write_text(json.dumps({"start": self.start, "steps": self.steps, "end": end}))
+
+    strategy = PeriodicSyncStrategy(
+        start_method="fork",
+        mode="diloco",
+        sync_every=8,
+        fragments=4,
+        outer_compression="int4",
+        check_consistency_every=1,
+    )
+    data = DataLoader(TensorDataset(torch.randn(16 * 16, WIDTH)), batch_size=16)
+    make_trainer(strategy, max_steps=16, callbacks=[Record()]).fit(Mlp(), data)
+    record = json.loads(out.read_text())
+    model_bytes = 4 * 8 * WIDTH * (WIDTH + 1)
+    assert record["start"] == (WORLD - 1) / WORLD * model_bytes  # the setup broadcast, once
+    fragment = (
+        2 * (WORLD - 1) * Int4Compression().chunk_bytes(math.ceil(2 * WIDTH * (WIDTH + 1) / (WORLD * BLOCK)) * BLOCK)
+    )
+    sent = [b - a for a, b in zip([record["start"], *record["steps"]], record["steps"])]
+    assert sent == [0.0, fragment] * 8, sent  # one fragment every 2 steps, nothing else
+    assert record["end"] - record["steps"][-1] == 3 * fragment  # the flush: fragments 0, 1, 2
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
 def test_lightning_streaming_diloco_resumes_exactly_with_a_fragment_in_flight(tmp_path):
     """7 steps per epoch: fragment 1 (launched at step 7) is in flight when the epoch-1 checkpoint is saved. The
     replica check runs at every step (global copies after every apply)."""
