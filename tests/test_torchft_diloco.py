@@ -21,7 +21,9 @@ import torch
 from dist_utils import run_ranks
 from torch import nn
 
-pytest.importorskip("torchft", reason="torchft (the ft extra: pip install -e '.[ft]') is not installed")
+pytest.importorskip(
+    "torchft", reason="torchft (the ft extra: pip install -e '.[ft]') is not installed", exc_type=ImportError
+)
 
 from lightning_sync.comm.meter import CommMeter  # noqa: E402 - after the skip
 from lightning_sync.comm.periodic import PeriodicAverager, StreamingOptions  # noqa: E402
