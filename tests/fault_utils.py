@@ -6,6 +6,7 @@ job ends and whether any process is left. Processes are found through ``/proc`` 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -50,11 +51,13 @@ def _cmdlines() -> dict[int, str]:
 
 
 def job_processes(run_dir: Path, main_pid: int) -> dict[str, int]:
-    """``{"rank0": pid, "rank1": pid, "server0": pid}`` of a 2-rank job (whichever of them exist now)."""
+    """``{"rank0": pid, "rank1": pid, "server0": pid}`` of a job (``"rank2"`` ... with more ranks; whichever of them
+    exist now)."""
     found = {}
     for pid, cmd in _cmdlines().items():
         if f"hydra.run.dir={run_dir}" in cmd and "lightning_sync.train" in cmd:
-            found["rank0" if pid == main_pid else "rank1"] = pid
+            child = re.search(r"hydra\.job\.name=\S*_rank(\d+)", cmd)  # a popen child runs its rank's job name
+            found["rank0" if pid == main_pid else f"rank{child.group(1) if child else 1}"] = pid
         elif "lightning_sync.ps" in cmd and "--server 0" in cmd and parent_pid(pid) == main_pid:
             found["server0"] = pid
     return found
@@ -70,7 +73,7 @@ class FaultOutcome:
     left: dict[str, int]  # processes of the job still there after it ended (each is SIGKILLed before returning)
 
 
-def _start_training(overrides: list[str], run_dir: Path, attempts: int = 3) -> subprocess.Popen:
+def _start_training(overrides: list[str], run_dir: Path, attempts: int = 3, after_s: float = 1.0) -> subprocess.Popen:
     """Starts the job and returns once it has trained for a second.
 
     The rendezvous has ``timeout_s`` too, and rank 1 starts (imports torch and Lightning) only after rank 0 is up: on
@@ -87,24 +90,27 @@ def _start_training(overrides: list[str], run_dir: Path, attempts: int = 3) -> s
         if job.poll() is not None:
             stderr = job.communicate()[1]
             assert attempts > 1 and "clients joined" in stderr, stderr[-3000:]
-            return _start_training(overrides, run_dir, attempts - 1)
+            return _start_training(overrides, run_dir, attempts - 1, after_s)
         time.sleep(0.2)
     if not (run_dir / "metrics.csv").is_file():
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
         raise AssertionError("the job did not start training within 90 s")
-    time.sleep(1.0)  # training is under way
+    time.sleep(after_s)  # training is under way
     return job
 
 
-def run_and_hit(overrides: list[str], run_dir: Path, target: str, how: signal.Signals, wait_s: float) -> FaultOutcome:
+def run_and_hit(
+    overrides: list[str], run_dir: Path, target: str, how: signal.Signals, wait_s: float, after_s: float = 1.0
+) -> FaultOutcome:
     """Runs ``python -m lightning_sync.train <overrides>`` and, once training is under way, sends ``how`` to
-    ``target`` (a key of :func:`job_processes`); waits at most ``wait_s`` seconds for the job to end.
+    ``target`` (a key of :func:`job_processes`), ``after_s`` seconds after its first metrics; waits at most ``wait_s``
+    seconds for the job to end.
 
     The job's command is killed (with its process group) if it outlives ``wait_s``, and any process of the job
     found afterwards is killed too, so a failing test leaves nothing behind.
     """
-    job = _start_training(overrides, run_dir)
+    job = _start_training(overrides, run_dir, after_s=after_s)
     try:
         victims = job_processes(run_dir, job.pid)
         assert target in victims, victims

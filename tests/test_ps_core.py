@@ -733,9 +733,10 @@ _FROZEN_TIMEOUT_S, _KILLED_TIMEOUT_S = 2.0, 30.0
 @pytest.mark.dist
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
-    "mode, how", [("sync", signal.SIGSTOP), ("async", signal.SIGKILL)], ids=["sync-SIGSTOP", "async-SIGKILL"]
+    "mode, how", [("sync", signal.SIGSTOP), ("sync", signal.SIGKILL)], ids=["sync-SIGSTOP", "sync-SIGKILL"]
 )
 def test_lost_worker_makes_the_server_exit_naming_it(procs, mode, how):
+    """In sync (not elastic) a lost worker ends the run; async and ssp drop it (tests/test_ps_elastic.py)."""
     port = _free_port()
     timeout_s = _FROZEN_TIMEOUT_S if how == signal.SIGSTOP else _KILLED_TIMEOUT_S
     signalled = procs.ctx.Value("d", 0.0)

@@ -1,7 +1,7 @@
 """No worker can stall the parameter server: a worker that freezes (SIGSTOP) between requests, or in the middle of
 one (its request header sent, the data not), does not hold up the server's loop. In async the healthy worker goes
-on training until the server declares the frozen one lost, after ``timeout_s``, once, naming it; then every
-worker ends within seconds.
+on training; the server drops the frozen one after ``timeout_s``, once, naming it (async and ssp are elastic), and
+the healthy worker, which ssp held back until then, trains on and ends normally.
 
 Plain torch.distributed (no Lightning): a dedicated server process and two worker processes, forked.
 """
@@ -18,7 +18,7 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from fault_utils import allowed_s  # noqa: E402
+from fault_utils import load_factor  # noqa: E402
 from test_ps_core import (  # noqa: E402
     _backward,
     _free_port,
@@ -38,7 +38,8 @@ MAX_PUSHES = 4000
 
 def _worker(rank: int, port: int, mode: str, where: str, signalled: Any, pushed_at: Any, count: Any) -> dict:
     """Pushes until an error; worker 1 freezes itself at push ``FREEZE_AT``: ``between`` requests, or
-    ``mid_request`` (a push header announcing data, then nothing). Worker 0 books the time of every push reply."""
+    ``mid_request`` (a push header announcing data, then nothing). Worker 0 books the time of every push reply, and
+    ends (goodbye) ``timeout_s + 2`` s after the freeze."""
     group = _join_dedicated(rank, port, 1, TIMEOUT_S)
     model, opt, client = _started_sgd_worker(group, rank, mode=mode, max_staleness=1)
     try:
@@ -54,6 +55,9 @@ def _worker(rank: int, port: int, mode: str, where: str, signalled: Any, pushed_
             if rank == 0:
                 pushed_at[count.value] = time.monotonic()
                 count.value += 1
+                if signalled.value and time.monotonic() > signalled.value + TIMEOUT_S + 2.0:
+                    client.close()
+                    return {"error": None, "at": time.monotonic()}
             time.sleep(0.01)
     except ps.PSError as exc:
         return {"error": f"{type(exc).__name__}: {exc}", "at": time.monotonic()}
@@ -71,21 +75,18 @@ def test_a_frozen_worker_neither_stalls_the_server_nor_chains_waits(procs, mode,
     procs.start("server", _server_process, port, 0, 2, 1, TIMEOUT_S)
     for rank in range(2):
         procs.start(f"worker{rank}", _worker, rank, port, mode, where, signalled, pushed_at, count)
-    server = procs.ok(["server"], timeout=40)["server"]
-    assert "error" in server, server
-    assert "worker 1 (ps rank 1)" in server["error"] and "worker 0 (ps rank 0)" not in server["error"], server
-    lost_after = server["at"] - signalled.value
-    assert TIMEOUT_S - 0.5 <= lost_after <= allowed_s(TIMEOUT_S, 3.0), lost_after  # lost after timeout_s, once
-    survivor = procs.ok(["worker0"], timeout=TIMEOUT_S + 5)["worker0"]
-    assert survivor["error"] and "worker 1 (ps rank 1)" in survivor["error"], survivor  # the reason reaches it
-    assert survivor["at"] - server["at"] <= allowed_s(0.0, 3.0), survivor["at"] - server["at"]
-    times = torch.tensor(list(pushed_at[: count.value]))
+    survivor = procs.ok(["worker0"], timeout=40)["worker0"]
+    assert survivor["error"] is None, survivor  # the drop is no concern of worker 0
+    server = procs.ok(["server"], timeout=10)["server"]
+    assert "stats" in server, server  # a clean end
+    stats = server["stats"]
+    assert stats["lost"] == [1] and "sent nothing" in stats["lost_reasons"][1], stats
+    times = torch.tensor(list(pushed_at[: count.value]), dtype=torch.float64)
     frozen = int(((times > signalled.value + 0.5) & (times < signalled.value + TIMEOUT_S - 0.5)).sum())
-    print(
-        f"{mode} {where}: server declared worker 1 lost {lost_after:.2f} s after the freeze; worker 0 pushed "
-        f"{frozen} times while it was frozen; worker 0 ended {survivor['at'] - server['at']:.2f} s after the server"
-    )
+    after = int((times > signalled.value + TIMEOUT_S + 0.5 * load_factor()).sum())
+    print(f"{mode} {where}: worker 0 pushed {frozen} times while worker 1 was frozen, {after} after its drop")
     if mode == "async":
         assert frozen >= 10, frozen  # the healthy worker went on training while the other was frozen
     else:
         assert frozen <= 2, frozen  # ssp (max_staleness=1) holds the healthy worker back: at most s+1 pushes ahead
+    assert after >= 10, after  # once dropped (after timeout_s), the frozen worker holds no one back

@@ -260,8 +260,16 @@ def _end_job(trainer: Any, launch_env: dict[str, str | None], failed: bool = Fal
             for rank, code in launcher.exited_children().items():  # the likely cause of this rank's error
                 print(f"error: rank {rank} (local) was lost first: {describe_exit(code)}", file=sys.stderr)
             launcher.kill(signal.SIGKILL)
+        if not failed:  # the ranks the servers dropped (a strategy that tolerates it) are not waited for
+            _kill_dropped_children(trainer.strategy, launcher)
         lost = wait_children(timeout=trainer.strategy.config.timeout_s)
-        if lost and not failed:
+        if lost and not failed and getattr(trainer.strategy, "tolerates_lost_ranks", False):
+            for rank, code in lost.items():
+                print(
+                    f"warning: rank {rank} (local) was lost: {describe_exit(code)}; the job ended on the others",
+                    file=sys.stderr,
+                )
+        elif lost and not failed:
             raise RuntimeError(f"rank processes exited with errors (local rank: exit code): {lost}")
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -270,6 +278,18 @@ def _end_job(trainer: Any, launch_env: dict[str, str | None], failed: bool = Fal
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def _kill_dropped_children(strategy: Any, launcher: Any) -> None:
+    """SIGKILLs the child ranks the servers dropped (``strategy.lost_workers``) that still run: a frozen one would
+    otherwise hold the job for ``timeout_s`` before :meth:`wait_children` kills it."""
+    import signal
+
+    first = strategy.node_rank * strategy.num_processes
+    for worker in getattr(strategy, "lost_workers", {}):
+        local = worker - first
+        if 1 <= local <= len(launcher.children) and launcher.children[local - 1].poll() is None:
+            launcher.children[local - 1].send_signal(signal.SIGKILL)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")

@@ -80,6 +80,9 @@ class SyncReport(pl.Callback):
         synchronizer = getattr(trainer.strategy, "synchronizer", None)
         if synchronizer is not None:
             self.summary["launch_point"] = synchronizer.launch_point
+        lost = getattr(trainer.strategy, "lost_workers", None)
+        if lost:  # the elastic ps modes: the ranks the servers dropped, and why
+            self.summary["lost_workers"] = {str(worker): why for worker, why in lost.items()}
         meter = getattr(trainer.strategy, "meter", None)
         if meter is not None and self._comm_at_start is not None:
             # training only (setup broadcasts are not a step's), and across resumes, as global_step is

@@ -10,6 +10,7 @@ Parts, one module per concern:
 * :mod:`~lightning_sync.ps.shard`: one server's shard state and the arithmetic of a step (no communication);
 * :mod:`~lightning_sync.ps.server`: the server loop (``sync``, ``async``, ``ssp``; stop, checkpoint, stats);
 * :mod:`~lightning_sync.ps.liveness`: when the server declares a silent worker lost;
+* :mod:`~lightning_sync.ps.elastic`: at the end of an elastic run, which workers the servers dropped;
 * ``python -m lightning_sync.ps`` (:mod:`lightning_sync.ps.__main__`): a dedicated server process;
 * :mod:`~lightning_sync.ps.client`: the worker's client (init, pull, push, stop, states, stats, close);
 * :mod:`~lightning_sync.ps.placement`: dedicated server processes or colocated server threads;
@@ -19,6 +20,7 @@ Parts, one module per concern:
 from lightning_sync.ps._protocol import CLIP_ALGORITHMS, Clip
 from lightning_sync.ps.client import PSClient, PSReply, ServerStepOptimizer
 from lightning_sync.ps.codec import GradientCodec
+from lightning_sync.ps.elastic import lost_workers_at_end
 from lightning_sync.ps.errors import PSError, PSPeerLostError, PSServerError, PSTimeoutError
 from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, connect_store, describe, server_ps_rank
 from lightning_sync.ps.optim_spec import (
@@ -68,6 +70,7 @@ __all__ = [
     "current_lrs",
     "default_push_scale",
     "describe",
+    "lost_workers_at_end",
     "optimizer_spec",
     "run_server",
     "server_ps_rank",

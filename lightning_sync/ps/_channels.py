@@ -46,7 +46,7 @@ class WorkerChannels:
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (worker, request, data, error) of each receiver
 
     def start(self) -> None:
-        """Starts one receiving thread per worker."""
+        """Starts one receiving thread per worker (each first connects its link to that worker)."""
         for worker in range(self.group.num_workers):
             name = f"lightning_sync-ps-server{self.server}-recv{worker}"
             threading.Thread(target=self._receive_from, args=(worker,), name=name, daemon=True).start()
@@ -71,6 +71,7 @@ class WorkerChannels:
         """
         backstop = max(self.group.connect_timeout_s, self.group.timeout_s) + 2 * self.group.timeout_s
         try:
+            self.group.connect(worker)
             while True:
                 header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
                 self.group.receive(header, worker, TAG_REQUEST, "a request", timeout_s=backstop)
@@ -99,6 +100,11 @@ class WorkerChannels:
             if payload is not None and payload.numel() > 0:
                 works.append((header.kind, self.group.send(payload, worker, TAG_REPLY_DATA)))
             self._inflight[worker] = works
+
+    def forget(self, worker: int) -> None:
+        """A lost worker: its replies in flight are not waited for, and its link is dropped."""
+        self._inflight.pop(worker, None)
+        self.group.drop(worker)
 
     def settle(self, worker: int) -> None:
         """Waits (bounded) for the sends of the previous reply to ``worker``."""

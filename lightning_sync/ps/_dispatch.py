@@ -9,6 +9,8 @@ describes with the modes and the stop.
 
 from __future__ import annotations
 
+import math
+import sys
 from typing import Any
 
 import torch
@@ -74,12 +76,49 @@ class RequestDispatch:
         self.stop_worker = -1
         self.rejected_pushes = 0
         self.skipped_updates = 0  # sync steps or async/ssp pushes skipped for a NaN or Inf gradient
+        self.lost: dict[int, str] = {}  # elastic modes: the workers dropped, and why
+        self.seen_stop: set[int] = set()  # the workers sent a reply that carries the stop
+        self.max_updates: int | None = None  # the config's, less the lost workers' withdrawn shares
+        self._withdrawn = 0.0
         self.channels = WorkerChannels(group, self.server)
 
     # ---------------------------------------------------------------- public
     @property
     def stopped(self) -> bool:
         return self.stop_code != StopCode.NONE
+
+    @property
+    def elastic(self) -> bool:
+        """Whether a lost worker is dropped (the run goes on) rather than ending the run: known from the INIT on."""
+        return self.config is not None and self.config.drops_lost_workers
+
+    def drop(self, worker: int, why: str) -> None:
+        """Drops lost ``worker`` (elastic modes): it no longer counts as live (ssp's slowest worker, a sync round),
+        its unanswered requests are forgotten, and with ``withdraw_lost_share`` its unused share of ``max_updates``
+        is withdrawn. Said on stderr."""
+        if not self.live[worker]:
+            return
+        self.live[worker] = False
+        self.lost[worker] = why
+        self.pending.pop(worker, None)
+        self.withheld.discard(worker)
+        self.deferred_pulls.pop(worker, None)
+        self.channels.forget(worker)
+        config, shard = self.config, self.shard
+        if config is not None and shard is not None and config.withdraw_lost_share and config.max_updates:
+            share = config.max_updates / self.num_workers
+            self._withdrawn += max(share - shard.clocks[worker], 0.0)
+            self.max_updates = max(math.ceil(config.max_updates - self._withdrawn - 1e-9), 1)
+        live = sum(self.live)
+        print(
+            f"warning: lightning_sync.ps {self.group.name()} dropped {self.group.name(worker)}: {why}; it goes on "
+            f"with the {live} live worker(s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        if self.shard is not None:
+            self._check_max_updates()
+        self._after_change()
 
     def stats(self) -> dict[str, Any]:
         """What a STATS request returns: the shard's clocks and staleness, stop state and this server's traffic."""
@@ -92,6 +131,10 @@ class RequestDispatch:
             "stopped": self.stopped,
             "stop_reason": self._stop_reason(),
             "live": list(self.live),
+            "lost": sorted(self.lost),
+            "lost_reasons": {w: why for w, why in sorted(self.lost.items())},
+            "seen_stop": sorted(self.seen_stop),
+            "max_updates": self.max_updates,
             "rejected_pushes": self.rejected_pushes,
             "skipped_updates": self.skipped_updates,
             "bytes_recv": int(total.bytes_recv),
@@ -112,6 +155,7 @@ class RequestDispatch:
         live_clocks = [clocks[w] for w in range(self.num_workers) if self.live[w]]
         if self.stopped:
             flags |= FLAG_STOP
+            self.seen_stop.add(worker)
         header = ReplyHeader(
             kind=kind,
             status=Status.OK,
@@ -205,6 +249,7 @@ class RequestDispatch:
         except (ValueError, KeyError, TypeError, RuntimeError, AttributeError, ImportError) as exc:
             raise _Refused(f"cannot initialize from worker {worker}'s INIT: {type(exc).__name__}: {exc}") from exc
         self.config, self.codec, self.shard = config, GradientCodec.from_config(config), shard
+        self.max_updates = config.max_updates
         scale = config.push_scale
         if config.local_steps > 1:  # the outer SGD: 1/W per push, as any SGD (one pseudo-gradient of W per round)
             self.push_scales = [1.0 / self.num_workers if scale is None else float(scale)]
@@ -285,11 +330,11 @@ class RequestDispatch:
 
     def _check_max_updates(self) -> None:
         assert self.shard is not None and self.config is not None
-        if not self.stopped and self.config.max_updates is not None and self.shard.version >= self.config.max_updates:
+        if not self.stopped and self.max_updates is not None and self.shard.version >= self.max_updates:
             self.stop_code = StopCode.MAX_UPDATES
 
     def _stop_reason(self) -> str:
-        return stop_reason(self.stop_code, self.stop_worker, self.config.max_updates if self.config else None)
+        return stop_reason(self.stop_code, self.stop_worker, self.max_updates)
 
     def _after_change(self) -> None:
         """Steps a complete sync round, releases withheld ssp replies, answers everything once stopped."""

@@ -36,6 +36,7 @@ def exchange(
     payloads: Sequence[torch.Tensor | None] | None,
     reply_buffers: Sequence[torch.Tensor],
     reply_timeout: float,
+    servers_only: bool = False,
 ) -> list[tuple[ReplyHeader, torch.Tensor | None]]:
     """Sends ``requests[i]`` (and ``payloads[i]``) to server ``i``, for every server, and returns each one's reply.
 
@@ -46,6 +47,8 @@ def exchange(
         payloads: one payload per server (``None``: none), or ``None`` for no payload at all.
         reply_buffers: one buffer per server that a successful reply of that size is received into.
         reply_timeout: seconds to wait for the replies once the requests are taken (:func:`reply_timeout_s`).
+        servers_only: heed only the servers' failure reports (elastic modes: the servers drop a lost worker, and the
+            other workers go on).
 
     Returns:
         ``(reply header, reply data or None)`` per server.
@@ -75,7 +78,7 @@ def exchange(
                 sends.append((i, group.send(payload, rank, TAG_REQUEST_DATA)))
         # A peer that already gave up left its reason in the store: stop now rather than wait out timeout_s on
         # the servers it gave up on (asked while the sends are in flight, so a healthy step pays no latency).
-        failed = group.first_reported_failure()
+        failed = group.first_reported_failure(servers_only)
         if failed is not None:
             raise PSPeerLostError(f"{group.name(failed[0])} failed before this {what}: {failed[1]}")
         deadline = time.monotonic() + group.timeout_s
@@ -108,7 +111,7 @@ def exchange(
         # A server that gave up on another worker writes why just as our own wait ends: give it the grace,
         # unless a timed-out wait for replies has just given it (waiting twice only delays the error).
         patience_s = 0.0 if graced and isinstance(exc, PSTimeoutError) else min(group.timeout_s / 4, 5.0)
-        reporter, report = report_of(group, peer, patience_s=patience_s)
+        reporter, report = report_of(group, peer, patience_s=patience_s, servers_only=servers_only)
         raise type(exc)(f"{exc}; {group.name(reporter)} reported: {report}" if report else str(exc)) from exc
     errors = [
         f"{group.name(ranks[i])} refused the {what}: {bytes(buffer.tolist()).decode(errors='replace')}"
@@ -133,7 +136,7 @@ def reply_timeout_s(group: PSGroup, kind: Kind, initialized: bool) -> float:
     return group.timeout_s + min(group.timeout_s / 4, 5.0)
 
 
-def report_of(group: PSGroup, ps_rank: int, patience_s: float) -> tuple[int, str | None]:
+def report_of(group: PSGroup, ps_rank: int, patience_s: float, servers_only: bool = False) -> tuple[int, str | None]:
     """``(rank, message)``: the failure message server ``ps_rank`` left in the store (it may write it just after
     closing its connections), waiting up to ``patience_s`` for it; failing that, another member's, which ends
     the wait at once (e.g. a lost worker reported by the launcher, which then stopped the servers)."""
@@ -142,7 +145,7 @@ def report_of(group: PSGroup, ps_rank: int, patience_s: float) -> tuple[int, str
         report = group.reported_failure(ps_rank)
         if report:
             return ps_rank, report
-        other = group.first_reported_failure()
+        other = group.first_reported_failure(servers_only)
         if other is not None or time.monotonic() > deadline:
             return other if other is not None else (ps_rank, None)
         time.sleep(0.05)

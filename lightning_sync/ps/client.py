@@ -365,7 +365,9 @@ class PSClient:
             )
         timeout = reply_timeout_s(self.group, kind, initialized=min(self.versions) >= 0)
         try:
-            return exchange(self.group, kind, requests, payloads, self._replies, timeout)
+            return exchange(
+                self.group, kind, requests, payloads, self._replies, timeout, self.config.drops_lost_workers
+            )
         except PSServerError:
             raise  # a refusal: the transport is fine, the client stays usable
         except PSError as exc:

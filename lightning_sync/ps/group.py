@@ -1,16 +1,19 @@
 """The parameter-server process group: ``num_workers + num_servers`` members on a c10d store, point-to-point only.
 
-PS ranks ``0 .. W-1`` are the worker clients, ``W .. W+k-1`` the servers. Each member builds its own group object
-(``ProcessGroupGloo`` on a ``PrefixStore``), never the default process group, so one process can hold several
-members (a worker and its colocated server thread). Every byte goes through a :class:`CommMeter`; every wait is
-bounded by ``timeout_s`` and raises an error naming the peer.
+PS ranks ``0 .. W-1`` are the worker clients, ``W .. W+k-1`` the servers. Workers talk only to servers, so the
+group is a set of links, one per (worker, server) pair: a two-member ``ProcessGroupGloo`` on a ``PrefixStore`` of its
+own (``<prefix>/gloo/w<w>/s<i>``), never the default process group. Losing a worker breaks only its own links: the
+servers can drop it and serve the others (the elastic modes, see :mod:`lightning_sync.ps.server`). A worker connects
+to every server when its member is built; a server connects to worker ``w`` with :meth:`PSGroup.connect` (its
+receiving thread of that worker does). One process can hold several members (a worker and its colocated server
+thread). Every byte goes through a :class:`CommMeter`; every wait is bounded by ``timeout_s`` and raises an error
+naming the peer.
 
-The transport is gloo: the server waits on all workers at once with ``recv_anysource`` and messages are matched by
-tag, which NCCL does not offer; tensors on the wire are CPU tensors (the client copies to and from the model's own
-device).
+The transport is gloo, messages matched by tag; tensors on the wire are CPU tensors (the client copies to and from
+the model's own device).
 
-A gloo wait that times out closes every connection of that member (gloo's own behaviour), so a timeout is always
-fatal to the member that hit it: it is reported, never retried.
+A gloo wait that times out closes the connection of that link (gloo's own behaviour), so a timeout is always fatal to
+the link that hit it: it is reported, never retried.
 """
 
 from __future__ import annotations
@@ -84,8 +87,8 @@ class _Seconds:
 class PSGroup:
     """One member's handle on the PS group.
 
-    Construction is the rendezvous: it returns once all ``num_workers + num_servers`` members have joined, or raises
-    after ``connect_timeout_s``.
+    A worker's construction is its rendezvous with every server: it returns once each server has connected its link
+    to it (:meth:`connect`), or raises after ``connect_timeout_s``. A server's connects nothing by itself.
 
     Args:
         store: the run's store (e.g. from :func:`connect_store`).
@@ -100,7 +103,7 @@ class PSGroup:
 
     Raises:
         ValueError: an argument is out of range.
-        PSTimeoutError: not every member joined within ``connect_timeout_s``.
+        PSTimeoutError: (a worker) some server did not connect within ``connect_timeout_s``.
     """
 
     def __init__(
@@ -135,18 +138,43 @@ class PSGroup:
         self._reports = dist.PrefixStore(prefix + "/failures", store)
         self._notes = dist.PrefixStore(prefix + "/notes", store)
         self._store_lost = False  # a store call failed (its host is gone): stop asking it (each try logs a warning)
+        self._store = store
+        self._links: dict[int, Any] = {}  # peer ps rank -> the two-member gloo group of this member and that peer
+        self._dropped: list[Any] = []  # links of peers dropped while an operation may still wait on them
+        self._closed = False
+        if not self.is_server:
+            for server in range(num_servers):
+                self.connect(self.server_rank(server))
+
+    def connect(self, peer: int) -> None:
+        """Builds the link to ``peer`` (a server of a worker, a worker of a server); returns once both ends joined.
+
+        Raises:
+            ValueError: ``peer`` is not on the other side (a worker links to servers only, a server to workers).
+            PSTimeoutError: the peer did not join within ``connect_timeout_s``.
+        """
+        if (peer >= self.num_workers) == self.is_server or not 0 <= peer < self.world_size:
+            raise ValueError(f"{self.name()} cannot link to {self.name(peer)}: links join a worker and a server")
+        worker, server = (peer, self.ps_rank) if self.is_server else (self.ps_rank, peer)
+        store = dist.PrefixStore(f"{self.prefix}/gloo/w{worker}/s{server - self.num_workers}", self._store)
         try:
-            self.pg: Any = dist.ProcessGroupGloo(
-                dist.PrefixStore(prefix + "/gloo", store), ps_rank, size, _seconds(self.connect_timeout_s)
-            )
+            pg = dist.ProcessGroupGloo(store, int(self.is_server), 2, _seconds(self.connect_timeout_s))
         except RuntimeError as exc:
             raise PSTimeoutError(
-                f"{self.name()} could not join the PS group ({num_workers} workers + {num_servers} servers, prefix "
-                f"{prefix!r}) within {self.connect_timeout_s:.1f} s: {exc}"
+                f"{self.name()} could not link to {self.name(peer)} ({self.num_workers} workers + "
+                f"{self.num_servers} servers, prefix {self.prefix!r}) within {self.connect_timeout_s:.1f} s: {exc}"
             ) from exc
-        # torch types ProcessGroupGloo as a Backend, not a ProcessGroup; ps/ uses this meter only for point-to-point
-        # calls (send_to, recv_from), which take any group with send/recv
-        self.meter.group = self.pg  # type: ignore[assignment]
+        if self._closed:
+            pg.shutdown()
+            raise PSError(f"{self.name()} has left the PS group (closed)")
+        self._links[peer] = pg
+
+    def drop(self, peer: int) -> None:
+        """Forgets the link to ``peer`` (a lost worker): never used again, and not shut down, since a receive of it
+        may still be waiting (it ends with its own timeout)."""
+        pg = self._links.pop(peer, None)
+        if pg is not None:
+            self._dropped.append(pg)
 
     # ---------------------------------------------------------------- identity
     @property
@@ -173,7 +201,7 @@ class PSGroup:
             PSPeerLostError: the connection to ``dst`` is already closed (as the other errors of :meth:`wait`).
         """
         try:
-            return self.meter.send_to(tensor, dst, self._live_pg(), tag)
+            return self.meter.send_to(tensor, 1 - int(self.is_server), self._link(dst), tag)
         except RuntimeError as exc:
             raise self._translate(exc, dst, "a send", False, 0.0) from exc
 
@@ -182,9 +210,12 @@ class PSGroup:
 
         Raises:
             PSPeerLostError: the connection to ``src`` is already closed (as the other errors of :meth:`wait`).
+            ValueError: ``src`` is ``None`` (a receive from any rank: the links are per peer).
         """
+        if src is None:
+            raise ValueError(f"{self.name()} receives from one peer at a time (src=None): each peer has its own link")
         try:
-            return self.meter.recv_from(tensor, src, self._live_pg(), tag)
+            return self.meter.recv_from(tensor, 1 - int(self.is_server), self._link(src), tag)
         except RuntimeError as exc:
             raise self._translate(exc, src, "a receive", True, 0.0) from exc
 
@@ -197,16 +228,19 @@ class PSGroup:
         """
         started = time.perf_counter()
         try:
-            work = self._live_pg().recv([tensor], int(src), int(tag))
+            work = self._link(src).recv([tensor], 1 - int(self.is_server), int(tag))
         except RuntimeError as exc:
             raise self._translate(exc, src, what, True, 0.0) from exc
         self.wait(_Seconds(work), src, what, receiving=True, timeout_s=timeout_s)
         self.meter.record(0.0, float(tensor.numel() * tensor.element_size()), time.perf_counter() - started)
 
-    def _live_pg(self) -> Any:
-        if self.pg is None:
+    def _link(self, peer: int) -> Any:
+        if self._closed:
             raise PSError(f"{self.name()} has left the PS group (closed)")
-        return self.pg
+        pg = self._links.get(int(peer))
+        if pg is None:
+            raise PSError(f"{self.name()} has no link to {self.name(int(peer))} (not connected, or dropped)")
+        return pg
 
     def wait(self, work: Any, peer: int | None, what: str, *, receiving: bool, timeout_s: float | None = None) -> None:
         """Waits for a send (``receiving=False``) or receive for at most ``timeout_s`` (default: the group's).
@@ -247,8 +281,9 @@ class PSGroup:
         except Exception:  # noqa: BLE001 - the store may be gone with its host; the report is only a courtesy
             self._store_lost = True
 
-    def first_reported_failure(self) -> tuple[int, str] | None:
-        """``(ps_rank, message)`` of another member that has reported a failure, if any (the lowest rank).
+    def first_reported_failure(self, servers_only: bool = False) -> tuple[int, str] | None:
+        """``(ps_rank, message)`` of another member that has reported a failure, if any (the lowest rank); with
+        ``servers_only``, of a server (in the elastic modes a worker's failure is no concern of the other workers).
 
         One store round trip when none has (the usual case), so a member can ask before every exchange and stop at
         once instead of waiting ``timeout_s`` on a peer already known to be gone.
@@ -261,7 +296,7 @@ class PSGroup:
         except Exception:  # noqa: BLE001 - no store, no reports: the waits' own timeouts still bound everything
             self._store_lost = True
             return None
-        for rank in range(self.world_size):
+        for rank in range(self.num_workers if servers_only else 0, self.world_size):
             report = self.reported_failure(rank) if rank != self.ps_rank else None
             if report:
                 return rank, report
@@ -304,11 +339,12 @@ class PSGroup:
         return out
 
     def close(self) -> None:
-        """Drops this member's connections (pending operations of peers on them fail)."""
-        pg, self.pg = getattr(self, "pg", None), None
-        if pg is not None:
+        """Drops this member's connections (pending operations of peers on them fail); dropped links are left as they
+        are (see :meth:`drop`)."""
+        self._closed = True
+        links, self._links = self._links, {}
+        for pg in links.values():
             try:
                 pg.shutdown()
             except Exception:  # noqa: BLE001 - shutting down a broken group may raise; the group is dropped anyway
                 pass
-            del pg

@@ -68,6 +68,18 @@ class WorkerLiveness:
         """Seconds since any request."""
         return self._clock() - self.last_request
 
+    def silent(self, initialized: bool, held: Collection[int]) -> dict[int, float]:
+        """``{worker: seconds silent}`` of the live workers not in ``held`` silent for more than ``timeout_s`` (none
+        before the initial parameters)."""
+        if not initialized:
+            return {}
+        now = self._clock()
+        return {
+            w: now - self.last_contact[w]
+            for w in range(len(self.live))
+            if self.live[w] and w not in held and now - self.last_contact[w] > self.timeout_s
+        }
+
     def check(self, initialized: bool, held: Collection[int]) -> None:
         """Raises when some live worker not in ``held`` was silent for more than ``timeout_s`` (none is checked before
         the initial parameters).
@@ -75,16 +87,9 @@ class WorkerLiveness:
         Raises:
             PSTimeoutError: naming each silent worker and how long it was silent.
         """
-        if not initialized:
-            return
-        now = self._clock()
-        silent = [
-            w
-            for w in range(len(self.live))
-            if self.live[w] and w not in held and now - self.last_contact[w] > self.timeout_s
-        ]
+        silent = self.silent(initialized, held)
         if silent:
-            names = "; ".join(f"{self._name(w)} sent nothing for {now - self.last_contact[w]:.1f} s" for w in silent)
+            names = "; ".join(f"{self._name(w)} sent nothing for {s:.1f} s" for w, s in silent.items())
             raise PSTimeoutError(
                 f"{names} ({self._name(None)} heard from other workers meanwhile: frozen, dead, or slower than "
                 f"timeout_s={self.timeout_s:g})"

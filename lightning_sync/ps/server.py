@@ -29,10 +29,21 @@ requests (header, then data) and hands the loop only complete ones; the loop lau
 them to be taken (a worker takes a reply before it sends its next request). So a worker that freezes between
 requests, in the middle of one, or before taking its reply holds up nothing but itself, and the loop goes on
 serving the others. A live worker that the server is not itself holding back (a pending sync gradient, a withheld
-ssp reply) and that completes no request for ``timeout_s`` is declared lost, once: the loop raises an error naming
-it, leaves the message in the store for the peers, and returns control (a dedicated process exits with code 1).
-The same happens when no request at all arrives for ``timeout_s`` (``connect_timeout_s`` before the initial
-parameters), or a worker's connection closes. :mod:`~lightning_sync.ps.liveness` keeps that bookkeeping.
+ssp reply) and that completes no request for ``timeout_s`` is declared lost, once; so is a worker whose connection
+closes. What follows depends on the mode:
+
+* ``async``, ``ssp`` and ``sync`` with ``elastic`` (:attr:`~lightning_sync.ps.settings.PSConfig.drops_lost_workers`):
+  the worker is dropped (said on stderr). It no longer counts as live: ssp's slowest-worker bound and a sync
+  round are over the live workers, and with ``withdraw_lost_share`` its unused share of ``max_updates`` is
+  withdrawn. Each worker has a link of its own to each server (:mod:`lightning_sync.ps.group`), so no other worker
+  sees an error. The server's ``stats`` lists the lost workers and why. Only if every worker
+  is lost does the loop fail.
+* ``sync`` otherwise: the loop raises an error naming it, leaves the message in the store for the peers, and
+  returns control (a dedicated process exits with code 1). A sync step needs every worker; a run that would go on
+  without one must say so (``elastic``).
+
+The loop also fails when no request at all arrives for ``timeout_s`` (``connect_timeout_s`` before the initial
+parameters). :mod:`~lightning_sync.ps.liveness` keeps that bookkeeping.
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ import torch
 
 from lightning_sync.ps._dispatch import RequestDispatch, _Refused
 from lightning_sync.ps._protocol import Request
+from lightning_sync.ps.errors import PSPeerLostError
 from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, connect_store, server_ps_rank
 
 
@@ -72,7 +84,10 @@ class ParameterServer(RequestDispatch):
         try:
             self.channels.start()
             while any(self.live):
-                worker, request, payload = self._next_request()
+                got = self._next_request()
+                if got is None:  # a worker was dropped meanwhile (elastic modes)
+                    continue
+                worker, request, payload = got
                 self.liveness.heard(worker)
                 self.channels.settle(worker)  # a worker only sends again once it has taken our previous reply
                 try:
@@ -81,6 +96,9 @@ class ParameterServer(RequestDispatch):
                     self.channels.send([(worker, self._error_reply(request.kind, str(refusal)))])
                 self._check_silent_workers()
             self.channels.settle_all()
+            if len(self.lost) == self.num_workers:
+                reasons = "; ".join(f"{self.group.name(w)}: {why}" for w, why in sorted(self.lost.items()))
+                raise PSPeerLostError(f"every worker was lost ({reasons})")
         except BaseException as exc:
             message = f"{type(exc).__name__}: {exc}"
             self.group.report_failure(message)
@@ -88,18 +106,25 @@ class ParameterServer(RequestDispatch):
         return self.stats()
 
     # ---------------------------------------------------------------- receiving
-    def _next_request(self) -> tuple[int, Request, torch.Tensor | None]:
-        """The next complete request of any worker; raises once a worker is lost (see the module docstring)."""
+    def _next_request(self) -> tuple[int, Request, torch.Tensor | None] | None:
+        """The next complete request of a live worker; ``None`` once a worker was dropped meanwhile (elastic modes:
+        a lost worker is dropped, see the module docstring); otherwise raises once a worker is lost."""
         while True:
             initialized, held = self.shard is not None, self._waiting_on_us()
             try:
                 worker, request, payload, error = self.channels.next(self.liveness.patience(initialized, held))
             except queue.Empty:
-                self.liveness.check(initialized, held)
+                if self._check_silent_workers():
+                    return None
                 if self.liveness.waited() >= self.liveness.bound(initialized):
                     raise self.liveness.silence_error(held, self._waiting_for()) from None
                 continue
+            if not self.live[worker] and worker in self.lost:
+                continue  # a dropped worker's late request or error: it is no longer served
             if error is not None:
+                if self.elastic and self.live[worker]:
+                    self.drop(worker, f"{type(error).__name__}: {error}")
+                    return None
                 raise error
             assert request is not None
             return worker, request, payload
@@ -115,8 +140,17 @@ class ParameterServer(RequestDispatch):
             return f"waiting for gradients of version {self.shard.version}"
         return "waiting for requests"
 
-    def _check_silent_workers(self) -> None:
-        self.liveness.check(self.shard is not None, self._waiting_on_us())
+    def _check_silent_workers(self) -> bool:
+        """Drops (elastic modes) or raises for (the others) a live worker silent for ``timeout_s``; whether one was
+        dropped."""
+        initialized, held = self.shard is not None, self._waiting_on_us()
+        if not self.elastic:
+            self.liveness.check(initialized, held)
+            return False
+        silent = self.liveness.silent(initialized, held)
+        for worker, seconds in silent.items():
+            self.drop(worker, f"sent nothing for {seconds:.1f} s (frozen, dead, or slower than timeout_s)")
+        return bool(silent)
 
 
 # -------------------------------------------------------------------------------------------------- entry points

@@ -48,6 +48,11 @@ class PSConfig:
         outer_lr: ``local_steps > 1``: learning rate of the outer SGD (> 0).
         outer_momentum: ``local_steps > 1``: its momentum, in [0, 1).
         outer_nesterov: ``local_steps > 1``: Nesterov momentum.
+        elastic: ``sync`` only: a lost worker is dropped and the step averages the live workers' pushes, rather than
+            ending the run. ``async`` and ``ssp`` are always elastic (see :mod:`lightning_sync.ps.server`).
+        withdraw_lost_share: when a worker is lost, its unused share of ``max_updates`` (``max_updates / W`` minus the
+            pushes it made) is withdrawn, so the live workers still make their own share and no more (an end given in
+            epochs); without it the live workers make the lost one's updates too (an end given in steps).
 
     Raises:
         ValueError: a field is out of range; the message names the field, the value and what is allowed.
@@ -65,6 +70,8 @@ class PSConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
+    elastic: bool = False
+    withdraw_lost_share: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -103,9 +110,14 @@ class PSConfig:
             raise ValueError(f"outer_lr={lr!r} must be a number > 0")
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
             raise ValueError(f"outer_momentum={momentum!r} must be a number in [0, 1)")
-        for name in ("error_feedback", "skip_nonfinite", "outer_nesterov"):
+        for name in ("error_feedback", "skip_nonfinite", "outer_nesterov", "elastic", "withdraw_lost_share"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+
+    @property
+    def drops_lost_workers(self) -> bool:
+        """Whether the servers drop a lost worker and go on with the others (``async``, ``ssp``, elastic ``sync``)."""
+        return self.mode != "sync" or self.elastic
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a plain dict (what travels to the servers)."""

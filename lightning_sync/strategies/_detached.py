@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from torchmetrics import Metric
 from typing_extensions import override
 
@@ -27,6 +28,7 @@ class DetachableCollectives(SyncStrategyBase):
     """
 
     _detached = False
+    _alone = False  # a rank was lost: this one stays detached for the rest of the job
     _loop_limits: tuple[pl.Trainer, Any, int | None] | None = None
     _metric_syncs: Sequence[tuple[Metric, Callable[[], bool]]] = ()  # each metric's own distributed_available_fn
 
@@ -62,12 +64,36 @@ class DetachableCollectives(SyncStrategyBase):
         callbacks, which may use collectives there), and by the strategy's ``on_train_end`` (then a no-op). Until
         then each rank ran its own batch and epoch ends, whose collectives would not pair across ranks."""
         self._end_mode_run()
-        if self._detached:
+        if self._detached and self._can_attach():
             self._detached = False
             self.barrier("lightning_sync.attach")
+        elif self._detached:
+            self._go_alone()
 
     def _end_mode_run(self) -> None:
         """The mode's own end of the run (``ps``: the final pull and goodbye); idempotent."""
+
+    def _go_alone(self) -> None:
+        """For the rest of the job this rank is a world of its own: the default process group, which holds the lost
+        rank, is replaced by a one-member group (Lightning's own calls on it, e.g. a test's module-state broadcast,
+        then wait for no one), collectives stay local and every dataloader covers the whole dataset."""
+        self._alone = True
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    def _can_attach(self) -> bool:
+        """Whether the ranks can meet again after the mode's run (not when one was lost: each survivor then stays
+        alone for the rest of the job, and tests the whole test set on its own)."""
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The whole dataset for each rank once it stays alone after a lost rank (see :meth:`_can_attach`)."""
+        if self._alone:
+            return {"num_replicas": 1, "rank": 0}
+        return super().distributed_sampler_kwargs
 
     @property
     @override

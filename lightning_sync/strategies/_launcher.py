@@ -12,7 +12,6 @@ folder, with nothing written to Hydra's output subdir.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,9 @@ from typing_extensions import override
 
 import lightning_sync.strategies._frozen as _frozen
 from lightning_sync.strategies._lightning import PopenLauncher, set_launcher, start_method
+from lightning_sync.strategies._observer import ChildObserver, describe_exit
+
+__all__ = ["HydraJobSubprocessLauncher", "configure_launcher", "describe_exit", "hydra_job_command"]
 
 # Command-line flags of a Hydra app that select the config, with whether they take a value.
 _HYDRA_CONFIG_FLAGS = {
@@ -85,11 +87,6 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
     return command, get_original_cwd()
 
 
-def describe_exit(code: int) -> str:
-    """``"killed by SIGKILL"`` or ``"exit code 1"``: a child's exit code, as a user reads it."""
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-
-
 class HydraJobSubprocessLauncher(PopenLauncher):
     """Lightning's ``popen`` launcher, except that under Hydra a child runs the parent's job, never its sweep.
 
@@ -97,8 +94,27 @@ class HydraJobSubprocessLauncher(PopenLauncher):
     ``-m`` and the sweep's overrides included, so every child of a ``-m`` job runs the whole sweep (Lightning issue
     #15689, https://github.com/Lightning-AI/pytorch-lightning/issues/15689). This launcher overrides only that
     method, and only under Hydra, where :meth:`start_children` starts each child on :func:`hydra_job_command`;
-    otherwise Lightning's own runs. Lightning's ``launch``, child observer and ``kill`` are used as they are.
+    otherwise Lightning's own runs. The child observer is Lightning's, unless the strategy tolerates lost ranks
+    (:attr:`tolerates_lost_ranks`, see :mod:`~lightning_sync.strategies._observer`). Lightning's ``kill`` is used as
+    it is.
     """
+
+    def __init__(self, *args: Any, tolerates_lost_ranks: Callable[[], bool] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tolerates_lost_ranks = tolerates_lost_ranks  # whether a lost child leaves the job running (asked then)
+        self.observer: ChildObserver | None = None
+
+    @override
+    def observe_children(self) -> None:
+        if self.tolerates_lost_ranks is None:
+            super().observe_children()
+            return
+        self.observer = ChildObserver(self.children, self.tolerates_lost_ranks)
+        self.observer.start()
+
+    def lost_children(self) -> dict[int, int]:
+        """``{local_rank: exit_code}`` of the children lost while the job went on (a strategy that tolerates it)."""
+        return dict(self.observer.lost) if self.observer is not None else {}
 
     @override
     def start_children(self) -> None:
@@ -159,6 +175,12 @@ def configure_launcher(strategy: Any, lightning_default: Callable[[], None]) -> 
         lightning_default()
         return _frozen.end_frozen_ranks_on_failure(strategy.launcher, strategy, popen=False)
     assert strategy.cluster_environment is not None
-    launcher = HydraJobSubprocessLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+    tolerates = None  # Lightning's observer, unless the strategy lets a lost rank leave the job running
+    if getattr(strategy, "tolerates_lost_ranks", False):
+        tolerates = lambda: bool(strategy.tolerates_lost_ranks)  # noqa: E731
+    env = strategy.cluster_environment
+    launcher = HydraJobSubprocessLauncher(
+        env, strategy.num_processes, strategy.num_nodes, tolerates_lost_ranks=tolerates
+    )
     set_launcher(strategy, launcher)
     _frozen.end_frozen_ranks_on_failure(launcher, strategy, popen=True)  # a failing rank kills the frozen ones

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +33,7 @@ from lightning_sync.ps import (
     optimizer_spec,
     start_servers,
 )
+from lightning_sync.ps.elastic import lost_workers_at_end
 from lightning_sync.ps.outer import LocalSteps
 from lightning_sync.strategies._detached import DetachableCollectives
 from lightning_sync.strategies._lightning import restore_clip_gradients, route_clip_gradients
@@ -101,6 +104,14 @@ class ParameterServerStrategy(DetachableCollectives):
         self._logged: tuple[int, tuple[int, ...]] | None = None
         self._clips: dict[int, Clip] = {}  # optimizer id -> the clipping its next push asks the servers for
         self._local: LocalSteps | None = None  # local_steps > 1: the worker's side of async local SGD
+        self.lost_workers: dict[int, str] = {}  # elastic modes: the workers the servers dropped, and why
+
+    @property
+    def tolerates_lost_ranks(self) -> bool:
+        """Whether losing a worker rank other than 0 leaves the job running (``async`` and ``ssp``: the servers drop
+        it and the others go on); the launcher's child observer and the app's end of job ask this. Rank 0 hosts the
+        store and the dedicated servers: losing it always ends the job, as losing a server does."""
+        return self.config.mode != "sync"
 
     @override
     def _check_algorithm_knobs(self) -> None:
@@ -189,7 +200,8 @@ class ParameterServerStrategy(DetachableCollectives):
         super().on_train_start()
         trainer, module = self.lightning_module.trainer, self.lightning_module
         max_updates = trainer.max_steps  # Lightning counts every optimizer's steps, as the servers do
-        if max_updates is None or max_updates < 0:  # E epochs' worth of samples
+        by_epochs = max_updates is None or max_updates < 0
+        if by_epochs:  # E epochs' worth of samples
             epochs = trainer.max_epochs if self._loop_limits is None else self._loop_limits[2]
             assert epochs is not None  # Lightning sets max_epochs when max_steps is unset
             per_batch = 1 if self.config.mode == "sync" else self.world_size  # async/ssp: an update per worker batch
@@ -201,7 +213,9 @@ class ParameterServerStrategy(DetachableCollectives):
         params = [p for p in module.parameters() if p.requires_grad]
         assert self._group is not None
         spec = optimizer_spec(self.optimizers, params)
-        self.client = PSClient(self._group, params, spec, ps_settings(self.config, max_updates))
+        # an end in epochs counts the live workers' samples: a lost worker's unused share of the updates is withdrawn
+        settings = dataclasses.replace(ps_settings(self.config, max_updates), withdraw_lost_share=by_epochs)
+        self.client = PSClient(self._group, params, spec, settings)
         if self.global_rank == 0:
             self.client.init_servers(self._resume_state.get("servers"))
         if "client" in self._resume_state:
@@ -314,8 +328,19 @@ class ParameterServerStrategy(DetachableCollectives):
         if not self.client.stopped:
             self.client.request_stop()
         self.last_reply = self.client.pull()
+        if self.tolerates_lost_ranks:
+            grace = self.config.timeout_s + min(self.config.timeout_s / 4, 5.0) + 5.0
+            self.lost_workers = lost_workers_at_end(self.client, grace)
         self.final_server_states = self.client.server_states() if self.global_rank == 0 else []
         self.client.close()
+        if self.lost_workers and self.global_rank == 0:
+            names = "; ".join(f"worker {w} (rank {w}): {why}" for w, why in self.lost_workers.items())
+            warnings.warn(f"the ps run ended on the live workers; lost: {names}", stacklevel=2)
+
+    @override
+    def _can_attach(self) -> bool:
+        """After a lost worker the survivors stay apart: a collective would wait for the lost rank."""
+        return not self.lost_workers
 
     @override
     def sync_state_dict(self) -> dict[str, Any]:

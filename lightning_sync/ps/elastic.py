@@ -1,0 +1,54 @@
+"""The end of an elastic run, seen from a worker: which workers were lost, once every other one is accounted for.
+
+In the elastic modes (``async``, ``ssp``, ``sync`` with ``elastic``) the servers drop a lost worker and the run goes
+on (:mod:`lightning_sync.ps.server`). At the end, the survivors must agree on whether anyone was lost before they
+meet again in a collective of their own (a barrier on the default process group would wait forever for a lost
+rank). :func:`lost_workers_at_end` gives every survivor the same answer: it waits, before the worker's goodbye,
+until every other worker has either seen the stop, said goodbye, or been dropped by the servers; a frozen worker is
+dropped ``timeout_s`` after its last request, so the wait is bounded by that plus a margin.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def lost_workers_at_end(client: Any, timeout_s: float, poll_s: float = 0.1) -> dict[int, str]:
+    """``{worker: why}`` of the workers the servers dropped, once every other worker is accounted for.
+
+    Call after the stop (the run's end reached or requested) and before :meth:`~lightning_sync.ps.client.PSClient.
+    close`. A worker is accounted for on a server once that server dropped it, sent it a reply carrying the stop, or
+    had its goodbye; the answer is the union of every server's drops.
+
+    Args:
+        client: this worker's :class:`~lightning_sync.ps.client.PSClient` (after the stop).
+        timeout_s: the longest wait for the others (a frozen worker is dropped ``timeout_s`` after its last request).
+        poll_s: seconds between two asks.
+
+    Returns:
+        The workers dropped, and why; a worker still unaccounted for after ``timeout_s`` (the servers neither sent it
+        the stop nor dropped it) counts as lost too, its reason saying so.
+    """
+    deadline = time.monotonic() + timeout_s
+    me = client.worker
+    while True:
+        stats = client.server_stats()
+        lost: dict[int, str] = {}
+        for server in stats:
+            for worker, why in server.get("lost_reasons", {}).items():
+                lost.setdefault(int(worker), str(why))
+        pending = sorted(
+            w
+            for w in range(client.group.num_workers)
+            if w != me
+            and w not in lost
+            and any(s["live"][w] and w not in s.get("seen_stop", []) for s in stats)  # live: no goodbye yet
+        )
+        if not pending:
+            return dict(sorted(lost.items()))
+        if time.monotonic() > deadline:
+            why = f"neither took the stop nor was dropped by the servers within {timeout_s:g} s of this worker's end"
+            lost.update({w: why for w in pending})
+            return dict(sorted(lost.items()))
+        time.sleep(poll_s)
