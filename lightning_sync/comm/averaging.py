@@ -360,6 +360,17 @@ class ModelAverager:
                 _unpack(torch.lerp(anchor, local, alpha, out=local), bucket_params)
         return True
 
+    @property
+    def deltas(self) -> list[torch.Tensor]:
+        """The delta buckets: after :meth:`complete_`, the average a sync will apply (a caller may average them
+        further, e.g. across replica groups, before :meth:`apply_`)."""
+        return self._deltas
+
+    def restore_(self) -> None:
+        """Drops a sync: every parameter loads the global copy, which stays as it was."""
+        for anchor, bucket_params in zip(self.anchors, self._bucket_params):
+            _unpack(anchor, bucket_params)
+
     def state_dict(self) -> dict[str, Any]:
         """The global copy and the compressor's memory (cloned)."""
         return {"anchors": [a.clone() for a in self.anchors], "compressor": self.compressor.state_dict()}

@@ -1,0 +1,185 @@
+"""One rank's link to the other replica groups: a torchft ``Manager`` and what it counts.
+
+:class:`ReplicaGroupLink` owns the Manager of this rank (rank ``r`` of a group meets rank ``r`` of every other group in
+torchft's process group), the group's store, and the counters the strategy logs: quorums, participants, commits,
+failed commits, heals and heal seconds. Each cross-group sync is :meth:`~ReplicaGroupLink.start` (a quorum, which may
+heal this group from a live one), :meth:`~ReplicaGroupLink.average_` (averages over the quorum's groups), then
+:meth:`~ReplicaGroupLink.commit` (torchft's vote: ``False`` when any collective failed or too few groups took part).
+The quorum and the healing are torchft's; nothing here re-implements them.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_sync.ft.config import FaultTolerance, check_lighthouse, lighthouse_url, require_torchft
+
+log = logging.getLogger("lightning_sync.ft")
+
+
+@dataclass
+class FaultToleranceStats:
+    """What the link has seen so far (all counts since start)."""
+
+    quorums: int = 0
+    quorum_size: int = 0
+    participants: list[int] = field(default_factory=list)
+    commits: int = 0
+    failed_commits: int = 0
+    heals: int = 0
+    heal_seconds: float = 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """The counters as ``ft/*`` metrics."""
+        return {
+            "ft/quorum_size": float(self.quorum_size),
+            "ft/commits": float(self.commits),
+            "ft/failed_commits": float(self.failed_commits),
+            "ft/heals": float(self.heals),
+            "ft/heal_seconds": self.heal_seconds,
+        }
+
+
+class ReplicaGroupLink:
+    """A torchft ``Manager`` for this rank of this replica group (torchft is imported here, lazily).
+
+    Args:
+        config: the fault-tolerance settings (checked at construction).
+        group_rank: this rank inside its group.
+        group_world_size: ranks in the group.
+        intra_group: the group's own process group, over which rank 0 sends its store port to the others
+            (``None``: the default one; unused with one rank).
+        hostname: the name other groups reach this host by (default: ``socket.gethostname()``).
+
+    Raises:
+        FaultToleranceUnavailable: torchft is not installed (names the ``lightning-sync[ft]`` extra).
+        ConfigError: no lighthouse answers at ``config.lighthouse`` within ``config.timeout_s``.
+    """
+
+    def __init__(
+        self,
+        config: FaultTolerance,
+        group_rank: int = 0,
+        group_world_size: int = 1,
+        intra_group: dist.ProcessGroup | None = None,
+        hostname: str | None = None,
+    ) -> None:
+        require_torchft()
+        from torchft import Manager, ProcessGroupGloo
+
+        self.config = config
+        self.stats = FaultToleranceStats()
+        timeouts = config.timeouts()
+        host = hostname or socket.gethostname()
+        if group_rank == 0:
+            check_lighthouse(config)
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if group_rank == 0 else None
+        port = [self._store.port if self._store is not None else 0]
+        if group_world_size > 1:
+            dist.broadcast_object_list(port, src=dist.get_global_rank(intra_group, 0) if intra_group else 0,
+                                       group=intra_group)  # fmt: skip
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeouts.collective),
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=config.min_replicas,
+            use_async_quorum=False,
+            timeout=timeouts.collective,
+            quorum_timeout=timeouts.quorum,
+            connect_timeout=timeouts.connect,
+            rank=group_rank,
+            world_size=group_world_size,
+            store_addr=host,
+            store_port=int(port[0]),
+            lighthouse_addr=lighthouse_url(config.lighthouse),
+            replica_id=config.replica_id,
+            hostname=host,
+            init_sync=False,  # every group starts from the same seed; a late one heals from a live one
+        )
+        self._members: list[int] | None = None
+
+    # ------------------------------------------------------------------ state for healing
+    def register_state(self, key: str, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        """Adds ``key`` to the state a healing group pulls from a live one (torchft's checkpoint transport)."""
+        self.manager.register_state_dict_fn(key, load, save)
+
+    def register_training_state(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Heals ``model`` and the inner ``optimizers`` too (state dicts, loaded in place)."""
+
+        def save() -> dict[str, Any]:
+            return {"model": model.state_dict(), "optimizers": [o.state_dict() for o in optimizers]}
+
+        def load(state: dict[str, Any]) -> None:
+            model.load_state_dict(state["model"])
+            for optimizer, saved in zip(optimizers, state["optimizers"]):
+                optimizer.load_state_dict(saved)
+
+        self.register_state("training", save, load)
+
+    # ------------------------------------------------------------------ one sync
+    def start(self) -> None:
+        """Joins the next quorum (waits at most the quorum timeout), healing this group if it is behind, and learns
+        which groups take part (one small all-reduce)."""
+        before, started = self.manager.current_step(), time.perf_counter()
+        self.manager.start_quorum()
+        self.stats.quorums += 1
+        if self.manager.current_step() > before:
+            seconds = time.perf_counter() - started
+            self.stats.heals += 1
+            self.stats.heal_seconds += seconds
+            log.warning(
+                "replica group %d healed from a live group: step %d -> %d in %.2f s",
+                self.config.replica_group, before, self.manager.current_step(), seconds,
+            )  # fmt: skip
+        self.stats.quorum_size = self.manager.num_participants()
+        members = torch.zeros(self.config.num_replica_groups, dtype=torch.float32)
+        members[self.config.replica_group] = 1.0
+        self.manager.allreduce(members, reduce_op=dist.ReduceOp.SUM).wait()
+        if self.manager.errored() is None:
+            self._note_members([i for i, v in enumerate(members.tolist()) if v > 0.5])
+
+    def _note_members(self, members: list[int]) -> None:
+        if self._members is not None and members != self._members:
+            lost = sorted(set(self._members) - set(members))
+            joined = sorted(set(members) - set(self._members))
+            if lost:
+                log.warning("replica group(s) %s lost from the quorum; training on with %s", lost, members)
+            if joined:
+                log.warning("replica group(s) %s joined the quorum; now %s", joined, members)
+        self._members = members
+        self.stats.participants = members
+
+    def average_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Replaces ``tensors`` by their mean over the quorum's groups (on error they hold garbage, and
+        :meth:`commit` says ``False``)."""
+        works = [self.manager.allreduce(t) for t in tensors if t.numel()]
+        for work in works:
+            work.wait()
+
+    def commit(self) -> bool:
+        """torchft's vote on this sync: ``True`` when every collective since :meth:`start` succeeded on every rank
+        of the group and the quorum had at least ``min_replicas`` groups."""
+        ok = bool(self.manager.should_commit())
+        if ok:
+            self.stats.commits += 1
+        else:
+            self.stats.failed_commits += 1
+            log.warning(
+                "replica group %d: sync not committed (quorum of %d, error: %s)",
+                self.config.replica_group, self.stats.quorum_size, self.manager.errored(),
+            )  # fmt: skip
+        return ok
+
+    def close(self) -> None:
+        """Stops the Manager (does not wait for its threads)."""
+        self.manager.shutdown(wait=False)
+        self._store = None

@@ -1,0 +1,118 @@
+"""One replica group of one rank, in plain torch, for tests/test_ft.py: DiLoCo across groups through torchft.
+
+Run as ``python ft_group_worker.py LIGHTHOUSE GROUP GROUPS MIN_REPLICAS STEPS SYNC_EVERY OUT [STEP_SLEEP_S]``. The
+model and each group's data are the same as :func:`ordinary_rank` uses on an ordinary rank of the same index, so the
+two runs can be compared. Prints ``step N`` after every optimizer step and ``done`` at the end, with the saved
+parameters in ``OUT``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+WIDTH = 16
+OUTER = dict(outer=True, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, 32), nn.Tanh(), nn.Linear(32, WIDTH))
+
+
+def batch(group: int, step: int) -> torch.Tensor:
+    return torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(1000 * group + step))
+
+
+def inner_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    optimizer.zero_grad()
+    (model(x) - x.flip(1)).pow(2).mean().backward()
+    optimizer.step()
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def ordinary_rank(rank: int, world: int, steps: int, sync_every: int, out: str) -> None:
+    """The same training on an ordinary rank of a ``world``-rank gloo group (no fault tolerance)."""
+    from lightning_sync.comm.meter import CommMeter
+    from lightning_sync.comm.periodic import PeriodicAverager
+
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    averager = PeriodicAverager(sync_every=sync_every, **OUTER)  # type: ignore[arg-type]
+    averager.setup(model.named_parameters(), model.named_buffers(), CommMeter())
+    for step in range(steps):
+        inner_step(model, inner, batch(rank, step))
+        averager.step([inner])
+    averager.finish([inner])
+    torch.save(flat(model), f"{out}.rank{rank}")
+
+
+def main(argv: list[str]) -> None:
+    from lightning_sync.comm.meter import CommMeter
+    from lightning_sync.ft import FaultTolerance
+    from lightning_sync.ft.averager import FaultTolerantAverager
+    from lightning_sync.ft.replica import ReplicaGroupLink
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    lighthouse, group, groups, min_replicas, steps, sync_every = argv[:6]
+    out = argv[6]
+    sleep_s = float(argv[7]) if len(argv) > 7 else 0.0
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the group's own world
+    config = FaultTolerance(
+        lighthouse=lighthouse,
+        replica_group=int(group),
+        num_replica_groups=int(groups),
+        min_replicas=int(min_replicas),
+        timeout_s=3.0,
+        heartbeat_timeout_s=1.0,
+        join_timeout_s=5.0,
+    )
+    link = ReplicaGroupLink(config, hostname="localhost")
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    link.register_training_state(model, [inner])
+    averager = FaultTolerantAverager(link, sync_every=int(sync_every), **OUTER)  # type: ignore[arg-type]
+    averager.setup(model.named_parameters(), model.named_buffers(), CommMeter())
+    try:
+        for step in range(int(steps)):
+            inner_step(model, inner, batch(int(group), step))
+            synced = averager.step([inner])
+            if synced:
+                print(f"sync at step {step + 1} t={time.time():.3f} committed={averager.committed_syncs} "
+                      f"failed={averager.failed_syncs} members={link.stats.participants}", flush=True)  # fmt: skip
+            print(f"step {step + 1}", flush=True)
+            if sleep_s:
+                time.sleep(sleep_s)
+        averager.finish([inner])
+        print(f"finish committed={averager.committed_syncs} failed={averager.failed_syncs}", flush=True)
+        torch.save(flat(model), out)
+    finally:
+        averager.close()
+        dist.destroy_process_group()
+    print("done", flush=True)
+
+
+def run_group(argv: list[str], log_path: str) -> None:
+    """:func:`main` with stdout and stderr sent to ``log_path`` (a ``multiprocessing`` target; exits non-zero on
+    an error, as the script does)."""
+    import os
+
+    with open(log_path, "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own stdout
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    main(argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

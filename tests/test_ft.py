@@ -1,0 +1,225 @@
+"""Fault tolerance across replica groups (``lightning_sync.ft``, on torchft 0.2, the ``ft`` extra), on CPU and gloo.
+
+The bad-input tests need no lighthouse. The others start torchft's ``LighthouseServer`` in this process and each
+replica group (one rank) as a process of its own (``tests/ft_group_worker.py``), so that one can be SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from ft_group_worker import run_group
+
+from lightning_sync.errors import ConfigError
+from lightning_sync.ft import FaultTolerance, FaultToleranceUnavailable, check_lighthouse, require_torchft
+
+HERE = Path(__file__).parent
+
+
+def _config(**overrides: object) -> FaultTolerance:
+    values: dict[str, object] = dict(lighthouse="localhost:29510", replica_group=0, num_replica_groups=3)
+    values.update(overrides)
+    return FaultTolerance(**values)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("group", [3, -1])
+def test_replica_group_outside_range_is_refused(group):
+    with pytest.raises(ConfigError, match=rf"replica_group={group} is not allowed; it must be"):
+        _config(replica_group=group)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_min_replicas_above_num_replica_groups_is_refused():
+    with pytest.raises(ConfigError, match=r"min_replicas=4 is not allowed; it must be <= num_replica_groups=3"):
+        _config(min_replicas=4)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_quorum_timeout_shorter_than_the_lighthouse_waits_is_refused():
+    # 5 s, as in the issue's failing measurement: the lighthouse may wait 5 + 1 + 10 s for a lost group
+    with pytest.raises(ConfigError, match=r"quorum_timeout_s=5 is not allowed; it must be > heartbeat_timeout_s"):
+        _config(timeout_s=10.0, quorum_timeout_s=5.0)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_collective_timeout_longer_than_the_lighthouse_waits_is_refused():
+    with pytest.raises(ConfigError, match=r"collective_timeout_s=30 is not allowed; it must be < heartbeat_timeout_s"):
+        _config(timeout_s=5.0, collective_timeout_s=30.0)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_derived_timeouts_are_in_order():
+    t = _config(timeout_s=4.0).timeouts()
+    wait = t.heartbeat + t.join + t.connect  # sync_period_s defaults to timeout_s
+    assert t.collective < wait < t.quorum
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_missing_lighthouse_address_is_refused(monkeypatch):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ConfigError, match=r"lighthouse='' is not allowed; .*TORCHFT_LIGHTHOUSE"):
+        FaultTolerance(replica_group=0, num_replica_groups=2)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "example:1234")
+    assert FaultTolerance().lighthouse == "example:1234"
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_mode_that_cannot_be_fault_tolerant_is_refused():
+    from lightning_sync.ft.averager import check_fault_tolerant_knobs
+
+    check_fault_tolerant_knobs({"sync_every": 8, "sync_delay": 0})
+    with pytest.raises(ConfigError, match=r"sync_delay=1 is not allowed with fault tolerance; it must be 0"):
+        check_fault_tolerant_knobs({"sync_delay": 1})
+    with pytest.raises(ConfigError, match=r"sync_every='auto' is not allowed with fault tolerance"):
+        check_fault_tolerant_knobs({"sync_every": "auto"})
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_without_torchft_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # makes ``import torchft`` raise ImportError
+    with pytest.raises(FaultToleranceUnavailable, match=r"lightning-sync\[ft\]") as info:
+        require_torchft()
+    assert "\n" not in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------ with torchft
+torchft_missing = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("torchft") is None, reason="torchft (the ft extra) is not installed"
+)
+
+
+@torchft_missing
+@pytest.mark.unit
+@pytest.mark.timeout(20)
+def test_no_lighthouse_at_the_address_names_it_within_timeout():
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=rf"lighthouse='127.0.0.1:{port}': no lighthouse answered there within"):
+        check_lighthouse(_config(lighthouse=f"127.0.0.1:{port}", timeout_s=2.0))
+    assert time.monotonic() - started < 2.0 + 3.0
+
+
+@pytest.fixture
+def lighthouse(request):
+    from torchft.coordination import LighthouseServer
+
+    min_replicas = getattr(request, "param", 2)
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=5000,
+                              heartbeat_timeout_ms=1000)  # fmt: skip
+    yield f"127.0.0.1:{server.address().rstrip('/').rsplit(':', 1)[1]}"
+    server.shutdown()
+
+
+def _start_group(lighthouse: str, group: int, min_replicas: int, steps: int, sync_every: int, out: Path,
+                 sleep_s: float = 0.0) -> multiprocessing.process.BaseProcess:  # fmt: skip
+    """Group ``group`` as a process forked from a forkserver that imported torch, torchft and lightning_sync once
+    (three fresh interpreters would take that long each, on a small machine)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["ft_group_worker", "lightning_sync.ft.averager", "lightning_sync.ft.replica"])
+    args = [lighthouse, group, 3, min_replicas, steps, sync_every, out, sleep_s]
+    proc = ctx.Process(target=run_group, args=([str(a) for a in args], str(out.with_suffix(".log"))))
+    proc.start()
+    return proc
+
+
+def _wait(procs: list[multiprocessing.process.BaseProcess], limit_s: float) -> None:
+    deadline = time.monotonic() + limit_s
+    for proc in procs:
+        proc.join(max(0.1, deadline - time.monotonic()))
+    if any(proc.is_alive() for proc in procs):
+        for proc in procs:
+            proc.kill()
+        pytest.fail(f"a replica group did not finish within {limit_s} s")
+
+
+@torchft_missing
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("lighthouse", [3], indirect=True)
+def test_three_groups_compute_what_three_ordinary_ranks_do(lighthouse, tmp_path):
+    """DiLoCo every 8 steps for 40 steps: 3 groups of 1 rank through torchft against 3 ordinary gloo ranks."""
+    from dist_utils import run_ranks
+    from ft_group_worker import flat as flatten
+    from ft_group_worker import make_model, ordinary_rank
+
+    outs = [tmp_path / f"group{g}.pt" for g in range(3)]
+    procs = [_start_group(lighthouse, g, 3, 40, 8, outs[g]) for g in range(3)]
+    _wait(procs, 100)
+    logs = [out.with_suffix(".log").read_text() for out in outs]
+    for g, proc in enumerate(procs):
+        assert proc.exitcode == 0, f"group {g} failed:\n{logs[g][-3000:]}"
+        assert "committed=5 failed=0" in logs[g], f"group {g} did not commit its 5 syncs:\n{logs[g][-2000:]}"
+    ordinary = str(tmp_path / "ordinary.pt")
+    run_ranks(ordinary_rank, 40, 8, ordinary, world_size=3)
+    start = flatten(make_model())
+    for g in range(3):
+        ours, theirs = torch.load(outs[g], weights_only=True), torch.load(f"{ordinary}.rank{g}", weights_only=True)
+        assert not torch.equal(ours, start), "the groups did not train"
+        diff = float((ours - theirs).abs().max())
+        assert diff <= 1e-6, f"group {g}: max |ft - ordinary| = {diff:.3g}"
+
+
+def _sync_times(log: str) -> list[tuple[float, int, int]]:
+    """(time, committed, failed) of every sync line a worker printed."""
+    out = []
+    for line in log.splitlines():
+        if line.startswith("sync at step"):
+            fields = dict(f.split("=", 1) for f in line.split() if "=" in f and not f.startswith("members"))
+            out.append((float(fields["t"]), int(fields["committed"]), int(fields["failed"])))
+    return out
+
+
+@torchft_missing
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_survivors_commit_again_after_a_group_is_killed(lighthouse, tmp_path):
+    """3 groups, 120 steps of 20 ms, sync every 8; group 2 is SIGKILLed at about step 40: groups 0 and 1 commit
+    again, finish with exit code 0 and equal parameters, and name the lost group."""
+    outs = [tmp_path / f"group{g}.pt" for g in range(3)]
+    procs = [_start_group(lighthouse, g, 2, 120, 8, outs[g], sleep_s=0.02) for g in range(3)]
+    victim_log = outs[2].with_suffix(".log")
+    deadline = time.monotonic() + 60
+    while not victim_log.exists() or "step 40\n" not in victim_log.read_text():
+        if time.monotonic() > deadline or not procs[2].is_alive():
+            for p in procs:
+                p.kill()
+            pytest.fail(f"group 2 never reached step 40:\n{victim_log.read_text()[-2000:]}")
+        time.sleep(0.05)
+    os.kill(procs[2].pid, signal.SIGKILL)
+    killed_at = time.time()
+    _wait(procs[:2], 90)
+    logs = [out.with_suffix(".log").read_text() for out in outs[:2]]
+    for g in range(2):
+        assert procs[g].exitcode == 0, f"group {g} failed:\n{logs[g][-3000:]}"
+        assert "replica group(s) [2] lost from the quorum" in logs[g], f"group {g} did not name the lost group"
+    final = [torch.load(outs[g], weights_only=True) for g in range(2)]
+    assert torch.equal(final[0], final[1]), f"survivors differ by {float((final[0] - final[1]).abs().max()):.3g}"
+    recoveries = []
+    for g in range(2):
+        after = [(t, c) for t, c, _ in _sync_times(logs[g]) if t > killed_at]
+        before = max((c for t, c, _ in _sync_times(logs[g]) if t <= killed_at), default=0)
+        committed = [t for t, c in after if c > before]
+        assert committed, f"group {g} never committed after the kill:\n{logs[g][-2000:]}"
+        recoveries.append(committed[0] - killed_at)
+    print(f"seconds from the kill to each survivor's next commit: {', '.join(f'{r:.2f}' for r in recoveries)}")
