@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_sync.comm.bucketing import GradientSynchronizer
 from lightning_sync.comm.compression import Compressor, compressor_factory
@@ -33,10 +34,12 @@ class AlgorithmParts:
         new_compressor: builds a fresh gradient compressor (one per bucket group); ``None`` for ``ps``, whose
             codec is built by the servers from :func:`ps_settings`.
         averager: the ``periodic`` averager of ``local_sgd``/``diloco``; ``None`` otherwise.
+        averager_arguments: the arguments it was built with (a fault-tolerant averager takes the same).
     """
 
     new_compressor: Callable[[], Compressor] | None = None
     averager: PeriodicAverager | None = None
+    averager_arguments: dict[str, Any] | None = None
 
 
 def ps_settings(cfg: ParameterServerConfig, max_updates: int | None = None) -> PSConfig:
@@ -82,11 +85,12 @@ def build_parts(cfg: StrategyConfig) -> AlgorithmParts:
     GradientSynchronizer.check_settings(cfg.bucketing, cfg.bucket_cap_mb, cfg.first_bucket_mb)
     parts = AlgorithmParts(compressor_factory(cfg.compression, **cfg.compressor_options()))
     if isinstance(cfg, PeriodicConfig) and cfg.mode != "gradient":
-        parts.averager = PeriodicAverager(
+        parts.averager_arguments = dict(
             outer=cfg.mode == "diloco",
             new_compressor=parts.new_compressor,
             streaming=StreamingOptions(**cfg.arguments_for(StreamingOptions)),
             adaptive=AdaptiveOptions(**cfg.arguments_for(AdaptiveOptions)),
             **cfg.arguments_for(PeriodicAverager),
         )
+        parts.averager = PeriodicAverager(**parts.averager_arguments)
     return parts

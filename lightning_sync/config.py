@@ -348,10 +348,23 @@ class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
         round-to-nearest, summed in fp32: an all-to-all reduce-scatter of the codes, then an all-gather of the
         requantized sums). Not together with a ``compression`` other than ``none``.""",
     )
+    fault_tolerance: Any = knob(
+        None,
+        """``local_sgd``/``diloco``: fault tolerance across replica groups, on torchft (the ``lightning-sync[ft]``
+        extra): a ``lightning_sync.ft.FaultTolerance``, or a mapping of its fields (``lighthouse``, ``replica_group``,
+        ``num_replica_groups``, ``min_replicas``, ``timeout_s``). This run is then one replica group: its ranks sync
+        as without it, and each outer sync is also averaged, through a quorum, over the groups alive; a sync that
+        fails is not committed, a lost group drops out and a late one heals from a live one. ``None``: off.""",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("mode", self.mode, PERIODIC_MODES)
+        if self.fault_tolerance is not None and self.mode == "gradient":
+            raise ConfigError(
+                "fault_tolerance is not allowed with mode='gradient' (a per-step gradient sync across replica "
+                "groups is not fault tolerant here); use mode local_sgd or diloco, or fault_tolerance=None"
+            )
         if self.mode != "gradient":
             return  # the averager checks its own schedule (PeriodicAverager)
         if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int):
@@ -432,10 +445,20 @@ class ParameterServerConfig(StrategyConfig):
     outer_lr: float = knob(0.7, """``local_steps > 1``: learning rate of the servers' outer SGD.""")
     outer_momentum: float = knob(0.9, """``local_steps > 1``: momentum of the outer SGD, in [0, 1).""")
     outer_nesterov: bool = knob(True, """``local_steps > 1``: Nesterov momentum for the outer SGD.""")
+    elastic: bool = knob(
+        False,
+        """``sync``: a lost worker (killed, crashed, or silent for ``timeout_s``) is dropped and each step averages the
+        live workers' pushes, instead of ending the job. ``async`` and ``ssp`` always drop a lost worker.""",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("mode", self.mode, PS_MODES)
+        if self.elastic is not False and (self.elastic is not True or self.mode != "sync"):
+            raise ConfigError(
+                f"elastic={self.elastic!r} is not allowed with mode={self.mode!r}; it is true or false, for sync "
+                "(async and ssp always drop a lost worker)"
+            )
         check_range("max_staleness", self.max_staleness, low=0, integer=True)
         check_range("num_servers", self.num_servers, low=1, integer=True)
         check_choice("placement", self.placement, PS_PLACEMENTS)

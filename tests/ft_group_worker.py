@@ -101,9 +101,59 @@ def main(argv: list[str]) -> None:
     print("done", flush=True)
 
 
-def run_group(argv: list[str], log_path: str) -> None:
-    """:func:`main` with stdout and stderr sent to ``log_path`` (a ``multiprocessing`` target; exits non-zero on
-    an error, as the script does)."""
+def lightning_group(lighthouse: str, group: int, groups: int, steps: int, out: str) -> None:
+    """One replica group of one rank as a Lightning ``Trainer`` with ``PeriodicSyncStrategy(fault_tolerance=...)``:
+    DiLoCo every 4 steps on a shared regression set (64 samples); saves the final parameters, the sample indices this
+    group read and the ``ft/*`` metrics logged."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_sync import PeriodicSyncStrategy
+    from lightning_sync.ft import FaultTolerance
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    torch.set_num_threads(1)
+
+    class Regression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_model()
+            self.seen: list[int] = []
+            self.metrics: dict[str, float] = {}
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            index, x = batch
+            self.seen += index.tolist()
+            return (self.net(x) - x.flip(1)).pow(2).mean()
+
+        def on_train_batch_end(self, *args: object) -> None:
+            self.metrics.update({k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("ft/")})
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    data = torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(7))
+    loader = DataLoader(TensorDataset(torch.arange(64), data), batch_size=4, shuffle=False)
+    ft = FaultTolerance(lighthouse=lighthouse, replica_group=group, num_replica_groups=groups, min_replicas=groups,
+                        timeout_s=3.0, heartbeat_timeout_s=1.0, join_timeout_s=5.0)  # fmt: skip
+    strategy = PeriodicSyncStrategy(mode="diloco", sync_every=4, fault_tolerance=ft)
+    module = Regression()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+    )  # fmt: skip
+    trainer.fit(module, loader)
+    torch.save({"params": flat(module.net), "seen": module.seen, "metrics": module.metrics}, out)
+    print("done", flush=True)
+
+
+def run_lightning_group(args: list[object], log_path: str) -> None:
+    """:func:`lightning_group` with stdout and stderr sent to ``log_path``."""
+    _redirect(log_path)
+    lightning_group(*args)  # type: ignore[arg-type]
+
+
+def _redirect(log_path: str) -> None:
     import os
 
     with open(log_path, "w") as log:
@@ -111,6 +161,12 @@ def run_group(argv: list[str], log_path: str) -> None:
         os.dup2(log.fileno(), 2)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own stdout
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+
+
+def run_group(argv: list[str], log_path: str) -> None:
+    """:func:`main` with stdout and stderr sent to ``log_path`` (a ``multiprocessing`` target; exits non-zero on
+    an error, as the script does)."""
+    _redirect(log_path)
     main(argv)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ft_group_worker import run_group
+from ft_group_worker import run_group, run_lightning_group
 
 from lightning_sync.errors import ConfigError
 from lightning_sync.ft import FaultTolerance, FaultToleranceUnavailable, check_lighthouse, require_torchft
@@ -81,13 +81,19 @@ def test_missing_lighthouse_address_is_refused(monkeypatch):
 @pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_mode_that_cannot_be_fault_tolerant_is_refused():
+    from lightning_sync.comm.periodic import PeriodicAverager, StreamingOptions
+    from lightning_sync.config import PeriodicConfig
     from lightning_sync.ft.averager import check_fault_tolerant_knobs
 
-    check_fault_tolerant_knobs({"sync_every": 8, "sync_delay": 0})
+    check_fault_tolerant_knobs(PeriodicAverager(sync_every=8, outer=True))
     with pytest.raises(ConfigError, match=r"sync_delay=1 is not allowed with fault tolerance; it must be 0"):
-        check_fault_tolerant_knobs({"sync_delay": 1})
+        check_fault_tolerant_knobs(
+            PeriodicAverager(sync_every=8, streaming=StreamingOptions(fragments=2, sync_delay=1))
+        )
     with pytest.raises(ConfigError, match=r"sync_every='auto' is not allowed with fault tolerance"):
-        check_fault_tolerant_knobs({"sync_every": "auto"})
+        check_fault_tolerant_knobs(PeriodicAverager(sync_every="auto"))
+    with pytest.raises(ConfigError, match=r"fault_tolerance is not allowed with mode='gradient'"):
+        PeriodicConfig(mode="gradient", fault_tolerance=_config())
 
 
 @pytest.mark.unit
@@ -223,3 +229,35 @@ def test_survivors_commit_again_after_a_group_is_killed(lighthouse, tmp_path):
         assert committed, f"group {g} never committed after the kill:\n{logs[g][-2000:]}"
         recoveries.append(committed[0] - killed_at)
     print(f"seconds from the kill to each survivor's next commit: {', '.join(f'{r:.2f}' for r in recoveries)}")
+
+
+@torchft_missing
+@pytest.mark.dist
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("lighthouse", [2], indirect=True)
+def test_periodic_strategy_with_fault_tolerance_syncs_two_lightning_groups(lighthouse, tmp_path):
+    """Two Lightning runs, each one replica group of ``PeriodicSyncStrategy(mode="diloco", fault_tolerance=...)``:
+    each reads its own half of the data, they end with equal parameters, and the ``ft/*`` metrics are logged."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["ft_group_worker", "lightning.pytorch", "lightning_sync.ft.replica"])
+    outs = [tmp_path / f"group{g}.pt" for g in range(2)]
+    procs = [
+        ctx.Process(target=run_lightning_group, args=([lighthouse, g, 2, 8, str(outs[g])], str(outs[g]) + ".log"))
+        for g in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    _wait(procs, 130)
+    for g, proc in enumerate(procs):
+        assert proc.exitcode == 0, f"group {g} failed:\n{Path(str(outs[g]) + '.log').read_text()[-3000:]}"
+    ends = [torch.load(out, weights_only=False) for out in outs]
+    assert not set(ends[0]["seen"]) & set(ends[1]["seen"]), "the two groups read the same samples"
+    assert len(set(ends[0]["seen"]) | set(ends[1]["seen"])) == 64, "one epoch of each group's shard: all 64 samples"
+    assert torch.equal(ends[0]["params"], ends[1]["params"]), "the groups' final parameters differ"
+    from ft_group_worker import flat as flatten
+    from ft_group_worker import make_model
+
+    assert not torch.equal(ends[0]["params"], flatten(make_model())), "the groups did not train"
+    for end in ends:  # 2 syncs (steps 4 and 8), both committed, each with both groups
+        assert end["metrics"].get("ft/commits") == 2.0, end["metrics"]
+        assert end["metrics"].get("ft/quorum_size") == 2.0 and end["metrics"].get("ft/failed_commits") == 0.0

@@ -30,29 +30,24 @@ from lightning_sync.comm.sync_groups import SyncGroup
 from lightning_sync.errors import ConfigError
 from lightning_sync.ft.replica import ReplicaGroupLink
 
-UNSUPPORTED = {
-    "sync_delay": (0, "an outer sync in flight across a quorum change is not supported"),
-    "sync_every": (None, "'auto' lets groups pick different periods"),
-    "warmup_steps": (0, "warmup all-reduces gradients inside a group only"),
-    "average_optimizer_state": (False, "optimizer state is averaged inside a group only"),
-    "outer_compression": ("none", "compressed outer syncs are not carried across groups yet"),
-}
 
-
-def check_fault_tolerant_knobs(knobs: dict[str, Any]) -> None:
-    """Refuses the periodic knobs that cannot be made fault tolerant (yet), naming the knob.
+def check_fault_tolerant_knobs(averager: PeriodicAverager) -> None:
+    """Refuses what an averager was built with that cannot be made fault tolerant (yet), naming the knob.
 
     Raises:
-        ConfigError: one of :data:`UNSUPPORTED` has a value other than its allowed one.
+        ConfigError: ``sync_delay > 0``, ``sync_every="auto"``, ``warmup_steps > 0``, ``average_optimizer_state``
+            or an ``outer_compression``.
     """
-    for name, (allowed, why) in UNSUPPORTED.items():
-        if name not in knobs:
-            continue
-        value = knobs[name]
-        bad = value == "auto" if name == "sync_every" else value != allowed
+    for name, bad, allowed, why in (
+        ("sync_delay", averager.sync_delay != 0, "0", "an outer sync in flight across a quorum change"),
+        ("sync_every", averager.adaptive is not None, "an integer", "'auto' lets groups pick different periods"),
+        ("warmup_steps", averager.warmup_steps != 0, "0", "warmup all-reduces gradients inside a group only"),
+        ("average_optimizer_state", averager.average_optimizer_state, "False", "averaged inside a group only"),
+        ("outer_compression", averager.outer_compression != "none", "'none'", "not carried across groups yet"),
+    ):
         if bad:
-            shown = "an integer" if name == "sync_every" else repr(allowed)
-            raise ConfigError(f"{name}={value!r} is not allowed with fault tolerance; it must be {shown} ({why})")
+            value = getattr(averager, name)
+            raise ConfigError(f"{name}={value!r} is not allowed with fault tolerance; it must be {allowed} ({why})")
 
 
 class FaultTolerantAverager(PeriodicAverager):
@@ -67,8 +62,8 @@ class FaultTolerantAverager(PeriodicAverager):
     """
 
     def __init__(self, link: ReplicaGroupLink, **knobs: Any) -> None:
-        check_fault_tolerant_knobs(knobs)
         super().__init__(**knobs)
+        check_fault_tolerant_knobs(self)
         self.link = link
         self.committed_syncs = 0
         self.failed_syncs = 0

@@ -165,6 +165,25 @@ class FaultTolerance:
         return cls(**{k: v for k, v in values.items() if v is not None})
 
 
+def as_fault_tolerance(value: Any) -> FaultTolerance | None:
+    """``value`` (a :class:`FaultTolerance`, a mapping of its fields, or ``None``) as a :class:`FaultTolerance`.
+
+    Raises:
+        ConfigError: a field out of range (named ``fault_tolerance.<field>``), or another type.
+    """
+    if value is None or isinstance(value, FaultTolerance):
+        return value
+    if hasattr(value, "items"):
+        try:
+            return FaultTolerance.from_mapping(dict(value.items()))
+        except ConfigError as error:
+            raise error.under("fault_tolerance") from None
+    raise ConfigError(
+        f"fault_tolerance={value!r} is not allowed; give a lightning_sync.ft.FaultTolerance, a mapping of its "
+        "fields, or None"
+    )
+
+
 @dataclass(frozen=True)
 class FaultToleranceTimeouts:
     """The timeouts :meth:`FaultTolerance.timeouts` derives."""

@@ -21,6 +21,12 @@ from lightning_sync.comm.periodic import PeriodicAverager
 from lightning_sync.config import PeriodicConfig
 from lightning_sync.errors import CheckpointError, ConfigError
 from lightning_sync.strategies._base import SyncStrategyBase
+from lightning_sync.strategies._fault_tolerance import (
+    FaultTolerantAverager,
+    fault_tolerance_of,
+    fault_tolerant_averager,
+    replica_group_shard,
+)
 from lightning_sync.strategies._lightning import set_accumulate_grad_batches
 from lightning_sync.strategies.allreduce import AllReduceStrategy
 
@@ -72,6 +78,7 @@ class PeriodicSyncStrategy(AllReduceStrategy):
         sync_delay: int = PeriodicConfig.sync_delay,
         fragment_alpha: float = PeriodicConfig.fragment_alpha,
         outer_compression: str = PeriodicConfig.outer_compression,
+        fault_tolerance: Any = PeriodicConfig.fault_tolerance,
         compression: str = PeriodicConfig.compression,
         bucketing: str = PeriodicConfig.bucketing,
         bucket_cap_mb: float = PeriodicConfig.bucket_cap_mb,
@@ -101,6 +108,7 @@ class PeriodicSyncStrategy(AllReduceStrategy):
         self._logged_period: int | None = None
         self._logged_skips = 0
         self._sync_metrics: dict[str, float] = {}
+        self._quorums = 0
 
     @override
     def _check_algorithm_knobs(self) -> None:
@@ -108,6 +116,7 @@ class PeriodicSyncStrategy(AllReduceStrategy):
         constructor checks the schedule."""
         super()._check_algorithm_knobs()
         self.averager: PeriodicAverager | None = self._parts.averager
+        self.fault_tolerance = fault_tolerance_of(self.config.fault_tolerance, self.averager)
 
     @property
     @override
@@ -187,6 +196,8 @@ class PeriodicSyncStrategy(AllReduceStrategy):
         self._broadcast_rank0_state()
         if self.averager is None or self.averager.warmup_steps > 0:
             self.synchronizer = self._build_synchronizer()
+        if self.fault_tolerance is not None:
+            self.averager = fault_tolerant_averager(self, self.fault_tolerance, self._parts.averager_arguments)
         if self.averager is not None:
             try:
                 self.averager.setup(self.model.named_parameters(), self.model.named_buffers(), self.meter)
@@ -217,6 +228,9 @@ class PeriodicSyncStrategy(AllReduceStrategy):
             self._logged_period = period
         if divergence is not None:
             self._sync_metrics["sync/divergence"] = divergence
+        if isinstance(self.averager, FaultTolerantAverager) and self.averager.link.stats.quorums != self._quorums:
+            self._quorums = self.averager.link.stats.quorums
+            self._sync_metrics.update(self.averager.link.stats.metrics())
         skips = 0 if self.averager is None else self.averager.skipped_outer_steps
         if skips != self._logged_skips:
             self._sync_metrics["sync/skipped_outer_steps"] = float(skips)
@@ -248,6 +262,12 @@ class PeriodicSyncStrategy(AllReduceStrategy):
         named = named_replicated_state(self.lightning_module, self.optimizers, only=synced)
         named.update(self.averager.synced_global_copies())
         return named
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """With fault tolerance, this group's ranks read shard ``replica_group`` of ``num_replica_groups``."""
+        return replica_group_shard(super().distributed_sampler_kwargs, self.fault_tolerance)
 
     # ------------------------------------------------------------------ checkpoint
     @property

@@ -1,0 +1,75 @@
+"""The ``periodic`` strategy's side of fault tolerance across replica groups (:mod:`lightning_sync.ft`).
+
+The strategy's Lightning world is one replica group. These helpers resolve the ``fault_tolerance`` knob before any
+rank starts (torchft present, the averager's knobs fault tolerant), build the
+:class:`~lightning_sync.ft.averager.FaultTolerantAverager` once the group's process group exists (its torchft
+``Manager`` heals the LightningModule and the optimizers, as well as the averager), and shard the data by group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.strategies import ParallelStrategy
+
+from lightning_sync.comm.periodic import PeriodicAverager
+from lightning_sync.errors import ConfigError
+from lightning_sync.ft.averager import FaultTolerantAverager, check_fault_tolerant_knobs
+from lightning_sync.ft.config import FaultTolerance, as_fault_tolerance, require_torchft
+from lightning_sync.ft.replica import ReplicaGroupLink
+
+__all__ = ["FaultTolerantAverager", "fault_tolerance_of", "fault_tolerant_averager", "replica_group_shard"]
+
+
+def fault_tolerance_of(value: Any, averager: PeriodicAverager | None) -> FaultTolerance | None:
+    """The ``fault_tolerance`` knob, checked in the launching process: its fields, torchft's presence (a one-line
+    error naming the ``lightning-sync[ft]`` extra), and the averager's knobs.
+
+    Raises:
+        ConfigError: a bad field, or a knob that cannot be made fault tolerant.
+        FaultToleranceUnavailable: torchft is not installed.
+    """
+    config = as_fault_tolerance(value)
+    if config is None:
+        return None
+    if averager is None:  # PeriodicConfig refuses mode='gradient' first; kept for other callers
+        raise ConfigError("fault_tolerance is not allowed without an averager; use mode local_sgd or diloco")
+    require_torchft()
+    check_fault_tolerant_knobs(averager)
+    return config
+
+
+def fault_tolerant_averager(
+    strategy: ParallelStrategy, config: FaultTolerance, arguments: dict[str, Any] | None
+) -> FaultTolerantAverager:
+    """The averager of this rank of this replica group, with its torchft link (joins the lighthouse; rank 0 of
+    the group first checks that one answers within ``timeout_s``). A healing group pulls the LightningModule's
+    state and the optimizers' state as well as the averager's."""
+    assert arguments is not None, "fault_tolerance needs the local_sgd/diloco averager"
+    link = ReplicaGroupLink(config, group_rank=strategy.global_rank, group_world_size=strategy.world_size)
+
+    def save() -> dict[str, Any]:
+        module = strategy.lightning_module
+        assert module is not None
+        return {"model": module.state_dict(), "optimizers": [o.state_dict() for o in strategy.optimizers]}
+
+    def load(state: dict[str, Any]) -> None:
+        module = strategy.lightning_module
+        assert module is not None
+        module.load_state_dict(state["model"])
+        for optimizer, saved in zip(strategy.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(saved)
+
+    link.register_state("training", save, load)
+    return FaultTolerantAverager(link, **arguments)
+
+
+def replica_group_shard(kwargs: dict[str, Any], config: FaultTolerance | None) -> dict[str, Any]:
+    """Lightning's ``DistributedSampler`` arguments with the group's shard: ``num_replica_groups`` times as many
+    replicas, this rank's index offset by ``replica_group`` times the group's size."""
+    if config is None:
+        return kwargs
+    size = int(kwargs["num_replicas"])
+    return dict(
+        kwargs, num_replicas=size * config.num_replica_groups, rank=config.replica_group * size + kwargs["rank"]
+    )
