@@ -261,3 +261,51 @@ def test_periodic_strategy_with_fault_tolerance_syncs_two_lightning_groups(light
     for end in ends:  # 2 syncs (steps 4 and 8), both committed, each with both groups
         assert end["metrics"].get("ft/commits") == 2.0, end["metrics"]
         assert end["metrics"].get("ft/quorum_size") == 2.0 and end["metrics"].get("ft/failed_commits") == 0.0
+
+
+# ------------------------------------------------------------------------------------------------ the Hydra app
+def _compose(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    from lightning_sync.apps import train
+
+    with initialize_config_dir(config_dir=train.CONFIG_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_hydra_ft_none_is_the_default_and_adds_nothing():
+    from lightning_sync.apps.ft_conf import fault_tolerance_arguments
+
+    assert fault_tolerance_arguments(_compose("strategy=periodic")) == {}
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_hydra_ft_torchft_keys_are_checked_and_named():
+    from lightning_sync.apps.ft_conf import fault_tolerance_arguments
+
+    cfg = _compose("strategy=periodic", "strategy.mode=diloco", "ft=torchft", "ft.lighthouse=localhost:1",
+                   "ft.num_replica_groups=2", "ft.replica_group=2")  # fmt: skip
+    assert set(cfg.ft) == {"lighthouse", "replica_group", "num_replica_groups", "min_replicas", "timeout_s"}
+    with pytest.raises(ConfigError, match=r"^ft\.replica_group=2 is not allowed; it must be in \[0, num_replica"):
+        fault_tolerance_arguments(cfg)
+    cfg = _compose("strategy=ddp", "ft=torchft", "ft.lighthouse=localhost:1")
+    with pytest.raises(ConfigError, match=r"ft=torchft is not allowed with strategy='lightning_sync.DDPSync"):
+        fault_tolerance_arguments(cfg)
+
+
+@torchft_missing
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_hydra_ft_torchft_passes_the_group_to_the_strategy(lighthouse):
+    from lightning_sync.apps.ft_conf import fault_tolerance_arguments
+    from lightning_sync.strategies import PeriodicSyncStrategy
+
+    cfg = _compose("strategy=periodic", "strategy.mode=diloco", "ft=torchft", f"ft.lighthouse={lighthouse}",
+                   "ft.num_replica_groups=3", "ft.replica_group=1", "ft.min_replicas=2", "ft.timeout_s=5")  # fmt: skip
+    arguments = fault_tolerance_arguments(cfg)
+    strategy = PeriodicSyncStrategy(mode="diloco", **arguments)
+    assert strategy.fault_tolerance == FaultTolerance(lighthouse=lighthouse, replica_group=1, num_replica_groups=3,
+                                                      min_replicas=2, timeout_s=5.0)  # fmt: skip

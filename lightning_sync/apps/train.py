@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_sync.apps._app_help import group_options, register_help_resolvers
 from lightning_sync.apps.conf_store import check_strategy_knobs, register_strategy_schemas
+from lightning_sync.apps.ft_conf import fault_tolerance_arguments
 from lightning_sync.errors import ConfigError, check_range
 
 
@@ -83,7 +84,7 @@ def build(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> tuple[Any, Any, Any
 
     _validate_trainer(cfg)
     try:
-        strategy = hydra.utils.instantiate(cfg.strategy)
+        strategy = hydra.utils.instantiate(cfg.strategy, **fault_tolerance_arguments(cfg))
         datamodule = hydra.utils.instantiate(cfg.data)
         # model config fields left null that the data decides (e.g. the text's vocab_size): the data's values
         filled = {k: v for k, v in getattr(datamodule, "model_kwargs", {}).items() if cfg.model.get(k, 0) is None}
