@@ -68,3 +68,19 @@ def _unit_tests_stay_in_process(request: pytest.FixtureRequest, monkeypatch: pyt
 
     monkeypatch.setattr(subprocess.Popen, "__init__", popen)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Each test starts from the session's environment: what a test (or Lightning in this process) set is undone.
+
+    Lightning's launchers write ``MASTER_PORT`` into ``os.environ`` of the process that fits; left there, every
+    later fit in the session would bind that one port, and fail with EADDRINUSE as soon as anything else holds it.
+    """
+    before = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
