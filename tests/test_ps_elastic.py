@@ -237,3 +237,30 @@ def test_a_frozen_ssp_worker_is_dropped_and_the_job_ends_on_the_others(tmp_path)
     assert list(summary.get("lost_workers", {})) == ["1"], summary
     assert "sent nothing" in summary["lost_workers"]["1"], summary
     assert not outcome.left, f"orphans: {outcome.left}"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not HAS_PROC, reason="needs /proc")
+def test_elastic_sync_finishes_on_the_live_workers(tmp_path):
+    """``sync`` with ``strategy.elastic=true``: worker 2 of 3 is SIGKILLed; the server drops it, each later step
+    averages the two live workers' pushes, and the job exits 0 naming it."""
+    run_dir = tmp_path / "run"
+    overrides = [
+        "strategy=ps",
+        "strategy.elastic=true",
+        f"strategy.timeout_s={TIMEOUT_S}",
+        "trainer.devices=3",
+        "trainer.max_epochs=10",
+        "+logger.csv.flush_logs_every_n_steps=5",
+        "test=false",
+    ]
+    outcome = run_and_hit(overrides, run_dir, "rank2", signal.SIGKILL, wait_s=allowed_s(120, 60.0), after_s=1.5)
+    print(f"elastic sync worker 2 SIGKILL: exit code {outcome.returncode} after {outcome.seconds:.1f} s")
+    assert outcome.returncode == 0, outcome.stderr[-4000:]
+    summary = _summary(run_dir)
+    assert list(summary.get("lost_workers", {})) == ["2"], summary
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt.rank0.pt", weights_only=False, map_location="cpu")
+    server = state["servers"][0]
+    assert server["version"] == server["clocks"][0] == server["clocks"][1] > server["clocks"][2], server["clocks"]
+    assert not outcome.left, f"orphans: {outcome.left}"

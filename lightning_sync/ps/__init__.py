@@ -12,7 +12,8 @@ Parts, one module per concern:
 * :mod:`~lightning_sync.ps.liveness`: when the server declares a silent worker lost;
 * :mod:`~lightning_sync.ps.elastic`: at the end of an elastic run, which workers the servers dropped;
 * ``python -m lightning_sync.ps`` (:mod:`lightning_sync.ps.__main__`): a dedicated server process;
-* :mod:`~lightning_sync.ps.client`: the worker's client (init, pull, push, stop, states, stats, close);
+* :mod:`~lightning_sync.ps.client`: the worker's client (init, pull, push, stop, states, stats, close), and
+  :mod:`~lightning_sync.ps.reply` what the servers answer it;
 * :mod:`~lightning_sync.ps.placement`: dedicated server processes or colocated server threads;
 * :mod:`~lightning_sync.ps.straggler`: slowing one worker down for experiments.
 """

@@ -169,6 +169,8 @@ class RequestDispatch:
             stop_worker=self.stop_worker,
             clock=clocks[worker],
             min_clock=min(live_clocks) if live_clocks else clocks[worker],
+            live_workers=sum(self.live),
+            lost_workers=len(self.lost),
         )
         return header, payload
 

@@ -4,14 +4,14 @@ Every message is a fixed-size int64 header, then (if the header's ``payload_nbyt
 own tag. Gloo aborts the process when a receive buffer and the data sent differ in size, so payload sizes are only
 ever taken from the header that announces them.
 
-Request header (worker -> server, tag :data:`TAG_REQUEST`; the server waits on it from any worker):
+Request header (worker -> server, tag :data:`TAG_REQUEST`; the server waits on it from each worker's link):
 ``[kind, worker, version, payload_nbytes, checksum, flags, optimizer, clip_algorithm, clip_value, 0...]``
 (``optimizer``: which of the worker's optimizers a push steps; ``clip_*``: how the server clips that optimizer's
 gradient before the step, ``clip_value`` a float64 in the slot's bits)
 
 Reply header (server -> worker, tag :data:`TAG_REPLY`):
 ``[kind, status, version, flags, payload_nbytes, bytes_recv, bytes_sent, staleness, stop_code, stop_worker, clock,
-min_clock]``
+min_clock, live_workers, lost_workers]`` (the last two: how many workers the server counts as live, and has dropped)
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-HEADER_SLOTS = 12
+HEADER_SLOTS = 14
 #: Size in bytes of every header on the wire.
 HEADER_BYTES = HEADER_SLOTS * 8
 
@@ -114,18 +114,36 @@ class ReplyHeader:
     stop_worker: int = -1
     clock: int = 0
     min_clock: int = 0
+    live_workers: int = 0
+    lost_workers: int = 0
 
     def header(self) -> torch.Tensor:
         values = [
             int(self.kind), int(self.status), self.version, self.flags, self.payload_nbytes, self.bytes_recv,
             self.bytes_sent, self.staleness, int(self.stop_code), self.stop_worker, self.clock, self.min_clock,
+            self.live_workers, self.lost_workers,
         ]  # fmt: skip
         return torch.tensor(values, dtype=torch.int64)
 
     @classmethod
     def parse(cls, header: torch.Tensor) -> ReplyHeader:
         v = header.tolist()
-        return cls(Kind(v[0]), Status(v[1]), v[2], v[3], v[4], v[5], v[6], v[7], StopCode(v[8]), v[9], v[10], v[11])
+        return cls(
+            Kind(v[0]),
+            Status(v[1]),
+            v[2],
+            v[3],
+            v[4],
+            v[5],
+            v[6],
+            v[7],
+            StopCode(v[8]),
+            v[9],
+            v[10],
+            v[11],
+            v[12],
+            v[13],
+        )
 
 
 def to_blob(obj: Any) -> torch.Tensor:

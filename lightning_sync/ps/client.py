@@ -24,7 +24,6 @@ The exchange itself, its waits and that rule, is :func:`lightning_sync.ps._excha
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,6 +52,7 @@ from lightning_sync.ps.codec import GradientCodec
 from lightning_sync.ps.errors import PSError, PSServerError
 from lightning_sync.ps.group import PSGroup
 from lightning_sync.ps.optim_spec import OptimizerSpec
+from lightning_sync.ps.reply import PSReply
 from lightning_sync.ps.settings import PSConfig
 from lightning_sync.ps.sharding import shard_by_bytes, shard_indices
 
@@ -79,51 +79,6 @@ class ServerStepOptimizer:
         result = closure() if closure is not None else None
         self._push(self._optimizer)
         return result
-
-
-@dataclass(frozen=True)
-class PSReply:
-    """What the servers answered to a pull or a push (one entry per server where it is a tuple).
-
-    Attributes:
-        versions: each server's version (optimizer steps applied to its shard) when it replied.
-        stop: training is over (``max_updates`` reached or a worker asked to stop): stop pushing, then
-            :meth:`PSClient.close`.
-        stop_reason: why, e.g. ``"max_updates=100 reached"`` or ``"worker 1 requested stop"``; ``""`` if not
-            stopped.
-        applied: a push was applied by every server (``False`` for a pull, a push that came after the stop, or
-            a skipped one).
-        skipped: the push was skipped for a NaN or Inf gradient (``skip_nonfinite``): in sync, some worker's, and
-            the step was skipped for every worker; in async and ssp, this worker's. The parameters are unchanged
-            by it.
-        staleness: per server, the staleness of this push (server version when applied minus the version it was
-            computed on; ``0`` in sync); ``-1`` for a pull.
-        clocks: per server, this worker's clock (its pushes applied by that server).
-        min_clocks: per server, the clock of the slowest live worker.
-        server_bytes_recv: per server, everything it received so far (its ingress, all workers), as of the reply.
-        server_bytes_sent: per server, everything it sent so far (its egress), as of the reply.
-    """
-
-    versions: tuple[int, ...]
-    stop: bool
-    stop_reason: str
-    applied: bool
-    staleness: tuple[int, ...]
-    clocks: tuple[int, ...]
-    min_clocks: tuple[int, ...]
-    server_bytes_recv: tuple[int, ...]
-    server_bytes_sent: tuple[int, ...]
-    skipped: bool = False
-
-    @property
-    def version(self) -> int:
-        """The oldest server version (all equal in sync)."""
-        return min(self.versions)
-
-    @property
-    def stalest(self) -> int:
-        """The largest per-server staleness of this push (what to log as ``ps/staleness``); ``-1`` for a pull."""
-        return max(self.staleness)
 
 
 class PSClient:
@@ -401,6 +356,8 @@ class PSClient:
             server_bytes_recv=tuple(h.bytes_recv for h, _ in answers),
             server_bytes_sent=tuple(h.bytes_sent for h, _ in answers),
             skipped=skipped,
+            live_workers=tuple(h.live_workers for h, _ in answers),
+            lost_workers=tuple(h.lost_workers for h, _ in answers),
         )
         self.last_reply = reply
         return reply

@@ -105,10 +105,12 @@ class HydraJobSubprocessLauncher(PopenLauncher):
         self.observer: ChildObserver | None = None
 
     @override
+    def watches_children(self) -> bool:
+        return self.tolerates_lost_ranks is not None
+
+    @override
     def observe_children(self) -> None:
-        if self.tolerates_lost_ranks is None:
-            super().observe_children()
-            return
+        assert self.tolerates_lost_ranks is not None  # (watches_children)
         self.observer = ChildObserver(self.children, self.tolerates_lost_ranks)
         self.observer.start()
 

@@ -19,10 +19,10 @@ What is used, and where Lightning defines it:
   subclassed by :class:`PopenLauncher`, which overrides only ``_call_children_scripts`` (reached through
   :meth:`PopenLauncher.start_children`; ``_check_can_spawn_children`` through
   :meth:`PopenLauncher.check_can_start_children`; its ``procs`` list through :attr:`PopenLauncher.children` and
-  :func:`launcher_children`). Its ``launch`` is restated (the same four steps) so that the child observer is a
-  method, :meth:`PopenLauncher.observe_children`: Lightning's ``_launch_process_observer`` by default, ours where a
-  lost rank may leave the job running; ``_set_num_threads_if_needed`` is called as Lightning's ``launch`` does.
-  Its ``kill`` is used as it is.
+  :func:`launcher_children`). Its ``launch`` is Lightning's, except where a subclass watches the children itself
+  (:meth:`PopenLauncher.observe_children`, for a job that a lost rank may leave running): then it is restated, the
+  same steps with that observer in place of Lightning's, ``_set_num_threads_if_needed`` called as Lightning's
+  ``launch`` does. Its ``kill`` is used as it is.
 - ``launcher.launch``: replaced on one launcher instance by :func:`replace_launch`.
 - ``Trainer.limit_val_batches``, ``Trainer.fit_loop.max_epochs`` and ``Trainer.accumulate_grad_batches``: written
   during ``fit`` by :func:`set_loop_limits` and :func:`set_accumulate_grad_batches`.
@@ -40,10 +40,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.plugins import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import (
-    _launch_process_observer,
-    _SubprocessScriptLauncher,
-)
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
 if TYPE_CHECKING:
@@ -62,7 +59,6 @@ PRIVATE_NAMES = (
     "_SubprocessScriptLauncher",
     "_call_children_scripts",
     "_check_can_spawn_children",
-    "_launch_process_observer",
     "_set_num_threads_if_needed",
 )
 """The private Lightning names used in this module (and only here)."""
@@ -113,13 +109,15 @@ class PopenLauncher(_SubprocessScriptLauncher):
     """Lightning's ``popen`` launcher, its private parts behind names of ours.
 
     ``_call_children_scripts`` is overridden: it calls :meth:`start_children`, which subclasses override. ``launch``
-    starts the children through it, then :meth:`observe_children` (Lightning's child observer: a child that exits
-    with an error makes it SIGKILL the other children and this process), then runs the rank's function, as
-    Lightning's own ``launch`` does.
+    starts the children through it, then Lightning's child observer (a child that exits with an error makes it
+    SIGKILL the other children and this process), then runs the rank's function; where :meth:`watches_children`
+    returns ``True`` it started an observer of its own instead of Lightning's.
     """
 
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if not self.watches_children():
+            return super().launch(function, *args, trainer=trainer, **kwargs)
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
@@ -127,9 +125,12 @@ class PopenLauncher(_SubprocessScriptLauncher):
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
+    def watches_children(self) -> bool:
+        """Whether :meth:`observe_children` replaces Lightning's child observer (by default not)."""
+        return False
+
     def observe_children(self) -> None:
-        """Starts the thread that watches the children (Lightning's: any child's error ends the whole job)."""
-        _launch_process_observer(self.procs)
+        """Starts this launcher's own watch over :attr:`children` (where :meth:`watches_children`)."""
 
     @property
     def children(self) -> list[subprocess.Popen]:

@@ -37,6 +37,7 @@ from lightning_sync.ps.elastic import lost_workers_at_end
 from lightning_sync.ps.outer import LocalSteps
 from lightning_sync.strategies._detached import DetachableCollectives
 from lightning_sync.strategies._lightning import restore_clip_gradients, route_clip_gradients
+from lightning_sync.strategies._ps_metrics import ReplyMetrics
 
 
 class ParameterServerStrategy(DetachableCollectives):
@@ -51,7 +52,8 @@ class ParameterServerStrategy(DetachableCollectives):
     ``sync`` keeps the workers in lockstep. In ``async`` and ``ssp`` the servers' version counts the steps
     (``max_steps=N``: N pushes; ``max_epochs=E``: E epochs' worth of samples) and the workers never wait for each
     other (:class:`~lightning_sync.strategies._detached.DetachableCollectives`); see the README's "Parameter server".
-    Logged: ``ps/version``, ``ps/staleness`` (async, ssp) and ``ps/server<i>_ingress_per_update``.
+    Logged: ``ps/version``, ``ps/staleness`` (async, ssp), ``ps/server<i>_ingress_per_update``, and in the elastic
+    modes ``ps/server<i>_live_workers`` and ``ps/server<i>_lost_workers``.
 
     Takes the fields of :class:`~lightning_sync.config.ParameterServerConfig` and Lightning's own strategy
     arguments, as keyword arguments (``Args:`` below is filled in from the fields' help; see
@@ -80,6 +82,7 @@ class ParameterServerStrategy(DetachableCollectives):
         outer_lr: float = ParameterServerConfig.outer_lr,
         outer_momentum: float = ParameterServerConfig.outer_momentum,
         outer_nesterov: bool = ParameterServerConfig.outer_nesterov,
+        elastic: bool = ParameterServerConfig.elastic,
         start_method: str = ParameterServerConfig.start_method,
         timeout_s: float = ParameterServerConfig.timeout_s,
         check_consistency_every: int = ParameterServerConfig.check_consistency_every,
@@ -101,17 +104,23 @@ class ParameterServerStrategy(DetachableCollectives):
         self._group: PSGroup | None = None
         self._resume_state: dict[str, Any] = {}
         self._straggler: Straggler | None = None
-        self._logged: tuple[int, tuple[int, ...]] | None = None
         self._clips: dict[int, Clip] = {}  # optimizer id -> the clipping its next push asks the servers for
         self._local: LocalSteps | None = None  # local_steps > 1: the worker's side of async local SGD
         self.lost_workers: dict[int, str] = {}  # elastic modes: the workers the servers dropped, and why
+        self._reply_metrics = ReplyMetrics(staleness=self.config.mode != "sync", elastic=self.tolerates_lost_ranks)
 
     @property
     def tolerates_lost_ranks(self) -> bool:
         """Whether losing a worker rank other than 0 leaves the job running (``async`` and ``ssp``: the servers drop
         it and the others go on); the launcher's child observer and the app's end of job ask this. Rank 0 hosts the
         store and the dedicated servers: losing it always ends the job, as losing a server does."""
-        return self.config.mode != "sync"
+        return self.config.mode != "sync" or self.config.elastic
+
+    @property
+    def _runs_apart(self) -> bool:
+        """Whether the workers run apart from each other during the fit (no Lightning collective among them): in
+        async and ssp, and in elastic sync, where a lost rank must not hang a collective of the others."""
+        return self.tolerates_lost_ranks
 
     @override
     def _check_algorithm_knobs(self) -> None:
@@ -138,7 +147,7 @@ class ParameterServerStrategy(DetachableCollectives):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._check_module(trainer)
-            if self.config.mode != "sync":
+            if self._runs_apart:
                 self._hand_the_end_to_the_mode(trainer)
         super().setup(trainer)
         if fitting:
@@ -206,7 +215,7 @@ class ParameterServerStrategy(DetachableCollectives):
             assert epochs is not None  # Lightning sets max_epochs when max_steps is unset
             per_batch = 1 if self.config.mode == "sync" else self.world_size  # async/ssp: an update per worker batch
             max_updates = int(epochs) * int(trainer.num_training_batches) * per_batch * len(self.optimizers)
-            if self.config.mode == "sync" and not module.automatic_optimization:
+            if self.config.mode == "sync" and not module.automatic_optimization and not self.config.elastic:
                 max_updates = None  # steps per batch are the module's: Lightning's own loop ends a lockstep run
         if max_updates is not None and self._local_steps > 1:  # one push per local_steps worker steps (auto: the
             max_updates = -(-max_updates // self._local_steps)  # fastest worker's count)
@@ -214,7 +223,9 @@ class ParameterServerStrategy(DetachableCollectives):
         assert self._group is not None
         spec = optimizer_spec(self.optimizers, params)
         # an end in epochs counts the live workers' samples: a lost worker's unused share of the updates is withdrawn
-        settings = dataclasses.replace(ps_settings(self.config, max_updates), withdraw_lost_share=by_epochs)
+        withdraw = by_epochs and self.config.mode != "sync"  # a sync round is one batch of each live worker already
+        settings = ps_settings(self.config, max_updates)
+        settings = dataclasses.replace(settings, elastic=self.config.elastic, withdraw_lost_share=withdraw)
         self.client = PSClient(self._group, params, spec, settings)
         if self.global_rank == 0:
             self.client.init_servers(self._resume_state.get("servers"))
@@ -226,7 +237,7 @@ class ParameterServerStrategy(DetachableCollectives):
             lrs = lambda: current_lrs(self.optimizers)  # noqa: E731
             self._local = LocalSteps(self.client, self._local_steps, lrs, adaptive=adaptive)
             self._local.start()
-        self._detached = self.config.mode != "sync"
+        self._detached = self._runs_apart
 
     @override
     def on_validation_start(self) -> None:
@@ -299,18 +310,11 @@ class ParameterServerStrategy(DetachableCollectives):
 
     @override
     def step_metrics(self, write: bool) -> dict[str, float]:
-        """``comm/*`` as the base logs them, plus ``ps/version``, ``ps/staleness`` and each server's ingress per
-        update since the last write."""
-        metrics, reply = super().step_metrics(write), self.last_reply
-        if not write or reply is None:
-            return metrics
-        metrics["ps/version"] = float(reply.version)
-        if reply.stalest >= 0 and self.config.mode != "sync":
-            metrics["ps/staleness"] = float(reply.stalest)
-        if self._logged is not None and reply.version > self._logged[0]:
-            for i, (now, then) in enumerate(zip(reply.server_bytes_recv, self._logged[1])):
-                metrics[f"ps/server{i}_ingress_per_update"] = (now - then) / (reply.version - self._logged[0])
-        self._logged = (reply.version, reply.server_bytes_recv)
+        """``comm/*`` as the base logs them, plus the replies' ``ps/*`` (see
+        :class:`~lightning_sync.strategies._ps_metrics.ReplyMetrics`)."""
+        metrics = super().step_metrics(write)
+        if write and self.last_reply is not None:
+            metrics.update(self._reply_metrics.of(self.last_reply))
         return metrics
 
     # ------------------------------------------------------------------ the end, and checkpoints
