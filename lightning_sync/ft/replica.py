@@ -26,6 +26,10 @@ from lightning_sync.ft.config import FaultTolerance, check_lighthouse, lighthous
 log = logging.getLogger("lightning_sync.ft")
 
 
+class QuorumError(RuntimeError):
+    """No quorum formed within the quorum timeout (too few groups alive, or the lighthouse is gone)."""
+
+
 @dataclass
 class FaultToleranceStats:
     """What the link has seen so far (all counts since start)."""
@@ -130,7 +134,17 @@ class ReplicaGroupLink:
         """Joins the next quorum (waits at most the quorum timeout), healing this group if it is behind, and learns
         which groups take part (one small all-reduce)."""
         before, started = self.manager.current_step(), time.perf_counter()
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except Exception as error:  # torchft raises TimeoutError (or a gRPC error) when no quorum forms in time
+            timeouts = self.config.timeouts()
+            raise QuorumError(
+                f"replica group {self.config.replica_group}: no quorum of at least min_replicas="
+                f"{self.config.min_replicas} groups formed within quorum_timeout_s="
+                f"{timeouts.quorum.total_seconds():g} s at the lighthouse {self.config.lighthouse!r} "
+                f"({type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}); the other "
+                "groups are gone or finished"
+            ) from None
         self.stats.quorums += 1
         if self.manager.current_step() > before:
             seconds = time.perf_counter() - started
@@ -171,6 +185,10 @@ class ReplicaGroupLink:
         ok = bool(self.manager.should_commit())
         if ok:
             self.stats.commits += 1
+            log.info(
+                "replica group %d: sync committed (commit %d, groups %s)",
+                self.config.replica_group, self.stats.commits, self.stats.participants,
+            )  # fmt: skip
         else:
             self.stats.failed_commits += 1
             log.warning(

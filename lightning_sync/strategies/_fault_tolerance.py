@@ -18,7 +18,13 @@ from lightning_sync.ft.averager import FaultTolerantAverager, check_fault_tolera
 from lightning_sync.ft.config import FaultTolerance, as_fault_tolerance, require_torchft
 from lightning_sync.ft.replica import ReplicaGroupLink
 
-__all__ = ["FaultTolerantAverager", "fault_tolerance_of", "fault_tolerant_averager", "replica_group_shard"]
+__all__ = [
+    "FaultTolerantAverager",
+    "fault_tolerance_of",
+    "fault_tolerant_averager",
+    "replica_group_shard",
+    "stop_at_healed_max_steps",
+]
 
 
 def fault_tolerance_of(value: Any, averager: PeriodicAverager | None) -> FaultTolerance | None:
@@ -73,3 +79,11 @@ def replica_group_shard(kwargs: dict[str, Any], config: FaultTolerance | None) -
     return dict(
         kwargs, num_replicas=size * config.num_replica_groups, rank=config.replica_group * size + kwargs["rank"]
     )
+
+
+def stop_at_healed_max_steps(trainer: Any, steps: int) -> None:
+    """Stops the Trainer (``should_stop``) once the averager's step count reaches ``max_steps``: a group that healed
+    took a live group's step count, which runs ahead of its own loop, so every group ends at the same sync."""
+    max_steps = getattr(trainer, "max_steps", -1)
+    if max_steps is not None and max_steps >= 0 and steps >= max_steps:
+        trainer.should_stop = True

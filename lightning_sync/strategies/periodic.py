@@ -26,6 +26,7 @@ from lightning_sync.strategies._fault_tolerance import (
     fault_tolerance_of,
     fault_tolerant_averager,
     replica_group_shard,
+    stop_at_healed_max_steps,
 )
 from lightning_sync.strategies._lightning import set_accumulate_grad_batches
 from lightning_sync.strategies.allreduce import AllReduceStrategy
@@ -228,6 +229,8 @@ class PeriodicSyncStrategy(AllReduceStrategy):
             self._logged_period = period
         if divergence is not None:
             self._sync_metrics["sync/divergence"] = divergence
+        if isinstance(self.averager, FaultTolerantAverager):
+            stop_at_healed_max_steps(self.lightning_module.trainer, self.averager.steps)
         if isinstance(self.averager, FaultTolerantAverager) and self.averager.link.stats.quorums != self._quorums:
             self._quorums = self.averager.link.stats.quorums
             self._sync_metrics.update(self.averager.link.stats.metrics())
