@@ -29,6 +29,16 @@ def batch(group: int, step: int) -> torch.Tensor:
     return torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(1000 * group + step))
 
 
+def make_inner(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def state_of(model: nn.Module, inner: torch.optim.Optimizer) -> torch.Tensor:
+    """The parameters and the inner optimizer's momentum, flat."""
+    momenta = [inner.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters() if p in inner.state]
+    return torch.cat([flat(model), *momenta])
+
+
 def inner_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
     optimizer.zero_grad()
     (model(x) - x.flip(1)).pow(2).mean().backward()
@@ -45,7 +55,7 @@ def ordinary_rank(rank: int, world: int, steps: int, sync_every: int, out: str) 
     from lightning_sync.comm.periodic import PeriodicAverager
 
     model = make_model()
-    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    inner = make_inner(model)
     averager = PeriodicAverager(sync_every=sync_every, **OUTER)  # type: ignore[arg-type]
     averager.setup(model.named_parameters(), model.named_buffers(), CommMeter())
     for step in range(steps):
@@ -78,22 +88,35 @@ def main(argv: list[str]) -> None:
     )
     link = ReplicaGroupLink(config, hostname="localhost")
     model = make_model()
-    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    inner = make_inner(model)
     link.register_training_state(model, [inner])
     averager = FaultTolerantAverager(link, sync_every=int(sync_every), **OUTER)  # type: ignore[arg-type]
     averager.setup(model.named_parameters(), model.named_buffers(), CommMeter())
+    snapshots: dict[int, torch.Tensor] = {}  # the state at each quorum's start, by step (a healing source's)
+    healed: dict[int, torch.Tensor] = {}  # the state right after a heal, by step
+    join_quorum = link.start
+
+    def start() -> None:
+        snapshots[averager.steps] = state_of(model, inner) if inner.state else flat(model)
+        heals = link.stats.heals
+        join_quorum()
+        if link.stats.heals > heals:
+            healed[averager.steps] = state_of(model, inner)
+
+    link.start = start  # type: ignore[method-assign]
     try:
-        for step in range(int(steps)):
-            inner_step(model, inner, batch(int(group), step))
+        while averager.steps < int(steps):  # the step count heals with the rest: data and schedule follow it
+            inner_step(model, inner, batch(int(group), averager.steps))
             synced = averager.step([inner])
             if synced:
-                print(f"sync at step {step + 1} t={time.time():.3f} committed={averager.committed_syncs} "
+                print(f"sync at step {averager.steps} t={time.time():.3f} committed={averager.committed_syncs} "
                       f"failed={averager.failed_syncs} members={link.stats.participants}", flush=True)  # fmt: skip
-            print(f"step {step + 1}", flush=True)
+            print(f"step {averager.steps}", flush=True)
             if sleep_s:
                 time.sleep(sleep_s)
         averager.finish([inner])
         print(f"finish committed={averager.committed_syncs} failed={averager.failed_syncs}", flush=True)
+        torch.save({"params": flat(model), "snapshots": snapshots, "healed": healed}, out + ".state")
         torch.save(flat(model), out)
     finally:
         averager.close()

@@ -263,6 +263,82 @@ def test_periodic_strategy_with_fault_tolerance_syncs_two_lightning_groups(light
         assert end["metrics"].get("ft/quorum_size") == 2.0 and end["metrics"].get("ft/failed_commits") == 0.0
 
 
+def _kill_at_step(procs: list[multiprocessing.process.BaseProcess], victim: int, log: Path, step: int) -> float:
+    """SIGKILLs ``procs[victim]`` once its log shows ``step``; returns the time of the kill."""
+    deadline = time.monotonic() + 60
+    while not log.exists() or f"step {step}\n" not in log.read_text():
+        if time.monotonic() > deadline or not procs[victim].is_alive():
+            for p in procs:
+                p.kill()
+            pytest.fail(f"group {victim} never reached step {step}:\n{log.read_text()[-2000:] if log.exists() else ''}")
+        time.sleep(0.05)
+    assert procs[victim].pid is not None
+    os.kill(procs[victim].pid, signal.SIGKILL)
+    return time.time()
+
+
+@torchft_missing
+@pytest.mark.dist
+@pytest.mark.timeout(150)
+def test_a_killed_group_restarted_heals_and_all_end_equal(lighthouse, tmp_path):
+    """Group 2 is SIGKILLed at step 40 and started again with the same arguments while groups 0 and 1 train: it
+    heals from a live group (parameters and momentum equal to the source's, bit for bit), trains on, and all three
+    end with equal parameters."""
+    outs = [tmp_path / f"group{g}.pt" for g in range(3)]
+    procs = [_start_group(lighthouse, g, 2, 160, 8, outs[g], sleep_s=0.02) for g in range(3)]
+    _kill_at_step(procs, 2, outs[2].with_suffix(".log"), 40)
+    restarted = tmp_path / "group2_restarted.pt"
+    procs.append(_start_group(lighthouse, 2, 2, 160, 8, restarted, sleep_s=0.02))
+    _wait([procs[0], procs[1], procs[3]], 120)
+    logs = {g: out.with_suffix(".log").read_text() for g, out in [(0, outs[0]), (1, outs[1]), (3, restarted)]}
+    for g, proc in [(0, procs[0]), (1, procs[1]), (3, procs[3])]:
+        assert proc.exitcode == 0, f"process {g} failed:\n{logs[g][-3000:]}"
+    assert "replica group 2 healed from a live group" in logs[3], logs[3][-2000:]
+    states = [torch.load(str(p) + ".state", weights_only=True) for p in (outs[0], outs[1], restarted)]
+    [(step, healed)] = states[2]["healed"].items()
+    sources = [s["snapshots"].get(step) for s in states[:2]]
+    same = any(src is not None and torch.equal(healed, src) for src in sources)
+    assert same, f"the healed state at step {step} is no live group's"
+    assert torch.equal(states[0]["params"], states[1]["params"]) and torch.equal(
+        states[0]["params"], states[2]["params"]
+    )
+
+
+@torchft_missing
+@pytest.mark.dist
+@pytest.mark.timeout(150)
+def test_a_frozen_group_is_left_behind_and_never_corrupts_the_others(lighthouse, tmp_path):
+    """Group 1 is SIGSTOPped at step 40 for 4 s: groups 0 and 2 commit again within timeout_s + 5 s and end with
+    equal parameters; after SIGCONT group 1 heals and ends equal to them, or exits with a clear message."""
+    outs = [tmp_path / f"group{g}.pt" for g in range(3)]
+    procs = [_start_group(lighthouse, g, 2, 320, 8, outs[g], sleep_s=0.02) for g in range(3)]
+    log1 = outs[1].with_suffix(".log")
+    deadline = time.monotonic() + 60
+    while not log1.exists() or "step 40\n" not in log1.read_text():
+        assert time.monotonic() < deadline, "group 1 never reached step 40"
+        time.sleep(0.05)
+    assert procs[1].pid is not None
+    os.kill(procs[1].pid, signal.SIGSTOP)
+    stopped_at = time.time()
+    time.sleep(4.0)
+    os.kill(procs[1].pid, signal.SIGCONT)
+    _wait(procs, 120)
+    logs = [out.with_suffix(".log").read_text() for out in outs]
+    for g in (0, 2):
+        assert procs[g].exitcode == 0, f"group {g} failed:\n{logs[g][-3000:]}"
+        committed = [t for t, c, _ in _sync_times(logs[g]) if t > stopped_at]
+        assert committed and committed[0] - stopped_at <= 3.0 + 5.0, f"group {g} stalled:\n{logs[g][-2000:]}"
+        assert "replica group(s) [1] lost from the quorum" in logs[g]
+    final = {g: torch.load(outs[g], weights_only=True) for g in (0, 2)}
+    assert torch.equal(final[0], final[2]), "the live groups differ"
+    if procs[1].exitcode == 0:
+        assert torch.equal(torch.load(outs[1], weights_only=True), final[0]), "the thawed group ended apart"
+    else:
+        assert "QuorumError" in logs[1] or "not committed" in logs[1], f"no clear message:\n{logs[1][-2000:]}"
+    recovery = min(t for t, c, _ in _sync_times(logs[0]) if t > stopped_at) - stopped_at
+    print(f"group 1 frozen: next commit of group 0 after {recovery:.2f} s; group 1 exit code {procs[1].exitcode}")
+
+
 # ------------------------------------------------------------------------------------------------ the Hydra app
 def _compose(*overrides: str):
     from hydra import compose, initialize_config_dir
