@@ -66,17 +66,44 @@ def ordinary_rank(rank: int, world: int, steps: int, sync_every: int, out: str) 
 
 
 def main(argv: list[str]) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    ranks = int(argv[8]) if len(argv) > 8 else 1
+    if ranks == 1:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the group's own world
+        train(argv, 0, 1)
+        return
+    import multiprocessing
+
+    init = f"file://{argv[6]}.pg"  # the group's own world of ``ranks`` ranks; rank 0 is this process
+    children = [multiprocessing.get_context("fork").Process(target=_rank, args=(argv, r, ranks, init)) for r in
+                range(1, ranks)]  # fmt: skip
+    for child in children:
+        child.start()
+    print(f"rank pids {[child.pid for child in children]}", flush=True)
+    _rank(argv, 0, ranks, init)
+    for child in children:
+        child.join(60)
+    if any(child.exitcode != 0 for child in children):
+        raise SystemExit(f"a rank of this group failed: {[child.exitcode for child in children]}")
+
+
+def _rank(argv: list[str], rank: int, ranks: int, init: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)
+    train(argv, rank, ranks)
+
+
+def train(argv: list[str], rank: int, ranks: int) -> None:
+    """Trains rank ``rank`` of a group of ``ranks`` ranks (the group's world is the default process group)."""
     from lightning_sync.comm.meter import CommMeter
     from lightning_sync.ft import FaultTolerance
     from lightning_sync.ft.averager import FaultTolerantAverager
     from lightning_sync.ft.replica import ReplicaGroupLink
 
-    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s", stream=sys.stderr)
     lighthouse, group, groups, min_replicas, steps, sync_every = argv[:6]
-    out = argv[6]
+    out = argv[6] if rank == 0 else f"{argv[6]}.rank{rank}"
     sleep_s = float(argv[7]) if len(argv) > 7 else 0.0
+    shard = int(group) * ranks + rank
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the group's own world
     config = FaultTolerance(
         lighthouse=lighthouse,
         replica_group=int(group),
@@ -86,7 +113,7 @@ def main(argv: list[str]) -> None:
         heartbeat_timeout_s=1.0,
         join_timeout_s=5.0,
     )
-    link = ReplicaGroupLink(config, hostname="localhost")
+    link = ReplicaGroupLink(config, group_rank=rank, group_world_size=ranks, hostname="localhost")
     model = make_model()
     inner = make_inner(model)
     link.register_training_state(model, [inner])
@@ -106,7 +133,7 @@ def main(argv: list[str]) -> None:
     link.start = start  # type: ignore[method-assign]
     try:
         while averager.steps < int(steps):  # the step count heals with the rest: data and schedule follow it
-            inner_step(model, inner, batch(int(group), averager.steps))
+            inner_step(model, inner, batch(shard, averager.steps))
             synced = averager.step([inner])
             if synced:
                 print(f"sync at step {averager.steps} t={time.time():.3f} committed={averager.committed_syncs} "

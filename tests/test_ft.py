@@ -137,13 +137,22 @@ def lighthouse(request):
     server.shutdown()
 
 
-def _start_group(lighthouse: str, group: int, min_replicas: int, steps: int, sync_every: int, out: Path,
-                 sleep_s: float = 0.0) -> multiprocessing.process.BaseProcess:  # fmt: skip
-    """Group ``group`` as a process forked from a forkserver that imported torch, torchft and lightning_sync once
-    (three fresh interpreters would take that long each, on a small machine)."""
+def _start_group(
+    lighthouse: str,
+    group: int,
+    min_replicas: int,
+    steps: int,
+    sync_every: int,
+    out: Path,
+    sleep_s: float = 0.0,
+    groups: int = 3,
+    ranks: int = 1,
+) -> multiprocessing.process.BaseProcess:
+    """Group ``group`` (of ``ranks`` ranks) as a process forked from a forkserver that imported torch, torchft and
+    lightning_sync once (three fresh interpreters would take that long each, on a small machine)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["ft_group_worker", "lightning_sync.ft.averager", "lightning_sync.ft.replica"])
-    args = [lighthouse, group, 3, min_replicas, steps, sync_every, out, sleep_s]
+    args = [lighthouse, group, groups, min_replicas, steps, sync_every, out, sleep_s, ranks]
     proc = ctx.Process(target=run_group, args=([str(a) for a in args], str(out.with_suffix(".log"))))
     proc.start()
     return proc
@@ -337,6 +346,35 @@ def test_a_frozen_group_is_left_behind_and_never_corrupts_the_others(lighthouse,
         assert "QuorumError" in logs[1] or "not committed" in logs[1], f"no clear message:\n{logs[1][-2000:]}"
     recovery = min(t for t, c, _ in _sync_times(logs[0]) if t > stopped_at) - stopped_at
     print(f"group 1 frozen: next commit of group 0 after {recovery:.2f} s; group 1 exit code {procs[1].exitcode}")
+
+
+@torchft_missing
+@pytest.mark.dist
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("lighthouse", [1], indirect=True)
+def test_a_group_of_two_ranks_survives_the_loss_of_the_other_group(lighthouse, tmp_path):
+    """2 groups of 2 ranks; both ranks of group 1 are SIGKILLed at step 40: group 0's ranks go on alone
+    (min_replicas=1), finish with exit code 0 and equal parameters, and name the lost group."""
+    outs = [tmp_path / f"group{g}.pt" for g in range(2)]
+    procs = [_start_group(lighthouse, g, 1, 120, 8, outs[g], sleep_s=0.02, groups=2, ranks=2) for g in range(2)]
+    log1 = outs[1].with_suffix(".log")
+    deadline = time.monotonic() + 60
+    while not log1.exists() or "step 40\n" not in log1.read_text():
+        assert time.monotonic() < deadline and procs[1].is_alive(), (
+            f"group 1 never reached step 40:\n{log1.read_text()}"
+        )
+        time.sleep(0.05)
+    [rank1] = [int(pid) for pid in log1.read_text().split("rank pids [", 1)[1].split("]", 1)[0].split(",")]
+    os.kill(rank1, signal.SIGKILL)
+    assert procs[1].pid is not None
+    os.kill(procs[1].pid, signal.SIGKILL)
+    _wait(procs[:1], 90)
+    log0 = outs[0].with_suffix(".log").read_text()
+    assert procs[0].exitcode == 0, f"group 0 failed:\n{log0[-3000:]}"
+    assert "replica group(s) [1] lost from the quorum" in log0
+    assert log0.count("finish committed=") == 2, "both ranks of group 0 finished"
+    ranks = [torch.load(outs[0], weights_only=True), torch.load(f"{outs[0]}.rank1", weights_only=True)]
+    assert torch.equal(ranks[0], ranks[1]), "group 0's two ranks differ"
 
 
 # ------------------------------------------------------------------------------------------------ the Hydra app
