@@ -49,19 +49,30 @@ def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def ordinary_rank(rank: int, world: int, steps: int, sync_every: int, out: str) -> None:
+def streaming(spec: str) -> object:
+    """``"k,tau,alpha"`` as :class:`StreamingOptions` (``""``: plain DiLoCo)."""
+    from lightning_sync.comm.periodic import StreamingOptions
+
+    if not spec:
+        return StreamingOptions()
+    k, tau, alpha = spec.split(",")
+    return StreamingOptions(fragments=int(k), sync_delay=int(tau), fragment_alpha=float(alpha))
+
+
+def ordinary_rank(rank: int, world: int, steps: int, sync_every: int, out: str, spec: str = "") -> None:
     """The same training on an ordinary rank of a ``world``-rank gloo group (no fault tolerance)."""
     from lightning_sync.comm.meter import CommMeter
     from lightning_sync.comm.periodic import PeriodicAverager
 
     model = make_model()
     inner = make_inner(model)
-    averager = PeriodicAverager(sync_every=sync_every, **OUTER)  # type: ignore[arg-type]
+    averager = PeriodicAverager(sync_every=sync_every, streaming=streaming(spec), **OUTER)  # type: ignore[arg-type]
     averager.setup(model.named_parameters(), model.named_buffers(), CommMeter())
     for step in range(steps):
         inner_step(model, inner, batch(rank, step))
         averager.step([inner])
     averager.finish([inner])
+    averager.close()
     torch.save(flat(model), f"{out}.rank{rank}")
 
 
@@ -117,7 +128,8 @@ def train(argv: list[str], rank: int, ranks: int) -> None:
     model = make_model()
     inner = make_inner(model)
     link.register_training_state(model, [inner])
-    averager = FaultTolerantAverager(link, sync_every=int(sync_every), **OUTER)  # type: ignore[arg-type]
+    spec = argv[9] if len(argv) > 9 else ""
+    averager = FaultTolerantAverager(link, sync_every=int(sync_every), streaming=streaming(spec), **OUTER)  # type: ignore[arg-type]
     averager.setup(model.named_parameters(), model.named_buffers(), CommMeter())
     snapshots: dict[int, torch.Tensor] = {}  # the state at each quorum's start, by step (a healing source's)
     healed: dict[int, torch.Tensor] = {}  # the state right after a heal, by step

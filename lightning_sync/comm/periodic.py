@@ -282,8 +282,12 @@ class PeriodicAverager:
             return [*ready, *due]
         for group in self.groups:
             if group.in_flight is None and group.since_sync >= self._period_of(group) - self.sync_delay:
-                group.in_flight = group.averager.launch_(self._sign, self.steps, self._worker)
+                self._launch(group)
         return ready
+
+    def _launch(self, group: SyncGroup) -> None:
+        """Starts ``group``'s outer sync on the worker thread (``sync_delay > 0``)."""
+        group.in_flight = group.averager.launch_(self._sign, self.steps, self._worker)
 
     def finish(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[SyncGroup]:
         """Applies the outer syncs in flight, then syncs every group with unsynced local steps (or mixed

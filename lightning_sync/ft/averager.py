@@ -8,13 +8,17 @@ as they were, and every parameter returns to the global copy, as torchft's own `
 (``skip_nonfinite``) is identical on every group, so every group skips it.
 
 With one rank per group, ``N`` groups compute what ``N`` ordinary ranks do (the same pseudo-gradient mean, the same
-outer step). Streaming fragments work (``fragments > 1``, each fragment's sync is a quorum of its own), but not what
-needs more than that: ``sync_delay > 0``, ``sync_every="auto"``, ``warmup_steps > 0``, ``average_optimizer_state``
-and ``outer_compression`` are refused (:func:`check_fault_tolerant_knobs`).
+outer step). Streaming DiLoCo works: each fragment's sync is a quorum of its own; with ``sync_delay > 0`` the quorum
+is joined when the fragment's sync is launched (a group behind heals there, while nothing is in flight), the worker
+thread averages inside the group and then across groups while the inner steps go on, and torchft votes when the
+result is applied (with ``fragment_alpha``), as torchft's own ``DiLoCo`` does. ``sync_every="auto"``,
+``warmup_steps > 0``, ``average_optimizer_state`` and ``outer_compression`` are refused
+(:func:`check_fault_tolerant_knobs`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -23,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from lightning_sync.comm.averaging import WAIT_GRACE_S as GRACE_S
 from lightning_sync.comm.averaging import average_buffers
 from lightning_sync.comm.meter import CommMeter
 from lightning_sync.comm.periodic import PeriodicAverager
@@ -35,11 +40,10 @@ def check_fault_tolerant_knobs(averager: PeriodicAverager) -> None:
     """Refuses what an averager was built with that cannot be made fault tolerant (yet), naming the knob.
 
     Raises:
-        ConfigError: ``sync_delay > 0``, ``sync_every="auto"``, ``warmup_steps > 0``, ``average_optimizer_state``
-            or an ``outer_compression``.
+        ConfigError: ``sync_every="auto"``, ``warmup_steps > 0``, ``average_optimizer_state`` or an
+            ``outer_compression``.
     """
     for name, bad, allowed, why in (
-        ("sync_delay", averager.sync_delay != 0, "0", "an outer sync in flight across a quorum change"),
         ("sync_every", averager.adaptive is not None, "an integer", "'auto' lets groups pick different periods"),
         ("warmup_steps", averager.warmup_steps != 0, "0", "warmup all-reduces gradients inside a group only"),
         ("average_optimizer_state", averager.average_optimizer_state, "False", "averaged inside a group only"),
@@ -67,6 +71,7 @@ class FaultTolerantAverager(PeriodicAverager):
         self.link = link
         self.committed_syncs = 0
         self.failed_syncs = 0
+        self._cross: dict[int, concurrent.futures.Future] = {}
 
     def setup(
         self,
@@ -87,28 +92,55 @@ class FaultTolerantAverager(PeriodicAverager):
         Returns:
             This rank's divergence from its replica group's average (0 with one rank per group).
         """
-        meter = self._require_meter()
         self.link.start()
-        squared, flights = 0.0, []
+        squared = 0.0
         for group in groups:
-            flight = group.averager.launch_(self._sign, self.steps)
-            squared += group.averager.complete_(flight, self.timeout_s)
+            group.in_flight = group.averager.launch_(self._sign, self.steps)
+            squared += group.averager.complete_(group.in_flight, self.timeout_s)
             self.link.average_(group.averager.deltas)
-            flights.append(flight)
+        return self._commit(groups, squared, alpha=0.0)
+
+    def _launch(self, group: SyncGroup) -> None:
+        """Streaming (``sync_delay > 0``): the quorum now (a group behind heals here, while no sync is in flight),
+        then the worker averages inside this replica group and, after that, across the quorum's groups."""
+        self.link.start()
+        super()._launch(group)
+        deltas = group.averager.deltas
+        assert self._worker is not None
+        self._cross[id(group)] = self._worker.submit(lambda: self.link.average_(deltas))
+
+    def _apply(self, groups: Sequence[SyncGroup], optimizers: Sequence[torch.optim.Optimizer]) -> float:
+        """Streaming: waits for the in-flight averages (inside and across groups), then torchft's vote and the
+        apply with ``fragment_alpha`` (or, not committed, every parameter back to its global copy)."""
+        squared = 0.0
+        for group in groups:
+            assert group.in_flight is not None
+            squared += group.averager.complete_(group.in_flight, self.timeout_s)
+            # torchft bounds the collective by its timeout and reports a failure to the vote, not here
+            self._cross.pop(id(group)).result(timeout=self.link.config.timeouts().collective.total_seconds() + GRACE_S)
+        return self._commit(groups, squared, alpha=self.fragment_alpha)
+
+    def _commit(self, groups: Sequence[SyncGroup], squared: float, alpha: float) -> float:
+        """Averages the groups' floating buffers (inside and across groups), asks torchft whether to commit, and
+        applies each group's sync in flight (committed) or drops it (not)."""
+        meter = self._require_meter()
         buffers = [b for group in groups for b in group.buffers if b.is_floating_point()]
         averaged = [b.detach().clone() for b in buffers]
         if averaged:
             average_buffers(averaged, meter, self.group)
             self.link.average_(averaged)
         committed = self.link.commit()
-        for group, flight in zip(groups, flights):
-            group.in_flight = None
+        for group in groups:
+            flight, group.in_flight = group.in_flight, None
+            assert flight is not None
+            mixed = False
             if committed:
-                applied = group.averager.apply_(flight, group.outer, 0.0, self.skip_nonfinite, self.timeout_s)
+                applied = group.averager.apply_(flight, group.outer, alpha, self.skip_nonfinite, self.timeout_s)
                 group.skipped += int(not applied)
+                mixed = applied and alpha > 0
             else:
                 group.averager.restore_()
-            group.since_sync, group.mixed = 0, False
+            group.since_sync, group.mixed = 0, mixed
             group.syncs += 1
         if committed:
             with torch.no_grad():
