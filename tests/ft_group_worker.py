@@ -129,6 +129,7 @@ def train(argv: list[str], rank: int, ranks: int) -> None:
     inner = make_inner(model)
     link.register_training_state(model, [inner])
     spec = argv[9] if len(argv) > 9 else ""
+    nan_at = int(argv[10]) if len(argv) > 10 else -1
     averager = FaultTolerantAverager(link, sync_every=int(sync_every), streaming=streaming(spec), **OUTER)  # type: ignore[arg-type]
     averager.setup(model.named_parameters(), model.named_buffers(), CommMeter())
     snapshots: dict[int, torch.Tensor] = {}  # the state at each quorum's start, by step (a healing source's)
@@ -146,6 +147,9 @@ def train(argv: list[str], rank: int, ranks: int) -> None:
     try:
         while averager.steps < int(steps):  # the step count heals with the rest: data and schedule follow it
             inner_step(model, inner, batch(shard, averager.steps))
+            if averager.steps + 1 == nan_at:  # a non-finite contribution from this group, at its next sync
+                with torch.no_grad():
+                    next(model.parameters()).view(-1)[0] = float("nan")
             synced = averager.step([inner])
             if synced:
                 print(f"sync at step {averager.steps} t={time.time():.3f} committed={averager.committed_syncs} "

@@ -150,12 +150,13 @@ def _start_group(
     groups: int = 3,
     ranks: int = 1,
     spec: str = "",
+    nan_at: int = -1,
 ) -> multiprocessing.process.BaseProcess:
     """Group ``group`` (of ``ranks`` ranks) as a process forked from a forkserver that imported torch, torchft and
     lightning_sync once (three fresh interpreters would take that long each, on a small machine)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["ft_group_worker", "lightning_sync.ft.averager", "lightning_sync.ft.replica"])
-    args = [lighthouse, group, groups, min_replicas, steps, sync_every, out, sleep_s, ranks, spec]
+    args = [lighthouse, group, groups, min_replicas, steps, sync_every, out, sleep_s, ranks, spec, nan_at]
     proc = ctx.Process(target=run_group, args=([str(a) for a in args], str(out.with_suffix(".log"))))
     proc.start()
     return proc
@@ -391,6 +392,27 @@ def test_a_group_of_two_ranks_survives_the_loss_of_the_other_group(lighthouse, t
     assert log0.count("finish committed=") == 2, "both ranks of group 0 finished"
     ranks = [torch.load(outs[0], weights_only=True), torch.load(f"{outs[0]}.rank1", weights_only=True)]
     assert torch.equal(ranks[0], ranks[1]), "group 0's two ranks differ"
+
+
+@torchft_missing
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("lighthouse", [3], indirect=True)
+def test_a_non_finite_contribution_is_never_committed_into_the_others(lighthouse, tmp_path):
+    """Group 1's parameters turn NaN just before its sync at step 16: the averaged pseudo-gradient is NaN on every
+    group, so every group skips that outer step (skip_nonfinite) and returns to the global copy; all three end
+    finite and equal."""
+    outs = [tmp_path / f"group{g}.pt" for g in range(3)]
+    procs = [_start_group(lighthouse, g, 3, 40, 8, outs[g], nan_at=16 if g == 1 else -1) for g in range(3)]
+    _wait(procs, 100)
+    logs = [out.with_suffix(".log").read_text() for out in outs]
+    for g, proc in enumerate(procs):
+        assert proc.exitcode == 0, f"group {g} failed:\n{logs[g][-3000:]}"
+    final = [torch.load(out, weights_only=True) for out in outs]
+    assert all(bool(torch.isfinite(f).all()) for f in final), "a NaN reached a group's parameters"
+    assert torch.equal(final[0], final[1]) and torch.equal(final[0], final[2]), "the groups differ"
+    states = [torch.load(str(out) + ".state", weights_only=True) for out in outs]
+    assert all(bool(torch.isfinite(s["snapshots"][24]).all()) for s in states), "a NaN was committed at step 16"
 
 
 # ------------------------------------------------------------------------------------------------ the Hydra app
