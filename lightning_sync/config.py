@@ -258,6 +258,13 @@ class AllReduceConfig(GradientSyncKnobs, StrategyConfig):
         True,
         "Broadcast rank 0's buffers (e.g. BatchNorm statistics) before every training step, as DDP does.",
     )
+    fault_tolerance: Any = knob(
+        None,
+        """Fault tolerance across replica groups, on torchft (the ``lightning-sync[ft]`` extra): a
+        ``lightning_sync.ft.FaultTolerance``, or a mapping of its fields. This run is then one replica group; each
+        step's gradients, averaged inside the group, are also averaged over the groups of a torchft quorum, and a
+        step whose sync failed is not committed (its gradients are dropped). ``None``: off.""",
+    )
 
 
 @dataclass

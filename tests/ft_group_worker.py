@@ -167,14 +167,14 @@ def train(argv: list[str], rank: int, ranks: int) -> None:
     print("done", flush=True)
 
 
-def lightning_group(lighthouse: str, group: int, groups: int, steps: int, out: str) -> None:
+def lightning_group(lighthouse: str, group: int, groups: int, steps: int, out: str, mode: str = "diloco") -> None:
     """One replica group of one rank as a Lightning ``Trainer`` with ``PeriodicSyncStrategy(fault_tolerance=...)``:
     DiLoCo every 4 steps on a shared regression set (64 samples); saves the final parameters, the sample indices this
     group read and the ``ft/*`` metrics logged."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_sync import PeriodicSyncStrategy
+    from lightning_sync import AllReduceStrategy, PeriodicSyncStrategy
     from lightning_sync.ft import FaultTolerance
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s", stream=sys.stderr)
@@ -202,7 +202,10 @@ def lightning_group(lighthouse: str, group: int, groups: int, steps: int, out: s
     loader = DataLoader(TensorDataset(torch.arange(64), data), batch_size=4, shuffle=False)
     ft = FaultTolerance(lighthouse=lighthouse, replica_group=group, num_replica_groups=groups, min_replicas=groups,
                         timeout_s=3.0, heartbeat_timeout_s=1.0, join_timeout_s=5.0)  # fmt: skip
-    strategy = PeriodicSyncStrategy(mode="diloco", sync_every=4, fault_tolerance=ft)
+    if mode == "allreduce":
+        strategy: object = AllReduceStrategy(fault_tolerance=ft)
+    else:
+        strategy = PeriodicSyncStrategy(mode=mode, sync_every=4, fault_tolerance=ft)
     module = Regression()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False,

@@ -25,7 +25,7 @@ from lightning_sync.config import StrategyConfig, knob_docs
 from lightning_sync.errors import ConfigError
 
 CONF = Path(CONFIG_DIR)
-GROUPS = ("strategy", "model", "data", "trainer", "logger", "callbacks", "experiment")
+GROUPS = ("strategy", "model", "data", "trainer", "logger", "callbacks", "experiment", "ft")
 OPTIONS = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml"))
 STRATEGY_FILES = sorted(CONF.glob("strategy/*.yaml"))
 

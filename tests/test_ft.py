@@ -261,14 +261,16 @@ def test_survivors_commit_again_after_a_group_is_killed(lighthouse, spec, tmp_pa
 @pytest.mark.dist
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("lighthouse", [2], indirect=True)
-def test_periodic_strategy_with_fault_tolerance_syncs_two_lightning_groups(lighthouse, tmp_path):
-    """Two Lightning runs, each one replica group of ``PeriodicSyncStrategy(mode="diloco", fault_tolerance=...)``:
-    each reads its own half of the data, they end with equal parameters, and the ``ft/*`` metrics are logged."""
+@pytest.mark.parametrize("mode,commits", [("diloco", 2), ("allreduce", 8)])
+def test_strategy_with_fault_tolerance_syncs_two_lightning_groups(lighthouse, mode, commits, tmp_path):
+    """Two Lightning runs, each one replica group of ``PeriodicSyncStrategy(mode="diloco", fault_tolerance=...)`` or
+    ``AllReduceStrategy(fault_tolerance=...)``: each reads its own half of the data, they end with equal parameters,
+    and the ``ft/*`` metrics are logged."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["ft_group_worker", "lightning.pytorch", "lightning_sync.ft.replica"])
     outs = [tmp_path / f"group{g}.pt" for g in range(2)]
     procs = [
-        ctx.Process(target=run_lightning_group, args=([lighthouse, g, 2, 8, str(outs[g])], str(outs[g]) + ".log"))
+        ctx.Process(target=run_lightning_group, args=([lighthouse, g, 2, 8, str(outs[g]), mode], str(outs[g]) + ".log"))
         for g in range(2)
     ]
     for proc in procs:
@@ -284,8 +286,8 @@ def test_periodic_strategy_with_fault_tolerance_syncs_two_lightning_groups(light
     from ft_group_worker import make_model
 
     assert not torch.equal(ends[0]["params"], flatten(make_model())), "the groups did not train"
-    for end in ends:  # 2 syncs (steps 4 and 8), both committed, each with both groups
-        assert end["metrics"].get("ft/commits") == 2.0, end["metrics"]
+    for end in ends:  # diloco: 2 syncs (steps 4 and 8); allreduce: every step; all committed, with both groups
+        assert end["metrics"].get("ft/commits") == float(commits), end["metrics"]
         assert end["metrics"].get("ft/quorum_size") == 2.0 and end["metrics"].get("ft/failed_commits") == 0.0
 
 

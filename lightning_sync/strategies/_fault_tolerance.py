@@ -1,4 +1,5 @@
-"""The ``periodic`` strategy's side of fault tolerance across replica groups (:mod:`lightning_sync.ft`).
+"""The strategies' side of fault tolerance across replica groups (:mod:`lightning_sync.ft`): ``periodic`` and
+``allreduce``.
 
 The strategy's Lightning world is one replica group. These helpers resolve the ``fault_tolerance`` knob before any
 rank starts (torchft present, the averager's knobs fault tolerant), build the
@@ -16,10 +17,17 @@ from lightning_sync.comm.periodic import PeriodicAverager
 from lightning_sync.errors import ConfigError
 from lightning_sync.ft.averager import FaultTolerantAverager, check_fault_tolerant_knobs
 from lightning_sync.ft.config import FaultTolerance, as_fault_tolerance, require_torchft
+from lightning_sync.ft.gradients import average_gradients_across
 from lightning_sync.ft.replica import ReplicaGroupLink
 
 __all__ = [
     "FaultTolerantAverager",
+    "FaultTolerance",
+    "ReplicaGroupLink",
+    "average_gradients_across",
+    "as_fault_tolerance",
+    "replica_group_link",
+    "require_torchft",
     "fault_tolerance_of",
     "fault_tolerant_averager",
     "replica_group_shard",
@@ -52,6 +60,12 @@ def fault_tolerant_averager(
     the group first checks that one answers within ``timeout_s``). A healing group pulls the LightningModule's
     state and the optimizers' state as well as the averager's."""
     assert arguments is not None, "fault_tolerance needs the local_sgd/diloco averager"
+    return FaultTolerantAverager(replica_group_link(strategy, config), **arguments)
+
+
+def replica_group_link(strategy: ParallelStrategy, config: FaultTolerance) -> ReplicaGroupLink:
+    """This rank's link to the other replica groups (joins the lighthouse; rank 0 of the group first checks that one
+    answers within ``timeout_s``); a healing group pulls the LightningModule's and the optimizers' state."""
     link = ReplicaGroupLink(config, group_rank=strategy.global_rank, group_world_size=strategy.world_size)
 
     def save() -> dict[str, Any]:
@@ -67,7 +81,7 @@ def fault_tolerant_averager(
             optimizer.load_state_dict(saved)
 
     link.register_state("training", save, load)
-    return FaultTolerantAverager(link, **arguments)
+    return link
 
 
 def replica_group_shard(kwargs: dict[str, Any], config: FaultTolerance | None) -> dict[str, Any]:

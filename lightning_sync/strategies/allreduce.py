@@ -18,6 +18,15 @@ from lightning_sync.comm.bucketing import GradientSynchronizer
 from lightning_sync.comm.compression import Compressor
 from lightning_sync.config import AllReduceConfig
 from lightning_sync.strategies._base import SyncStrategyBase
+from lightning_sync.strategies._fault_tolerance import (
+    FaultTolerance,
+    ReplicaGroupLink,
+    as_fault_tolerance,
+    average_gradients_across,
+    replica_group_link,
+    replica_group_shard,
+    require_torchft,
+)
 
 
 class AllReduceStrategy(SyncStrategyBase):
@@ -51,6 +60,7 @@ class AllReduceStrategy(SyncStrategyBase):
         find_unused_parameters: bool = AllReduceConfig.find_unused_parameters,
         gradient_as_bucket_view: bool = AllReduceConfig.gradient_as_bucket_view,
         broadcast_buffers: bool = AllReduceConfig.broadcast_buffers,
+        fault_tolerance: Any = AllReduceConfig.fault_tolerance,
         topk_density: float = AllReduceConfig.topk_density,
         error_feedback: bool = AllReduceConfig.error_feedback,
         powersgd_rank: int = AllReduceConfig.powersgd_rank,
@@ -74,6 +84,11 @@ class AllReduceStrategy(SyncStrategyBase):
     @override
     def _check_algorithm_knobs(self) -> None:
         self._parts = build_parts(self.config)
+        self.fault_tolerance: FaultTolerance | None = as_fault_tolerance(self.config.fault_tolerance)
+        if self.fault_tolerance is not None:
+            require_torchft()
+        self._gradient_link: ReplicaGroupLink | None = None
+        self._ft_metrics: dict[str, float] = {}
 
     @property
     def _broadcasts_buffers(self) -> bool:
@@ -89,6 +104,8 @@ class AllReduceStrategy(SyncStrategyBase):
         """
         self._broadcast_rank0_state()
         self.synchronizer = self._build_synchronizer()
+        if self.fault_tolerance is not None:
+            self._gradient_link = replica_group_link(self, self.fault_tolerance)
 
     def _build_synchronizer(self) -> GradientSynchronizer:
         assert self.model is not None and self.meter is not None
@@ -153,6 +170,11 @@ class AllReduceStrategy(SyncStrategyBase):
         def _closure_then_sync() -> Any:
             result = closure()
             self._finish_sync()
+            if self._gradient_link is not None:  # fault tolerance: across replica groups, or no step
+                assert self.model is not None
+                average_gradients_across(self._gradient_link, list(self.model.parameters()))
+                if self.synchronizer is not None:
+                    self.synchronizer.grads_finite = None  # check the averaged gradients themselves
             return result
 
         return _closure_then_sync
@@ -176,6 +198,22 @@ class AllReduceStrategy(SyncStrategyBase):
         if self._synced and self.synchronizer is not None:
             self.synchronizer.compressor.advance()
             self._synced = False
+        if self._gradient_link is not None:
+            self._ft_metrics = self._gradient_link.stats.metrics()
+
+    @override
+    def step_metrics(self, write: bool) -> dict[str, float]:
+        """The base's metrics, plus ``ft/*`` with fault tolerance."""
+        metrics = super().step_metrics(write)
+        metrics.update(self._ft_metrics)
+        self._ft_metrics = {}
+        return metrics
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """With fault tolerance, this group's ranks read shard ``replica_group`` of ``num_replica_groups``."""
+        return replica_group_shard(super().distributed_sampler_kwargs, self.fault_tolerance)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -209,4 +247,7 @@ class AllReduceStrategy(SyncStrategyBase):
         if self.synchronizer is not None:
             self.synchronizer.remove_hooks()
             self.synchronizer = None
+        if self._gradient_link is not None:
+            self._gradient_link.close()
+            self._gradient_link = None
         super().teardown()

@@ -25,7 +25,6 @@ from lightning_sync.strategies._fault_tolerance import (
     FaultTolerantAverager,
     fault_tolerance_of,
     fault_tolerant_averager,
-    replica_group_shard,
     stop_at_healed_max_steps,
 )
 from lightning_sync.strategies._lightning import set_accumulate_grad_batches
@@ -118,6 +117,7 @@ class PeriodicSyncStrategy(AllReduceStrategy):
         super()._check_algorithm_knobs()
         self.averager: PeriodicAverager | None = self._parts.averager
         self.fault_tolerance = fault_tolerance_of(self.config.fault_tolerance, self.averager)
+        self._gradient_link = None  # the averager carries the sync across groups, not each step's gradients
 
     @property
     @override
@@ -265,12 +265,6 @@ class PeriodicSyncStrategy(AllReduceStrategy):
         named = named_replicated_state(self.lightning_module, self.optimizers, only=synced)
         named.update(self.averager.synced_global_copies())
         return named
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """With fault tolerance, this group's ranks read shard ``replica_group`` of ``num_replica_groups``."""
-        return replica_group_shard(super().distributed_sampler_kwargs, self.fault_tolerance)
 
     # ------------------------------------------------------------------ checkpoint
     @property
