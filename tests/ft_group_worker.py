@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -167,7 +168,9 @@ def train(argv: list[str], rank: int, ranks: int) -> None:
     print("done", flush=True)
 
 
-def lightning_group(lighthouse: str, group: int, groups: int, steps: int, out: str, mode: str = "diloco") -> None:
+def lightning_group(
+    lighthouse: str, group: int, groups: int, steps: int, out: str, mode: str = "diloco", ckpt: str = ""
+) -> None:
     """One replica group of one rank as a Lightning ``Trainer`` with ``PeriodicSyncStrategy(fault_tolerance=...)``:
     DiLoCo every 4 steps on a shared regression set (64 samples); saves the final parameters, the sample indices this
     group read and the ``ft/*`` metrics logged."""
@@ -207,11 +210,16 @@ def lightning_group(lighthouse: str, group: int, groups: int, steps: int, out: s
     else:
         strategy = PeriodicSyncStrategy(mode=mode, sync_every=4, fault_tolerance=ft)
     module = Regression()
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saving = [ModelCheckpoint(dirpath=ckpt, every_n_train_steps=16, save_top_k=-1)] if ckpt else []
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False,
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=bool(ckpt),
+        callbacks=saving,
         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
     )  # fmt: skip
-    trainer.fit(module, loader)
+    resume = [str(p) for p in sorted(Path(ckpt).glob("*step=16.ckpt"))] if ckpt and Path(ckpt).exists() else []
+    trainer.fit(module, loader, ckpt_path=resume[0] if resume else None)
     torch.save({"params": flat(module.net), "seen": module.seen, "metrics": module.metrics}, out)
     print("done", flush=True)
 

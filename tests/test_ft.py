@@ -417,6 +417,35 @@ def test_a_non_finite_contribution_is_never_committed_into_the_others(lighthouse
     assert all(bool(torch.isfinite(s["snapshots"][24]).all()) for s in states), "a NaN was committed at step 16"
 
 
+@torchft_missing
+@pytest.mark.dist
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("lighthouse", [1], indirect=True)
+def test_one_fault_tolerant_group_resumes_exactly_from_a_checkpoint(lighthouse, tmp_path):
+    """One replica group (DiLoCo every 4 steps): 32 steps (2 epochs) straight, against a run resumed from the
+    checkpoint at step 16: the same parameters, bit for bit (the averager's state is in the checkpoint)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["ft_group_worker", "lightning.pytorch", "lightning_sync.ft.replica"])
+
+    def run(out: Path, ckpt: str) -> dict:
+        proc = ctx.Process(target=run_lightning_group, args=([lighthouse, 0, 1, 32, str(out), "diloco", ckpt],
+                                                             str(out) + ".log"))  # fmt: skip
+        proc.start()
+        _wait([proc], 100)
+        assert proc.exitcode == 0, Path(str(out) + ".log").read_text()[-3000:]
+        return torch.load(out, weights_only=False)
+
+    straight = run(tmp_path / "straight.pt", str(tmp_path / "ckpt_straight"))
+    first = run(tmp_path / "first.pt", str(tmp_path / "ckpt"))  # writes step=16 (an epoch's end) and step=32
+    for extra in (tmp_path / "ckpt").glob("*step=32*"):
+        extra.unlink()
+    resumed = run(tmp_path / "resumed.pt", str(tmp_path / "ckpt"))
+    assert torch.equal(first["params"], straight["params"])
+    assert len(resumed["seen"]) == 64, "the resumed run trained the second epoch: 16 steps of 4 samples"
+    diff = float((resumed["params"] - straight["params"]).abs().max())
+    assert torch.equal(resumed["params"], straight["params"]), f"max |resumed - straight| = {diff:.3g}"
+
+
 # ------------------------------------------------------------------------------------------------ the Hydra app
 def _compose(*overrides: str):
     from hydra import compose, initialize_config_dir
