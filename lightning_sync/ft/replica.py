@@ -87,10 +87,11 @@ class ReplicaGroupLink:
         if group_rank == 0:
             check_lighthouse(config)
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if group_rank == 0 else None
-        port = [self._store.port if self._store is not None else 0]
-        if group_world_size > 1:
-            dist.broadcast_object_list(port, src=dist.get_global_rank(intra_group, 0) if intra_group else 0,
-                                       group=intra_group)  # fmt: skip
+        address: list[Any] = [host, self._store.port if self._store is not None else 0]
+        if group_world_size > 1:  # the group's store lives on its rank 0: every rank takes rank 0's host and port
+            source = dist.get_global_rank(intra_group, 0) if intra_group is not None else 0
+            dist.broadcast_object_list(address, src=source, group=intra_group)
+        store_host, port = str(address[0]), int(address[1])
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeouts.collective),
             load_state_dict=None,
@@ -102,8 +103,8 @@ class ReplicaGroupLink:
             connect_timeout=timeouts.connect,
             rank=group_rank,
             world_size=group_world_size,
-            store_addr=host,
-            store_port=int(port[0]),
+            store_addr=store_host,
+            store_port=port,
             lighthouse_addr=lighthouse_url(config.lighthouse),
             replica_id=config.replica_id,
             hostname=host,
