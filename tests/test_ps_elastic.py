@@ -170,6 +170,73 @@ def test_the_end_counts_the_live_workers(procs, withdraw):  # noqa: F811
     assert "stats" in procs.ok(["server"], timeout=10)["server"]
 
 
+def _survivor(rank: int, port: int, hit_at: Any, joined: Any) -> dict:
+    """Worker ``rank`` of 3 pushes until ``joined`` and 2 s more (worker 2 kills itself at push ``FREEZE_AT``)."""
+    store = ps.connect_store(HOST, port, is_host=rank == 0, timeout_s=30)
+    group = ps.PSGroup(store, rank, 3, 1, 10.0, connect_timeout_s=30)
+    model, opt, client = _started_sgd_worker(group, rank, mode="ssp", max_staleness=2)
+    for step in range(5000):
+        if rank == 2 and step == FREEZE_AT:
+            hit_at.value = time.monotonic()
+            os.kill(os.getpid(), signal.SIGKILL)
+        _backward(model, rank, step)
+        client.push(ps.current_lrs(opt))
+        if joined.value and time.monotonic() > joined.value + 2.0:
+            break
+        time.sleep(0.01)
+    client.request_stop()
+    lost = ps.lost_workers_at_end(client, 15.0)
+    stats = client.server_stats()[0]
+    client.close()
+    return {"lost": lost, "stats": stats}
+
+
+def _rejoiner(port: int, joined: Any) -> dict:
+    """Worker 2 again, restarted: a new member of rank 2 (``rejoin=True``) pulls the servers' parameters and its
+    clock, then pushes until the stop."""
+    store = ps.connect_store(HOST, port, is_host=False, timeout_s=30)
+    group = ps.PSGroup(store, 2, 3, 1, 10.0, connect_timeout_s=30, rejoin=True)
+    model, opt, client = _started_sgd_worker(group, 2, mode="ssp", max_staleness=2)  # rank 2: no init, a pull
+    at_join = client.last_reply
+    joined.value = time.monotonic()
+    applied = 0
+    for step in range(5000):
+        _backward(model, 2, step)
+        reply = client.push(ps.current_lrs(opt))
+        applied += int(reply.applied)
+        if reply.stop:
+            break
+        time.sleep(0.01)
+    client.close()
+    return {"generation": group.generation, "clock_at_join": at_join.clocks[0], "applied": applied}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(90)
+def test_a_killed_worker_restarted_with_rejoin_is_served_again(procs):  # noqa: F811
+    """ssp, 3 workers: worker 2 is killed at its 5th push and dropped; a new process of rank 2 joins with
+    ``rejoin=True``: it starts from the servers' parameters with its clock raised to the slowest live worker's, its
+    pushes are applied again, the others are not held back by it, the server's stats count the join, and at the end
+    no worker counts as lost."""
+    port = _free_port()
+    hit_at, joined = procs.ctx.Value("d", 0.0), procs.ctx.Value("d", 0.0)
+    procs.start("server", _server_process, port, 0, 3, 1, 10.0)
+    for rank in range(3):
+        procs.start(f"worker{rank}", _survivor, rank, port, hit_at, joined)
+    deadline = time.monotonic() + 60
+    while not hit_at.value and time.monotonic() < deadline:
+        time.sleep(0.05)
+    procs.start("rejoiner", _rejoiner, port, joined)
+    out = procs.ok(["worker0", "worker1", "rejoiner"], timeout=70)
+    stats, again = out["worker0"]["stats"], out["rejoiner"]
+    assert stats["joins"] == {2: 1} and stats["lost"] == [], stats
+    assert again["generation"] == 1 and again["applied"] >= 10, again
+    assert again["clock_at_join"] > FREEZE_AT, again  # raised to the slowest live worker's: ssp does not wait on it
+    assert stats["clocks"][2] >= again["clock_at_join"] + again["applied"] - 1, (stats, again)
+    assert out["worker0"]["lost"] == {} and out["worker1"]["lost"] == {}, out
+    assert "stats" in procs.ok(["server"], timeout=10)["server"]
+
+
 # ---------------------------------------------------------------------------------------------------------- the app
 TIMEOUT_S = 15.0  # also the rendezvous timeout: a rank must import torch and Lightning within it when loaded
 

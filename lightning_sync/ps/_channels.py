@@ -48,19 +48,23 @@ class WorkerChannels:
     def start(self) -> None:
         """Starts one receiving thread per worker (each first connects its link to that worker)."""
         for worker in range(self.group.num_workers):
-            name = f"lightning_sync-ps-server{self.server}-recv{worker}"
-            threading.Thread(target=self._receive_from, args=(worker,), name=name, daemon=True).start()
+            self.listen(worker, 0)
 
-    def next(self, timeout_s: float) -> tuple[int, Request | None, torch.Tensor | None, BaseException | None]:
-        """The next complete request of any worker, as ``(worker, request, data, None)``, or ``(worker, None, None,
-        error)`` once that worker's receiving failed.
+    def listen(self, worker: int, generation: int) -> None:
+        """Starts the receiving thread of ``worker``'s links of ``generation`` (0 at the start, more for a rejoin)."""
+        name = f"lightning_sync-ps-server{self.server}-recv{worker}-g{generation}"
+        threading.Thread(target=self._receive_from, args=(worker, generation), name=name, daemon=True).start()
+
+    def next(self, timeout_s: float) -> tuple[int, int, Request | None, torch.Tensor | None, BaseException | None]:
+        """The next complete request of any worker, as ``(worker, generation, request, data, None)``, or ``(worker,
+        generation, None, None, error)`` once that worker's receiving failed.
 
         Raises:
             queue.Empty: nothing arrived within ``timeout_s``.
         """
         return self._inbox.get(timeout=timeout_s)
 
-    def _receive_from(self, worker: int) -> None:
+    def _receive_from(self, worker: int, generation: int) -> None:
         """Receiving thread of ``worker``: its requests, each complete (header and data), into the inbox, until its
         goodbye or an error.
 
@@ -71,7 +75,7 @@ class WorkerChannels:
         """
         backstop = max(self.group.connect_timeout_s, self.group.timeout_s) + 2 * self.group.timeout_s
         try:
-            self.group.connect(worker)
+            self.group.connect(worker, generation)
             while True:
                 header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
                 self.group.receive(header, worker, TAG_REQUEST, "a request", timeout_s=backstop)
@@ -80,11 +84,11 @@ class WorkerChannels:
                     payload = torch.empty(request.payload_nbytes, dtype=torch.uint8)
                     what = f"the data of its {request.kind.name} request"
                     self.group.receive(payload, worker, TAG_REQUEST_DATA, what, timeout_s=backstop)
-                self._inbox.put((worker, request, payload, None))
+                self._inbox.put((worker, generation, request, payload, None))
                 if request.kind == Kind.BYE:
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the loop, which raises it
-            self._inbox.put((worker, None, None, exc))
+            self._inbox.put((worker, generation, None, None, exc))
 
     def send(self, replies: list[Reply]) -> None:
         """Launches the replies without waiting for them to be taken.

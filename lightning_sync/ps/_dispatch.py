@@ -9,8 +9,6 @@ describes with the modes and the stop.
 
 from __future__ import annotations
 
-import math
-import sys
 from typing import Any
 
 import torch
@@ -79,7 +77,10 @@ class RequestDispatch:
         self.lost: dict[int, str] = {}  # elastic modes: the workers dropped, and why
         self.seen_stop: set[int] = set()  # the workers sent a reply that carries the stop
         self.max_updates: int | None = None  # the config's, less the lost workers' withdrawn shares
-        self._withdrawn = 0.0
+        self._withdrawn: dict[int, float] = {}  # worker -> its share of max_updates withdrawn while it is lost
+        self.joins: dict[int, int] = {}  # worker -> how many times it rejoined
+        self.generation = [0] * self.num_workers  # per worker, the generation of its links (0, +1 per rejoin)
+        self._joins_checked = 0.0
         self.channels = WorkerChannels(group, self.server)
 
     # ---------------------------------------------------------------- public
@@ -91,34 +92,6 @@ class RequestDispatch:
     def elastic(self) -> bool:
         """Whether a lost worker is dropped (the run goes on) rather than ending the run: known from the INIT on."""
         return self.config is not None and self.config.drops_lost_workers
-
-    def drop(self, worker: int, why: str) -> None:
-        """Drops lost ``worker`` (elastic modes): it no longer counts as live (ssp's slowest worker, a sync round),
-        its unanswered requests are forgotten, and with ``withdraw_lost_share`` its unused share of ``max_updates``
-        is withdrawn. Said on stderr."""
-        if not self.live[worker]:
-            return
-        self.live[worker] = False
-        self.lost[worker] = why
-        self.pending.pop(worker, None)
-        self.withheld.discard(worker)
-        self.deferred_pulls.pop(worker, None)
-        self.channels.forget(worker)
-        config, shard = self.config, self.shard
-        if config is not None and shard is not None and config.withdraw_lost_share and config.max_updates:
-            share = config.max_updates / self.num_workers
-            self._withdrawn += max(share - shard.clocks[worker], 0.0)
-            self.max_updates = max(math.ceil(config.max_updates - self._withdrawn - 1e-9), 1)
-        live = sum(self.live)
-        print(
-            f"warning: lightning_sync.ps {self.group.name()} dropped {self.group.name(worker)}: {why}; it goes on "
-            f"with the {live} live worker(s)",
-            file=sys.stderr,
-            flush=True,
-        )
-        if self.shard is not None:
-            self._check_max_updates()
-        self._after_change()
 
     def stats(self) -> dict[str, Any]:
         """What a STATS request returns: the shard's clocks and staleness, stop state and this server's traffic."""
@@ -134,6 +107,7 @@ class RequestDispatch:
             "lost": sorted(self.lost),
             "lost_reasons": {w: why for w, why in sorted(self.lost.items())},
             "seen_stop": sorted(self.seen_stop),
+            "joins": dict(sorted(self.joins.items())),
             "max_updates": self.max_updates,
             "rejected_pushes": self.rejected_pushes,
             "skipped_updates": self.skipped_updates,

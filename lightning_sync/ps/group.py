@@ -100,6 +100,9 @@ class PSGroup:
             60)``.
         prefix: store prefix of the group; distinct groups on one store need distinct prefixes.
         meter: meter of this member's traffic; a new one if ``None``.
+        rejoin: (a worker) this member takes the place of a lost worker of the same rank in a running group: its
+            links are new ones (the next generation of that rank's links, see :meth:`join_generation`), which each
+            server connects once it has dropped the lost one.
 
     Raises:
         ValueError: an argument is out of range.
@@ -117,6 +120,7 @@ class PSGroup:
         connect_timeout_s: float | None = None,
         prefix: str = DEFAULT_PREFIX,
         meter: CommMeter | None = None,
+        rejoin: bool = False,
     ) -> None:
         for name, value in (("num_workers", num_workers), ("num_servers", num_servers)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -142,12 +146,17 @@ class PSGroup:
         self._links: dict[int, Any] = {}  # peer ps rank -> the two-member gloo group of this member and that peer
         self._dropped: list[Any] = []  # links of peers dropped while an operation may still wait on them
         self._closed = False
+        self._joins = dist.PrefixStore(prefix + "/joins", store)
+        self.generation = 0  # (a worker) which generation of this rank's links it holds: 0, +1 per rejoin
+        if rejoin and not self.is_server:
+            self.generation = int(self._joins.add(f"w{ps_rank}", 1))
         if not self.is_server:
             for server in range(num_servers):
-                self.connect(self.server_rank(server))
+                self.connect(self.server_rank(server), self.generation)
 
-    def connect(self, peer: int) -> None:
+    def connect(self, peer: int, generation: int = 0) -> None:
         """Builds the link to ``peer`` (a server of a worker, a worker of a server); returns once both ends joined.
+        ``generation``: which of the worker's links (0, then one more per rejoin of its rank).
 
         Raises:
             ValueError: ``peer`` is not on the other side (a worker links to servers only, a server to workers).
@@ -156,7 +165,8 @@ class PSGroup:
         if (peer >= self.num_workers) == self.is_server or not 0 <= peer < self.world_size:
             raise ValueError(f"{self.name()} cannot link to {self.name(peer)}: links join a worker and a server")
         worker, server = (peer, self.ps_rank) if self.is_server else (self.ps_rank, peer)
-        store = dist.PrefixStore(f"{self.prefix}/gloo/w{worker}/s{server - self.num_workers}", self._store)
+        name = f"{self.prefix}/gloo/w{worker}/s{server - self.num_workers}" + (f"/g{generation}" if generation else "")
+        store = dist.PrefixStore(name, self._store)
         try:
             pg = dist.ProcessGroupGloo(store, int(self.is_server), 2, _seconds(self.connect_timeout_s))
         except RuntimeError as exc:
@@ -168,6 +178,17 @@ class PSGroup:
             pg.shutdown()
             raise PSError(f"{self.name()} has left the PS group (closed)")
         self._links[peer] = pg
+
+    def join_generation(self, worker: int) -> int:
+        """How many times a worker of rank ``worker`` has rejoined (``rejoin=True``) so far: the generation of its
+        newest links (best effort: ``0`` once the store is gone)."""
+        if self._store_lost:
+            return 0
+        try:
+            return int(self._joins.add(f"w{worker}", 0))
+        except Exception:  # noqa: BLE001 - the store may be gone with its host
+            self._store_lost = True
+            return 0
 
     def drop(self, peer: int) -> None:
         """Forgets the link to ``peer`` (a lost worker): never used again, and not shut down, since a receive of it

@@ -37,7 +37,10 @@ closes. What follows depends on the mode:
   round are over the live workers, and with ``withdraw_lost_share`` its unused share of ``max_updates`` is
   withdrawn. Each worker has a link of its own to each server (:mod:`lightning_sync.ps.group`), so no other worker
   sees an error. The server's ``stats`` lists the lost workers and why. Only if every worker
-  is lost does the loop fail.
+  is lost does the loop fail. A dropped worker's rank may come back: a new member of that rank built with
+  ``PSGroup(..., rejoin=True)`` takes the next generation of its links, which the server connects (it looks every
+  :data:`JOIN_POLL_S` while a worker is dropped); at its first request the worker is live again, its clock raised
+  to the slowest live worker's, its withdrawn share given back, and ``stats["joins"]`` counts it.
 * ``sync`` otherwise: the loop raises an error naming it, leaves the message in the store for the peers, and
   returns control (a dedicated process exits with code 1). A sync step needs every worker; a run that would go on
   without one must say so (``elastic``).
@@ -48,7 +51,10 @@ parameters). :mod:`~lightning_sync.ps.liveness` keeps that bookkeeping.
 
 from __future__ import annotations
 
+import math
 import queue
+import sys
+import time
 from typing import Any
 
 import torch
@@ -57,6 +63,9 @@ from lightning_sync.ps._dispatch import RequestDispatch, _Refused
 from lightning_sync.ps._protocol import Request
 from lightning_sync.ps.errors import PSPeerLostError
 from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, connect_store, server_ps_rank
+
+#: Seconds between two looks, while a worker is dropped, at whether it rejoined.
+JOIN_POLL_S = 0.25
 
 
 class ParameterServer(RequestDispatch):
@@ -105,22 +114,86 @@ class ParameterServer(RequestDispatch):
             raise
         return self.stats()
 
+    # ---------------------------------------------------------------- membership (the elastic modes)
+    def drop(self, worker: int, why: str) -> None:
+        """Drops lost ``worker`` (elastic modes): it no longer counts as live (ssp's slowest worker, a sync round),
+        its unanswered requests are forgotten, and with ``withdraw_lost_share`` its unused share of ``max_updates``
+        is withdrawn. Said on stderr."""
+        if not self.live[worker]:
+            return
+        self.live[worker] = False
+        self.lost[worker] = why
+        self.pending.pop(worker, None)
+        self.withheld.discard(worker)
+        self.deferred_pulls.pop(worker, None)
+        self.channels.forget(worker)
+        config, shard = self.config, self.shard
+        if config is not None and shard is not None and config.withdraw_lost_share and config.max_updates:
+            self._withdrawn[worker] = max(config.max_updates / self.num_workers - shard.clocks[worker], 0.0)
+            self._update_max_updates()
+        live = sum(self.live)
+        print(
+            f"warning: lightning_sync.ps {self.group.name()} dropped {self.group.name(worker)}: {why}; it goes on "
+            f"with the {live} live worker(s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        if self.shard is not None:
+            self._check_max_updates()
+        self._after_change()
+
+    def rejoin(self, worker: int) -> None:
+        """Takes dropped ``worker`` back (its rank restarted, on new links): live again, its clock raised to the
+        slowest live worker's (so ssp does not hold the others back for it), and its share of ``max_updates`` given
+        back. Said on stderr."""
+        self.live[worker] = True
+        self.lost.pop(worker, None)
+        self.seen_stop.discard(worker)
+        self.joins[worker] = self.joins.get(worker, 0) + 1
+        self.liveness.heard(worker)
+        if self.shard is not None:
+            others = [self.shard.clocks[w] for w in range(self.num_workers) if self.live[w] and w != worker]
+            if others:
+                self.shard.clocks[worker] = max(self.shard.clocks[worker], min(others))
+        if self._withdrawn.pop(worker, None) is not None:
+            self._update_max_updates()
+        print(
+            f"warning: lightning_sync.ps {self.group.name()}: {self.group.name(worker)} rejoined (join "
+            f"{self.joins[worker]}); it serves {sum(self.live)} live worker(s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _update_max_updates(self) -> None:
+        assert self.config is not None and self.config.max_updates is not None
+        withdrawn = sum(self._withdrawn.values())
+        self.max_updates = max(math.ceil(self.config.max_updates - withdrawn - 1e-9), 1)
+
     # ---------------------------------------------------------------- receiving
     def _next_request(self) -> tuple[int, Request, torch.Tensor | None] | None:
         """The next complete request of a live worker; ``None`` once a worker was dropped meanwhile (elastic modes:
         a lost worker is dropped, see the module docstring); otherwise raises once a worker is lost."""
         while True:
             initialized, held = self.shard is not None, self._waiting_on_us()
+            patience = self.liveness.patience(initialized, held)
             try:
-                worker, request, payload, error = self.channels.next(self.liveness.patience(initialized, held))
+                worker, generation, request, payload, error = self.channels.next(
+                    min(patience, JOIN_POLL_S) if self.lost else patience
+                )
             except queue.Empty:
                 if self._check_silent_workers():
                     return None
+                self._watch_joins()
                 if self.liveness.waited() >= self.liveness.bound(initialized):
                     raise self.liveness.silence_error(held, self._waiting_for()) from None
                 continue
+            self._watch_joins()
+            if generation != self.generation[worker]:
+                continue  # a request or error of an earlier generation of a rejoined worker's links
             if not self.live[worker] and worker in self.lost:
-                continue  # a dropped worker's late request or error: it is no longer served
+                if error is not None or request is None or generation == 0:
+                    continue  # a dropped worker's late request or error: it is no longer served
+                self.rejoin(worker)  # the first request on the new links of a worker that rejoined
             if error is not None:
                 if self.elastic and self.live[worker]:
                     self.drop(worker, f"{type(error).__name__}: {error}")
@@ -139,6 +212,19 @@ class ParameterServer(RequestDispatch):
         if self.config is not None and self.config.mode == "sync" and not self.stopped:
             return f"waiting for gradients of version {self.shard.version}"
         return "waiting for requests"
+
+    def _watch_joins(self) -> None:
+        """Listens on the new links of each dropped worker that rejoined since (asked at most every
+        :data:`JOIN_POLL_S`)."""
+        now = time.monotonic()
+        if not self.lost or now - self._joins_checked < JOIN_POLL_S:
+            return
+        self._joins_checked = now
+        for worker in sorted(self.lost):
+            generation = self.group.join_generation(worker)
+            if generation > self.generation[worker]:
+                self.generation[worker] = generation
+                self.channels.listen(worker, generation)
 
     def _check_silent_workers(self) -> bool:
         """Drops (elastic modes) or raises for (the others) a live worker silent for ``timeout_s``; whether one was
