@@ -258,11 +258,11 @@ def test_killing_an_async_worker_leaves_the_job_to_finish_on_the_others(tmp_path
         "strategy.mode=async",
         f"strategy.timeout_s={TIMEOUT_S}",
         "trainer.devices=3",
-        "trainer.max_epochs=12",
+        "trainer.max_epochs=20",
         "+logger.csv.flush_logs_every_n_steps=5",  # metrics.csv early: the hit comes a third into the run
         "test=true",
     ]
-    outcome = run_and_hit(overrides, run_dir, "rank2", signal.SIGKILL, wait_s=allowed_s(120, 60.0), after_s=2.0)
+    outcome = run_and_hit(overrides, run_dir, "rank2", signal.SIGKILL, wait_s=allowed_s(120, 60.0), after_s=1.2)
     print(f"async worker 2 SIGKILL: exit code {outcome.returncode} after {outcome.seconds:.1f} s")
     assert outcome.returncode == 0, outcome.stderr[-4000:]
     assert "rank 2 (local) was lost" in outcome.stderr, outcome.stderr[-4000:]
@@ -270,11 +270,13 @@ def test_killing_an_async_worker_leaves_the_job_to_finish_on_the_others(tmp_path
     summary = _summary(run_dir)
     assert list(summary.get("lost_workers", {})) == ["2"], summary
     assert "closed its connection" in summary["lost_workers"]["2"], summary
+    assert summary["world_size"] == 3, summary  # the job's ranks, not the one each survivor is left with
     assert summary["test"]["test/acc"] > 0.5, summary  # the survivors trained (and rank 0 tested alone)
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     state = torch.load(run_dir / "checkpoints" / "last.ckpt.rank0.pt", weights_only=False, map_location="cpu")
     clocks = state["servers"][0]["clocks"]  # rank 0 kept the servers' state after the loss
-    assert clocks[2] < clocks[0] and clocks[2] < clocks[1], clocks
+    print(f"pushes applied per worker: {clocks}")
+    assert 0 < clocks[2] < 0.7 * min(clocks[0], clocks[1]), clocks  # worker 2 was lost early in the run
     assert not outcome.left, f"orphans: {outcome.left}"
 
 

@@ -81,8 +81,9 @@ class SyncReport(pl.Callback):
         if synchronizer is not None:
             self.summary["launch_point"] = synchronizer.launch_point
         lost = getattr(trainer.strategy, "lost_workers", None)
-        if lost:  # the elastic ps modes: the ranks the servers dropped, and why
+        if lost:  # the elastic ps modes: the ranks the servers dropped, and why (each survivor is now alone)
             self.summary["lost_workers"] = {str(worker): why for worker, why in lost.items()}
+            self.summary["world_size"] = trainer.num_nodes * trainer.num_devices
         meter = getattr(trainer.strategy, "meter", None)
         if meter is not None and self._comm_at_start is not None:
             # training only (setup broadcasts are not a step's), and across resumes, as global_step is
