@@ -897,14 +897,23 @@ def _parent_of_servers(port: int, pids: Any) -> None:
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_dedicated_server_processes_die_with_their_parent(procs):
+@pytest.mark.parametrize("frozen", [False, True], ids=["running", "frozen"])
+def test_dedicated_server_processes_die_with_their_parent(procs, frozen):
+    """A running server sees its parent's closed connection; a frozen one (SIGSTOP) sees nothing, and would hold
+    the job's stderr open forever after its parent was killed (e.g. by Lightning's child observer)."""
     port = _free_port()
     pids = procs.ctx.Queue()
     parent = procs.start("parent", _parent_of_servers, port, pids)
     server_pids = pids.get(timeout=45)
     assert all(_alive(pid) for pid in server_pids)
+    if frozen:
+        for pid in server_pids:
+            os.kill(pid, signal.SIGSTOP)
     os.kill(parent.pid, signal.SIGKILL)
     deadline = time.monotonic() + 5
     while any(_alive(pid) for pid in server_pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(_alive(pid) for pid in server_pids), "a server outlived its parent"
+    left = [pid for pid in server_pids if _alive(pid)]
+    for pid in left:  # never leave a frozen server behind, even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "a server outlived its parent"

@@ -9,7 +9,8 @@ Dedicated (:func:`start_server_processes`, called on worker 0 after it hosts the
     servers.wait(timeout_s=30)   # exit codes, 0 each; servers.stop() kills them if they do not
 
 Each server is a fresh interpreter, ``python -m lightning_sync.ps`` (:mod:`lightning_sync.ps.__main__`; nothing of
-the worker is inherited). It exits when its parent's connection closes (a killed parent included), on Ctrl-C and
+the worker is inherited). It exits when its parent's connection closes (a killed parent included), when the thread
+that started it ends (the kernel's parent-death signal, SIGKILL: a frozen server included), on Ctrl-C and
 SIGTERM at once, and by itself when no worker talks to it for ``timeout_s``. An ``atexit`` hook of the parent stops
 the ones still running.
 
@@ -21,6 +22,7 @@ after the last goodbye and raises (kept in :attr:`ColocatedServer.error`) after 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import signal
 import subprocess
@@ -34,6 +36,30 @@ from typing import Any
 from lightning_sync.ps.errors import PSError, PSTimeoutError
 from lightning_sync.ps.group import DEFAULT_PREFIX
 from lightning_sync.ps.server import run_server
+
+
+def _death_with_parent() -> Any:
+    """What a server process runs before ``exec`` so that it dies with the thread that started it, or ``None`` where
+    the kernel has no parent-death signal (only Linux has ``prctl(PR_SET_PDEATHSIG)``).
+
+    Handles a frozen server (SIGSTOP, or a debugger) whose parent is killed: it cannot see the closed connection that
+    ends a running server, and would stay stopped, holding the job's stderr open, for ever. SIGKILL ends a stopped
+    process too. A parent that died before the child set the signal is caught by comparing the parent's pid.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def set_signal() -> None:  # in the child, between fork and exec: async-signal-safe calls only
+        prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return set_signal
 
 
 def _check_counts(num_workers: int, num_servers: int) -> None:
@@ -186,7 +212,7 @@ def start_server_processes(
         ]  # fmt: skip
         if connect_timeout_s is not None:
             command += ["--connect-timeout-s", repr(float(connect_timeout_s))]
-        processes.append(subprocess.Popen(command, env=environ))
+        processes.append(subprocess.Popen(command, env=environ, preexec_fn=_death_with_parent()))  # noqa: PLW1509
     handle = ServerProcesses(processes)
     reference = weakref.ref(handle)
 
