@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_sync._proc import parent_pid
+from lightning_sync._proc import stat_fields
 
 HAS_PROC = Path("/proc/self/cmdline").exists()
 
@@ -50,6 +50,12 @@ def _cmdlines() -> dict[int, str]:
     return out
 
 
+def _parent_and_session(pid: int) -> tuple[int, ...]:
+    """The parent pid and the session id of ``pid`` (the job runs in a session of its own: see _start_training)."""
+    fields = stat_fields(pid)
+    return () if fields is None else (int(fields[1]), int(fields[3]))
+
+
 def job_processes(run_dir: Path, main_pid: int) -> dict[str, int]:
     """``{"rank0": pid, "rank1": pid, "server0": pid}`` of a job (``"rank2"`` ... with more ranks; whichever of them
     exist now)."""
@@ -58,8 +64,8 @@ def job_processes(run_dir: Path, main_pid: int) -> dict[str, int]:
         if f"hydra.run.dir={run_dir}" in cmd and "lightning_sync.train" in cmd:
             child = re.search(r"hydra\.job\.name=\S*_rank(\d+)", cmd)  # a popen child runs its rank's job name
             found["rank0" if pid == main_pid else f"rank{child.group(1) if child else 1}"] = pid
-        elif "lightning_sync.ps" in cmd and "--server 0" in cmd and parent_pid(pid) == main_pid:
-            found["server0"] = pid
+        elif "lightning_sync.ps" in cmd and "--server 0" in cmd and main_pid in _parent_and_session(pid):
+            found["server0"] = pid  # by its session too: a server whose parent died is an orphan of this job
     return found
 
 
