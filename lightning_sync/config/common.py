@@ -1,0 +1,157 @@
+"""What every strategy's config has (:class:`StrategyConfig`), and the knob sets several share: the compressors'
+(:class:`CompressionKnobs`) and the bucketed gradient all-reduce's (:class:`GradientSyncKnobs`)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+from lightning_sync.config.knobs import knob
+from lightning_sync.errors import check_choice, check_range
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+ON_MISMATCH = ("raise", "warn", "resync")
+
+_C = TypeVar("_C", bound="StrategyConfig")
+
+
+@dataclass
+class StrategyConfig:
+    """Knobs every lightning_sync strategy has."""
+
+    start_method: str = knob(
+        "popen",
+        """How Lightning starts the ranks: ``popen`` re-runs the command (Hydra-aware), ``spawn``/``forkserver`` start
+        fresh interpreters, ``fork`` copies this process (each child is pinned to one OpenMP thread to avoid the libgomp
+        fork deadlock).""",
+    )
+    timeout_s: float = knob(
+        600.0,
+        "Seconds any collective may wait before the process group gives up (no wait is unbounded).",
+    )
+    check_consistency_every: int = knob(
+        0,
+        """Every this many optimizer steps, check that all replicas hold identical parameters, buffers and the optimizer
+        state the mode keeps replicated (``periodic`` local steps: what was just synced; 0: never). A mismatch names
+        the tensors, the ranks that differ from rank 0 and the largest difference.""",
+    )
+    on_mismatch: str = knob(
+        "raise",
+        """What a failed replica check does: ``raise`` a ``ReplicaMismatchError``; ``warn``: log a warning on rank 0
+        and go on; ``resync``: make the tensors that differ identical again (rank 0's values; ``ps``: the parameters
+        are pulled from the servers) and log what was fixed.""",
+    )
+    skip_nonfinite: bool = knob(
+        True,
+        """Skip an optimizer step whose synced gradients hold a NaN or Inf, on every rank together (the decision is
+        taken on the all-reduced gradients, identical on all ranks, so it costs no extra collective); logged as
+        ``sync/skipped_steps``. With AMP's GradScaler the scaler skips and lowers its scale, and the step is counted.
+        ``periodic`` local steps skip on the rank alone. ``ps``: such a worker pushes no gradient, and the servers skip
+        the step for every worker in ``sync``, that worker's push in ``async``/``ssp``.""",
+    )
+    freeze_gc: bool = knob(
+        True,
+        """When training starts, exempt every object alive then from later garbage collections (``gc.freeze``, free;
+        undone at teardown), so that a full collection over the start-up heap does not stall a random
+        rank, and every rank waiting for it, in the middle of training.""",
+    )
+
+    def __post_init__(self) -> None:
+        check_choice("start_method", self.start_method, START_METHODS)
+        check_range("timeout_s", self.timeout_s, low=0, low_open=True)
+        check_range("check_consistency_every", self.check_consistency_every, low=0, integer=True)
+        check_choice("on_mismatch", self.on_mismatch, ON_MISMATCH)
+
+    @classmethod
+    def from_arguments(cls: type[_C], arguments: Mapping[str, Any]) -> _C:
+        """The validated config whose every field is the entry of that name in ``arguments`` (a strategy
+        constructor's ``locals()``; other entries are ignored).
+
+        Raises:
+            ConfigError: a bad value.
+            TypeError: ``arguments`` lacks a field (a constructor whose signature misses a knob).
+        """
+        missing = [f.name for f in fields(cls) if f.name not in arguments]
+        if missing:
+            raise TypeError(f"{cls.__name__} needs the arguments {', '.join(missing)}")
+        return cls(**{f.name: arguments[f.name] for f in fields(cls)})
+
+    def knobs(self) -> dict[str, Any]:
+        """Every field and its value (a shallow copy, unlike :func:`dataclasses.asdict`), e.g. as keyword arguments of
+        the strategy this config is for."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def arguments_for(self, component: Callable[..., Any]) -> dict[str, Any]:
+        """The knobs that ``component`` (e.g. a comm class) takes as keyword arguments of the same name."""
+        return {name: getattr(self, name) for name in inspect.signature(component).parameters if hasattr(self, name)}
+
+
+@dataclass
+class CompressionKnobs:
+    """Settings of the gradient compressors (:mod:`lightning_sync.comm.compression`)."""
+
+    topk_density: float = knob(
+        0.01,
+        "``topk``: share of entries sent each step, in (0, 1]; the rest waits in the error-feedback residual.",
+    )
+    error_feedback: bool = knob(
+        True,
+        "``topk``/``powersgd``: add what compression left out last time to this step's gradient.",
+    )
+    powersgd_rank: int = knob(
+        4,
+        "``powersgd``: rank r of the low-rank factors; an n x m matrix sends r(n + m) values.",
+    )
+    powersgd_start_iter: int = knob(
+        10,
+        "``powersgd``: optimizer steps sent uncompressed before compression starts (let training settle first).",
+    )
+    powersgd_warm_start: bool = knob(
+        True,
+        "``powersgd``: reuse last step's Q factor as the starting point of the power iteration.",
+    )
+
+    def compressor_options(self) -> dict[str, Any]:
+        """These settings as keyword arguments of :func:`lightning_sync.comm.compression.build_compressor`."""
+        return {f.name: getattr(self, f.name) for f in fields(CompressionKnobs)}
+
+
+@dataclass
+class GradientSyncKnobs(CompressionKnobs):
+    """Settings of the hand-written gradient all-reduce (:class:`lightning_sync.comm.bucketing.GradientSynchronizer`)."""
+
+    compression: str = knob("none", """Gradient compressor: ``none``, ``fp16``, ``bf16``, ``topk`` or ``powersgd``.""")
+    bucketing: str = knob(
+        "auto",
+        """``auto``: the ``overlap`` buckets, launched during backward or right after it, whichever the first sync
+        rounds measure faster where it runs (all ranks agree); ``overlap``: buckets launched during backward as their
+        last gradient lands; ``flat``: the same buckets, launched right after backward; ``naive``: the textbook
+        per-parameter all-reduce loop (kept for comparison). ``auto``, ``overlap`` and ``flat`` send the same buckets, so
+        they end with the same bits on any number of ranks.""",
+    )
+    bucket_cap_mb: float = knob(
+        4.0,
+        """Bucket size in MiB. Smaller than DDP's 25, so that a model of a few tens of MB fills several buckets
+        and the later ones do not all wait for the end of backward (the benchmark's ``allreduce_overlap`` case).
+        Every launch point sends these buckets (``flat`` too).""",
+    )
+    first_bucket_mb: float = knob(
+        1.0,
+        """Size of the first bucket in MiB, small so that communication starts early in backward (``overlap``,
+        ``auto``; ``flat`` uses the same buckets).""",
+    )
+    find_unused_parameters: bool = knob(
+        False,
+        """All-reduce a used-mask each step so that a parameter no rank used keeps ``grad=None`` (as DDP); without it
+        such a parameter gets a zero gradient. Parameters unused on some ranks never hang either way.""",
+    )
+    gradient_as_bucket_view: bool = knob(
+        True,
+        """After the sync, each ``.grad`` is a view into its bucket (no copy back); the next step's sync overwrites it.
+        Before a sync round's backward, a gradient that ``zero_grad`` set to ``None`` gets its zeroed slot, so backward
+        accumulates straight into the bucket. Buckets launched during backward are then averaged in place: read
+        gradients in ``on_before_optimizer_step`` (synced), not ``on_after_backward`` (in flight); ``False`` keeps
+        local gradients until the sync and copies the averages back.""",
+    )

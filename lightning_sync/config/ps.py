@@ -1,0 +1,106 @@
+"""The config of the parameter server strategy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_sync.config.common import StrategyConfig
+from lightning_sync.config.knobs import knob
+from lightning_sync.errors import ConfigError, check_choice, check_range
+
+PS_MODES = ("sync", "async", "ssp")
+PS_PLACEMENTS = ("dedicated", "colocated")
+
+
+@dataclass
+class ParameterServerConfig(StrategyConfig):
+    """The ``ps`` strategy: workers push gradients to parameter servers, which step and send parameters back."""
+
+    mode: str = knob(
+        "sync",
+        """``sync``: every step, each server averages one gradient from every worker, steps once, and every worker pulls
+        (= DDP with plain SGD); ``async``: each push is applied as it arrives and its worker gets the result at once;
+        ``ssp``: as async, but no worker runs more than ``max_staleness`` steps ahead of the slowest.""",
+    )
+    max_staleness: int = knob(2, """``ssp``: how many steps the fastest worker may lead the slowest (0: lockstep).""")
+    num_servers: int = knob(
+        1,
+        "Servers the parameters are sharded over, balanced by bytes (whole tensors per server).",
+    )
+    placement: str = knob(
+        "dedicated",
+        """``dedicated``: the strategy starts ``num_servers`` server processes on node 0, watches them and stops them;
+        ``colocated``: each of the first ``num_servers`` worker ranks also runs one server, in a thread.""",
+    )
+    compression: str = knob(
+        "none",
+        """How pushed gradients travel: ``none``, ``fp16``, ``bf16`` or ``topk`` (with ``topk_density`` and
+        ``error_feedback``). Parameters come back uncompressed.""",
+    )
+    topk_density: float = knob(0.01, """``topk``: share of each shard's gradient entries sent per push, in (0, 1].""")
+    error_feedback: bool = knob(True, """``topk``: keep what was not sent on the worker and add it to the next push.""")
+    slow_worker: int = knob(-1, """For experiments: the worker rank to slow down (-1: none).""")
+    slowdown: float = knob(
+        1.0,
+        "For experiments: ``slow_worker`` sleeps so that its steps take this many times as long (>= 1).",
+    )
+    push_scale: Any = knob(
+        "auto",
+        """``async``/``ssp``: what one push's gradient is multiplied by before the server's optimizer step, a number > 0
+        or ``auto``: ``1/W`` (W workers) for SGD-family optimizers, so W pushes move as far as one sync step, and ``1``
+        for scale-invariant ones (Adam family, RMSprop, Adagrad), whose step a factor would not change.""",
+    )
+    local_steps: Any = knob(
+        1,
+        """Async local SGD: each worker steps its own optimizer this many times, then pushes its pseudo-gradient (its
+        change since its last pull) and the servers apply an outer SGD (``outer_lr``, ``outer_momentum``,
+        ``outer_nesterov``; in async and ssp its momentum once per W pushes, delayed Nesterov). 1: push gradients.
+        ``auto``: each worker its own count from its measured speed, ``max_local_steps`` for the fastest.""",
+    )
+    max_local_steps: int = knob(
+        8,
+        "``local_steps: auto``: the fastest worker's local steps; a worker k times slower takes about 1/k of them.",
+    )
+    outer_lr: float = knob(0.7, """``local_steps > 1``: learning rate of the servers' outer SGD.""")
+    outer_momentum: float = knob(0.9, """``local_steps > 1``: momentum of the outer SGD, in [0, 1).""")
+    outer_nesterov: bool = knob(True, """``local_steps > 1``: Nesterov momentum for the outer SGD.""")
+    elastic: bool = knob(
+        False,
+        """``sync``: a lost worker (killed, crashed, or silent for ``timeout_s``) is dropped and each step averages the
+        live workers' pushes, instead of ending the job. ``async`` and ``ssp`` always drop a lost worker.""",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_choice("mode", self.mode, PS_MODES)
+        if self.elastic is not False and (self.elastic is not True or self.mode != "sync"):
+            raise ConfigError(
+                f"elastic={self.elastic!r} is not allowed with mode={self.mode!r}; it is true or false, for sync "
+                "(async and ssp always drop a lost worker)"
+            )
+        check_range("max_staleness", self.max_staleness, low=0, integer=True)
+        check_range("num_servers", self.num_servers, low=1, integer=True)
+        check_choice("placement", self.placement, PS_PLACEMENTS)
+        check_range("slow_worker", self.slow_worker, low=-1, integer=True)
+        check_range("slowdown", self.slowdown, low=1)
+        if self.mode != "ssp" and self.max_staleness != ParameterServerConfig.max_staleness:
+            raise ConfigError(
+                f"max_staleness={self.max_staleness} is not allowed with mode={self.mode!r}; it is for ssp"
+            )
+        if isinstance(self.push_scale, str) and self.push_scale != "auto":
+            raise ConfigError(f"push_scale={self.push_scale!r} is not allowed; it must be a number > 0, or 'auto'")
+        if self.mode == "sync" and self.push_scale != "auto":
+            raise ConfigError(
+                f"push_scale={self.push_scale!r} is not allowed with mode='sync' (a sync step averages the "
+                "gradients); it is for async and ssp"
+            )
+        if isinstance(self.local_steps, str) and self.local_steps != "auto":
+            raise ConfigError(f"local_steps={self.local_steps!r} is not allowed; it must be an integer >= 1, or 'auto'")
+        if self.local_steps == "auto":
+            check_range("max_local_steps", self.max_local_steps, low=2, integer=True)
+            if self.mode == "sync":
+                raise ConfigError(
+                    "local_steps='auto' is not allowed with mode='sync' (sync workers keep in step, so the slowest "
+                    "sets the pace whatever the counts); it is for async and ssp"
+                )
