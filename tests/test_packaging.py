@@ -116,3 +116,14 @@ def test_unknown_knob_added_with_plus_is_a_one_line_error(tmp_path):
     assert len(lines) == 1, result.stderr
     assert "strategy.no_such_knob" in lines[0] and "DDPConfig" in lines[0] and "bucket_cap_mb" in lines[0]
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.unit
+def test_the_wheel_lists_every_package_of_the_source_tree():
+    """pyproject.toml names the packages one by one (conf/ ships as lightning_sync.conf): a new subpackage left out
+    of that list would be missing from an installed wheel, while an editable install hides it."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(REPO).parts) for init in (REPO / "lightning_sync").rglob("__init__.py")}
+    assert found <= listed, f"packages missing from [tool.setuptools] packages: {sorted(found - listed)}"
