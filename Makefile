@@ -14,9 +14,8 @@ PIP := $(PY) -m pip
 LOCK := requirements.lock
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test` and `make test-fast` (0: one process). Much of the suite waits (for a timeout
-# that detects a frozen rank, for interpreters to start): two workers overlap those waits on the 2 cores. Each test
-# goes to whichever worker is free, but a module whose tests share a module-scoped fixture (a reference run) runs
-# whole on one worker, so that run is computed once (--dist loadgroup; tests/conftest.py groups them).
+# that detects a frozen rank, for interpreters to start): two workers overlap those waits on the 2 cores. A test
+# file runs whole on one worker (--dist loadfile), so a module's shared reference run is computed once.
 TEST_WORKERS ?= 2
 COMPARE_ARGS ?=
 BENCH_ARGS ?=
@@ -45,10 +44,10 @@ lock: $(PY)
 
 # Any non-zero pytest exit, 5 ("no tests ran") included, fails the target and so `make` and .ci/run (nothing masks it).
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 -n $(TEST_WORKERS) --dist loadgroup -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 -n $(TEST_WORKERS) --dist loadfile -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 # The checks CI runs before the tests.
 check: lint typecheck imports docs

@@ -31,22 +31,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
     if untiered:
         raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}): {untiered}")
-    for item in items:
-        if _uses_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-
-
-def _uses_a_module_fixture(item: pytest.Item) -> bool:
-    """Whether ``item`` uses a fixture its module shares between its tests (a reference run, background jobs).
-
-    Under ``pytest-xdist --dist loadgroup`` (``make test``) such a module's tests run on one worker, so the shared
-    work is done once; every other test is handed to whichever worker is free, one at a time, so no worker is left
-    with a long file at the end.
-    """
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return False
-    return any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs)
 
 
 def _refuse(what: str) -> Callable[..., Any]:
