@@ -116,8 +116,11 @@ def test_the_server_drops_a_lost_worker_and_serves_the_others(procs, mode, how):
         expected = "closed its connection" if how == signal.SIGKILL else "sent nothing"
         assert expected in lost[2], lost
     clocks = out["worker0"]["stats"]["clocks"]
-    # each survivor's pushes applied, but those after the first one's stop; worker 2's until it was hit, no more
-    assert min(clocks[:2]) >= pushes - 5 and clocks[2] <= FREEZE_AT, clocks
+    # the first survivor to finish had every push applied, the other every push before that one's stop: in ssp at
+    # most max_staleness behind, in async as far behind as the scheduler left it (8 pushes seen under load);
+    # worker 2's until it was hit, no more
+    assert max(clocks[:2]) == pushes and clocks[2] <= FREEZE_AT, clocks
+    assert min(clocks[:2]) >= (pushes - 5 if mode == "ssp" else pushes // 2), clocks
     # worker 0 went on: its pushes after the drop are as frequent as before the hit (ssp, frozen: after timeout_s)
     times = torch.tensor(out["worker0"]["times"], dtype=torch.float64)
     held = mode == "ssp" and how == signal.SIGSTOP  # ssp waits for a frozen worker until the server drops it
