@@ -204,7 +204,8 @@ def lightning_group(
     data = torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(7))
     loader = DataLoader(TensorDataset(torch.arange(64), data), batch_size=4, shuffle=False)
     ft = FaultTolerance(lighthouse=lighthouse, replica_group=group, num_replica_groups=groups, min_replicas=groups,
-                        timeout_s=3.0, heartbeat_timeout_s=1.0, join_timeout_s=5.0)  # fmt: skip
+                        timeout_s=3.0, heartbeat_timeout_s=1.0, join_timeout_s=5.0,
+                        quorum_timeout_s=30.0)  # fmt: skip  # the groups' Lightning start-ups may differ by seconds
     if mode == "allreduce":
         strategy: object = AllReduceStrategy(fault_tolerance=ft)
     else:
