@@ -28,9 +28,13 @@ def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., None], *args: Any, world_size: int = 2, timeout: float = 60.0) -> None:
-    """Calls ``fn(rank, world_size, *args)`` in ``world_size`` forked processes joined by a gloo process group."""
-    ctx = mp.get_context("fork")
+def run_ranks(
+    fn: Callable[..., None], *args: Any, world_size: int = 2, timeout: float = 60.0, start_method: str = "fork"
+) -> None:
+    """Calls ``fn(rank, world_size, *args)`` in ``world_size`` processes joined by a gloo process group: forked from
+    the test process (about a second), or ``start_method="spawn"`` where the test process holds threads that a fork
+    would copy in an unknown state (torchft's lighthouse and managers start a runtime of their own)."""
+    ctx = mp.get_context(start_method)
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg")

@@ -276,8 +276,10 @@ def test_strategy_with_fault_tolerance_syncs_two_lightning_groups(lighthouse, mo
     for proc in procs:
         proc.start()
     _wait(procs, 130)
+    logs = [Path(str(out) + ".log").read_text() for out in outs]
     for g, proc in enumerate(procs):
-        assert proc.exitcode == 0, f"group {g} failed:\n{Path(str(outs[g]) + '.log').read_text()[-3000:]}"
+        others = "".join(f"\n--- group {o}'s log:\n{logs[o][-2000:]}" for o in range(2) if o != g)
+        assert proc.exitcode == 0, f"group {g} failed:\n{logs[g][-3000:]}{others}"
     ends = [torch.load(out, weights_only=False) for out in outs]
     assert not set(ends[0]["seen"]) & set(ends[1]["seen"]), "the two groups read the same samples"
     assert len(set(ends[0]["seen"]) | set(ends[1]["seen"])) == 64, "one epoch of each group's shard: all 64 samples"

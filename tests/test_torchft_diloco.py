@@ -185,7 +185,7 @@ def test_streaming_diloco_equals_torchft_diloco_on_a_model_with_blocks(tmp_path,
     assert child.exitcode == 0 and os.path.exists(out), f"torchft's side failed (exit code {child.exitcode})"
     theirs = torch.load(out, weights_only=True)
     ours_path = str(tmp_path / "ours.pt")
-    run_ranks(_our_ranks, k, delay, alpha, ours_path)
+    run_ranks(_our_ranks, k, delay, alpha, ours_path, start_method="spawn")  # torchft's threads live in this process
     ours = [torch.load(f"{ours_path}.rank{r}", weights_only=True) for r in range(2)]
     start = flat(BlockNet())
     for replica in range(2):

@@ -123,17 +123,23 @@ def exchange(
     return list(zip(replies, buffers))
 
 
-def reply_timeout_s(group: PSGroup, kind: Kind, initialized: bool) -> float:
+def reply_timeout_s(group: PSGroup, kind: Kind, initialized: bool, drops_lost_workers: bool = False) -> float:
     """How long to wait for replies.
 
     Before the servers hold parameters (INIT, first pulls: ``initialized`` is ``False`` while this worker has
     pulled no version yet) a reply may wait for worker 0's INIT: ``connect_timeout_s``. Otherwise ``timeout_s`` plus
     a grace of a quarter of it (at most 5 s): a server that gives up on a silent worker after ``timeout_s`` then
     closes its connections, and the waiting workers hear its reason instead of timing out at the same moment.
+
+    Where the servers drop a lost worker and go on (``drops_lost_workers``: ssp's bound and an elastic sync round
+    hold a reply until the slowest live worker pushes), the reply may wait for that worker's drop: ``timeout_s``
+    after its last request, which may come up to ``timeout_s`` after this request was sent. So the wait is twice
+    ``timeout_s`` plus the grace.
     """
     if kind == Kind.INIT or (kind == Kind.PULL and not initialized):
         return group.connect_timeout_s
-    return group.timeout_s + min(group.timeout_s / 4, 5.0)
+    grace = min(group.timeout_s / 4, 5.0)
+    return (2 if drops_lost_workers else 1) * group.timeout_s + grace
 
 
 def report_of(group: PSGroup, ps_rank: int, patience_s: float, servers_only: bool = False) -> tuple[int, str | None]:

@@ -318,7 +318,9 @@ class PSClient:
             requests.append(
                 Request(kind, self.worker, self.versions[i], nbytes, self.checksums[i], flags, optimizer, clip)
             )
-        timeout = reply_timeout_s(self.group, kind, initialized=min(self.versions) >= 0)
+        timeout = reply_timeout_s(
+            self.group, kind, initialized=min(self.versions) >= 0, drops_lost_workers=self.config.drops_lost_workers
+        )
         try:
             return exchange(
                 self.group, kind, requests, payloads, self._replies, timeout, self.config.drops_lost_workers
