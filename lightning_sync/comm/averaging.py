@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from lightning_sync.comm.bucketing import plan_buckets
+from lightning_sync.comm.bucket_layout import plan_buckets
 from lightning_sync.comm.compression import Compressor, FlatBucket, NoCompression
 from lightning_sync.comm.meter import CommMeter, PeerError, wait_future
 from lightning_sync.comm.nonfinite import ends_are_finite, extremes

@@ -27,13 +27,13 @@ by :meth:`GradientSynchronizer.finish`:
     resumed run keeps it.
 
 The launch point decides only *when* a bucket is sent, never how gradients are packed, divided or summed: ``overlap``,
-``flat`` and ``auto`` pack the same buckets (the layout depends on ``bucket_cap_mb`` and ``first_bucket_mb`` alone),
-divide each by the world size in place, and hand each to the compressor as one payload, so every rank issues the
-same collectives over the same slices whatever the launch point. That is what makes them agree bit for bit on any
-number of ranks: on 3 or more, gloo's ring adds the ranks' shares of an element in an order that depends on where
-the element sits in its collective, so a payload cut differently (one buffer instead of buckets) rounds differently.
-``naive`` cuts its payloads per parameter and matches the others on 2 ranks only
-(where a sum does not depend on order).
+``flat`` and ``auto`` pack the same buckets (:mod:`lightning_sync.comm.bucket_layout`: the layout depends on
+``bucket_cap_mb`` and ``first_bucket_mb`` alone), divide each by the world size in place, and hand each to the
+compressor as one payload, so every rank issues the same collectives over the same slices whatever the launch point.
+That is what makes them agree bit for bit on any number of ranks: on 3 or more, gloo's ring adds the ranks' shares of
+an element in an order that depends on where the element sits in its collective, so a payload cut differently (one
+buffer instead of buckets) rounds differently. ``naive`` cuts its payloads per parameter and matches the others on 2
+ranks only (where a sum does not depend on order).
 
 Parameters without a gradient on this rank (unused or conditionally used) take part with zeros, so no rank waits for
 a bucket that never fills. With ``find_unused_parameters=True`` the ranks also all-reduce a used-mask, and a
@@ -44,12 +44,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
 
+from lightning_sync.comm.bucket_layout import GradBucket, make_buckets, pack_grads, plan_buckets
 from lightning_sync.comm.compression import Compressor, FlatBucket
 from lightning_sync.comm.launch_tuner import LaunchTuner
 from lightning_sync.comm.meter import CommMeter, wait_future
@@ -58,74 +58,6 @@ from lightning_sync.comm.tuning import MIB
 from lightning_sync.errors import check_choice, check_range
 
 BUCKETINGS = ("auto", "overlap", "flat", "naive")
-
-
-@dataclass
-class _Bucket:
-    index: int
-    params: list[torch.nn.Parameter]
-    buffer: torch.Tensor  # the parameters' gradients back to back, in ``params`` order
-    future: torch.futures.Future | None = None
-    ready: set[int] = field(default_factory=set)  # ids of params whose gradient of this round is final
-    slots: list[torch.Tensor] = field(default_factory=list)  # one view of ``buffer`` per parameter, made once
-
-    def __post_init__(self) -> None:
-        self.slots = [view.view(p.shape) for p, view in zip(self.params, self.buffer.split(_numels(self.params)))]
-
-    @property
-    def shapes(self) -> list[torch.Size]:
-        return [p.shape for p in self.params]
-
-    @property
-    def full(self) -> bool:
-        """Every parameter's gradient of this round is final: the bucket can be packed and launched."""
-        return len(self.ready) == len(self.params)
-
-
-def _numels(params: list[torch.nn.Parameter]) -> list[int]:
-    return [p.numel() for p in params]
-
-
-def _pack(bucket: _Bucket, grads: list[torch.Tensor | None]) -> None:
-    """Writes ``grads`` (``None``: zeros) into ``bucket.buffer`` back to back, undivided.
-
-    All present, contiguous and not already in place: one ``torch.cat`` (one kernel for the whole bucket instead of
-    a copy per tensor). Otherwise tensor by tensor, skipping gradients that already are their slot.
-    """
-    if all(
-        g is not None and g.is_contiguous() and g.data_ptr() != slot.data_ptr() for g, slot in zip(grads, bucket.slots)
-    ):
-        torch.cat([cast(torch.Tensor, g).view(-1) for g in grads], out=bucket.buffer)  # all present, checked above
-        return
-    for slot, g in zip(bucket.slots, grads):
-        if g is None:
-            slot.zero_()
-        elif g.data_ptr() != slot.data_ptr():
-            slot.copy_(g)
-
-
-def plan_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: float, first_bucket_bytes: float) -> list[list[int]]:
-    """Splits parameter indices (taken in the given order) into buckets.
-
-    A bucket closes once it holds at least its cap (``first_bucket_bytes`` for the first, ``bucket_cap_bytes``
-    after), and never mixes dtypes or devices. A parameter larger than the cap gets a bucket of its own.
-    """
-    plans: list[list[int]] = []
-    current: list[int] = []
-    size = 0.0
-    for i, p in enumerate(params):
-        if current and (params[current[0]].dtype != p.dtype or params[current[0]].device != p.device):
-            plans.append(current)
-            current, size = [], 0.0
-        current.append(i)
-        size += p.numel() * p.element_size()
-        cap = first_bucket_bytes if not plans else bucket_cap_bytes
-        if size >= cap:
-            plans.append(current)
-            current, size = [], 0.0
-    if current:
-        plans.append(current)
-    return plans
 
 
 class GradientSynchronizer:
@@ -195,7 +127,7 @@ class GradientSynchronizer:
             plans = [[i] for i in range(len(ordered))]
         else:  # one layout for every launch point: it alone decides how a gradient is summed (module docstring)
             plans = plan_buckets(ordered, bucket_cap_mb * MIB, first_bucket_mb * MIB)
-        self.buckets, self._buffers = self._make_buckets([[ordered[i] for i in plan] for plan in plans])
+        self.buckets, self._buffers = make_buckets([[ordered[i] for i in plan] for plan in plans])
         self._where = {id(p): b for b in self.buckets for p in b.params}
         if bucketing in ("overlap", "auto"):
             for p in self.params:
@@ -211,30 +143,6 @@ class GradientSynchronizer:
         check_choice("bucketing", bucketing, BUCKETINGS)
         check_range("bucket_cap_mb", bucket_cap_mb, low=0, low_open=True)
         check_range("first_bucket_mb", first_bucket_mb, low=0, low_open=True)
-
-    @staticmethod
-    def _make_buckets(plans: list[list[torch.nn.Parameter]]) -> tuple[list[_Bucket], list[torch.Tensor]]:
-        """The buckets, and the buffers they live in: one per maximal sequence of consecutive buckets of one dtype
-        and device, whose buckets' buffers are consecutive slices of it (so it can be zeroed in one fill)."""
-        groups: list[list[list[torch.nn.Parameter]]] = []
-        for plan in plans:
-            head = groups[-1][0][0] if groups else None
-            if head is not None and head.dtype == plan[0].dtype and head.device == plan[0].device:
-                groups[-1].append(plan)
-            else:
-                groups.append([plan])
-        buckets: list[_Bucket] = []
-        buffers: list[torch.Tensor] = []
-        for group in groups:
-            head = group[0][0]
-            buffer = torch.zeros(sum(sum(_numels(plan)) for plan in group), dtype=head.dtype, device=head.device)
-            slices = buffer.split([sum(_numels(plan)) for plan in group])
-            buckets += [
-                _Bucket(index=len(buckets) + k, params=plan, buffer=part)
-                for k, (plan, part) in enumerate(zip(group, slices))
-            ]
-            buffers.append(buffer)
-        return buckets, buffers
 
     # ------------------------------------------------------------------ round control
     @contextmanager
@@ -332,7 +240,7 @@ class GradientSynchronizer:
             self._next_launch += 1
 
     # ------------------------------------------------------------------ finish
-    def _pack_and_launch(self, bucket: _Bucket) -> torch.futures.Future:
+    def _pack_and_launch(self, bucket: GradBucket) -> torch.futures.Future:
         """Packs this round's gradients into ``bucket`` (zeros where there is none), divides, and launches it.
 
         Returns:
@@ -342,7 +250,7 @@ class GradientSynchronizer:
         if len(grads) == 1 and grads[0] is not None and grads[0].data_ptr() != bucket.slots[0].data_ptr():
             torch.div(grads[0], self._world, out=bucket.slots[0])  # copy and divide in one pass (same bits)
         else:
-            _pack(bucket, grads)
+            pack_grads(bucket, grads)
             bucket.buffer.div_(self._world)
         flat = FlatBucket(index=bucket.index, buffer=bucket.buffer, shapes=bucket.shapes, divided=True)
         bucket.future = self.compressor.average(flat, self.meter, self.group)
