@@ -16,6 +16,8 @@ from lightning_sync.errors import ConfigError, check_choice, check_range
 
 RATES = ("loopback", "10mbit", "100mbit", "1gbit")
 """``network.rate``: ``loopback`` (both nodes on 127.0.0.1), or the rate of emulated links (root only)."""
+RATE_MBIT = {"10mbit": 10.0, "100mbit": 100.0, "1gbit": 1000.0}
+"""The link rate of each emulated ``network.rate``, in Mbit/s."""
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 Per workload and network rate, each case gets the median of its repeats: ms per step, training seconds to the
 target test accuracy (a repeat that never reached it counts as infinite, so a median of those is ``null``), or the
 bus bandwidth of one all-reduce (as nccl-tests defines it: ``bytes * 2(n-1)/n / time``). Ratios are to
-Lightning's ``ddp``, to the plain torch DDP loop and to the no-communication floor, when those ran. matplotlib is
-imported only to draw the plots (it is in the ``test`` extra); without it the plots are skipped with a note.
+Lightning's ``ddp``, to the plain torch DDP loop and to the no-communication floor, when those ran. :func:`write`
+writes them all; the plots are drawn by :mod:`lightning_sync.apps.bench.plots`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,16 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from lightning_sync.apps.bench.config import BOUNDS, LM_CASES, OUR_CASES, WORKLOADS, BenchConfig, config_from_saved
+from lightning_sync.apps.bench.config import (
+    BOUNDS,
+    LM_CASES,
+    OUR_CASES,
+    RATE_MBIT,
+    WORKLOADS,
+    BenchConfig,
+    config_from_saved,
+)
+from lightning_sync.apps.bench.plots import write_plots
 from lightning_sync.apps.markdown import format_cell as _cell
 from lightning_sync.apps.markdown import markdown_table
 from lightning_sync.apps.provenance import provenance
@@ -29,7 +38,6 @@ _METRIC_KEY = {
     "time_to_loss": "seconds_to_target",
     "bus_bandwidth": "busbw_mbit",
 }
-_RATE_MBIT = {"10mbit": 10.0, "100mbit": 100.0, "1gbit": 1000.0}
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -98,8 +106,8 @@ def summarize(records: list[dict[str, Any]], cfg: BenchConfig) -> list[dict[str,
             )
             if ref and row["median"] is not None and row["metric"] != "busbw_mbit":
                 row[f"vs_{anchor}"] = row["median"] / ref
-        if row["metric"] == "busbw_mbit" and row["median"] is not None and row["rate"] in _RATE_MBIT:
-            row["of_link"] = row["median"] / _RATE_MBIT[row["rate"]]
+        if row["metric"] == "busbw_mbit" and row["median"] is not None and row["rate"] in RATE_MBIT:
+            row["of_link"] = row["median"] / RATE_MBIT[row["rate"]]
         floor = next(
             (r for r in rows if (r["workload"], r["rate"], r["case"]) == (row["workload"], row["rate"], "floor")), None
         )
@@ -333,77 +341,8 @@ def write(
         files.append(out / "time_to_accuracy.json")
         files[-1].write_text(json.dumps(tta, indent=1))
     if cfg.plots and rows:
-        files += _plots(rows, records, out, cfg.target_accuracy)
+        files += write_plots(rows, records, out, cfg.target_accuracy)
     return text, files
-
-
-def _plots(rows: list[dict[str, Any]], records: list[dict[str, Any]], out: Path, target: float) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: matplotlib is not installed (pip install 'lightning-sync[test]'): no plots")
-        return []
-    written = []
-    for workload in dict.fromkeys(r["workload"] for r in rows):
-        group = [r for r in rows if r["workload"] == workload]
-        rates = list(dict.fromkeys(r["rate"] for r in group))
-        loss = WORKLOADS[workload].metric == "time_to_loss"
-        curves = WORKLOADS[workload].metric in ("time_to_accuracy", "time_to_loss")
-        fig, axes = plt.subplots(1 + curves, len(rates), figsize=(5.5 * len(rates), 4 * (1 + curves)), squeeze=False)
-        for col, rate in enumerate(rates):
-            subset = [r for r in group if r["rate"] == rate]
-            ax = axes[0][col]
-            names = [r["case"] for r in subset]
-            ax.barh(names, [r["median"] or 0.0 for r in subset], color="tab:blue", alpha=0.6)
-            for y, r in enumerate(subset):
-                dots = [v for v in r["repeats"] if v is not None]
-                ax.plot(dots, [y] * len(dots), "k.", markersize=4)
-            ax.invert_yaxis()
-            ax.set_title(f"{workload}, {rate}")
-            ax.set_xlabel(
-                {
-                    "step_time_ms": "ms per step",
-                    "seconds_to_target": "seconds to target",
-                    "seconds_at_budget": "seconds",
-                    "busbw_mbit": "bus bandwidth, Mbit/s",
-                }[subset[0]["metric"]]
-            )
-            if rate in _RATE_MBIT and subset[0]["metric"] == "busbw_mbit":
-                ax.axvline(_RATE_MBIT[rate], color="tab:red", linestyle="--", label="link rate")
-                ax.legend()
-            if curves:
-                ax = axes[1][col]
-                for name in names:
-                    run = next(
-                        (
-                            r
-                            for r in records
-                            if (r["workload"], r["rate"], r["case"]) == (workload, rate, name)
-                            and r["ok"]
-                            and r.get("trajectory")
-                        ),
-                        None,
-                    )
-                    if run is not None:
-                        seconds, _, accuracy = zip(*run["trajectory"])
-                        ax.plot(seconds, accuracy, label=name)
-                goal = next((r.get("target_loss") for r in subset if r.get("target_loss")), None) if loss else target
-                if goal is not None:
-                    ax.axhline(goal, color="gray", linestyle=":", label=f"target {goal:.4g}")
-                ax.set_xlabel("training seconds (first repeat)")
-                ax.set_ylabel("validation loss, nats/char" if loss else "test accuracy")
-                if not loss:
-                    ax.set_ylim(0.5, 1.0)
-                ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / f"{workload}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        written.append(path)
-    return written
 
 
 def resummarize(path: Path) -> None:
