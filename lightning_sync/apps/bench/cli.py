@@ -26,15 +26,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from lightning_sync.apps.bench.config import (
-    BOUNDS,
-    CASE_HELP,
-    WORKLOADS,
-    BenchConfig,
-    NetworkConfig,
-    parse_overrides,
-    reused_ddp_records,
-)
+from lightning_sync.apps.bench.config import BenchConfig, NetworkConfig, parse_overrides, reused_ddp_records
+from lightning_sync.apps.bench.workloads import BOUNDS, CASE_HELP, WORKLOADS
 from lightning_sync.apps.provenance import provenance
 from lightning_sync.config import knob_docs
 from lightning_sync.errors import ConfigError

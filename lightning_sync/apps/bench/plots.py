@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lightning_sync.apps.bench.config import RATE_MBIT, WORKLOADS
+from lightning_sync.apps.bench.config import RATE_MBIT
+from lightning_sync.apps.bench.workloads import WORKLOADS
 
 _AXIS_LABEL = {
     "step_time_ms": "ms per step",

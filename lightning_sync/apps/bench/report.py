@@ -17,16 +17,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from lightning_sync.apps.bench.config import (
-    BOUNDS,
-    LM_CASES,
-    OUR_CASES,
-    RATE_MBIT,
-    WORKLOADS,
-    BenchConfig,
-    config_from_saved,
-)
+from lightning_sync.apps.bench.config import RATE_MBIT, BenchConfig, config_from_saved
 from lightning_sync.apps.bench.plots import write_plots
+from lightning_sync.apps.bench.workloads import BOUNDS, LM_CASES, OUR_CASES, WORKLOADS
 from lightning_sync.apps.markdown import format_cell as _cell
 from lightning_sync.apps.markdown import markdown_table
 from lightning_sync.apps.provenance import provenance

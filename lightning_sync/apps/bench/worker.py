@@ -41,15 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_sync.apps.bench.clock import TargetClock, accuracy_of, loss_of
-from lightning_sync.apps.bench.config import (
-    BOUNDS,
-    OUR_CASES,
-    WORKLOADS,
-    BenchConfig,
-    NetworkConfig,
-    Workload,
-    sync_period,
-)
+from lightning_sync.apps.bench.config import BenchConfig, NetworkConfig
+from lightning_sync.apps.bench.workloads import BOUNDS, OUR_CASES, WORKLOADS, Workload, sync_period
 from lightning_sync.apps.netns import InterfaceCounters
 
 TORCH_LOOPS = ("torch_ddp", "torch_local_sgd")
