@@ -5,22 +5,21 @@ schedule at construction and checks it there, so a bad value fails before any pr
 Lightning strategy, or a plain training loop) then only reports what happened:
 
 * :meth:`PeriodicAverager.setup` once the process group exists: splits the model's parameters and buffers into
-  sync groups (``module_sync_every`` patterns, plus the default group ``"*"``) and takes their global copy;
+  sync groups (:mod:`lightning_sync.comm.sync_groups`: one per ``module_sync_every`` glob pattern on full parameter
+  names, :mod:`lightning_sync.comm.module_policy`, each with its own period, plus the default group ``"*"``) and
+  takes their global copy;
 * :attr:`PeriodicAverager.in_warmup` before each optimizer step: whether that step's gradients must be all-reduced
   (post-local SGD's warmup) instead of staying local;
 * :meth:`PeriodicAverager.step` after each optimizer step: averages the buffers after a warmup step, or syncs the
   groups that are due;
 * :meth:`PeriodicAverager.finish` at the end of training: syncs every group with unsynced steps.
 
-Streaming DiLoCo (:mod:`lightning_sync.comm.streaming`): with ``fragments=k`` every sync group is split into up to
-``k`` fragments strided by block (:mod:`lightning_sync.comm.fragments`; or as ``fragment_modules`` names them), each
-with its own global copy, compressor and outer optimizer; fragment ``f`` of a group with period ``p`` syncs every
-``p`` steps, first after ``(f + 1) * p // k`` steps, so one fragment syncs every ``p / k`` steps. With
-``sync_delay=τ`` a fragment's outer all-reduce starts ``τ`` steps before its sync step and runs on a worker thread
-while the inner steps go on; at the sync step its result is applied and the fragment's parameters become
-``global.lerp(local, fragment_alpha)``. ``outer_compression`` chooses the codec of the pseudo-gradients (int8/int4:
-:mod:`lightning_sync.comm.quantized`). With ``fragments=1``, ``sync_delay=0``, ``fragment_alpha=0`` and
-``outer_compression="none"`` the schedule and every operation are DiLoCo's (and local SGD's) as without them.
+Streaming DiLoCo (:mod:`lightning_sync.comm.streaming`): with ``fragments=k`` every sync group is split into up to ``k``
+fragments (:mod:`lightning_sync.comm.fragments`), each with its own global copy, compressor and outer optimizer;
+fragment ``f`` of a group with period ``p`` first syncs after ``(f + 1) * p // k`` steps, then every ``p`` steps. With
+``sync_delay=τ`` a fragment's outer sync is launched ``τ`` steps before its sync step, runs on a worker thread
+meanwhile, and is applied at it, mixed by ``fragment_alpha``; ``outer_compression`` is the pseudo-gradients' codec. At
+their defaults every operation is DiLoCo's (or local SGD's).
 
 A *step* is one optimizer step. Group parameters travel as deltas from the global copy through the compressor
 (:class:`~lightning_sync.comm.averaging.ModelAverager`); buffers and optimizer state are averaged exactly.
@@ -28,9 +27,6 @@ A *step* is one optimizer step. Group parameters travel as deltas from the globa
 ``sync_every="auto"``: after each sync of the default group the ranks agree (MAX over ranks) on the measured compute
 seconds per step and the seconds that sync took (both timed on the averager's ``clock``), and
 :class:`~lightning_sync.comm.adaptive.AdaptivePeriod` picks the next period, identically everywhere.
-
-Per-module periods: ``module_sync_every`` is ``{glob pattern: period}`` on full parameter names
-(:mod:`lightning_sync.comm.module_policy`); each pattern makes a sync group (:mod:`lightning_sync.comm.sync_groups`).
 """
 
 from __future__ import annotations
@@ -39,12 +35,13 @@ import functools
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from lightning_sync.comm._periodic_knobs import check_periodic_ranges, check_streaming_periods
 from lightning_sync.comm.adaptive import AdaptiveOptions, AdaptivePeriod, ComputeTimer, agree_max
 from lightning_sync.comm.averaging import (
     average_buffers,
@@ -54,17 +51,22 @@ from lightning_sync.comm.averaging import (
 )
 from lightning_sync.comm.compression import Compressor, NoCompression
 from lightning_sync.comm.meter import CommMeter
-from lightning_sync.comm.module_policy import POLICY_FIELD, assign_patterns, normalize_module_policy
+from lightning_sync.comm.module_policy import assign_patterns, normalize_module_policy
 from lightning_sync.comm.quantized import outer_compressor_factory
 from lightning_sync.comm.streaming import (
     OuterSyncWorker,
     StreamingAverager,
     StreamingOptions,
-    check_streaming_options,
     new_stream_group,
 )
-from lightning_sync.comm.sync_groups import SyncGroup, build_sync_groups, groups_state, load_groups_state
-from lightning_sync.errors import ConfigError, check_range
+from lightning_sync.comm.sync_groups import (
+    SyncGroup,
+    apply_flight,
+    build_sync_groups,
+    global_copies,
+    groups_state,
+    load_groups_state,
+)
 
 
 class PeriodicAverager:
@@ -112,29 +114,23 @@ class PeriodicAverager:
         timeout_s: float | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if sync_every != "auto":
-            if isinstance(sync_every, bool) or not isinstance(sync_every, int):
-                raise ConfigError(f"sync_every={sync_every!r} is not allowed; it must be an integer >= 1 or 'auto'")
-            check_range("sync_every", sync_every, low=1, integer=True)
-        check_range("warmup_steps", warmup_steps, low=0, integer=True)
-        check_range("outer_lr", outer_lr, low=0, low_open=True)
-        check_range("outer_momentum", outer_momentum, low=0, high=1, high_open=True)
-        check_range("bucket_cap_mb", bucket_cap_mb, low=0, low_open=True)
+        check_periodic_ranges(sync_every, warmup_steps, outer_lr, outer_momentum, bucket_cap_mb)
         self.adaptive = (
             AdaptivePeriod(adaptive.target_comm_fraction, adaptive.min_sync_every, adaptive.max_sync_every)
             if sync_every == "auto"
             else None
         )
+        self.policy = normalize_module_policy(module_sync_every) or {}
+        min_every = None if self.adaptive is None else self.adaptive.min_every
+        check_streaming_periods(streaming, new_compressor, sync_every, min_every, self.policy)
         self.sync_every = sync_every
         self.warmup_steps = int(warmup_steps)
         self.outer = bool(outer)
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.outer_nesterov = bool(outer_nesterov)
-        self.policy = normalize_module_policy(module_sync_every) or {}
         self.average_optimizer_state = bool(average_optimizer_state)
         self.new_compressor = new_compressor
         self.bucket_cap_mb = float(bucket_cap_mb)
-        self._check_streaming(streaming, new_compressor)
         self.fragments, self.sync_delay = int(streaming.fragments), int(streaming.sync_delay)
         self.fragment_alpha = float(streaming.fragment_alpha)
         self.fragment_modules = streaming.fragment_modules
@@ -155,21 +151,6 @@ class PeriodicAverager:
         self._all_buffers: list[torch.Tensor] = []
         self._warmup_step_done = False
         self._compute = ComputeTimer(clock)
-
-    def _check_streaming(self, streaming: StreamingOptions, new_compressor: Callable[[], Compressor]) -> None:
-        """Checks the streaming knobs against each other and against every period (fixed ones, or the smallest
-        adaptive one)."""
-        # without ``adaptive``, sync_every is not "auto": __init__ checked it is an integer
-        periods = [("sync_every", cast(int, self.sync_every))] if self.adaptive is None else []
-        if self.adaptive is not None:
-            periods.append(("min_sync_every", self.adaptive.min_every))
-        periods += [(f"{POLICY_FIELD}[{pattern!r}]", every) for pattern, every in self.policy.items()]
-        check_streaming_options(streaming, new_compressor, periods)
-        if streaming.fragment_modules is not None and self.policy:
-            raise ConfigError(
-                f"fragment_modules={[list(f) for f in streaming.fragment_modules]!r} is not allowed with "
-                f"{POLICY_FIELD}; explicit fragments split one group: leave one of them unset"
-            )
 
     # ------------------------------------------------------------------ schedule
     @property
@@ -208,7 +189,6 @@ class PeriodicAverager:
         self.meter, self.group = meter, group
         self._all_params = [p for _, p in named if p.requires_grad]
         self._all_buffers = [b for _, b in named_buffers]
-        self.groups = []
         sync_group = group
         if self.sync_delay > 0:
             sync_group = new_stream_group(group, self.timeout_s)
@@ -313,27 +293,15 @@ class PeriodicAverager:
         squared = 0.0
         for group in groups:
             group.in_flight = group.averager.launch_(self._sign, self.steps)
-            squared += self._apply_one(group, alpha=0.0)
+            squared += apply_flight(group, 0.0, self.skip_nonfinite, self.timeout_s)
         return self._after_apply(groups, optimizers, squared, lambda: self.clock() - started)
 
     def _apply(self, groups: Sequence[SyncGroup], optimizers: Sequence[torch.optim.Optimizer]) -> float:
         """Applies the outer syncs in flight of ``groups`` (with ``fragment_alpha``); ``sync_every="auto"`` counts
         the seconds this waited, not the transfer hidden behind the inner steps."""
         started = self.clock()
-        squared = sum(self._apply_one(group, self.fragment_alpha) for group in groups)
+        squared = sum(apply_flight(group, self.fragment_alpha, self.skip_nonfinite, self.timeout_s) for group in groups)
         return self._after_apply(groups, optimizers, squared, lambda: self.clock() - started)
-
-    def _apply_one(self, group: SyncGroup, alpha: float) -> float:
-        """Applies ``group``'s outer sync in flight; returns this rank's squared divergence at launch."""
-        flight, group.in_flight = group.in_flight, None
-        assert flight is not None
-        squared = group.averager.complete_(flight, self.timeout_s)
-        applied = group.averager.apply_(flight, group.outer, alpha, self.skip_nonfinite, self.timeout_s)
-        group.since_sync = 0
-        group.syncs += 1
-        group.skipped += int(not applied)
-        group.mixed = applied and alpha > 0
-        return squared
 
     def _after_apply(
         self,
@@ -388,11 +356,7 @@ class PeriodicAverager:
     def synced_global_copies(self) -> dict[str, torch.Tensor]:
         """The global copies of the groups synced by the last :meth:`step`, by name (``global_copy[*#0][0]``):
         identical on every rank after a sync, also where ``fragment_alpha`` leaves the parameters mixed."""
-        return {
-            f"global_copy[{group.label}][{i}]": anchor
-            for group in self.last_synced
-            for i, anchor in enumerate(group.averager.anchors)
-        }
+        return global_copies(self.last_synced)
 
     def close(self) -> None:
         """Drops the outer-sync worker thread (after the jobs it has)."""
@@ -420,11 +384,8 @@ class PeriodicAverager:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """Step counts, each group's global copy, compressor memory and outer optimizer, and the adaptive period.
-
-        An outer sync in flight is drained (waited for, at most ``timeout_s``) and its average saved unapplied, so
-        the resumed run applies it at the step the uninterrupted run does.
-        """
+        """Step counts, each group's global copy, compressor memory, outer optimizer and outer sync in flight (drained,
+        and saved unapplied: :func:`~lightning_sync.comm.sync_groups.groups_state`), and the adaptive period."""
         return {
             "steps": self.steps,
             "groups": groups_state(self.groups, self.timeout_s),

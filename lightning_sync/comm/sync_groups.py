@@ -1,4 +1,5 @@
-"""The sync groups of a periodic averager: how parameters and buffers are laid out in them, and their checkpoint state.
+"""The sync groups of a periodic averager: how parameters and buffers are laid out in them, how a sync in flight is
+applied to one, and their checkpoint state.
 
 Nothing here knows of Lightning; :class:`~lightning_sync.comm.periodic.PeriodicAverager` owns the schedule. A sync
 group is a ``module_sync_every`` group (:mod:`lightning_sync.comm.module_policy`), or the default group ``"*"``, or,
@@ -119,6 +120,33 @@ def build_sync_groups(
                 )
             )
     return groups
+
+
+def apply_flight(group: SyncGroup, alpha: float, skip_nonfinite: bool, timeout_s: float | None) -> float:
+    """Waits for ``group``'s outer sync in flight (at most ``timeout_s``), applies it (mixing by ``alpha``; a
+    non-finite average is skipped with ``skip_nonfinite``) and counts the sync.
+
+    Returns:
+        This rank's squared divergence from the average, at launch.
+    """
+    flight, group.in_flight = group.in_flight, None
+    assert flight is not None
+    squared = group.averager.complete_(flight, timeout_s)
+    applied = group.averager.apply_(flight, group.outer, alpha, skip_nonfinite, timeout_s)
+    group.since_sync = 0
+    group.syncs += 1
+    group.skipped += int(not applied)
+    group.mixed = applied and alpha > 0
+    return squared
+
+
+def global_copies(groups: Sequence[SyncGroup]) -> dict[str, torch.Tensor]:
+    """The global copies of ``groups``, by group label and bucket (``global_copy[*#0][0]``)."""
+    return {
+        f"global_copy[{group.label}][{i}]": anchor
+        for group in groups
+        for i, anchor in enumerate(group.averager.anchors)
+    }
 
 
 def groups_state(groups: Sequence[SyncGroup], timeout_s: float | None = None) -> list[dict[str, Any]]:
