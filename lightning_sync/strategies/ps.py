@@ -11,7 +11,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
@@ -22,8 +21,6 @@ from lightning_sync.algorithms import build_parts, ps_settings
 from lightning_sync.config import ParameterServerConfig
 from lightning_sync.errors import ConfigError
 from lightning_sync.ps import (
-    CLIP_ALGORITHMS,
-    Clip,
     PSClient,
     PSGroup,
     ServerStepOptimizer,
@@ -37,6 +34,7 @@ from lightning_sync.ps.elastic import lost_workers_at_end
 from lightning_sync.ps.outer import LocalSteps
 from lightning_sync.strategies._detached import DetachableCollectives
 from lightning_sync.strategies._lightning import restore_clip_gradients, route_clip_gradients
+from lightning_sync.strategies._ps_clip import ServerClips
 from lightning_sync.strategies._ps_metrics import ReplyMetrics
 
 
@@ -104,7 +102,7 @@ class ParameterServerStrategy(DetachableCollectives):
         self._group: PSGroup | None = None
         self._resume_state: dict[str, Any] = {}
         self._straggler: Straggler | None = None
-        self._clips: dict[int, Clip] = {}  # optimizer id -> the clipping its next push asks the servers for
+        self._clips = ServerClips()  # the clipping each optimizer's next push asks the servers for
         self._local: LocalSteps | None = None  # local_steps > 1: the worker's side of async local SGD
         self.lost_workers: dict[int, str] = {}  # elastic modes: the workers the servers dropped, and why
         self._reply_metrics = ReplyMetrics(staleness=self.config.mode != "sync", elastic=self.tolerates_lost_ranks)
@@ -156,20 +154,10 @@ class ParameterServerStrategy(DetachableCollectives):
                 self._clip_on_the_servers()
 
     def _clip_on_the_servers(self) -> None:
-        """Gradient clipping (``Trainer(gradient_clip_val=...)``, or ``self.clip_gradients`` in manual optimization)
-        goes with the optimizer's next push: the servers clip what they step with, in sync the average of the
-        workers' gradients, as DDP clips the all-reduced gradient. :meth:`teardown` puts the plugin's own back."""
-
-        def clip_on_servers(optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
-            if clip_val is None or float(clip_val) <= 0:
-                return
-            algorithm = CLIP_ALGORITHMS[str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm))]
-            if isinstance(optimizer, LightningOptimizer):  # manual optimization hands the wrapper in
-                optimizer = optimizer.optimizer
-            self._clips[id(optimizer)] = Clip(algorithm, float(clip_val))
-
-        self._clips = {}
-        route_clip_gradients(self.precision_plugin, clip_on_servers)
+        """Gradient clipping goes with the optimizer's next push, and the servers clip
+        (:class:`~lightning_sync.strategies._ps_clip.ServerClips`). :meth:`teardown` puts the plugin's own back."""
+        self._clips = ServerClips()
+        route_clip_gradients(self.precision_plugin, self._clips.record)
 
     def _check_module(self, trainer: pl.Trainer) -> None:
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
@@ -287,7 +275,7 @@ class ParameterServerStrategy(DetachableCollectives):
             return  # optimization: several opt.step() per batch); the model holds the final parameters
         self._prepare_push()
         index = next((i for i, opt in enumerate(self.optimizers) if opt is optimizer), 0)
-        clip = self._clips.pop(id(optimizer), None)
+        clip = self._clips.pop(optimizer)
         self._take_reply(self.client.push(current_lrs(self.optimizers), index, clip))
 
     def _prepare_push(self) -> None:
