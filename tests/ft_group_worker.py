@@ -226,7 +226,13 @@ def lightning_group(
 
 
 def run_lightning_group(args: list[object], log_path: str) -> None:
-    """:func:`lightning_group` with stdout and stderr sent to ``log_path``."""
+    """:func:`lightning_group` with stdout and stderr sent to ``log_path``, in an environment without another
+    world's rendezvous: a replica group is a job of its own, and a ``MASTER_PORT`` inherited from the process that
+    started the forkserver would make both groups' Lightning bind that one port."""
+    import os
+
+    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"):
+        os.environ.pop(key, None)
     _redirect(log_path)
     lightning_group(*args)  # type: ignore[arg-type]
 

@@ -1,6 +1,6 @@
 """Fault tolerance across replica groups (``lightning_sync.ft``, on torchft 0.2, the ``ft`` extra), on CPU and gloo.
 
-The bad-input tests need no lighthouse. The others start torchft's ``LighthouseServer`` in this process and each
+The bad-input tests need no lighthouse. The others start torchft's ``torchft_lighthouse`` as a process and each
 replica group (one rank) as a process of its own (``tests/ft_group_worker.py``), so that one can be SIGKILLed.
 """
 
@@ -129,14 +129,33 @@ def test_no_lighthouse_at_the_address_names_it_within_timeout():
 
 
 @pytest.fixture
-def lighthouse(request):
-    from torchft.coordination import LighthouseServer
+def lighthouse(request, tmp_path):
+    """torchft's ``torchft_lighthouse`` as a process of its own, as users run it: a ``LighthouseServer`` in this
+    process would leave its runtime's threads here for good, and every later test that forks ranks from this process
+    would fork a multi-threaded process (ranks then abort now and then)."""
+    import shutil
+    import subprocess
 
+    binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or "torchft_lighthouse"
     min_replicas = getattr(request, "param", 2)
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=5000,
-                              heartbeat_timeout_ms=1000)  # fmt: skip
-    yield f"127.0.0.1:{server.address().rstrip('/').rsplit(':', 1)[1]}"
-    server.shutdown()
+    log = tmp_path / "lighthouse.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [binary, "--bind", "127.0.0.1:0", "--min_replicas", str(min_replicas), "--join_timeout_ms", "5000",
+             "--heartbeat_timeout_ms", "1000"],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while "listening on" not in log.read_text():
+            if server.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"torchft_lighthouse did not start:\n{log.read_text()[-2000:]}")
+            time.sleep(0.05)
+        line = next(line for line in log.read_text().splitlines() if "listening on" in line)
+        yield f"127.0.0.1:{line.rstrip('/').rsplit(':', 1)[1]}"
+    finally:
+        server.kill()
+        server.wait(10)
 
 
 def _start_group(

@@ -359,9 +359,10 @@ class PeriodicAverager:
         return global_copies(self.last_synced)
 
     def close(self) -> None:
-        """Drops the outer-sync worker thread (after the jobs it has)."""
+        """Drops the outer-sync worker thread once its jobs are done (waiting up to ``timeout_s``), so the process
+        group can then be destroyed."""
         if self._worker is not None:
-            self._worker.close()
+            self._worker.close(self.timeout_s)
             self._worker = None
 
     # ------------------------------------------------------------------ adaptive period

@@ -160,9 +160,12 @@ class OuterSyncWorker:
             except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
                 future.set_exception(error)
 
-    def close(self) -> None:
-        """Lets the thread end after the jobs already queued."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Lets the thread end after the jobs already queued, and waits for that up to ``timeout_s`` (``None``: 60 s),
+        so that the caller can destroy the process group once no job uses it (a job still in a collective when its
+        group is destroyed aborts the process). A job stuck on a frozen peer is left to the daemon thread."""
         self._jobs.put((None, None))
+        self._thread.join(60.0 if timeout_s is None else timeout_s)
 
 
 def new_stream_group(group: dist.ProcessGroup | None, timeout_s: float | None) -> dist.ProcessGroup:
