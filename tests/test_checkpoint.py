@@ -82,7 +82,7 @@ CASES = {
     "periodic-gradient": (lambda: PeriodicSyncStrategy(start_method="fork", mode="gradient", sync_every=2), {}),
     "periodic-local_sgd": (lambda: PeriodicSyncStrategy(start_method="fork", mode="local_sgd", sync_every=3), {}),
     "periodic-diloco-adamw": (
-        lambda: PeriodicSyncStrategy(start_method="fork", mode="diloco", sync_every=3),
+        lambda: PeriodicSyncStrategy(start_method="fork", mode="diloco", sync_every=3, outer_momentum=0.9),
         {"optimizer": "adamw", "lr": 0.01},
     ),
 }

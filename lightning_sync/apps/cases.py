@@ -71,7 +71,9 @@ _CASES = (
          "our PeriodicSyncStrategy(mode='local_sgd', sync_every=sync_every)", alias="periodic",
          period_knob="sync_every"),
     Case("periodic:diloco/8", "periodic", {"mode": "diloco", "sync_every": 8},
-         "DiLoCo every 8 steps, the strategy's outer Nesterov SGD (lr 0.7, momentum 0.9)"),
+         "DiLoCo every 8 steps, the strategy's default outer optimizer (lightning_sync.config.outer)"),
+    Case("periodic:diloco/16", "periodic", {"mode": "diloco", "sync_every": 16},
+         "DiLoCo every 16 steps (the README's example), the strategy's default outer optimizer"),
     # one dedicated server process; in async and ssp the same samples as the other rows, one update per push
     Case("ps:sync", "ps", {"mode": "sync"}, "parameter server, synchronous"),
     Case("ps:async", "ps", {"mode": "async"},
@@ -89,7 +91,8 @@ _CASES = (
     Case("allreduce_flat", "allreduce", {"bucketing": "flat"}, "our AllReduceStrategy(bucketing='flat')"),
     Case("allreduce_overlap", "allreduce", {"bucketing": "overlap"}, "our AllReduceStrategy(bucketing='overlap')"),
     Case("diloco", "periodic", {"mode": "diloco", "sync_every": 16}, "our PeriodicSyncStrategy(mode='diloco', "
-         "sync_every=diloco_sync_every), outer SGD lr 0.7, Nesterov 0.9", period_knob="diloco_sync_every"),
+         "sync_every=diloco_sync_every), the default outer optimizer (results from before the defaults changed: "
+         "the paper's Nesterov SGD, lr 0.7, momentum 0.9)", period_knob="diloco_sync_every"),
     Case("diloco_8", "periodic", {"mode": "diloco", "sync_every": 8, "outer_momentum": 0.0}, "diloco every "
          f"sync_every steps with {_SGD}: streaming_diloco_8 without fragments, delay or int4",
          period_knob="sync_every"),

@@ -67,6 +67,7 @@ LM_OPT_IN_CASES = hydra_cases(
     [
         *("periodic:streaming_diloco/16", "periodic:streaming_diloco/8", "periodic:streaming_diloco/8/k2"),
         *("periodic:streaming_diloco/12", "ps:async", "ps:async_local/8", "ps:async_local/auto"),
+        "periodic:diloco/16",
     ]
 )
 REFERENCE = "ddp"

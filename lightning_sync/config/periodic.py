@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning_sync.config.common import GradientSyncKnobs, StrategyConfig
 from lightning_sync.config.knobs import knob
+from lightning_sync.config.outer import OUTER_LR_HELP, OUTER_MOMENTUM_HELP, default_outer_lr
 from lightning_sync.errors import ConfigError, check_choice, check_range
 
 PERIODIC_MODES = ("gradient", "local_sgd", "diloco")
@@ -42,8 +43,8 @@ class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
         False,
         "``local_sgd``/``diloco``: also average the floating optimizer state (momentum, Adam moments) at each sync.",
     )
-    outer_lr: float = knob(0.7, """``diloco``: learning rate of the outer SGD.""")
-    outer_momentum: float = knob(0.9, """``diloco``: momentum of the outer SGD, in [0, 1).""")
+    outer_lr: float | None = knob(None, f"``diloco``: {OUTER_LR_HELP}")
+    outer_momentum: float = knob(0.0, f"``diloco``: {OUTER_MOMENTUM_HELP}")
     outer_nesterov: bool = knob(
         True,
         "``diloco``: Nesterov momentum for the outer SGD (ignored when ``outer_momentum`` is 0).",
@@ -112,6 +113,8 @@ class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("mode", self.mode, PERIODIC_MODES)
+        if self.outer_lr is None:  # the documented rule (lightning_sync.config.outer); the averager checks the value
+            self.outer_lr = default_outer_lr(self.outer_momentum)
         if self.fault_tolerance is not None and self.mode == "gradient":
             raise ConfigError(
                 "fault_tolerance is not allowed with mode='gradient' (a per-step gradient sync across replica "
