@@ -30,9 +30,10 @@ from lightning_sync.comm.nonfinite import NonFiniteStepWarning, drop_grads, grad
 from lightning_sync.config import StrategyConfig, knob_docs
 from lightning_sync.errors import ConfigError
 from lightning_sync.strategies._checkpoint import SyncStateCheckpointing
+from lightning_sync.strategies._collectives import NamedPeerCollectives
 from lightning_sync.strategies._gc import freeze_startup_heap, release_startup_heap
 from lightning_sync.strategies._launcher import configure_launcher
-from lightning_sync.strategies._lightning import LightningDDPHooks, insert_callback_first
+from lightning_sync.strategies._lightning import insert_callback_first
 from lightning_sync.strategies._metrics import SyncMetricsLogger
 from lightning_sync.strategies._replicas import ReplicaChecking
 from lightning_sync.strategies._torchelastic import join_restarted_torchelastic_group
@@ -62,7 +63,7 @@ def _args_section(strategy: type) -> str:
     return "\n".join(lines)
 
 
-class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, LightningDDPHooks):
+class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, NamedPeerCollectives):
     """Base of the lightning_sync strategies.
 
     A mode's constructor lists the fields of its config dataclass (``config_class``) as keyword arguments, each

@@ -305,6 +305,13 @@ class ParameterServerStrategy(DetachableCollectives):
             metrics.update(self._reply_metrics.of(self.last_reply))
         return metrics
 
+    @override
+    def _reported_cause(self) -> str | None:
+        """The failure another member of the PS group left in its store (a worker that lost a server), if any."""
+        group = self._group
+        reported = group.first_reported_failure() if group is not None else None
+        return None if group is None or reported is None else f"{group.name(reported[0])} reported: {reported[1]}"
+
     # ------------------------------------------------------------------ the end, and checkpoints
     @override
     def on_train_end(self) -> None:
