@@ -13,11 +13,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 LOCK := requirements.lock
 PYTEST_ARGS ?=
-# pytest-xdist workers for `make test` and `make test-fast`; 0 (the default, what CI runs): one process. With
-# TEST_WORKERS=2 the whole suite takes about 12-13 minutes here instead of about 21 (each worker takes a test file at
-# a time), but tests of two files then load the 2 cores together, and some fault and fault-tolerance tests lose
-# races they win alone (a killed peer named after gloo's own error surfaced; a torchft quorum timing out).
-TEST_WORKERS ?= 0
+# pytest-xdist workers for `make test` and `make test-fast` (0: all in this one process). Each worker takes a whole
+# test file at a time; the files that time a failure (a frozen or killed peer) all go to one worker, one after
+# another, at a higher CPU priority than the other worker's tests (TIMED_FILES in tests/conftest.py).
+TEST_WORKERS ?= 2
 COMPARE_ARGS ?=
 BENCH_ARGS ?=
 # The quick tier: no process group, or 2-rank collectives that take seconds; no Trainer fits, no root, nothing slow.
@@ -45,10 +44,10 @@ lock: $(PY)
 
 # Any non-zero pytest exit, 5 ("no tests ran") included, fails the target and so `make` and .ci/run (nothing masks it).
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 -n $(TEST_WORKERS) --dist loadfile -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 -n $(TEST_WORKERS) -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 # The checks CI runs before the tests.
 check: lint typecheck imports docs

@@ -27,10 +27,64 @@ TIERS = ("unit", "dist", "e2e", "netns")
 HEAVIER_THAN_UNIT = ("dist", "e2e", "netns")
 
 
+# The files whose tests time a failure: a frozen or killed rank, server or replica group must be noticed, named and
+# ended within a timeout, and a survivor must go on at its pace. Each of their tests is marked ``timed``. With several
+# pytest-xdist workers (``make test``) these files run one after another on one worker (:func:`_scope`) at the
+# normal CPU priority, while the other worker's tests run at a lower one (:func:`_timed_tests_first`): the time a
+# failure takes is then the code's, not that of another test's processes sharing the 2 cores.
+TIMED_FILES = frozenset(
+    {
+        "test_faults.py",
+        "test_ft.py",
+        "test_ps_core.py",
+        "test_ps_elastic.py",
+        "test_ps_faults.py",
+        "test_ps_stall.py",
+        "test_restart.py",
+        "test_streaming_diloco.py",
+    }
+)
+OTHER_TESTS_NICE = 10
+
+
+def _is_timed(nodeid: str) -> bool:
+    return os.path.basename(nodeid.split("::", 1)[0]) in TIMED_FILES
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
     if untiered:
         raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}): {untiered}")
+    for item in items:
+        if _is_timed(item.nodeid):
+            item.add_marker(pytest.mark.timed)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without xdist the tests run in this one process
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Whole files to a worker at a time (as ``--dist loadfile``), the timed files all as one unit (see
+    :data:`TIMED_FILES`)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _TimedFilesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "timed-files" if _is_timed(nodeid) else nodeid.split("::", 1)[0]
+
+    return _TimedFilesTogether(config, log)
+
+
+@pytest.fixture(autouse=True)
+def _timed_tests_first(request: pytest.FixtureRequest) -> None:
+    """Under pytest-xdist, a ``timed`` test (and the processes it starts) runs at the normal CPU priority and any
+    other test at nice :data:`OTHER_TESTS_NICE`. Raising the priority again needs root (``make test`` as a user leaves
+    the priority as it is)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    nice = 0 if request.node.get_closest_marker("timed") else OTHER_TESTS_NICE
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except OSError:
+        pass
 
 
 def _refuse(what: str) -> Callable[..., Any]:
