@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     parser.add_argument("--case", default="periodic:diloco/8", help="the main job's case the grid sets knobs of")
     parser.add_argument("--ddp", action="store_true", help="also run the ddp reference on the same seeds")
-    parser.add_argument("--no-grid", action="store_true", help="run no grid point (e.g. only --ddp)")
+    parser.add_argument("--no-grid", action="store_true", help="run no grid point (only --ddp, or just re-render)")
     parser.add_argument("--out", default="benchmarks/results/outer_sweep_300", help="the sweep's results folder")
     parser.add_argument("--runs", default="outputs/outer_sweep", help="folder of the main job's run folders")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (e.g. model.n_layer=4)")
@@ -113,7 +113,18 @@ def format_sweep(results: dict[str, Any]) -> str:
         loss = "diverged" if p["mean"] is None else f"{p['mean']:.3f} [{p['min']:.3f}, {p['max']:.3f}]"
         percent = "-" if p.get("vs_ddp_percent") is None else f"{p['vs_ddp_percent']:+.1f}%"
         momentum = f"{p['outer_momentum']:g}" + (" (Nesterov)" if p["outer_momentum"] > 0 else "")
-        rows.append((p["case"], p["every"], f"{p['outer_lr']:g}", momentum, loss, percent, p["vs_ddp"], len(done)))
+        rows.append(
+            (
+                p["case"].rsplit("/", 1)[0],
+                p["every"],
+                f"{p['outer_lr']:g}",
+                momentum,
+                loss,
+                percent,
+                p["vs_ddp"],
+                len(done),
+            )
+        )
     header = (
         "case",
         "H",
@@ -171,12 +182,19 @@ def main(argv: list[str] | None = None) -> None:
             previous.write_text(json.dumps(results, indent=2))
     commands = results.setdefault("commands", [])
     command = provenance()["command"]
-    if command not in commands:
+    if jobs and command not in commands:  # --no-grid alone re-renders the table
         commands.append(command)
     previous.write_text(json.dumps(results, indent=2))
     text = format_sweep(results)
     (out / "outer_sweep.md").write_text(text + "\n")
-    record = {**results["provenance"], "command": " && ".join(commands), "title": _title(results)}
+    note = (
+        f"Test loss after {results['steps']} steps, mean [min, max] over the seeds run; `vs ddp`: the mean's "
+        f"difference from DDP's; `tie`: within {TIE_PERCENT:g}% of it and the ranges overlap. The case's period is "
+        "set by `strategy.sync_every=H`; a momentum above 0 is Nesterov's. Each point's main-job command is in "
+        "`sweep.json`; the provenance above is the last command's (the runs are deterministic: a point rerun at a "
+        "later commit gives the same loss to the last digit)."
+    )
+    record = {**results["provenance"], "command": " && ".join(commands), "title": _title(results), "note": note}
     (out / "outer_sweep.provenance.json").write_text(json.dumps(record, indent=2) + "\n")
     print(text)
 
