@@ -343,3 +343,12 @@ def test_diloco_case_trains(tmp_path):
     )
     assert summary["diverged"] is False, summary
     assert summary["test"]["test/acc"] > 0.85, summary
+
+
+@pytest.mark.unit
+def test_fault_tolerance_counters_join_the_progress_line():
+    from lightning_sync.apps._console import _ft_text
+
+    assert _ft_text({"train/loss": 1.0}) == ""
+    metrics = {"ft/quorum_size": 3.0, "ft/commits": 12.0, "ft/failed_commits": 1.0, "ft/heals": 0.0, "ft/x": 5.0}
+    assert _ft_text(metrics) == "quorum 3 commits 12 failed 1 heals 0"

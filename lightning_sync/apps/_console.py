@@ -17,6 +17,7 @@ import math
 import sys
 import time
 import warnings
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 import lightning.pytorch as pl
@@ -73,6 +74,14 @@ def _epoch_text(trainer: pl.Trainer) -> str:
 
 # Metrics shown in the plain per-epoch line, each the first of its alternatives found in callback_metrics.
 _SHOWN_METRICS = (("train/loss_epoch", "train/loss"), ("val/loss",), ("val/acc",))
+# The fault-tolerance counters of a strategy with ``fault_tolerance`` (``ft/*``), shown in the line and the bar.
+_FT_COUNTERS = (("ft/quorum_size", "quorum"), ("ft/commits", "commits"), ("ft/failed_commits", "failed"),
+                ("ft/heals", "heals"))  # fmt: skip
+
+
+def _ft_text(metrics: Mapping[str, Any]) -> str:
+    """``"quorum 3 commits 12 failed 1 heals 0"`` from the ``ft/*`` metrics logged so far; ``""`` without them."""
+    return " ".join(f"{label} {float(metrics[name]):.0f}" for name, label in _FT_COUNTERS if name in metrics)
 
 
 class ProgressReport(pl.Callback):
@@ -179,7 +188,10 @@ class ProgressReport(pl.Callback):
         now = time.perf_counter()
         if now - self._last_postfix >= 1.0:  # formatting the postfix every step would cost step time
             self._last_postfix = now
-            self._bar.set_postfix_str(f"{_epoch_text(trainer)} {self._eta_text()}", refresh=False)
+            ft = _ft_text(trainer.callback_metrics)
+            self._bar.set_postfix_str(
+                f"{_epoch_text(trainer)} {ft + ' ' if ft else ''}{self._eta_text()}", refresh=False
+            )
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -192,6 +204,8 @@ class ProgressReport(pl.Callback):
             name = next((n for n in names if n in metrics), None)
             if name is not None:
                 parts.append(f"{name.removesuffix('_epoch')} {float(metrics[name]):.4g}")
+        if _ft_text(metrics):
+            parts.append(_ft_text(metrics))
         parts.append(self._eta_text())
         print(" | ".join(parts), file=self._out(), flush=True)
 
