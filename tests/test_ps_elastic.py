@@ -211,7 +211,8 @@ def _rejoiner(port: int, joined: Any) -> dict:
             break
         time.sleep(0.01)
     client.close()
-    return {"generation": group.generation, "clock_at_join": at_join.clocks[0], "applied": applied}
+    return {"generation": group.generation, "clock_at_join": at_join.clocks[0], "applied": applied,
+            "joins_in_replies": (at_join.joins, reply.joins)}  # fmt: skip
 
 
 @pytest.mark.dist
@@ -234,6 +235,7 @@ def test_a_killed_worker_restarted_with_rejoin_is_served_again(procs):  # noqa: 
     stats, again = out["worker0"]["stats"], out["rejoiner"]
     assert stats["joins"] == {2: 1} and stats["lost"] == [], stats
     assert again["generation"] == 1 and again["applied"] >= 10, again
+    assert again["joins_in_replies"] == ((1,), (1,)), again  # the replies' header counts it (ps/server0_joins)
     assert again["clock_at_join"] > FREEZE_AT, again  # raised to the slowest live worker's: ssp does not wait on it
     assert stats["clocks"][2] >= again["clock_at_join"] + again["applied"] - 1, (stats, again)
     assert out["worker0"]["lost"] == {} and out["worker1"]["lost"] == {}, out

@@ -145,6 +145,7 @@ class RequestDispatch:
             min_clock=min(live_clocks) if live_clocks else clocks[worker],
             live_workers=sum(self.live),
             lost_workers=len(self.lost),
+            joins=sum(self.joins.values()),
         )
         return header, payload
 

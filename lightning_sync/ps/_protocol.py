@@ -11,7 +11,8 @@ gradient before the step, ``clip_value`` a float64 in the slot's bits)
 
 Reply header (server -> worker, tag :data:`TAG_REPLY`):
 ``[kind, status, version, flags, payload_nbytes, bytes_recv, bytes_sent, staleness, stop_code, stop_worker, clock,
-min_clock, live_workers, lost_workers]`` (the last two: how many workers the server counts as live, and has dropped)
+min_clock, live_workers, lost_workers, joins]`` (the last three: how many workers the server counts as live, how many
+it has dropped, and how many times a dropped worker rejoined)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-HEADER_SLOTS = 14
+HEADER_SLOTS = 15
 #: Size in bytes of every header on the wire.
 HEADER_BYTES = HEADER_SLOTS * 8
 
@@ -116,12 +117,13 @@ class ReplyHeader:
     min_clock: int = 0
     live_workers: int = 0
     lost_workers: int = 0
+    joins: int = 0
 
     def header(self) -> torch.Tensor:
         values = [
             int(self.kind), int(self.status), self.version, self.flags, self.payload_nbytes, self.bytes_recv,
             self.bytes_sent, self.staleness, int(self.stop_code), self.stop_worker, self.clock, self.min_clock,
-            self.live_workers, self.lost_workers,
+            self.live_workers, self.lost_workers, self.joins,
         ]  # fmt: skip
         return torch.tensor(values, dtype=torch.int64)
 
@@ -143,6 +145,7 @@ class ReplyHeader:
             v[11],
             v[12],
             v[13],
+            v[14],
         )
 
 

@@ -360,6 +360,7 @@ class PSClient:
             skipped=skipped,
             live_workers=tuple(h.live_workers for h, _ in answers),
             lost_workers=tuple(h.lost_workers for h, _ in answers),
+            joins=tuple(h.joins for h, _ in answers),
         )
         self.last_reply = reply
         return reply

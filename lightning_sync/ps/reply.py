@@ -28,6 +28,7 @@ class PSReply:
         server_bytes_sent: per server, everything it sent so far (its egress), as of the reply.
         live_workers: per server, the workers it counts as live (not dropped, no goodbye yet).
         lost_workers: per server, the workers it has dropped (the elastic modes).
+        joins: per server, how many times a dropped worker rejoined it (the elastic modes).
     """
 
     versions: tuple[int, ...]
@@ -42,6 +43,7 @@ class PSReply:
     skipped: bool = False
     live_workers: tuple[int, ...] = ()
     lost_workers: tuple[int, ...] = ()
+    joins: tuple[int, ...] = ()
 
     @property
     def version(self) -> int:
