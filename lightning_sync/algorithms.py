@@ -22,7 +22,6 @@ from lightning_sync.config import (
     PeriodicConfig,
     StrategyConfig,
 )
-from lightning_sync.config.outer import default_outer_lr
 from lightning_sync.errors import ConfigError
 from lightning_sync.ps.settings import PSConfig
 
@@ -62,7 +61,7 @@ def ps_settings(cfg: ParameterServerConfig, max_updates: int | None = None) -> P
             cfg.skip_nonfinite,
             push_scale=None if cfg.push_scale == "auto" else cfg.push_scale,
             local_steps=cfg.max_local_steps if cfg.local_steps == "auto" else cfg.local_steps,
-            outer_lr=default_outer_lr(cfg.outer_momentum) if cfg.outer_lr is None else cfg.outer_lr,
+            outer_lr=cfg.outer_lr,
             outer_momentum=cfg.outer_momentum,
             outer_nesterov=cfg.outer_nesterov,
         )

@@ -168,3 +168,23 @@ def test_smoke_run_gives_both_tables_and_a_results_file_with_provenance(tmp_path
         assert all(len(r["values"]) == 2 for r in block["rows"])
     lm = results["workloads"]["char_lm"]["runs"]["ddp"]
     assert all(r["unigram"]["loss"] > 3 and "test/loss" in r["test"] for r in lm), lm
+
+
+@pytest.mark.unit
+def test_provenance_names_the_checkout_even_when_a_stale_egg_info_hides_the_editable_install(monkeypatch):
+    """Run from a checkout whose working directory holds an old ``*.egg-info``, ``importlib.metadata`` finds that
+    one (no ``direct_url.json``): the record still names the checkout's commit."""
+    from importlib import metadata
+    from pathlib import Path
+
+    from lightning_sync.apps import provenance
+
+    class _StaleEggInfo:
+        def read_text(self, name: str) -> None:
+            return None
+
+    monkeypatch.setattr(metadata, "distribution", lambda name: _StaleEggInfo())
+    repo = Path(__file__).resolve().parents[1]
+    assert provenance.source_checkout() == str(repo)
+    head = (provenance.git_output("rev-parse", "HEAD", cwd=repo) or "").strip()
+    assert head and provenance.git_state()["commit"] == head

@@ -36,17 +36,19 @@ def git_output(*args: str, cwd: str | Path | None = None) -> str | None:
 
 
 def source_checkout(distribution: str = "lightning-sync") -> str | None:
-    """The source folder of an editable install of ``distribution`` (its PEP 610 ``direct_url.json``), or ``None``
-    for an installed wheel, whose version alone says which code ran."""
+    """The source folder of an editable install of ``distribution`` (its PEP 610 ``direct_url.json``); else the git
+    checkout that holds the imported package (run from a checkout, where a stale ``*.egg-info`` in the working
+    directory hides the editable install's metadata); ``None`` for an installed wheel, whose version alone says which
+    code ran."""
     try:
-        text = metadata.distribution(distribution).read_text("direct_url.json")
+        info = json.loads(metadata.distribution(distribution).read_text("direct_url.json") or "{}")
     except metadata.PackageNotFoundError:
-        return None
-    info = json.loads(text or "{}")
+        info = {}
     url = str(info.get("url", ""))
-    if not info.get("dir_info", {}).get("editable") or not url.startswith("file://"):
-        return None
-    return urllib.parse.unquote(urllib.parse.urlparse(url).path)
+    if info.get("dir_info", {}).get("editable") and url.startswith("file://"):
+        return urllib.parse.unquote(urllib.parse.urlparse(url).path)
+    root = Path(__file__).resolve().parents[2]  # lightning_sync/apps/provenance.py -> the folder above the package
+    return str(root) if (root / ".git").exists() else None
 
 
 def git_state() -> dict[str, Any]:

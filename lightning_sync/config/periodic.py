@@ -7,7 +7,7 @@ from typing import Any
 
 from lightning_sync.config.common import GradientSyncKnobs, StrategyConfig
 from lightning_sync.config.knobs import knob
-from lightning_sync.config.outer import OUTER_LR_HELP, OUTER_MOMENTUM_HELP, default_outer_lr
+from lightning_sync.config.outer import OUTER_LR, OUTER_LR_HELP, OUTER_MOMENTUM_HELP
 from lightning_sync.errors import ConfigError, check_choice, check_range
 
 PERIODIC_MODES = ("gradient", "local_sgd", "diloco")
@@ -43,7 +43,7 @@ class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
         False,
         "``local_sgd``/``diloco``: also average the floating optimizer state (momentum, Adam moments) at each sync.",
     )
-    outer_lr: float | None = knob(None, f"``diloco``: {OUTER_LR_HELP}")
+    outer_lr: float = knob(OUTER_LR, f"``diloco``: {OUTER_LR_HELP}")
     outer_momentum: float = knob(0.0, f"``diloco``: {OUTER_MOMENTUM_HELP}")
     outer_nesterov: bool = knob(
         True,
@@ -113,8 +113,6 @@ class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("mode", self.mode, PERIODIC_MODES)
-        if self.outer_lr is None:  # the documented rule (lightning_sync.config.outer); the averager checks the value
-            self.outer_lr = default_outer_lr(self.outer_momentum)
         if self.fault_tolerance is not None and self.mode == "gradient":
             raise ConfigError(
                 "fault_tolerance is not allowed with mode='gradient' (a per-step gradient sync across replica "

@@ -7,7 +7,7 @@ from typing import Any
 
 from lightning_sync.config.common import StrategyConfig
 from lightning_sync.config.knobs import knob
-from lightning_sync.config.outer import OUTER_LR_HELP, OUTER_MOMENTUM_HELP, default_outer_lr
+from lightning_sync.config.outer import OUTER_LR, OUTER_LR_HELP, OUTER_MOMENTUM_HELP
 from lightning_sync.errors import ConfigError, check_choice, check_range
 
 PS_MODES = ("sync", "async", "ssp")
@@ -63,7 +63,7 @@ class ParameterServerConfig(StrategyConfig):
         8,
         "``local_steps: auto``: the fastest worker's local steps; a worker k times slower takes about 1/k of them.",
     )
-    outer_lr: float | None = knob(None, f"``local_steps > 1``: the servers' outer SGD's {OUTER_LR_HELP}")
+    outer_lr: float = knob(OUTER_LR, f"``local_steps > 1``: the servers' outer SGD's {OUTER_LR_HELP}")
     outer_momentum: float = knob(0.0, f"``local_steps > 1``: {OUTER_MOMENTUM_HELP}")
     outer_nesterov: bool = knob(True, """``local_steps > 1``: Nesterov momentum for the outer SGD.""")
     elastic: bool = knob(
@@ -75,8 +75,6 @@ class ParameterServerConfig(StrategyConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("mode", self.mode, PS_MODES)
-        if self.outer_lr is None:  # the documented rule (lightning_sync.config.outer); PSConfig checks the value
-            self.outer_lr = default_outer_lr(self.outer_momentum)
         if self.elastic is not False and (self.elastic is not True or self.mode != "sync"):
             raise ConfigError(
                 f"elastic={self.elastic!r} is not allowed with mode={self.mode!r}; it is true or false, for sync "

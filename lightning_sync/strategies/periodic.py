@@ -66,7 +66,7 @@ class PeriodicSyncStrategy(AllReduceStrategy):
         sync_every: int | str = PeriodicConfig.sync_every,
         warmup_steps: int = PeriodicConfig.warmup_steps,
         average_optimizer_state: bool = PeriodicConfig.average_optimizer_state,
-        outer_lr: float | None = PeriodicConfig.outer_lr,
+        outer_lr: float = PeriodicConfig.outer_lr,
         outer_momentum: float = PeriodicConfig.outer_momentum,
         outer_nesterov: bool = PeriodicConfig.outer_nesterov,
         target_comm_fraction: float = PeriodicConfig.target_comm_fraction,

@@ -77,7 +77,7 @@ class ParameterServerStrategy(DetachableCollectives):
         push_scale: float | str = ParameterServerConfig.push_scale,
         local_steps: int | str = ParameterServerConfig.local_steps,
         max_local_steps: int = ParameterServerConfig.max_local_steps,
-        outer_lr: float | None = ParameterServerConfig.outer_lr,
+        outer_lr: float = ParameterServerConfig.outer_lr,
         outer_momentum: float = ParameterServerConfig.outer_momentum,
         outer_nesterov: bool = ParameterServerConfig.outer_nesterov,
         elastic: bool = ParameterServerConfig.elastic,
