@@ -204,8 +204,9 @@ class ProgressReport(pl.Callback):
             name = next((n for n in names if n in metrics), None)
             if name is not None:
                 parts.append(f"{name.removesuffix('_epoch')} {float(metrics[name]):.4g}")
-        if _ft_text(metrics):
-            parts.append(_ft_text(metrics))
+        ft = _ft_text(metrics)
+        if ft:
+            parts.append(ft)
         parts.append(self._eta_text())
         print(" | ".join(parts), file=self._out(), flush=True)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_sync.comm.peer_errors import PeerError, peer_error
+from lightning_sync.comm.peer_errors import PeerError, naming_peer
 from lightning_sync.strategies._lightning import LightningDDPHooks
 
 
@@ -33,14 +33,15 @@ class NamedPeerCollectives(LightningDDPHooks):
 
     @contextmanager
     def _naming_lost_peer(self, op: str) -> Iterator[None]:
+        """:func:`~lightning_sync.comm.peer_errors.naming_peer`, plus the cause another process reported, if any."""
         try:
-            yield
-        except RuntimeError as error:
-            restated = peer_error(op, None, error, self._collective_timeout_s())
-            if restated is None:
-                raise
+            with naming_peer(op, None, self._collective_timeout_s()):
+                yield
+        except PeerError as error:
             cause = self._reported_cause()
-            raise (PeerError(f"{restated}; {cause}") if cause else restated) from error
+            if cause is None:
+                raise
+            raise PeerError(f"{error}; {cause}") from error.__cause__
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
