@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -149,3 +152,26 @@ def test_as_metrics_keys():
     assert all(isinstance(v, float) for v in metrics.values())
     assert set(stats.as_metrics("x/")) == {"x/bytes_sent", "x/bytes_recv", "x/calls", "x/seconds"}
     assert (stats + stats) - stats == stats
+
+
+def _let_go_of_the_group_under_an_async_collective(rank: int, world: int) -> None:
+    group = dist.new_group(ranks=[0, 1])
+    meter = CommMeter()
+    if rank == 1:
+        time.sleep(1.0)  # rank 0 lets go of everything while its collective still waits for this rank
+    work = meter.all_reduce(torch.ones(1000), group=group, async_op=True)
+    if rank == 0:
+        dist.destroy_process_group(group)
+        del work, group
+        gc.collect()
+        time.sleep(2.0)  # meanwhile rank 1 joins: the collective completes, and its callback ends, on gloo's thread
+    else:
+        work.wait()
+        dist.destroy_process_group(group)
+
+
+@pytest.mark.dist
+def test_an_async_collective_does_not_keep_its_group_alive_on_the_backend_thread():
+    """Were the group's last reference the work callback's, it would be freed on gloo's own thread, which then joins
+    itself: ``std::system_error: Resource deadlock avoided`` aborts the rank (exit -6)."""
+    run_ranks(_let_go_of_the_group_under_an_async_collective)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lightning_sync.comm.peer_errors import naming_peer
+from lightning_sync.comm.peer_errors import Peers, naming_peer
 
 
 class TimedWork:
@@ -22,7 +22,8 @@ class TimedWork:
         book: called once with the seconds from ``started`` until the work completed.
         started: ``time.perf_counter()`` at launch.
         op: a collective's name: its failure names the peer (point-to-point errors are the caller's).
-        group: the collective's process group.
+        group: the collective's process group; only its :class:`~lightning_sync.comm.peer_errors.Peers` are kept,
+            never the group (the completion callback runs on the backend's thread, see ``Peers``).
         timeout_s: the group's timeout, named in a :class:`~lightning_sync.comm.peer_errors.PeerError`.
     """
 
@@ -40,7 +41,7 @@ class TimedWork:
         self._started = started
         self._timeout_s = timeout_s
         self._op = op
-        self._group = group
+        self._peers = Peers.of(group) if op is not None else None
         self._booked = False
         self._lock = threading.Lock()  # the future's callback and wait() may both book
         try:
@@ -50,8 +51,15 @@ class TimedWork:
 
     def _on_done(self, fut: torch.futures.Future) -> Any:
         self._book()
-        with naming_peer(self._op, self._group, self._timeout_s):
-            return fut.value()
+        with naming_peer(self._op, self._peers, self._timeout_s):
+            value = fut.value()
+        # Gloo completes the future of a collective on CUDA tensors as soon as the host-side collective is done,
+        # while the copy of the result back into the CUDA tensors is still queued on gloo's own stream (its future
+        # is not stream-aware; only Work.wait() orders the current stream after that copy). Order the current
+        # stream after it here, so that what runs after this future (a compressor's decode, a waiting caller)
+        # reads the result, not the tensor as it was before the collective. A no-op for CPU tensors.
+        self._work.synchronize()
+        return value
 
     def _book(self) -> None:
         with self._lock:

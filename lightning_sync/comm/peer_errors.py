@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,16 +33,30 @@ _CALLBACK_PREFIX = re.compile(r"^(?:Got the following error when running the cal
 _RESTATED = re.compile(r"^[\w ]+ on rank \d+ failed: ")  # a PeerError's message, seen through such wrapping
 
 
-def _peers(group: ProcessGroup | None) -> str:
-    """The other ranks of ``group`` (global ranks): ``"rank 1"``, or ``"one of ranks 1, 2, 3"``."""
-    me = dist.get_rank()
-    ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
-    others = [r for r in ranks if r != me]
-    return f"rank {others[0]}" if len(others) == 1 else "one of ranks " + ", ".join(map(str, others))
+@dataclass(frozen=True)
+class Peers:
+    """The ranks a failed collective's error names, read off its group when the collective is issued.
+
+    A work callback keeps this instead of the process group: a callback runs on the backend's own thread, and if it
+    held the last reference to a group that the program has already destroyed, the group would be freed on that
+    thread, which joins itself (``std::system_error: Resource deadlock avoided``, and the process aborts).
+    """
+
+    me: int  # this process's global rank
+    others: str  # ``"rank 1"``, or ``"one of ranks 1, 2, 3"`` (global ranks)
+
+    @classmethod
+    def of(cls, group: ProcessGroup | None) -> Peers:
+        """The peers of ``group`` (``None``: the default group), as seen from this rank."""
+        me = dist.get_rank()
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+        others = [r for r in ranks if r != me]
+        text = f"rank {others[0]}" if len(others) == 1 else "one of ranks " + ", ".join(map(str, others))
+        return cls(me, text)
 
 
 def peer_error(
-    op: str, group: ProcessGroup | None, error: BaseException, timeout_s: float | None = None
+    op: str, group: ProcessGroup | Peers | None, error: BaseException, timeout_s: float | None = None
 ) -> PeerError | None:
     """``error`` of collective ``op`` restated as a :class:`PeerError` naming the peer, if a peer caused it.
 
@@ -50,7 +65,7 @@ def peer_error(
 
     Args:
         op: what was running (``"all_reduce"``).
-        group: its process group (``None``: default).
+        group: its process group (``None``: default), or its :class:`Peers`.
         error: what the backend raised.
         timeout_s: the group's timeout, for the message (``None``: as the backend's message says, if it does).
 
@@ -72,10 +87,10 @@ def peer_error(
     else:
         return None
     try:
-        who, me = _peers(group), dist.get_rank()
+        peers = group if isinstance(group, Peers) else Peers.of(group)
     except (RuntimeError, ValueError):  # the group is already gone
         return None
-    return PeerError(f"{op} on rank {me} failed: {who} {what} (backend: {first})")
+    return PeerError(f"{op} on rank {peers.me} failed: {peers.others} {what} (backend: {first})")
 
 
 def wait_future(future: torch.futures.Future, op: str, group: ProcessGroup | None = None) -> Any:
@@ -93,7 +108,7 @@ def wait_future(future: torch.futures.Future, op: str, group: ProcessGroup | Non
 
 
 @contextmanager
-def naming_peer(op: str | None, group: Any, timeout_s: float | None = None) -> Iterator[None]:
+def naming_peer(op: str | None, group: ProcessGroup | Peers | None, timeout_s: float | None = None) -> Iterator[None]:
     """Raises an error of the block that a silent or lost peer caused as :func:`peer_error` (``op=None``: as it is)."""
     try:
         yield
