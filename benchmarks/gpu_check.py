@@ -283,6 +283,7 @@ def _step_timer(device: str) -> Any:
 
         def __init__(self) -> None:
             self.seconds: list[float] = []
+            self.devices: set[str] = set()  # where the parameters were during training (teardown moves them to CPU)
             self._start = 0.0
 
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
@@ -292,6 +293,7 @@ def _step_timer(device: str) -> Any:
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             _sync(device)
             self.seconds.append(time.perf_counter() - self._start)
+            self.devices.update(p.device.type for p in module.parameters())
 
     return StepTimer()
 
@@ -373,9 +375,9 @@ def run_strategy_case(case: StrategyCase, device: str, steps: int, warmup: int, 
     root_device = trainer.strategy.root_device.type
     if root_device != device:
         problems.append(f"the strategy's root device is {root_device}, expected {device}")
-    devices = sorted({p.device.type for p in model.parameters()})
+    devices = sorted(timer.devices)
     if devices != [device]:
-        problems.append(f"the parameters are on {devices}, expected [{device!r}]")
+        problems.append(f"the parameters were on {devices} during training, expected [{device!r}]")
     loss = trainer.callback_metrics.get("train/loss_step", trainer.callback_metrics.get("train/loss"))
     loss_value = float(loss) if loss is not None else math.nan
     if not math.isfinite(loss_value):

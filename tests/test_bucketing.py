@@ -204,6 +204,9 @@ def test_tuner_margin_and_prior(during, after, expected, prior):
         def world_size(self, group=None):
             return 1
 
+        def control_device(self, group=None):
+            return torch.device("cpu")
+
     assert tuner.decide(_Meter(), None) is (prior if expected is None else expected)
 
 

@@ -154,7 +154,9 @@ class DivergenceGuard(pl.Callback):
         """Exchanges every rank's first bad step; on any, records the earliest and stops every rank."""
         step, value, reason = self._bad if self._bad is not None else (math.inf, 0.0, 0)
         first = self._first_loss if self._first_loss is not None else math.nan
-        mine = torch.tensor([step, value, reason, first, self._lowest_mean], dtype=torch.float64)
+        mine = torch.tensor(
+            [step, value, reason, first, self._lowest_mean], dtype=torch.float64, device=trainer.strategy.root_device
+        )
         # through the strategy, so that a mode whose ranks must not wait for each other (ps async) keeps them apart
         rows = list(trainer.strategy.all_gather(mine)) if trainer.world_size > 1 else [mine]
         rank = min(range(len(rows)), key=lambda r: float(rows[r][0]))

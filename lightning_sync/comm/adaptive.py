@@ -195,7 +195,7 @@ class AdaptivePeriod:
 
 def agree_max(values: Sequence[float], meter: CommMeter, group: ProcessGroup | None = None) -> list[float]:
     """The element-wise maximum of ``values`` over the group (one small all-reduce through the meter)."""
-    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=meter.control_device(group))
     if meter.world_size(group) > 1:
         meter.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor.tolist()

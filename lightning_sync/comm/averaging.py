@@ -176,7 +176,7 @@ def average_optimizer_state(
     if meter.world_size(group) == 1:
         return len(tensors)
     numel = sum(t.numel() for t in tensors)
-    sizes = torch.tensor([numel, -numel], dtype=torch.int64)
+    sizes = torch.tensor([numel, -numel], dtype=torch.int64, device=meter.control_device(group))
     meter.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
     if int(sizes[0]) != numel or int(-sizes[1]) != numel:
         raise RuntimeError(

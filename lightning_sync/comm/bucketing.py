@@ -271,7 +271,7 @@ class GradientSynchronizer:
         all ranks see the same sequence of collectives."""
         if not self.find_unused_parameters:
             return None
-        used = torch.tensor(local_used, dtype=torch.float32)
+        used = torch.tensor(local_used, dtype=torch.float32, device=self.meter.control_device(self.group))
         self.meter.all_reduce(used, group=self.group)
         return (used > 0).tolist()
 

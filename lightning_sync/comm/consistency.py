@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from lightning_sync.comm.meter import control_device
+
 ON_MISMATCH = ("raise", "warn", "resync")
 log = logging.getLogger(__name__)
 
@@ -87,15 +89,17 @@ def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     """Sum, sum of squares and position-weighted sum of ``tensor``'s elements, in float64."""
     flat = tensor.detach().reshape(-1).to(torch.float64)
     # A cheap position-dependent weight in [1, 2): catches swapped or shifted entries that a sum would miss.
-    idx = torch.arange(flat.numel(), dtype=torch.float64)
+    idx = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device)
     weights = 1.0 + torch.frac(idx * 0.6180339887498949)
     return torch.stack([flat.sum(), (flat * flat).sum(), (flat * weights).sum()])
 
 
-def tensor_fingerprints(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A ``(len(tensors), 4)`` float64 matrix: each tensor's size, sum, sum of squares and weighted sum."""
-    rows = [torch.cat([torch.tensor([float(t.numel())], dtype=torch.float64), _fingerprint(t)]) for t in tensors]
-    return torch.stack(rows) if rows else torch.zeros(0, 4, dtype=torch.float64)
+def tensor_fingerprints(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """A ``(len(tensors), 4)`` float64 matrix on ``device`` (``None``: the CPU): each tensor's size, sum, sum of
+    squares and weighted sum (each computed where its tensor is)."""
+    device = torch.device("cpu") if device is None else device
+    rows = [torch.cat([torch.tensor([float(t.numel())], dtype=torch.float64), _fingerprint(t).cpu()]) for t in tensors]
+    return (torch.stack(rows) if rows else torch.zeros(0, 4, dtype=torch.float64)).to(device)
 
 
 def _gather(mine: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -134,21 +138,25 @@ def find_mismatches(
     names, tensors = list(named), list(named.values())
     if not tensors or dist.get_world_size(group) == 1:
         return []
-    prints = _gather(tensor_fingerprints(tensors), group)  # (world, tensors, 4)
+    device = control_device(group)  # the collectives' tensors go there (NCCL takes CUDA tensors only)
+    prints = _gather(tensor_fingerprints(tensors, device), group)  # (world, tensors, 4)
     suspects = [i for i in range(len(tensors)) if bool(_differs(prints[:, i], prints[0, i]).any())]
     if not suspects:
         return []
     if bool((prints[:, suspects, 0] != prints[0, suspects, 0]).any()):
         odd = [names[i] for i in suspects if bool((prints[:, i, 0] != prints[0, i, 0]).any())]
         raise ReplicaMismatchError(f"replicas hold tensors of different sizes: {', '.join(odd)}")
-    reference = torch.cat([tensors[i].detach().reshape(-1).to(torch.float64) for i in suspects])
+    reference = torch.cat([tensors[i].detach().reshape(-1).to(device, torch.float64) for i in suspects])
     src = 0 if group is None else dist.get_global_rank(group, 0)
     dist.broadcast(reference, src=src, group=group)
     diffs, offset = [], 0
     for i in suspects:
-        mine, ref = tensors[i].detach().reshape(-1).to(torch.float64), reference[offset : offset + tensors[i].numel()]
+        mine, ref = (
+            tensors[i].detach().reshape(-1).to(device, torch.float64),
+            reference[offset : offset + tensors[i].numel()],
+        )
         mask = _differs(mine, ref)
-        diffs.append((mine[mask] - ref[mask]).abs().max() if bool(mask.any()) else torch.tensor(0.0, dtype=ref.dtype))
+        diffs.append((mine[mask] - ref[mask]).abs().max() if bool(mask.any()) else ref.new_zeros(()))
         offset += tensors[i].numel()
     every = _gather(torch.stack(diffs), group)  # (world, suspects)
     mismatches, offset = [], 0
@@ -159,7 +167,7 @@ def find_mismatches(
             mismatches.append(TensorMismatch(names[i], tuple(bad.nonzero().flatten().tolist()), _worst(per_rank[bad])))
             if resync:
                 with torch.no_grad():
-                    tensors[i].copy_(reference[offset : offset + tensors[i].numel()].view_as(tensors[i]))
+                    tensors[i].copy_(reference[offset : offset + tensors[i].numel()].view_as(tensors[i]))  # any device
         offset += tensors[i].numel()
     return mismatches
 

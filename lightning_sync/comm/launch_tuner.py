@@ -96,7 +96,9 @@ class LaunchTuner:
     def decide(self, meter: CommMeter, group: ProcessGroup | None) -> bool:
         """Sums the ranks' medians (one small all-reduce) and fixes the launch point; returns it."""
         medians = torch.tensor(
-            [statistics.median(self.times[False]), statistics.median(self.times[True])], dtype=torch.float64
+            [statistics.median(self.times[False]), statistics.median(self.times[True])],
+            dtype=torch.float64,
+            device=meter.control_device(group),
         )
         meter.all_reduce(medians, group=group)
         n = meter.world_size(group)

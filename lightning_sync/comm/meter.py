@@ -48,10 +48,30 @@ from torch.distributed import ProcessGroup, ReduceOp
 from lightning_sync.comm._work import TimedWork
 from lightning_sync.comm.peer_errors import PeerError, naming_peer, peer_error, wait_future
 
-__all__ = ["CommMeter", "CommStats", "PeerError", "TimedWork", "peer_error", "ring_all_reduce_bytes", "wait_future"]
+__all__ = [
+    "CommMeter",
+    "CommStats",
+    "PeerError",
+    "TimedWork",
+    "control_device",
+    "peer_error",
+    "ring_all_reduce_bytes",
+    "wait_future",
+]
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; older releases have only the first.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def control_device(group: ProcessGroup | None = None) -> torch.device:
+    """Where a small control tensor (sizes, flags, timings) must be for a collective on ``group``.
+
+    The CPU, unless the group's only backend is NCCL, which refuses CPU tensors ("No backend type associated with
+    device type cpu"): then the current CUDA device. Gloo (and a ``"cpu:gloo,cuda:nccl"`` group) takes CPU tensors.
+    """
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @dataclass
@@ -125,6 +145,10 @@ class CommMeter:
 
     def world_size(self, group: ProcessGroup | None = None) -> int:
         return dist.get_world_size(group if group is not None else self.group)
+
+    def control_device(self, group: ProcessGroup | None = None) -> torch.device:
+        """:func:`control_device` of ``group`` (``None``: the meter's group)."""
+        return control_device(group if group is not None else self.group)
 
     def _run(
         self, sent: float, recv: float, async_op: bool, launch: Any, op: str | None = None, group: Any = None
