@@ -500,7 +500,14 @@ def case_powersgd(rank: int, world: int, device: str, port: int) -> dict[str, An
         for name, g, e in zip(("matrix", "bias"), got, expected):
             error = float((g - e).abs().max()) / float(e.abs().max())
             worst = max(worst, error)
-            _check(error < 1e-4, f"call {call}: {name} relative error {error:.3g}")
+            # for a failure: the result's multiple of the expected mean, and what is left outside that direction
+            along = float((g * e).sum() / (e * e).sum())
+            off = float((g - along * e).norm() / e.norm())
+            _check(
+                error < 1e-4,
+                f"call {call}: {name} relative error {error:.3g} (rank {rank}: result = {along:.4g} "
+                f"x the mean + {off:.3g} of it elsewhere)",
+            )
         copies = _gather_cpu(buffer)
         _check(torch.equal(copies[0], copies[1]), f"call {call}: the ranks' averages differ")
     return {"max_relative_error": worst, "bytes_sent": meter.total.bytes_sent}
@@ -958,7 +965,7 @@ def run_check(opts: Options, log: Callable[[str], None] = print) -> dict[str, An
             fn = functools.partial(quantizer_throughput, bits, opts.device, opts.quant_numel, opts.quant_repeats)
         result = _timed(section, name, fn)
         results.append(result)
-        note = "" if result.status == "ok" else f": {(result.error or '').strip().splitlines()[-1][:200]}"
+        note = "" if result.status == "ok" else f": {_headline(result.error)[:200]}"
         log(f"{result.status:8} {case_name} ({result.seconds:.1f} s){note}")
     report = build_report(opts, results, time.perf_counter() - started)
     write_report(report, opts.out)
@@ -1034,7 +1041,8 @@ def render_markdown(report: dict[str, Any], heading: str = "#") -> str:
         "",
         f"- Device: {where}; torch {dev['torch']}, Lightning {dev['lightning']}, Python {dev['python']}, "
         f"{dev['cpu_count']} CPU cores",
-        f"- Run: {report['created']}, commit {report.get('commit') or 'unknown'}, {report['wall_s']} s in all",
+        f"- Run: {report['created']}, commit {report.get('commit') or 'unknown'}, {report['wall_s']} s in all"
+        + (f" ({report['commit_note']})" if report.get("commit_note") else ""),
         f"- Command: `{report['command']}`",
         f"- Fits: {report['settings']['steps']} steps each, step time = median after the first "
         f"{report['settings']['warmup_steps']}; CharGPT with "
@@ -1085,9 +1093,19 @@ def render_markdown(report: dict[str, Any], heading: str = "#") -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _headline(error: str | None) -> str:
+    """The line that says why a case failed: the last line of its error or, for a two-rank case (``rank 0: ...``
+    then ``rank 1: ...``), of the first rank's, since the other rank typically only saw its peer go."""
+    lines = (error or "").strip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("rank ")]
+    if len(starts) > 1:
+        lines = lines[: starts[1]]
+    return lines[-1] if lines else ""
+
+
 def _case_summary(case: dict[str, Any]) -> str:
     if case["status"] != "ok":
-        return (case["error"] or "").strip().splitlines()[-1][:160] if case["error"] else ""
+        return _headline(case["error"])[:160]
     d = case["details"]
     if case["section"] == "strategy":
         return f"{d['median_step_ms']:.2f} ms/step, loss {d['train_loss']:.4f}"
