@@ -299,6 +299,24 @@ def test_worker_liveness_declares_only_unheld_silent_workers_lost():
     assert str(error).startswith("worker 1 sent nothing for 6.0 s; worker 0 sent nothing for 2.0 s (server 0 waiting")
 
 
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_a_worker_whose_held_reply_is_released_is_not_taken_for_silent():
+    from lightning_sync.ps.liveness import WorkerLiveness
+
+    clock = FakeClock()
+    watch = WorkerLiveness(2, timeout_s=4.0, connect_timeout_s=20.0, name=str, clock=clock)
+    watch.restart()
+    watch.heard(0)  # worker 0's push: its reply is held (ssp) while worker 1 is frozen
+    clock.advance(5.0)
+    assert watch.silent(initialized=True, held={0}) == {1: 5.0}  # worker 1 is dropped, worker 0's reply released
+    watch.answered(0)
+    clock.advance(1.0)
+    assert watch.silent(initialized=True, held=()) == {1: 6.0}  # worker 0 waited on the server, it was not silent
+    clock.advance(4.0)
+    assert set(watch.silent(initialized=True, held=())) == {0, 1}  # from the reply on, its silence counts
+
+
 def _leaves(state: Any) -> int:
     """How many values a state holds (a tensor counts as one): its size, apart from the tensors' own."""
     if isinstance(state, dict):

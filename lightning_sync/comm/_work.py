@@ -52,14 +52,7 @@ class TimedWork:
     def _on_done(self, fut: torch.futures.Future) -> Any:
         self._book()
         with naming_peer(self._op, self._peers, self._timeout_s):
-            value = fut.value()
-        # Gloo completes the future of a collective on CUDA tensors as soon as the host-side collective is done,
-        # while the copy of the result back into the CUDA tensors is still queued on gloo's own stream (its future
-        # is not stream-aware; only Work.wait() orders the current stream after that copy). Order the current
-        # stream after it here, so that what runs after this future (a compressor's decode, a waiting caller)
-        # reads the result, not the tensor as it was before the collective. A no-op for CPU tensors.
-        self._work.synchronize()
-        return value
+            return fut.value()
 
     def _book(self) -> None:
         with self._lock:

@@ -125,6 +125,7 @@ class RequestDispatch:
         self, kind: Kind, worker: int, *, payload: torch.Tensor | None = None, flags: int = 0, staleness: int = -1
     ) -> tuple[ReplyHeader, torch.Tensor | None]:
         total = self.group.meter.total
+        self.liveness.answered(worker)
         clocks = self.shard.clocks if self.shard is not None else [0] * self.num_workers
         live_clocks = [clocks[w] for w in range(self.num_workers) if self.live[w]]
         if self.stopped:

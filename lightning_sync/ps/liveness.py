@@ -46,6 +46,12 @@ class WorkerLiveness:
         """``worker`` completed a request now."""
         self.last_contact[worker] = self.last_request = self._clock()
 
+    def answered(self, worker: int) -> None:
+        """The server answered ``worker`` now: its silence counts from here. A worker whose reply the server held
+        back (ssp's bound, a sync round waiting for a lost peer) sent nothing while it waited, and must not be taken
+        for lost the moment its reply is released."""
+        self.last_contact[worker] = self._clock()
+
     def restart(self) -> None:
         """The initial parameters arrived: every worker's silence counts from now."""
         now = self._clock()
