@@ -226,3 +226,17 @@ def test_grad_scaler_skips_and_the_step_is_counted():
 
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**16))
     _fit(AllReduceStrategy(start_method="fork"), float("inf"), _Outcome(skipped=(1, 1)), _Scale(), plugins=[plugin])
+
+
+@pytest.mark.unit
+def test_the_finite_probe_skips_no_step_for_a_sum_that_only_overflows():
+    from lightning_sync.comm.nonfinite import all_finite, probe
+
+    big = torch.full((4,), 3e38)  # finite entries whose float32 sum is inf
+    small = torch.ones(3)
+    assert not bool(probe(big).isfinite()) and all_finite([probe(big), probe(small)], [big, small])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        holed = small.clone()
+        holed[1] = bad
+        assert not all_finite([probe(small), probe(holed)], [small, holed]), bad
+    assert all_finite([], [])

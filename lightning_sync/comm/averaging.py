@@ -42,7 +42,7 @@ from torch.distributed import ProcessGroup
 from lightning_sync.comm.bucket_layout import plan_buckets
 from lightning_sync.comm.compression import Compressor, FlatBucket, NoCompression
 from lightning_sync.comm.meter import CommMeter, PeerError, wait_future
-from lightning_sync.comm.nonfinite import ends_are_finite, extremes
+from lightning_sync.comm.nonfinite import all_finite, probe
 from lightning_sync.comm.tuning import MIB
 
 
@@ -339,7 +339,8 @@ class ModelAverager:
             Whether the outer step was taken (``False``: skipped).
         """
         self.complete_(flight, timeout_s)
-        if skip_nonfinite and not ends_are_finite([extremes(d) for d in self._deltas if d.numel()]):
+        deltas = [d for d in self._deltas if d.numel()]
+        if skip_nonfinite and not all_finite([probe(d) for d in deltas], deltas):
             self.compressor.forget_nonfinite()
             for anchor, bucket_params in zip(self.anchors, self._bucket_params):
                 _unpack(anchor, bucket_params)

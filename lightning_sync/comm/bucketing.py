@@ -53,7 +53,7 @@ from lightning_sync.comm.bucket_layout import GradBucket, make_buckets, pack_gra
 from lightning_sync.comm.compression import Compressor, FlatBucket
 from lightning_sync.comm.launch_tuner import LaunchTuner
 from lightning_sync.comm.meter import CommMeter, wait_future
-from lightning_sync.comm.nonfinite import ends_are_finite, extremes
+from lightning_sync.comm.nonfinite import all_finite, probe
 from lightning_sync.comm.tuning import MIB
 from lightning_sync.errors import check_choice, check_range
 
@@ -286,14 +286,15 @@ class GradientSynchronizer:
         local_used = [p.grad is not None for p in self.params] if self.find_unused_parameters else []
         self._launch_rest()
         used = self._globally_used(local_used)
-        ends = []
+        probes, probed = [], []
         for bucket in self.buckets:
             assert bucket.future is not None
             wait_future(bucket.future, "gradient all_reduce", self.group)
             if self.check_finite and bucket.buffer.numel():
-                ends.append(extremes(bucket.buffer))  # while the later buckets are still in flight
+                probes.append(probe(bucket.buffer))  # while the later buckets are still in flight
+                probed.append(bucket.buffer)
         if self.check_finite:
-            self.grads_finite = ends_are_finite(ends)
+            self.grads_finite = all_finite(probes, probed)
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 if self.gradient_as_bucket_view:
