@@ -137,12 +137,12 @@ def train(argv: list[str], rank: int, ranks: int) -> None:
     healed: dict[int, torch.Tensor] = {}  # the state right after a heal, by step
     join_quorum = link.start
 
-    def start() -> None:
+    def start() -> bool:
         snapshots[averager.steps] = state_of(model, inner) if inner.state else flat(model)
-        heals = link.stats.heals
-        join_quorum()
-        if link.stats.heals > heals:
+        did_heal = join_quorum()
+        if did_heal:
             healed[averager.steps] = state_of(model, inner)
+        return did_heal
 
     link.start = start  # type: ignore[method-assign]
     try:

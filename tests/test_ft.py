@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import run_ranks
 from ft_group_worker import run_group, run_lightning_group
 
 from lightning_sync.errors import ConfigError
@@ -351,6 +352,78 @@ def test_a_killed_group_restarted_heals_and_all_end_equal(lighthouse, tmp_path):
     assert torch.equal(states[0]["params"], states[1]["params"]) and torch.equal(
         states[0]["params"], states[2]["params"]
     )
+
+
+class _HealingLink:
+    """A stand-in for :class:`~lightning_sync.ft.replica.ReplicaGroupLink` with no quorum: ``start`` records this
+    group's state (a live group serving a heal), or loads ``source``'s last recorded one and says it healed; every
+    cross-group average is recorded by size."""
+
+    def __init__(self, source: _HealingLink | None = None) -> None:
+        self.config, self.source = _config(), source
+        self.saved: dict[str, object] = {}
+        self.state: dict[str, object] = {}
+        self.averaged: list[list[int]] = []
+
+    def register_state(self, key: str, save: object, load: object) -> None:
+        self.saved[key] = (save, load)
+
+    def start(self) -> bool:
+        if self.source is None:
+            self.state = {key: save() for key, (save, _) in self.saved.items()}  # type: ignore[operator]
+            return False
+        for key, (_, load) in self.saved.items():
+            load(self.source.state[key])  # type: ignore[operator]
+        self.source = None  # one heal
+        return True
+
+    def average_(self, tensors: list[torch.Tensor]) -> None:
+        self.averaged.append([t.numel() for t in tensors])
+
+    def commit(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def _heal_into_the_live_schedule(rank: int, world: int) -> None:
+    from ft_group_worker import OUTER, batch, inner_step, make_inner, make_model, streaming
+
+    from lightning_sync.comm.meter import CommMeter
+    from lightning_sync.ft.averager import FaultTolerantAverager
+
+    def group(link: _HealingLink) -> tuple[FaultTolerantAverager, torch.nn.Module, torch.optim.Optimizer]:
+        model = make_model()
+        averager = FaultTolerantAverager(link, sync_every=8, streaming=streaming("2,1,0.5"), **OUTER)  # type: ignore[arg-type]
+        averager.setup(model.named_parameters(), model.named_buffers(), CommMeter())
+        return averager, model, make_inner(model)
+
+    live_link = _HealingLink()
+    live, model, inner = group(live_link)
+    for _ in range(7):  # launches fragment 0 at step 3 and fragment 1 at step 7 (its state recorded at that quorum)
+        inner_step(model, inner, batch(0, live.steps))
+        live.step([inner])
+    joiner_link = _HealingLink(source=live_link)
+    joiner, model, inner = group(joiner_link)
+    for _ in range(3):  # its own count launches fragment 0 at step 3: it heals at that quorum
+        inner_step(model, inner, batch(1, joiner.steps))
+        joiner.step([inner])
+    assert joiner.steps == live.steps == 7
+    live.close()  # lets each worker thread finish its averages
+    joiner.close()
+    # one cross-group average since it joined, of the fragment the live group launched at the quorum it healed at
+    assert joiner_link.averaged == live_link.averaged[-1:] and live_link.averaged[0] != live_link.averaged[-1], (
+        joiner_link.averaged, live_link.averaged)  # fmt: skip
+
+
+@torchft_missing
+@pytest.mark.dist
+@pytest.mark.timeout(60)
+def test_a_group_that_heals_at_a_streaming_quorum_launches_the_live_groups_fragment():
+    """The healed group launches the fragment the live groups launch at that quorum, not the one its own step count
+    chose (which met theirs in one collective, of another size: gloo aborted the process)."""
+    run_ranks(_heal_into_the_live_schedule, world_size=1)
 
 
 @torchft_missing

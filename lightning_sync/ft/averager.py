@@ -92,7 +92,8 @@ class FaultTolerantAverager(PeriodicAverager):
         Returns:
             This rank's divergence from its replica group's average (0 with one rank per group).
         """
-        self.link.start()
+        if self.link.start():  # healed: sync what the live groups sync now, not what this group's own count chose
+            groups = [g for g in self.groups if g.since_sync >= self._period_of(g)] or groups
         squared = 0.0
         for group in groups:
             group.in_flight = group.averager.launch_(self._sign, self.steps)
@@ -102,8 +103,17 @@ class FaultTolerantAverager(PeriodicAverager):
 
     def _launch(self, group: SyncGroup) -> None:
         """Streaming (``sync_delay > 0``): the quorum now (a group behind heals here, while no sync is in flight),
-        then the worker averages inside this replica group and, after that, across the quorum's groups."""
-        self.link.start()
+        then the worker averages inside this replica group and, after that, across the quorum's groups.
+
+        A group that heals at this quorum takes the live groups' schedule with their state, so it launches the
+        fragment they launch now: the one its own step count chose (``group``) may be another, whose average would
+        meet theirs in one collective (gloo: "Received data size doesn't match expected size").
+        """
+        if self.link.start():
+            due = [
+                g for g in self.groups if g.in_flight is None and g.since_sync >= self._period_of(g) - self.sync_delay
+            ]
+            group = due[0] if due else group
         super()._launch(group)
         deltas = group.averager.deltas
         assert self._worker is not None

@@ -131,9 +131,13 @@ class ReplicaGroupLink:
         self.register_state("training", save, load)
 
     # ------------------------------------------------------------------ one sync
-    def start(self) -> None:
+    def start(self) -> bool:
         """Joins the next quorum (waits at most the quorum timeout), healing this group if it is behind, and learns
-        which groups take part (one small all-reduce)."""
+        which groups take part (one small all-reduce).
+
+        Returns:
+            Whether this group healed: its registered state is now a live group's, as of that group's quorum.
+        """
         before, started = self.manager.current_step(), time.perf_counter()
         try:
             self.manager.start_quorum()
@@ -147,7 +151,8 @@ class ReplicaGroupLink:
                 "groups are gone or finished"
             ) from None
         self.stats.quorums += 1
-        if self.manager.current_step() > before:
+        healed = self.manager.current_step() > before
+        if healed:
             seconds = time.perf_counter() - started
             self.stats.heals += 1
             self.stats.heal_seconds += seconds
@@ -161,6 +166,7 @@ class ReplicaGroupLink:
         self.manager.allreduce(members, reduce_op=dist.ReduceOp.SUM).wait()
         if self.manager.errored() is None:
             self._note_members([i for i, v in enumerate(members.tolist()) if v > 0.5])
+        return healed
 
     def _note_members(self, members: list[int]) -> None:
         if self._members is not None and members != self._members:
