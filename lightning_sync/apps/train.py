@@ -220,8 +220,8 @@ def run(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
             others = [lg for lg in trainer.loggers if not isinstance(lg, CSVLogger)]
             trainer.loggers = [*others, CSVLogger(save_dir=str(run_dir), name="", version="test")]
             trainer.test(model, datamodule=datamodule, verbose=False)
-    except BaseException:
-        _end_job(trainer, launch_env, failed=True)
+    except BaseException as error:
+        _end_job(trainer, launch_env, failed=True, error=error)
         raise
     _end_job(trainer, launch_env)
     if not trainer.is_global_zero:
@@ -242,11 +242,15 @@ def _ckpt_path(cfg: DictConfig) -> str | None:
     return path
 
 
-def _end_job(trainer: Any, launch_env: dict[str, str | None], failed: bool = False) -> None:
+def _end_job(
+    trainer: Any, launch_env: dict[str, str | None], failed: bool = False, error: BaseException | None = None
+) -> None:
     """Leaves the process as it was before the job, so the next job of a sweep launches its own ranks.
 
     After a failure in this rank, the ``popen`` children are killed at once (SIGKILL: a frozen child would never
-    act on SIGTERM), so none outlives the job; otherwise they get ``timeout_s`` to finish.
+    act on SIGTERM), so none outlives the job; otherwise they get ``timeout_s`` to finish. This rank's ``error`` is
+    printed first, in one line: Lightning's child observer, seeing a child killed, ends this process too, at once,
+    which can come before Hydra has printed the error.
     """
     import signal
 
@@ -258,6 +262,9 @@ def _end_job(trainer: Any, launch_env: dict[str, str | None], failed: bool = Fal
     wait_children = getattr(launcher, "wait_children", None)
     if launcher is not None and wait_children is not None:  # (a launcher is there when wait_children is)
         if failed:
+            if error is not None:
+                message = str(error).strip().splitlines()
+                print(f"error: {type(error).__name__}: {message[0] if message else ''}", file=sys.stderr, flush=True)
             for rank, code in launcher.exited_children().items():  # the likely cause of this rank's error
                 print(f"error: rank {rank} (local) was lost first: {describe_exit(code)}", file=sys.stderr)
             launcher.kill(signal.SIGKILL)
