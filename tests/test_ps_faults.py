@@ -69,5 +69,8 @@ def test_a_lost_worker_ends_the_job_in_seconds_not_after_timeout_s(tmp_path):
     assert outcome.returncode != 0
     # about a second on an idle machine; never as long as the timeout it must not wait for
     assert outcome.seconds < min(120 / 4 * load_factor(), 120 / 2), outcome.seconds
-    assert "rank 1 (local) was lost" in outcome.stderr, outcome.stderr[-3000:]
+    # named by whichever reports first: this job's end, Lightning's child observer (which may end the job before
+    # that), or the server that saw the worker's connection close
+    names = ("rank 1 (local) was lost", "[rank: 1] Child process", "worker 1 (ps rank 1)")
+    assert any(name in outcome.stderr for name in names), outcome.stderr[-3000:]
     assert not outcome.left, f"orphans: {outcome.left}"

@@ -27,8 +27,12 @@ class NamedPeerCollectives(LightningDDPHooks):
         config = getattr(self, "config", None)
         return getattr(config, "timeout_s", None)
 
-    def _reported_cause(self) -> str | None:
-        """What another process reported as its failure, where the mode keeps such reports (none here)."""
+    def _reported_cause(self, error: PeerError) -> str | None:
+        """What another process reported as its failure, where the mode keeps such reports (none here).
+
+        Args:
+            error: this rank's failure, naming the silent or lost peer.
+        """
         return None
 
     @contextmanager
@@ -38,7 +42,7 @@ class NamedPeerCollectives(LightningDDPHooks):
             with naming_peer(op, None, self._collective_timeout_s()):
                 yield
         except PeerError as error:
-            cause = self._reported_cause()
+            cause = self._reported_cause(error)
             if cause is None:
                 raise
             raise PeerError(f"{error}; {cause}") from error.__cause__

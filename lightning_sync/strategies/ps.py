@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 import warnings
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sync.algorithms import build_parts, ps_settings
+from lightning_sync.comm.peer_errors import PeerError
 from lightning_sync.config import ParameterServerConfig
 from lightning_sync.errors import ConfigError
 from lightning_sync.ps import (
@@ -306,11 +308,22 @@ class ParameterServerStrategy(DetachableCollectives):
         return metrics
 
     @override
-    def _reported_cause(self) -> str | None:
-        """The failure another member of the PS group left in its store (a worker that lost a server), if any."""
+    def _reported_cause(self, error: PeerError) -> str | None:
+        """The failure another member of the PS group left in its store (a worker that lost a server), if any.
+
+        A rank silent in one of Lightning's collectives (not one that is gone) is often itself waiting on a server
+        that froze; its own wait for that server ends about when this rank's collective timed out, so its report is
+        waited for, up to half of ``timeout_s`` (plus a second): the error then names the server, not only the rank
+        that waited on it.
+        """
         group = self._group
-        reported = group.first_reported_failure() if group is not None else None
-        return None if group is None or reported is None else f"{group.name(reported[0])} reported: {reported[1]}"
+        if group is None:
+            return None
+        silent = "did not answer" in str(error)
+        deadline = time.monotonic() + (self.config.timeout_s / 2 + 1.0 if silent else 0.0)
+        while (reported := group.first_reported_failure()) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return None if reported is None else f"{group.name(reported[0])} reported: {reported[1]}"
 
     # ------------------------------------------------------------------ the end, and checkpoints
     @override
