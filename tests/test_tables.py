@@ -179,3 +179,24 @@ def test_bench_headline_gives_time_ratio_utilization_and_short_runs():
     assert "| `lightning_ddp` | 1.00x (10%) |" in text
     assert "| `streaming_diloco_8` | 0.02x (95%), 1 seed |" in text
     assert "| `diloco` | not reached (50%) |" in text and "topk" not in text and "3 seeds" in text
+
+
+@pytest.mark.unit
+def test_a_compare_run_gets_a_figure_that_check_keeps_current(tmp_path, capsys):
+    rows = [
+        {"case": "ddp", "mean": 2.30, "min": 2.28, "max": 2.33, "values": [2.28, 2.30, 2.33]},
+        {"case": "periodic:diloco/8", "mean": 2.29, "min": 2.27, "max": 2.32, "values": [2.27, 2.29, 2.32]},
+    ]
+    run = tmp_path / "results" / "char_lm_300_steps"
+    run.mkdir(parents=True)
+    workloads = {"char_lm": {"title": "t", "metric": "test/loss", "spread": "min-max", "rows": rows}}
+    (run / "results.json").write_text(json.dumps({"provenance": {"command": "c"}, "workloads": workloads}))
+    out = tmp_path / "docs" / "results.md"
+    assert main([str(tmp_path / "results"), "--out", str(out)]) == 0
+    figure = out.parent / "figures" / "char_lm_300_steps.svg"
+    assert "![Compare: char_lm_300_steps](figures/char_lm_300_steps.svg)" in out.read_text()
+    svg = figure.read_text()
+    assert svg.startswith("<?xml") and "periodic:diloco/8" in svg and "test/loss" in svg
+    assert main([str(tmp_path / "results"), "--out", str(out), "--check"]) == 0  # the same bytes again
+    figure.write_text(svg.replace("periodic:diloco/8", "periodic:diloco/16"))
+    assert main([str(tmp_path / "results"), "--out", str(out), "--check"]) == 1

@@ -16,6 +16,7 @@ provenance (the ``provenance`` record that ``compare`` and the benchmark store i
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 from collections.abc import Sequence
@@ -54,6 +55,8 @@ HEADLINE_BENCH_CASES = (
     "floor",
 )
 UTILIZATION_TITLE = "Compute utilization on char_lm (streaming DiLoCo's Table 4)"
+FIGURES = "figures"
+"""Where the page's figures go, beside the page (``docs/figures/``): one SVG per compare section."""
 
 
 def provenance_line(record: dict[str, Any] | None, path: Path) -> str:
@@ -88,12 +91,78 @@ def render_results(path: Path, data: Any) -> tuple[str, str]:
         return title, compare.format_results(data).replace("### ", "#### ")
     if isinstance(data, dict) and {"config", "summary", "records"} <= data.keys():
         cfg = config_from_saved(data["config"])
-        return "Benchmark: " + ", ".join(cfg.workloads), markdown(data["summary"], cfg).replace("### ", "#### ")
+        where = ", ".join(cfg.network.rate)
+        title = f"Benchmark: {', '.join(cfg.workloads)} at {where} (`{path.parent.relative_to(path.parents[2])}`)"
+        return title, markdown(data["summary"], cfg).replace("### ", "#### ")
     if isinstance(data, dict) and {"args", "summary", "runs"} <= data.keys():
         modes = data["args"].get("modes") or ["sync"]
         pattern = "stragglers that come and go" if data["args"].get("hiccups") else "a straggler"
         return f"Parameter server under {pattern}", ps_table(data["summary"], reference=modes[0])
     raise ValueError(f"{path}: not a results file of compare, the benchmark or ps_straggler")
+
+
+def figure_name(path: Path) -> str:
+    """The file name of a results file's figure: its folder's name (``compare``, ``char_lm_300_steps``)."""
+    return f"{path.parent.name}.svg"
+
+
+def _plotted(data: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The workloads of a compare run that have a mean to plot (none: the run has no figure)."""
+    workloads = data.get("workloads", {}) if isinstance(data, dict) else {}
+    return [(name, w) for name, w in workloads.items() if any(r.get("mean") is not None for r in w["rows"])]
+
+
+def compare_figure(data: dict[str, Any]) -> str:
+    """A compare run as an SVG: per workload, each case's metric as its mean over the seeds with the min-max range,
+    and DDP's mean as a line. Written without a date and with a fixed hash salt, so the same results give the
+    same bytes (``--check``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams["svg.hashsalt"] = "lightning-sync"
+    plt.rcParams["svg.fonttype"] = "none"  # text as text: small files, and the browser renders the labels
+    workloads = _plotted(data)
+    height = max(len(w["rows"]) for _, w in workloads) * 0.32 + 1.3
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.2 * len(workloads), height), squeeze=False)
+    for ax, (name, workload) in zip(axes[0], workloads):
+        rows = [r for r in workload["rows"] if r.get("mean") is not None]
+        means = [r["mean"] for r in rows]
+        spread = [[m - r["min"] for m, r in zip(means, rows)], [r["max"] - m for m, r in zip(means, rows)]]
+        ax.errorbar(means, range(len(rows)), xerr=spread, fmt="o", color="tab:blue", capsize=3)
+        reference = next((r for r in rows if r["case"] == "ddp"), None)
+        if reference is not None:
+            ax.axvline(reference["mean"], color="tab:gray", linestyle="--", linewidth=1, label="ddp (mean)")
+            ax.legend(loc="best", fontsize=8)
+        ax.set_yticks(range(len(rows)), [r["case"] for r in rows], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel(f"{workload['metric']}: mean, min-max over seeds", fontsize=8)
+        ax.set_title(name, fontsize=10)
+        ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    out = io.StringIO()
+    fig.savefig(out, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return out.getvalue()
+
+
+def results_figures(sources: Sequence[str | Path]) -> dict[str, str]:
+    """``{file name: SVG}`` of every compare results file under ``sources`` (see :func:`figure_name`)."""
+    figures = {}
+    for path in _results_files(sources):
+        if path.name == "results.json":
+            data = json.loads(path.read_text())
+            if _plotted(data):
+                figures[figure_name(path)] = compare_figure(data)
+    return figures
+
+
+def _results_files(sources: Sequence[str | Path]) -> list[Path]:
+    files: list[Path] = []
+    for source in map(Path, sources):
+        files += [source] if source.is_file() else sorted(source.rglob("*")) if source.is_dir() else []
+    return files
 
 
 def _utilization_section(bench_rows: list[dict[str, Any]]) -> str | None:
@@ -121,24 +190,25 @@ def results_page(sources: Sequence[str | Path]) -> str:
     compute-utilization table of the char_lm benchmark runs among them."""
     sections = []
     bench_rows: list[dict[str, Any]] = []
-    for source in map(Path, sources):
-        files = [source] if source.is_file() else sorted(source.rglob("*")) if source.is_dir() else []
-        for path in files:
-            if path.name == "results.json":
-                data = json.loads(path.read_text())
-                title, tables = render_results(path, data)
-                if title.startswith("Benchmark"):
-                    bench_rows += data["summary"]
-                embedded = data.get("provenance") if isinstance(data, dict) else None
-                record = embedded or _read_json(path.parent / PROVENANCE_FILE)
-            elif path.suffix == ".md" and (path.with_suffix(".provenance.json")).exists():
-                record = _read_json(path.with_suffix(".provenance.json"))
-                assert record is not None  # the file exists: checked above
-                title = record.get("title") or path.stem
-                tables = path.read_text().strip().replace("### ", "#### ")
+    for path in _results_files(sources):
+        figure = ""
+        if path.name == "results.json":
+            data = json.loads(path.read_text())
+            title, tables = render_results(path, data)
+            if title.startswith("Benchmark"):
+                bench_rows += data["summary"]
             else:
-                continue
-            sections.append(f"## {title}\n\n{provenance_line(record, path)}\n\n{tables.strip()}\n")
+                figure = f"![{title}]({FIGURES}/{figure_name(path)})\n\n" if _plotted(data) else ""
+            embedded = data.get("provenance") if isinstance(data, dict) else None
+            record = embedded or _read_json(path.parent / PROVENANCE_FILE)
+        elif path.suffix == ".md" and (path.with_suffix(".provenance.json")).exists():
+            record = _read_json(path.with_suffix(".provenance.json"))
+            assert record is not None  # the file exists: checked above
+            title = record.get("title") or path.stem
+            tables = path.read_text().strip().replace("### ", "#### ")
+        else:
+            continue
+        sections.append(f"## {title}\n\n{figure}{provenance_line(record, path)}\n\n{tables.strip()}\n")
     head = (
         "# Results\n\n"
         "<!-- generated by `make docs-gen` (tools/gen_docs.py); do not edit by hand -->\n\n"
@@ -249,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 if the page differs from the results files")
     args = parser.parse_args(argv)
     outputs = {Path(args.out): results_page(args.sources)}
+    figures = Path(args.out).parent / FIGURES
+    outputs.update({figures / name: svg for name, svg in results_figures(args.sources).items()})
     readme, compare = Path(README), _read_json(Path(HEADLINE_SOURCE))
     # the README's headline, when writing the checkout's own results page
     if args.out == DEFAULT_OUT and compare is not None and readme.exists() and HEADLINE_START in readme.read_text():
