@@ -102,8 +102,12 @@ def render_results(path: Path, data: Any) -> tuple[str, str]:
 
 
 def figure_name(path: Path) -> str:
-    """The file name of a results file's figure: its folder's name (``compare``, ``char_lm_300_steps``)."""
-    return f"{path.parent.name}.svg"
+    """The file name of a results file's figure: its folder's path under ``results/`` with ``_`` for ``/``
+    (``compare``, ``char_lm_300_steps``, ``char_lm_10mbit``)."""
+    parts = path.parent.parts
+    last = len(parts) - 1 - parts[::-1].index("results") if "results" in parts else len(parts) - 2
+    below = parts[last + 1 :]
+    return "_".join(below) + ".svg"
 
 
 def _plotted(data: Any) -> list[tuple[str, dict[str, Any]]]:
@@ -147,14 +151,64 @@ def compare_figure(data: dict[str, Any]) -> str:
     return out.getvalue()
 
 
+def _timed_rows(data: Any) -> list[dict[str, Any]]:
+    """The rows of a benchmark run that time a run to a target (its figure's rows; none: no figure)."""
+    if not (isinstance(data, dict) and {"config", "summary", "records"} <= data.keys()):
+        return []
+    return [r for r in data["summary"] if r.get("metric") in ("seconds_to_target", "seconds_to_accuracy")]
+
+
+def bench_figure(data: dict[str, Any]) -> str:
+    """A benchmark run as an SVG: per workload and link rate, each case's training seconds to the target (median,
+    with the seeds' range) on a log axis; a case that never reached it is marked so."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams["svg.hashsalt"] = "lightning-sync"
+    plt.rcParams["svg.fonttype"] = "none"
+    rows = _timed_rows(data)
+    panels: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        panels.setdefault((row["workload"], row["rate"]), []).append(row)
+    height = max(len(r) for r in panels.values()) * 0.32 + 1.3
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.8 * len(panels), height), squeeze=False)
+    for ax, ((workload, rate), cases) in zip(axes[0], panels.items()):
+        reached = [r.get("median") is not None for r in cases]
+        top = max((r["spread"][1] if r.get("spread") else r["median"]) for r in cases if r.get("median") is not None)
+        for y, (row, ok) in enumerate(zip(cases, reached)):
+            if ok:
+                low, high = row.get("spread") or (row["median"], row["median"])
+                ax.barh(y, row["median"], color="tab:green" if row["case"] != "lightning_ddp" else "tab:gray")
+                ax.errorbar(row["median"], y, xerr=[[row["median"] - low], [high - row["median"]]], color="black",
+                            capsize=2, linewidth=0.8)  # fmt: skip
+            else:
+                ax.text(top, y, "not reached ", ha="right", va="center", fontsize=8, color="tab:red")
+        ax.set_xscale("log")
+        ax.set_yticks(range(len(cases)), [r["case"] for r in cases], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("training seconds to the target (median, range over seeds; log)", fontsize=8)
+        ax.set_title(f"{workload} at {rate}", fontsize=10)
+        ax.grid(axis="x", alpha=0.3, which="both")
+    fig.tight_layout()
+    out = io.StringIO()
+    fig.savefig(out, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return out.getvalue()
+
+
 def results_figures(sources: Sequence[str | Path]) -> dict[str, str]:
-    """``{file name: SVG}`` of every compare results file under ``sources`` (see :func:`figure_name`)."""
+    """``{file name: SVG}`` of every compare run and every timed benchmark run under ``sources`` (see
+    :func:`figure_name`)."""
     figures = {}
     for path in _results_files(sources):
         if path.name == "results.json":
             data = json.loads(path.read_text())
             if _plotted(data):
                 figures[figure_name(path)] = compare_figure(data)
+            elif _timed_rows(data):
+                figures[figure_name(path)] = bench_figure(data)
     return figures
 
 
@@ -197,8 +251,8 @@ def results_page(sources: Sequence[str | Path]) -> str:
             title, tables = render_results(path, data)
             if title.startswith("Benchmark"):
                 bench_rows += data["summary"]
-            else:
-                figure = f"![{title}]({FIGURES}/{figure_name(path)})\n\n" if _plotted(data) else ""
+            if _plotted(data) or _timed_rows(data):
+                figure = f"![{title}]({FIGURES}/{figure_name(path)})\n\n"
             embedded = data.get("provenance") if isinstance(data, dict) else None
             record = embedded or _read_json(path.parent / PROVENANCE_FILE)
         elif path.suffix == ".md" and (path.with_suffix(".provenance.json")).exists():
