@@ -404,3 +404,26 @@ def test_resummarize_recomputes_the_summary_and_table_from_the_records(tmp_path)
         json.dumps(records)
     )
     assert "resummarized" in data and "| lightning_ddp |" in _squeezed((tmp_path / "results.md").read_text())
+
+
+@pytest.mark.unit
+def test_the_clock_gives_up_on_rank_0s_time_on_every_rank(monkeypatch):
+    """A rank whose own clock is past ``give_up_s`` goes on while rank 0's is not: were the decision its own, it would
+    stop a step before rank 0, which then waits in a collective for a rank that is gone."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from lightning_sync.apps.bench import clock as clock_module
+
+    now = iter([0.0, 100.0, 100.0])  # start; then this rank sees 100 s of training, past give_up_s
+    monkeypatch.setattr(clock_module, "time", SimpleNamespace(perf_counter=lambda: next(now)))
+    received = iter([0.0, 5.0, 1.0])  # rank 0's broadcasts: the meeting, its score, its 1 s of training
+
+    def broadcast(value: float) -> float:  # this is rank 1
+        return next(received)
+
+    target = clock_module.TargetClock(lambda m: 5.0, 1.0, 1, broadcast, lower_is_better=True, give_up_s=2.0)
+    target.start()
+    assert target.check(nn.Linear(1, 1), step=1) is False
+    assert target.trajectory == [(1.0, 1, 5.0)] and not target.gave_up

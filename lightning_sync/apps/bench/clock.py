@@ -106,6 +106,9 @@ class TargetClock:
             model.train(was_training)
         if not alone:
             value = float(self.broadcast(value))
+            # rank 0's training time too: each rank's own clock differs a little, and a give-up decided on it would
+            # let one rank stop a step before another (which then waits in a collective for a rank that is gone)
+            elapsed = float(self.broadcast(elapsed))
         self.trajectory.append((elapsed, step, value))
         reached = self.target is not None and first_reaching(
             [(elapsed, step, value)], self.target, self.lower_is_better
