@@ -30,6 +30,7 @@ _SILENT = ("timed out", "timeout")
 _WAITED_MS = re.compile(r"waiting (\d+) ?ms")
 _GONE = ("connection closed", "closed by peer", "connection reset", "broken pipe", "connection refused")
 _CALLBACK_PREFIX = re.compile(r"^(?:Got the following error when running the callback: \w+(?:\.\w+)*: )+")
+_DID_NOT_ANSWER = "did not answer"  # how a PeerError says its peer is silent (not gone)
 _RESTATED = re.compile(r"^[\w ]+ on rank \d+ failed: ")  # a PeerError's message, seen through such wrapping
 
 
@@ -83,7 +84,7 @@ def peer_error(
         waited = _WAITED_MS.search(first)
         if timeout_s is None and waited is not None:
             timeout_s = int(waited.group(1)) / 1000
-        what = "did not answer" + ("" if timeout_s is None else f" within {timeout_s:g} s")
+        what = _DID_NOT_ANSWER + ("" if timeout_s is None else f" within {timeout_s:g} s")
     else:
         return None
     try:
@@ -91,6 +92,11 @@ def peer_error(
     except (RuntimeError, ValueError):  # the group is already gone
         return None
     return PeerError(f"{op} on rank {peers.me} failed: {peers.others} {what} (backend: {first})")
+
+
+def names_a_silent_peer(error: PeerError) -> bool:
+    """Whether ``error`` says its peer did not answer in time (frozen or stalled), rather than that it is gone."""
+    return _DID_NOT_ANSWER in str(error)
 
 
 def wait_future(future: torch.futures.Future, op: str, group: ProcessGroup | None = None) -> Any:

@@ -256,14 +256,23 @@ class PeriodicAverager:
         if ready:
             self._apply(ready, optimizers)
         if self.sync_delay == 0:
-            due = [group for group in self.groups if group.since_sync >= self._period_of(group)]
+            due = [group for group in self.groups if self._sync_due(group)]
             if due:
                 self.sync_groups(due, optimizers)
             return [*ready, *due]
         for group in self.groups:
-            if group.in_flight is None and group.since_sync >= self._period_of(group) - self.sync_delay:
+            if self._launch_due(group):
                 self._launch(group)
         return ready
+
+    def _sync_due(self, group: SyncGroup) -> bool:
+        """Whether ``group``'s period is up (``sync_delay=0``: it syncs now)."""
+        return group.since_sync >= self._period_of(group)
+
+    def _launch_due(self, group: SyncGroup) -> bool:
+        """Whether ``group``'s outer sync is launched now (``sync_delay > 0``): none in flight, and its period is up
+        within ``sync_delay`` steps."""
+        return group.in_flight is None and group.since_sync >= self._period_of(group) - self.sync_delay
 
     def _launch(self, group: SyncGroup) -> None:
         """Starts ``group``'s outer sync on the worker thread (``sync_delay > 0``)."""

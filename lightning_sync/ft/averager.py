@@ -93,7 +93,7 @@ class FaultTolerantAverager(PeriodicAverager):
             This rank's divergence from its replica group's average (0 with one rank per group).
         """
         if self.link.start():  # healed: sync what the live groups sync now, not what this group's own count chose
-            groups = [g for g in self.groups if g.since_sync >= self._period_of(g)] or groups
+            groups = [g for g in self.groups if self._sync_due(g)] or groups
         squared = 0.0
         for group in groups:
             group.in_flight = group.averager.launch_(self._sign, self.steps)
@@ -110,9 +110,7 @@ class FaultTolerantAverager(PeriodicAverager):
         meet theirs in one collective (gloo: "Received data size doesn't match expected size").
         """
         if self.link.start():
-            due = [
-                g for g in self.groups if g.in_flight is None and g.since_sync >= self._period_of(g) - self.sync_delay
-            ]
+            due = [g for g in self.groups if self._launch_due(g)]
             group = due[0] if due else group
         super()._launch(group)
         deltas = group.averager.deltas

@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sync.algorithms import build_parts, ps_settings
-from lightning_sync.comm.peer_errors import PeerError
+from lightning_sync.comm.peer_errors import PeerError, names_a_silent_peer
 from lightning_sync.config import ParameterServerConfig
 from lightning_sync.errors import ConfigError
 from lightning_sync.ps import (
@@ -319,8 +319,7 @@ class ParameterServerStrategy(DetachableCollectives):
         group = self._group
         if group is None:
             return None
-        silent = "did not answer" in str(error)
-        deadline = time.monotonic() + (self.config.timeout_s / 2 + 1.0 if silent else 0.0)
+        deadline = time.monotonic() + (self.config.timeout_s / 2 + 1.0 if names_a_silent_peer(error) else 0.0)
         while (reported := group.first_reported_failure()) is None and time.monotonic() < deadline:
             time.sleep(0.2)
         return None if reported is None else f"{group.name(reported[0])} reported: {reported[1]}"
