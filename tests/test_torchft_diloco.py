@@ -6,7 +6,8 @@ localhost ``LighthouseServer``. Its fragments are built here by hand, as the pap
 fragment ``i % k``, the embedding with the first block, the final norm and the head with the last block. Our side is
 :class:`~lightning_sync.comm.periodic.PeriodicAverager` on 2 forked gloo ranks, with the same initial weights, the
 same data on each replica and the same inner and outer optimizers; it must form the same fragments by itself, and end
-with the same weights, bit for bit (torchft's ``global.lerp_(local, alpha)`` is also how ours rounds the mix).
+with the same weights, to within a few float32 roundings (:data:`ULPS_APART`; torchft's ``global.lerp_(local, alpha)``
+is also how ours rounds the mix).
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ from lightning_sync.comm.periodic import PeriodicAverager, StreamingOptions  # n
 WIDTH, HIDDEN, BLOCKS = 32, 64, 4
 SYNC_EVERY, STEPS, INNER_LR = 4, 13, 0.05
 OUTER = dict(lr=0.7, momentum=0.9, nesterov=True)
+ULPS_APART = 1e-6
+"""How far ours may end from torchft's, per weight (the weights are of order 1, where a float32 ulp is 1.2e-7 to
+2.4e-7). torchft's side does not give the same bits on every run: in 1 of 8 runs of k1 it ended 1 ulp away from its
+other 7 runs in 80% of the weights (one rounding early on, carried forward), while ours gave the same bits in 8 of
+8. A wrong fragment, alpha, delay or outer step moves the weights by 1e-3 or more."""
 
 
 class Block(nn.Module):
@@ -191,4 +197,4 @@ def test_streaming_diloco_equals_torchft_diloco_on_a_model_with_blocks(tmp_path,
     for replica in range(2):
         assert not torch.equal(theirs[replica], start), "torchft's side did not train"
         diff = float((ours[replica] - theirs[replica]).abs().max())
-        assert torch.equal(ours[replica], theirs[replica]), f"replica {replica}: max |ours - torchft| = {diff:.3g}"
+        assert diff <= ULPS_APART, f"replica {replica}: max |ours - torchft| = {diff:.3g} (allowed {ULPS_APART:.3g})"
