@@ -29,7 +29,7 @@ def _squeezed(text: str) -> str:
 @pytest.mark.parametrize(
     "override,named,allowed",
     [
-        ("network.rate=2mbit", "network.rate='2mbit'", "loopback, 10mbit, 100mbit, 1gbit"),
+        ("network.rate=2mbit", "network.rate='2mbit'", "loopback, 1mbit, 10mbit, 100mbit, 1gbit"),
         ("network.rate=loopback,fast", "network.rate='fast'", "1gbit"),
         ("cases=allreduce,nope", "cases='nope'", "torch_local_sgd"),
         (
@@ -69,7 +69,9 @@ def test_cases_must_fit_the_workloads():
 def test_cli_rejects_a_bad_value_before_anything_starts(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["--out", str(tmp_path / "out"), "network.rate=1tbit"])
-    assert "network.rate='1tbit' is not allowed; choose one of: loopback, 10mbit, 100mbit, 1gbit" in str(info.value)
+    assert "network.rate='1tbit' is not allowed; choose one of: loopback, 1mbit, 10mbit, 100mbit, 1gbit" in str(
+        info.value
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -295,6 +297,34 @@ def test_targets_come_from_ddp_per_seed_and_time_is_read_off_trajectories():
     floor = _lm_record("floor", 0, [(1.0, 8, 3.0), (2.0, 16, 2.7)])
     targets.observe(floor)
     assert floor["seconds_at_budget"] == 2.0 and floor["seconds_to_target"] is None
+
+
+@pytest.mark.unit
+def test_a_window_measures_whole_sync_periods_after_one_interval_of_warm_up():
+    from lightning_sync.apps.bench.cli import Targets
+    from lightning_sync.apps.bench.report import markdown, summarize
+    from lightning_sync.apps.bench.worker import _clock_for
+    from lightning_sync.apps.bench.workloads import WORKLOADS
+
+    cfg = parse_overrides(["workloads=char_lm", "cases=diloco,floor", "window=2", "eval_every=4"])  # no DDP needed
+    # no target; 3 intervals of lcm(eval_every, period) steps: 3 x 16 for diloco, 3 x 4 for the floor
+    assert _clock_for("diloco", WORKLOADS["char_lm"], cfg, {"target": 2.0}) == (None, 16, True, None, 48)
+    assert _clock_for("floor", WORKLOADS["char_lm"], cfg, {})[4] == 12
+    targets = Targets(cfg)
+    # the first interval (4 s for 16 steps) is warm-up; then 2 x 16 steps in 2 + 10 s (a slow sync at step 48)
+    diloco = _lm_record("diloco", 0, [(4.0, 16, 3.0), (6.0, 32, 2.9), (16.0, 48, 2.8)], rate="1mbit")
+    floor = _lm_record("floor", 0, [(1.0, 4, 3.0), (1.5, 8, 2.9), (2.0, 12, 2.8)], rate="1mbit")
+    for record in (diloco, floor):
+        targets.observe(record)
+    assert diloco["window_step_ms"] == pytest.approx(1e3 * 12.0 / 32) and "target_loss" not in diloco
+    assert floor["window_step_ms"] == pytest.approx(125.0)
+    rows = summarize([diloco, floor], cfg)
+    assert [r["median"] for r in rows] == pytest.approx([375.0, 125.0])
+    assert rows[0]["vs_floor"] == pytest.approx(3.0) and rows[0]["utilization"] == pytest.approx(1 / 3)
+    text = markdown(rows, cfg)
+    assert "ms per step over the last 2 of 3 scoring intervals" in text and "375.00" in text
+    with pytest.raises(ConfigError, match=r"window=-1"):
+        parse_overrides(["workloads=char_lm", "window=-1"])
 
 
 def _ddp_results(tmp_path, rates=("10mbit",), seeds=(0, 1), **config):

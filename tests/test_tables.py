@@ -161,26 +161,6 @@ def test_committed_results_page_is_up_to_date(monkeypatch, capsys):
     assert main(["--check"]) == 0, capsys.readouterr().err
 
 
-def test_bench_headline_gives_time_ratio_utilization_and_short_runs():
-    def row(rate, case, vs, ms, repeats=3, **extra):
-        return {"workload": "char_lm", "rate": rate, "case": case, "vs_lightning_ddp": vs,
-                "median_step_time_ms": ms, "repeats": [1.0] * repeats, **extra}  # fmt: skip
-
-    rows = [
-        row("10mbit", "lightning_ddp", 1.0, 400.0, utilization=0.1),
-        row("10mbit", "floor", 0.1, 40.0, utilization=1.0),
-        row("10mbit", "diloco", None, 80.0, utilization=0.5),
-        row("10mbit", "streaming_diloco_8", 0.02, 42.0, repeats=1, utilization=0.95),
-        row("10mbit", "lightning_ddp", 1.0, 999.0, utilization=0.01),  # a later run's anchor: ignored
-    ]
-    text = _squeezed(
-        gen_docs.bench_headline(rows, cases=("lightning_ddp", "streaming_diloco_8", "diloco", "floor", "topk"))
-    )
-    assert "| `lightning_ddp` | 1.00x (10%) |" in text
-    assert "| `streaming_diloco_8` | 0.02x (95%), 1 seed |" in text
-    assert "| `diloco` | not reached (50%) |" in text and "topk" not in text and "3 seeds" in text
-
-
 @pytest.mark.unit
 def test_a_compare_run_gets_a_figure_that_check_keeps_current(tmp_path, capsys):
     rows = [

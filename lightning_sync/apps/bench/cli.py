@@ -1,6 +1,6 @@
 r"""``python -m lightning_sync.bench [--out DIR] [key=value ...]``: run the cases against the anchors, write a report.
 
-Each run is two torchrun nodes of one rank (both on 127.0.0.1, or with ``network.rate=10mbit|100mbit|1gbit`` one
+Each run is two torchrun nodes of one rank (both on 127.0.0.1, or with ``network.rate=1mbit|10mbit|100mbit|1gbit`` one
 per network namespace behind a link of that rate, tbf on both ends; root only, otherwise that rate is skipped with
 a note). For every rate and workload the cases alternate (A B A B) over ``repeats`` rounds. Output: one line per
 finished run, then the tables; ``results.json``, ``results.md``, ``time_to_accuracy.json`` (digits) and one PNG per
@@ -72,6 +72,8 @@ def _value_text(workload: str, result: dict[str, Any]) -> str:
     if metric == "time_to_loss":
         trajectory = result.get("trajectory") or [(0.0, 0, math.nan)]
         seconds, steps, final = trajectory[-1]
+        if result.get("window_step_ms") is not None:
+            return f"{result['window_step_ms']:.1f} ms/step over steps {trajectory[0][1]}-{steps}{wire_text}"
         if result["case"] in BOUNDS:
             return f"{seconds:.2f} s for {steps} steps (final loss {final:.4f}){wire_text}"
         if result.get("seconds_to_target") is None:
@@ -113,11 +115,15 @@ class Targets:
     def observe(self, record: dict[str, Any]) -> None:
         """Takes the target and DDP's time from a ``lightning_ddp`` record, and fills in a record's time to the
         target and its time at ``budget_steps`` from its trajectory."""
-        from lightning_sync.apps.bench.clock import first_reaching
+        from lightning_sync.apps.bench.clock import first_reaching, window_step_seconds
 
         workload = record["workload"]
         trajectory = record.get("trajectory")
         if WORKLOADS[workload].metric != "time_to_loss" or not record.get("ok") or not trajectory:
+            return
+        if self.cfg.window:
+            seconds = window_step_seconds(trajectory)
+            record["window_step_ms"] = None if seconds is None else 1e3 * seconds
             return
         seed = record["seed"]
         if record["case"] == "lightning_ddp":

@@ -45,6 +45,15 @@ def first_reaching(
     return None
 
 
+def window_step_seconds(trajectory: list[tuple[float, int, float]]) -> float | None:
+    """Training seconds per step from the first point of ``trajectory`` (``(seconds, step, score)``) to its last:
+    over whole sync periods when the points are at syncs; ``None`` with fewer than two points."""
+    if len(trajectory) < 2 or trajectory[-1][1] <= trajectory[0][1]:
+        return None
+    (first_s, first_step, _), (last_s, last_step, _) = trajectory[0], trajectory[-1]
+    return (last_s - first_s) / (last_step - first_step)
+
+
 class TargetClock:
     """Training wall time until a replica reaches a target score, with the clock stopped while scoring.
 

@@ -15,9 +15,9 @@ from typing import Any, get_type_hints
 from lightning_sync.apps.bench.workloads import CASE_HELP, DEFAULT_CASES, OUR_CASES, WORKLOADS, sync_period
 from lightning_sync.errors import ConfigError, check_choice, check_range
 
-RATES = ("loopback", "10mbit", "100mbit", "1gbit")
+RATES = ("loopback", "1mbit", "10mbit", "100mbit", "1gbit")
 """``network.rate``: ``loopback`` (both nodes on 127.0.0.1), or the rate of emulated links (root only)."""
-RATE_MBIT = {"10mbit": 10.0, "100mbit": 100.0, "1gbit": 1000.0}
+RATE_MBIT = {"1mbit": 1.0, "10mbit": 10.0, "100mbit": 100.0, "1gbit": 1000.0}
 """The link rate of each emulated ``network.rate``, in Mbit/s."""
 
 __all__ = [
@@ -40,8 +40,8 @@ class NetworkConfig:
     """Where the two nodes run."""
 
     rate: list[str] = field(default_factory=lambda: ["loopback"])
-    """``loopback``, or the rate of the emulated links between two network namespaces (``10mbit``, ``100mbit``,
-    ``1gbit``; needs root, tbf on both ends of each link); a comma list runs each in turn."""
+    """``loopback``, or the rate of the emulated links between two network namespaces (``1mbit``, ``10mbit``,
+    ``100mbit``, ``1gbit``; needs root, tbf on both ends of each link); a comma list runs each in turn."""
     prefix: str = ""
     """Name prefix of the namespaces (empty: ``lb`` and 4 digits of the process id); at most 6 characters."""
 
@@ -106,6 +106,11 @@ class BenchConfig:
     DDP times, for the rates and seeds it has them; ``lightning_ddp`` is then not run again there (at 10 Mbit it
     takes most of the benchmark's time). Its ``budget_steps``, ``eval_every``, ``warmup_steps`` and
     ``flush_denormal`` must equal this run's; its records are copied into this run's, marked ``reused_from``."""
+    window: int = 0
+    """char_lm: 0 runs every case to the target. ``N > 0`` measures step times instead, with no target: each case
+    runs ``N + 1`` scoring intervals of ``lcm(eval_every, its sync period)`` steps, and reports its training seconds
+    per step over the last ``N`` (whole sync periods, sync steps included; the first interval is warm-up), as
+    ``window_step_ms``. ``benchmarks/time_to_target.py`` multiplies them by a trajectory's steps to the target."""
     flush_denormal: bool = True
     """Every rank treats subnormal floats as zero (``torch.set_flush_denormal``), in every case alike: on this CPU
     a backward pass full of them (a confident softmax's underflowing probabilities, as plain DiLoCo's char_lm
@@ -146,7 +151,9 @@ class BenchConfig:
         check_range("budget_steps", self.budget_steps, low=1, integer=True)
         check_range("max_steps_factor", self.max_steps_factor, low=1)
         check_range("give_up_factor", self.give_up_factor, low=1)
-        if "char_lm" in self.workloads and self.cases and "lightning_ddp" not in self.cases and not self.ddp_from:
+        check_range("window", self.window, low=0, integer=True)
+        needs_target = "char_lm" in self.workloads and not self.window
+        if needs_target and self.cases and "lightning_ddp" not in self.cases and not self.ddp_from:
             raise ConfigError(
                 f"cases={','.join(self.cases)} is not allowed with workloads=char_lm; it must include lightning_ddp "
                 "(the loss it ends its budget with is the target), or take its runs from an earlier benchmark with "

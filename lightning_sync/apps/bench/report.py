@@ -49,6 +49,8 @@ def summarize(records: list[dict[str, Any]], cfg: BenchConfig) -> list[dict[str,
         runs = [r for r in records if (r["workload"], r["rate"], r["case"]) == (workload, rate, case)]
         metric = WORKLOADS[workload].metric
         key = "seconds_at_budget" if metric == "time_to_loss" and case in BOUNDS else _METRIC_KEY[metric]
+        if metric == "time_to_loss" and cfg.window:
+            key = "window_step_ms"
         values = [r.get(key) if r["ok"] else None for r in runs]
         shown = [_cell(v, ".2f") if r["ok"] else "failed" for v, r in zip(values, runs)]
         row: dict[str, Any] = {
@@ -69,6 +71,8 @@ def summarize(records: list[dict[str, Any]], cfg: BenchConfig) -> list[dict[str,
             row["steps_run"] = [r["trajectory"][-1][1] if r.get("trajectory") else None for r in runs]
             # training seconds over steps: a periodic case's sync steps count (the median step would hide them)
             means = [1e3 * r["trajectory"][-1][0] / r["trajectory"][-1][1] for r in runs if _trained(r)]
+            if cfg.window:  # the window's: warm-up left out
+                means = [v for v in values if v is not None]
             if means:
                 row["median_mean_step_ms"] = statistics.median(means)
         for extra in (
@@ -217,6 +221,12 @@ def markdown(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
         anchors = [a for a in ANCHORS if any(r["case"] == a for r in group)]
         if spec.metric == "step_time":
             how = f"{cfg.steps} steps ({cfg.warmup_steps} warm-up), batch {spec.batch_size}/rank"
+        elif spec.metric == "time_to_loss" and cfg.window:
+            how = (
+                f"training ms per step over the last {cfg.window} of {cfg.window + 1} scoring intervals of "
+                f"lcm({cfg.eval_every}, the case's sync period) steps (whole sync periods, sync steps included; the "
+                f"first interval is warm-up), no target, batch {spec.batch_size}/rank"
+            )
         elif spec.metric == "time_to_loss":
             targets = sorted({r["target_loss"] for r in group if r.get("target_loss") is not None})
             how = (
@@ -245,7 +255,9 @@ def markdown(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
             f"### {workload}, network {rate}: {spec.about}\n\n2 nodes x 1 rank (torchrun, gloo), {how}; "
             f"median of {cfg.repeats} alternating repeats{_seeds_text(cfg)}.{reused}\n"
         )
-        if spec.metric == "time_to_loss":
+        if spec.metric == "time_to_loss" and cfg.window:
+            parts.append("\n".join(_table_lines(group, "window_step_ms", anchors)) + "\n")
+        elif spec.metric == "time_to_loss":
             parts.append(_loss_table(group, anchors) + "\n")
         else:
             parts.append("\n".join(_table_lines(group, _METRIC_KEY[spec.metric], anchors)) + "\n")
@@ -253,7 +265,7 @@ def markdown(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ utilization
-RATE_ORDER = ("10mbit", "100mbit", "1gbit", "loopback")
+RATE_ORDER = ("1mbit", "10mbit", "100mbit", "1gbit", "loopback")
 """Link rates from the slowest: the column order of :func:`utilization_rows`."""
 UTILIZATION_CASES = ("lightning_ddp", *(case for case in LM_CASES if "diloco" in case))
 """Lightning DDP and every DiLoCo case of the char_lm benchmark, in its order."""

@@ -91,6 +91,8 @@ def _clock_for(
     if workload.metric == "time_to_accuracy":
         return cfg.target_accuracy, cfg.eval_every, False, None, None
     every = math.lcm(cfg.eval_every, sync_period(case, cfg))
+    if cfg.window:  # step times over whole sync periods, no target
+        return None, every, True, None, every * (cfg.window + 1)
     target = spec.get("target")
     if case in BOUNDS or case == "lightning_ddp" or target is None:
         return None, every, True, None, cfg.budget_steps

@@ -1,0 +1,146 @@
+"""Time to a real loss on char_lm at 1 Mbit to 1 Gbit and loopback: trajectories x measured step times.
+
+Runs three kinds of benchmark (``python -m lightning_sync.bench``; the emulated links need root) into
+``<out>/parts/<phase>/`` and composes them (:mod:`lightning_sync.apps.bench.time_to_target`):
+
+1. ``trajectories``: every case to the target on loopback, seeds 0, 1, 2. The target of a seed is the validation
+   loss Lightning DDP ends ``budget_steps`` with (about 1.5 nats/char, against 3.25 for a unigram model);
+2. ``windows_<rate>``: every deterministic case's ms per step over whole sync periods at each rate (``window=2``);
+3. ``validation``: every case end to end at ``--validate-rate``, seed 0, beside its composed time.
+
+A phase whose ``results.json`` exists is not run again (``--redo PHASE`` runs it again), so an interrupted run goes
+on where it stopped. The composed report goes to ``<out>/time_to_target.json`` and ``.md``, with a
+``.provenance.json`` for the results page (``make docs-gen``), which also writes the "which mode when" table of the
+README and the docs' front page from it.
+
+    python benchmarks/time_to_target.py                     # everything, about an hour and a half
+    python benchmarks/time_to_target.py --compose-only      # the report from the parts there are
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from lightning_sync.apps.bench import time_to_target as ttt
+from lightning_sync.apps.markdown import markdown_table
+from lightning_sync.apps.provenance import provenance
+
+CASES = ("lightning_ddp", "allreduce", "powersgd", "periodic", "diloco", "diloco_8", "streaming_diloco",
+         "streaming_diloco_8", "ps_async")  # fmt: skip
+"""The cases: Lightning DDP (the reference), each of our modes at its defaults or the benchmark's settings."""
+TO_TARGET = ("workloads=char_lm", "budget_steps=1000", "eval_every=16", "max_steps_factor=1.6", "give_up_factor=3")
+"""The trajectories' and the validation's knobs: DDP's loss after 1000 steps (scored every 16, at 992) is the
+target; a case stops unreached after 1.6x the steps or 3x DDP's time."""
+WINDOW_EVERY = {"1mbit": 2, "10mbit": 4, "100mbit": 16, "1gbit": 16, "loopback": 16}
+"""The windows' scoring interval per rate (``eval_every``): short where a DDP step takes seconds."""
+
+
+def phases(validate_rate: str) -> dict[str, list[str]]:
+    """``{phase: bench overrides}`` in the order they run."""
+    deterministic = ",".join([c for c in CASES if not c.startswith("ps")] + ["floor"])
+    out = {"trajectories": [*TO_TARGET, "network.rate=loopback", f"cases={','.join(CASES)}", "repeats=3"]}
+    for rate, every in WINDOW_EVERY.items():
+        out[f"windows_{rate}"] = ["workloads=char_lm", "window=2", f"eval_every={every}", f"network.rate={rate}",
+                                  f"cases={deterministic}", "repeats=1"]  # fmt: skip
+    out["validation"] = [*TO_TARGET, f"network.rate={validate_rate}", f"cases={','.join(CASES)}", "repeats=1"]
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/time_to_target", help="the report's folder")
+    parser.add_argument("--validate-rate", default="100mbit", help="the rate of the end-to-end runs")
+    parser.add_argument("--redo", action="append", default=[], help="run this phase again (repeatable)")
+    parser.add_argument("--only", action="append", default=[], help="run only this phase (repeatable)")
+    parser.add_argument("--compose-only", action="store_true", help="run nothing; compose the parts there are")
+    return parser
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    out = Path(args.out)
+    plan = phases(args.validate_rate)
+    commands = {}
+    for phase, overrides in plan.items():
+        folder = out / "parts" / phase
+        command = [sys.executable, "-m", "lightning_sync.bench", "--out", str(folder), *overrides]
+        commands[phase] = shlex.join(["python", *command[1:]])
+        chosen = not args.only or phase in args.only
+        if args.compose_only or not chosen or ((folder / "results.json").exists() and phase not in args.redo):
+            continue
+        print(f"== {phase}: {commands[phase]}", flush=True)
+        subprocess.run(command, check=False)  # a failed run is recorded in its results.json and reported below
+    trajectories = _load(out / "parts" / "trajectories" / "results.json")
+    if trajectories is None:
+        sys.exit(f"error: no trajectories in {out / 'parts' / 'trajectories'}; run without --compose-only first")
+    windows = [d for p in plan if p.startswith("windows_") and (d := _load(out / "parts" / p / "results.json"))]
+    validation = _load(out / "parts" / "validation" / "results.json")
+    composed = ttt.compose(trajectories, windows, validation)
+    decisions = ttt.decide(composed)
+    ran = [p for p in plan if (out / "parts" / p / "results.json").exists()]
+    report = {
+        **composed,
+        "decisions": decisions,
+        "commands": {p: commands[p] for p in ran},
+        "parts_provenance": {p: (_load(out / "parts" / p / "results.json") or {}).get("provenance") for p in ran},
+        "provenance": provenance(),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "time_to_target.json").write_text(json.dumps(report, indent=1) + "\n")
+    text = format_report(report)
+    (out / "time_to_target.md").write_text(text + "\n")
+    record = {
+        **report["parts_provenance"].get("trajectories", {}),
+        "command": " && ".join(report["commands"].values()),
+        "title": TITLE,
+        "note": NOTE,
+    }
+    (out / "time_to_target.provenance.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(text)
+
+
+TITLE = "Time to a real loss, 1 Mbit to loopback"
+NOTE = (
+    "Method: each case's steps to the target come from its loopback run (per seed; the runs are deterministic, so "
+    "the link does not change them); its ms per step at each emulated rate from a window of 2 whole scoring "
+    "intervals after one of warm-up (sync steps included, one seed); the composed time is their product. Loopback "
+    "and the asynchronous parameter server (whose steps depend on timing) are measured end to end. The validation "
+    "table puts one end-to-end run per case beside its composed time."
+)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report's Markdown: the decision table, the times per case and rate, and the validation."""
+    targets = ", ".join(f"{loss:.4f}" for loss in report["targets"].values() if loss is not None)
+    parts = [
+        "### Which mode when\n",
+        markdown_table(*ttt.decision_table(report["decisions"]), align="llrrrl"),
+        f"\n### Training time to the target, per case and link rate\n\nTarget: the validation loss Lightning DDP "
+        f"reaches in 992 steps, per seed ({targets} nats/char for seeds "
+        f"{', '.join(map(str, report['seeds']))}); mean [min, max] over the seeds.\n",
+        markdown_table(*ttt.time_table(report)),
+    ]
+    if report["validation"]:
+        parts += [
+            "\n### The composed time against one end-to-end run\n",
+            markdown_table(*ttt.validation_table(report["validation"])),
+        ]
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    main()
