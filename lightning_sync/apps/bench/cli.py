@@ -73,7 +73,8 @@ def _value_text(workload: str, result: dict[str, Any]) -> str:
         trajectory = result.get("trajectory") or [(0.0, 0, math.nan)]
         seconds, steps, final = trajectory[-1]
         if result.get("window_step_ms") is not None:
-            return f"{result['window_step_ms']:.1f} ms/step over steps {trajectory[0][1]}-{steps}{wire_text}"
+            first = next(step for _, step, _ in trajectory if step >= result["window_from"])
+            return f"{result['window_step_ms']:.1f} ms/step over steps {first}-{steps}{wire_text}"
         if result["case"] in BOUNDS:
             return f"{seconds:.2f} s for {steps} steps (final loss {final:.4f}){wire_text}"
         if result.get("seconds_to_target") is None:
@@ -122,8 +123,9 @@ class Targets:
         if WORKLOADS[workload].metric != "time_to_loss" or not record.get("ok") or not trajectory:
             return
         if self.cfg.window:
-            seconds = window_step_seconds(trajectory)
+            seconds = window_step_seconds(trajectory, self.cfg.window_span(record["case"])[0])
             record["window_step_ms"] = None if seconds is None else 1e3 * seconds
+            record["window_from"] = self.cfg.window_span(record["case"])[0]
             return
         seed = record["seed"]
         if record["case"] == "lightning_ddp":

@@ -45,12 +45,14 @@ def first_reaching(
     return None
 
 
-def window_step_seconds(trajectory: list[tuple[float, int, float]]) -> float | None:
-    """Training seconds per step from the first point of ``trajectory`` (``(seconds, step, score)``) to its last:
-    over whole sync periods when the points are at syncs; ``None`` with fewer than two points."""
-    if len(trajectory) < 2 or trajectory[-1][1] <= trajectory[0][1]:
+def window_step_seconds(trajectory: list[tuple[float, int, float]], from_step: int = 0) -> float | None:
+    """Training seconds per step from the first point of ``trajectory`` (``(seconds, step, score)``) at or past
+    ``from_step`` to its last: over whole sync periods when the points are at syncs; ``None`` without two such
+    points."""
+    points = [p for p in trajectory if p[1] >= from_step]
+    if len(points) < 2 or points[-1][1] <= points[0][1]:
         return None
-    (first_s, first_step, _), (last_s, last_step, _) = trajectory[0], trajectory[-1]
+    (first_s, first_step, _), (last_s, last_step, _) = points[0], points[-1]
     return (last_s - first_s) / (last_step - first_step)
 
 

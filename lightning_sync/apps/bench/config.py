@@ -8,6 +8,7 @@ value and what is allowed. The workloads and cases the knobs name are :mod:`ligh
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
@@ -108,9 +109,10 @@ class BenchConfig:
     ``flush_denormal`` must equal this run's; its records are copied into this run's, marked ``reused_from``."""
     window: int = 0
     """char_lm: 0 runs every case to the target. ``N > 0`` measures step times instead, with no target: each case
-    runs ``N + 1`` scoring intervals of ``lcm(eval_every, its sync period)`` steps, and reports its training seconds
-    per step over the last ``N`` (whole sync periods, sync steps included; the first interval is warm-up), as
-    ``window_step_ms``. ``benchmarks/time_to_target.py`` multiplies them by a trajectory's steps to the target."""
+    is scored every ``lcm(eval_every, its sync period)`` steps, and reports its training ms per step over ``N`` such
+    intervals (whole sync periods, sync steps included) after the first interval that ends at or past
+    ``warmup_steps`` (PowerSGD's uncompressed start, ``bucketing=auto``'s trials), as ``window_step_ms``.
+    ``benchmarks/time_to_target.py`` multiplies them by a trajectory's steps to the target."""
     flush_denormal: bool = True
     """Every rank treats subnormal floats as zero (``torch.set_flush_denormal``), in every case alike: on this CPU
     a backward pass full of them (a confident softmax's underflowing probabilities, as plain DiLoCo's char_lm
@@ -177,6 +179,17 @@ class BenchConfig:
                     f"ddp_from={self.ddp_from!r} has no lightning_ddp run of char_lm at {', '.join(missing)}; add "
                     "lightning_ddp to cases (it then runs only where the file has none)"
                 )
+
+    def scoring_every(self, case: str) -> int:
+        """Steps between two scorings of ``case`` on ``char_lm``: ``eval_every``, and at its syncs only."""
+        return math.lcm(self.eval_every, sync_period(case, self))
+
+    def window_span(self, case: str) -> tuple[int, int]:
+        """``(first, last)`` step of ``case``'s step-time window (``window > 0``): whole scoring intervals, from
+        the first scoring at or past ``warmup_steps``."""
+        every = self.scoring_every(case)
+        first = every * max(1, math.ceil(self.warmup_steps / every))
+        return first, first + every * self.window
 
     def seed_of(self, repeat: int) -> int:
         """The seed repeat ``repeat`` (from 0) runs with."""

@@ -223,9 +223,9 @@ def markdown(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
             how = f"{cfg.steps} steps ({cfg.warmup_steps} warm-up), batch {spec.batch_size}/rank"
         elif spec.metric == "time_to_loss" and cfg.window:
             how = (
-                f"training ms per step over the last {cfg.window} of {cfg.window + 1} scoring intervals of "
-                f"lcm({cfg.eval_every}, the case's sync period) steps (whole sync periods, sync steps included; the "
-                f"first interval is warm-up), no target, batch {spec.batch_size}/rank"
+                f"training ms per step over {cfg.window} scoring intervals of lcm({cfg.eval_every}, the case's sync "
+                f"period) steps (whole sync periods, sync steps included), from the first scoring at or past step "
+                f"{cfg.warmup_steps} (warm-up), no target, batch {spec.batch_size}/rank"
             )
         elif spec.metric == "time_to_loss":
             targets = sorted({r["target_loss"] for r in group if r.get("target_loss") is not None})

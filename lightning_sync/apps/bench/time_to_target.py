@@ -7,11 +7,13 @@ same steps on any link (the link changes when bytes arrive, not what they are), 
 
 * **trajectories** (``python -m lightning_sync.bench workloads=char_lm network.rate=loopback budget_steps=...``):
   every case run to the target, Lightning DDP's validation loss at the end of its budget, once per seed; each
-  record's ``steps_to_target``;
-* **windows** (the same with ``window=N`` at each emulated rate): every case's training ms per step over whole sync
-  periods, sync steps included (``window_step_ms``);
-* **validation** (the trajectories' command at one emulated rate): real end-to-end runs, to check the composition
-  and to time the cases whose steps depend on timing (the asynchronous parameter server), which are never composed.
+  record's ``steps_to_target`` (its time is not used: the windows time every rate alike, loopback included);
+* **windows** (the same with ``window=N`` at each rate): every case's training ms per step over whole sync periods,
+  sync steps included (``window_step_ms``);
+* **validation** (the trajectories' command at one emulated rate): real end-to-end runs, to check the composition.
+
+The cases whose steps depend on timing (the asynchronous parameter server) are never composed: their times are
+their end-to-end runs (the trajectories' at loopback, the validation's at its rate).
 
 :func:`compose` reads the three benchmarks' ``results.json`` and gives, per case and rate, the seconds to the target
 over the seeds (mean, min, max), composed or measured; :func:`decide` the fastest case per rate, its speedup over
@@ -25,7 +27,7 @@ from collections.abc import Iterable
 from typing import Any
 
 RATES = ("1mbit", "10mbit", "100mbit", "1gbit", "loopback")
-"""The columns, from the slowest link; ``loopback`` (both ranks on one machine) is always measured end to end."""
+"""The columns, from the slowest link; ``loopback``: both ranks on one machine."""
 REFERENCE = "lightning_ddp"
 BOUND = "floor"
 """2 ranks that never communicate: its time is DDP's steps at the floor's step time (a bound, not a mode)."""
@@ -86,7 +88,7 @@ def compose(trajectories: dict[str, Any], windows: list[dict[str, Any]], validat
             if ms is not None:
                 entry["step_ms"][rate] = ms
             runs = _ok([*records, *checked], case=case, rate=rate)
-            if runs and (rate == "loopback" or timed_alone):
+            if runs and timed_alone:
                 entry["seconds"][rate] = _stats([r.get("seconds_to_target") for r in runs])
                 entry["how"][rate] = "measured"
             elif ms is not None and not timed_alone:

@@ -42,7 +42,7 @@ from torch import nn
 
 from lightning_sync.apps.bench.clock import TargetClock, accuracy_of, loss_of
 from lightning_sync.apps.bench.config import BenchConfig, NetworkConfig
-from lightning_sync.apps.bench.workloads import BOUNDS, OUR_CASES, WORKLOADS, Workload, sync_period
+from lightning_sync.apps.bench.workloads import BOUNDS, OUR_CASES, WORKLOADS, Workload
 from lightning_sync.apps.netns import InterfaceCounters
 
 TORCH_LOOPS = ("torch_ddp", "torch_local_sgd")
@@ -90,9 +90,9 @@ def _clock_for(
     """``(target, every, lower_is_better, give_up_s, max_steps)`` of a timed run; ``max_steps`` ``None``: epochs."""
     if workload.metric == "time_to_accuracy":
         return cfg.target_accuracy, cfg.eval_every, False, None, None
-    every = math.lcm(cfg.eval_every, sync_period(case, cfg))
+    every = cfg.scoring_every(case)
     if cfg.window:  # step times over whole sync periods, no target
-        return None, every, True, None, every * (cfg.window + 1)
+        return None, every, True, None, cfg.window_span(case)[1]
     target = spec.get("target")
     if case in BOUNDS or case == "lightning_ddp" or target is None:
         return None, every, True, None, cfg.budget_steps
