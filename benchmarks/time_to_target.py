@@ -5,7 +5,7 @@ Runs three kinds of benchmark (``python -m lightning_sync.bench``; the emulated 
 
 1. ``trajectories``: every case to the target on loopback, seeds 0, 1, 2. The target of a seed is the validation
    loss Lightning DDP ends ``budget_steps`` with (about 1.5 nats/char, against 3.25 for a unigram model);
-2. ``windows_<rate>``: every deterministic case's ms per step over whole sync periods at each rate (``window=2``);
+2. ``windows_<rate>``: every deterministic case's ms per step over whole sync periods at each rate (``window=N``);
 3. ``validation``: every case end to end at ``--validate-rate``, seed 0, beside its composed time.
 
 A phase whose ``results.json`` exists is not run again (``--redo PHASE`` runs it again), so an interrupted run goes
@@ -41,20 +41,20 @@ CASES = ("lightning_ddp", "allreduce", "powersgd", "periodic", "diloco", "diloco
 TO_TARGET = ("workloads=char_lm", "budget_steps=1000", "eval_every=16", "max_steps_factor=1.6", "give_up_factor=3")
 """The trajectories' and the validation's knobs: DDP's loss after 1000 steps (scored every 16, at 992) is the
 target; a case stops unreached after 1.6x the steps or 3x DDP's time."""
-WINDOW_EVERY = {"1mbit": 2, "10mbit": 4, "100mbit": 16, "1gbit": 16, "loopback": 16}
-"""The windows' scoring interval per rate (``eval_every``): short where a DDP step takes seconds."""
-WINDOW_WARMUP = {"1mbit": 12}
-"""Steps before a window starts where not 20 (the benchmark's default, past ``bucketing=auto``'s trials): at 1 Mbit
-just past PowerSGD's 10 uncompressed steps, as each step before the window takes DDP 16 s."""
+WINDOWS = {"1mbit": (2, 2, 12), "10mbit": (4, 4, 20), "100mbit": (16, 8, 20), "1gbit": (16, 8, 20),
+           "loopback": (16, 8, 20)}  # fmt: skip
+"""Per rate, the windows' ``(eval_every, window, warmup_steps)``: scoring intervals short and few where a step of
+DDP takes seconds (at 1 Mbit 16 s, and just past PowerSGD's 10 uncompressed steps), long where it takes
+milliseconds: DDP's window is 4 steps (62 s) at 1 Mbit, 16 steps at 10 Mbit, 128 steps (5 to 23 s) from 100 Mbit."""
 
 
 def phases(validate_rate: str) -> dict[str, list[str]]:
     """``{phase: bench overrides}`` in the order they run."""
     deterministic = ",".join([c for c in CASES if not c.startswith("ps")] + ["floor"])
     out = {"trajectories": [*TO_TARGET, "network.rate=loopback", f"cases={','.join(CASES)}", "repeats=3"]}
-    for rate, every in WINDOW_EVERY.items():
-        out[f"windows_{rate}"] = ["workloads=char_lm", "window=2", f"eval_every={every}", f"network.rate={rate}",
-                                  f"warmup_steps={WINDOW_WARMUP.get(rate, 20)}", f"cases={deterministic}",
+    for rate, (every, window, warmup) in WINDOWS.items():
+        out[f"windows_{rate}"] = ["workloads=char_lm", f"window={window}", f"eval_every={every}",
+                                  f"network.rate={rate}", f"warmup_steps={warmup}", f"cases={deterministic}",
                                   "repeats=1"]  # fmt: skip
     out["validation"] = [*TO_TARGET, f"network.rate={validate_rate}", f"cases={','.join(CASES)}", "repeats=1"]
     return out
@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> None:
 TITLE = "Time to a real loss, 1 Mbit to loopback"
 NOTE = (
     "Method: each case's steps to the target come from its loopback run (per seed; the runs are deterministic, so "
-    "the link does not change them); its ms per step at each rate from a window of 2 whole scoring intervals "
-    "after 20 steps of warm-up (12 at 1 Mbit; sync steps included, one seed); the composed time is their product, at every "
+    "the link does not change them); its ms per step at each rate from a window of whole scoring intervals after "
+    "20 steps of warm-up (12 at 1 Mbit; sync steps included, one seed); the composed time is their product, at every "
     "rate, loopback included. The asynchronous parameter server (whose steps depend on timing) is measured end to "
     "end. The validation table puts one end-to-end run per case beside its composed time."
 )

@@ -210,6 +210,32 @@ def results_figures(sources: Sequence[str | Path]) -> dict[str, str]:
 TIME_TO_TARGET = "time_to_target.json"
 
 
+CURVES_RATE = "10mbit"
+"""The link of the report figure's loss-against-time panel."""
+
+
+def _loss_curves(ax: Any, report: dict[str, Any], rate: str) -> None:
+    """Each composed case's validation loss (first seed) against its training time at ``rate``: its trajectory's
+    steps times its step time there."""
+    for case, entry in report["cases"].items():
+        ms = entry["step_ms"].get(rate)
+        if not entry.get("curve") or ms is None or entry["how"].get(rate) != "composed":
+            continue
+        steps, losses = zip(*entry["curve"])
+        reference = case == ttt.REFERENCE
+        ax.plot([n * ms / 1e3 for n in steps], losses, label=case, linewidth=1.2 if reference else 1,
+                color="black" if reference else None, linestyle="--" if reference else "-")  # fmt: skip
+    target = next(iter(report["targets"].values()), None)
+    if target is not None:
+        ax.axhline(target, color="tab:gray", linewidth=0.8, linestyle=":")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"training seconds at {rate} (log; steps x step time)")
+    ax.set_ylabel("validation loss, nats/char (first seed)")
+    ax.set_title(f"loss against time at {rate} (dotted: the target)", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper right")
+
+
 def time_to_target_figure(report: dict[str, Any]) -> str:
     """The composed report as an SVG: each case's seconds to the target against the link rate (mean, with the
     seeds' range; log axis), slowest link on the left; measured points hollow, composed ones filled."""
@@ -221,7 +247,7 @@ def time_to_target_figure(report: dict[str, Any]) -> str:
     plt.rcParams["svg.hashsalt"] = "lightning-sync"
     plt.rcParams["svg.fonttype"] = "none"
     rates = [r for r in ttt.RATES if any((e["seconds"].get(r) or {}).get("mean") for e in report["cases"].values())]
-    fig, ax = plt.subplots(figsize=(8.5, 4.6))
+    fig, (ax, curves) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.2, 1]})
     markers = "osD^v<>pX*h"
     for i, (case, entry) in enumerate(report["cases"].items()):
         points = [(x, entry["seconds"][r], entry["how"][r]) for x, r in enumerate(rates)
@@ -246,6 +272,8 @@ def time_to_target_figure(report: dict[str, Any]) -> str:
     ax.set_xlabel("link between the 2 hosts (hollow: measured end to end; filled: steps x step time)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, ncol=2, loc="upper right")
+    ax.set_title("time to the target per link", fontsize=10)
+    _loss_curves(curves, report, CURVES_RATE)
     fig.tight_layout()
     out = io.StringIO()
     fig.savefig(out, format="svg", metadata={"Date": None})
@@ -323,7 +351,26 @@ def results_page(sources: Sequence[str | Path]) -> str:
     utilization = _utilization_section(bench_rows)
     if utilization:
         sections.append(utilization)
-    return head + "\n" + "\n".join(sections)
+    sections.sort(key=_section_rank)  # stable: path order within a rank
+    titles = [section.split("\n", 1)[0][3:] for section in sections]
+    contents = "\n".join(f"- [{title}](#{_anchor(title)})" for title in titles)
+    return head + "\n" + contents + "\n\n" + "\n".join(sections)
+
+
+LEADING = ("## Time to a real loss", f"## {COMPARE_TITLE}", "## Outer optimizer sweep")
+"""The sections the page opens with, in this order; the others follow in path order."""
+
+
+def _section_rank(section: str) -> int:
+    return next((i for i, lead in enumerate(LEADING) if section.startswith(lead)), len(LEADING))
+
+
+def _anchor(title: str) -> str:
+    """The fragment mkdocs (Python-Markdown's toc) gives a heading: lower case, punctuation dropped, spaces to ``-``."""
+    import re
+
+    text = re.sub(r"[^\w\s-]", "", title.lower())
+    return re.sub(r"[-\s]+", "-", text).strip("-")
 
 
 def headline(data: dict[str, Any]) -> str:

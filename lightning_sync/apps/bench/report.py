@@ -252,7 +252,7 @@ def markdown(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
             how = f"{cfg.payload_mb:g} MiB float32, median of {cfg.payload_iters} all-reduces (slowest rank)"
         reused = f" lightning_ddp's runs are reused from `{cfg.ddp_from}` (`ddp_from`)." if cfg.ddp_from else ""
         parts.append(
-            f"### {workload}, network {rate}: {spec.about}\n\n2 nodes x 1 rank (torchrun, gloo), {how}; "
+            f"### {workload}, network {rate}\n\n{spec.about}. 2 nodes x 1 rank (torchrun, gloo), {how}; "
             f"median of {cfg.repeats} alternating repeats{_seeds_text(cfg)}.{reused}\n"
         )
         if spec.metric == "time_to_loss" and cfg.window:

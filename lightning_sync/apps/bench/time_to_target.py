@@ -59,7 +59,8 @@ def compose(trajectories: dict[str, Any], windows: list[dict[str, Any]], validat
 
     Returns:
         ``{"cases": {case: {"steps": stats, "step_ms": {rate: ms}, "seconds": {rate: stats | None},
-        "how": {rate: "composed" | "measured"}}}, "targets": {seed: loss}, "validation": [...], "seeds": [...]}``.
+        "how": {rate: "composed" | "measured"}, "curve": [[step, validation loss], ...] of the first seed}},
+        "targets": {seed: loss}, "validation": [...], "seeds": [...]}``.
         A case whose runs are not deterministic (``ps``) is only measured; the ``floor`` runs DDP's steps.
     """
     records = trajectories["records"]
@@ -82,7 +83,9 @@ def compose(trajectories: dict[str, Any], windows: list[dict[str, Any]], validat
             if case == BOUND
             else [next((r.get("steps_to_target") for r in _ok(records, case=case, seed=s)), None) for s in seeds]
         )
-        entry: dict[str, Any] = {"steps": _stats(steps), "step_ms": {}, "seconds": {}, "how": {}}
+        first_seed = _ok(records, case=case, seed=seeds[0]) if seeds else []
+        curve = [[step, loss] for _, step, loss in first_seed[0].get("trajectory") or []] if first_seed else []
+        entry: dict[str, Any] = {"steps": _stats(steps), "step_ms": {}, "seconds": {}, "how": {}, "curve": curve}
         for rate in RATES:
             ms = step_ms.get((case, rate))
             if ms is not None:
