@@ -180,3 +180,31 @@ def test_a_compare_run_gets_a_figure_that_check_keeps_current(tmp_path, capsys):
     assert main([str(tmp_path / "results"), "--out", str(out), "--check"]) == 0  # the same bytes again
     figure.write_text(svg.replace("periodic:diloco/8", "periodic:diloco/16"))
     assert main([str(tmp_path / "results"), "--out", str(out), "--check"]) == 1
+
+
+def test_which_mode_block_names_the_fastest_its_call_and_where_ddp_is_right():
+    from lightning_sync.apps.bench import time_to_target as ttt
+
+    def run(case, seed, steps, rate="loopback"):
+        return {"case": case, "seed": seed, "rate": rate, "ok": True, "steps_to_target": steps,
+                "seconds_to_target": 1.0, "target_loss": 1.5, "trajectory": [[1.0, steps, 1.5]]}  # fmt: skip
+
+    def window(case, rate, ms):
+        return {"case": case, "rate": rate, "metric": "window_step_ms", "median": ms}
+
+    trajectories = {"records": [run(c, s, n) for s in (0, 1) for c, n in (("lightning_ddp", 992), ("diloco_8", 960))]}
+    windows = [{"summary": [window("lightning_ddp", "1mbit", 16000.0), window("diloco_8", "1mbit", 2000.0),
+                            window("lightning_ddp", "loopback", 40.0), window("diloco_8", "loopback", 42.0)]}]  # fmt: skip
+    composed = ttt.compose(trajectories, windows, None)
+    report = {**composed, "decisions": ttt.decide(composed), "provenance": {"commit": "abcdef1234567"}}
+    block = gen_docs.which_mode(report)
+    rows = [line for line in block.splitlines() if line.startswith("| 1mbit") or line.startswith("| loopback")]
+    assert "`diloco_8`" in rows[0] and "8.27x" in rows[0]  # 992 x 16 s over 960 x 2 s
+    # loopback: DDP's 39.7 s against diloco_8's 40.3 s: DDP is the one to use there
+    assert "`lightning_ddp`" in rows[1] and "1.00x" in rows[1]
+    assert "It is the fastest, or tied with the fastest, at: loopback." in block
+    assert "- `diloco_8`: `PeriodicSyncStrategy(mode='diloco', sync_every=8, outer_momentum=0.0)`" in block
+    assert "commit `abcdef1234`" in block and "results.md#time-to-a-real-loss" in block
+    page = "intro\n" + gen_docs.WHICH_MODE_START + "x -->\nold\n" + gen_docs.WHICH_MODE_END + "\nrest\n"
+    done = gen_docs._with_which_mode(page, report, docs_page=True)
+    assert "old" not in done and done.endswith(gen_docs.WHICH_MODE_END + "\nrest\n") and "](results.md#" in done

@@ -447,7 +447,9 @@ def which_mode(report: dict[str, Any]) -> str:
         f"{table}\n\n{cases}\n\n"
         "Lightning DDP (or our `allreduce`, the same updates without the DDP wrapper) is the right choice when each "
         "step must apply the same update as single-process training on the global batch: the periodic modes and "
-        f"the parameter server change the optimization, and pay for it in steps (`steps vs DDP`). {where}\n"
+        "the parameter server change the optimization, and need more steps to the same loss or fewer (`steps vs "
+        f"DDP`), which a longer run or another model can change. {where} Loopback: both ranks on one machine. A "
+        "tie is a seed range that overlaps the fastest's (the step times are one seed's).\n"
     )
 
 

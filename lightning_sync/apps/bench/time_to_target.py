@@ -181,8 +181,12 @@ def _seconds(value: float) -> str:
     if value < 120:
         return f"{value:.0f} s" if value >= 10 else f"{value:.1f} s"
     if value < 3 * 3600:
-        return f"{value / 60:.0f} min"
+        return f"{value / 60:.1f} min" if value < 600 else f"{value / 60:.0f} min"
     return f"{value / 3600:.1f} h"
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.2f}x"
 
 
 def time_table(composed: dict[str, Any], rates: Iterable[str] = RATES) -> tuple[list[str], list[list[str]]]:
@@ -211,7 +215,7 @@ def decision_table(decisions: list[dict[str, Any]]) -> tuple[list[str], list[lis
             d["rate"],
             f"`{d['fastest']}`",
             _seconds(d["seconds"]["mean"]) + (" (measured)" if d["how"] == "measured" else ""),
-            "-" if d["speedup_vs_ddp"] is None else f"{d['speedup_vs_ddp']:.2f}x",
+            "-" if d["speedup_vs_ddp"] is None else _times(d["speedup_vs_ddp"]),
             "-" if d["steps_vs_ddp"] is None else f"{d['steps_vs_ddp']:.2f}",
             ", ".join(f"`{c}`" for c in d["ties"]) or "none",
         ]
@@ -231,8 +235,12 @@ def validation_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[s
             "-" if r["composed_s"] is None else f"{r['composed_s']:.1f} s",
             "not reached" if r["measured_s"] is None else f"{r['measured_s']:.1f} s",
             "-" if "composed_over_measured" not in r else f"{r['composed_over_measured']:.3f}",
-            f"{r['steps_trajectory']} / {r['steps_measured']}",
+            f"{_count(r['steps_trajectory'])} / {_count(r['steps_measured'])}",
         ]
         for r in rows
     ]
     return header, body
+
+
+def _count(steps: float | None) -> str:
+    return "-" if steps is None else f"{steps:.0f}"
