@@ -80,7 +80,7 @@ def render_results(path: Path, data: Any) -> tuple[str, str]:
         ValueError: The file is not one of the known results files.
     """
     if isinstance(data, dict) and "workloads" in data:
-        title = COMPARE_TITLE if path.parent.name == "compare" else f"Compare: {path.parent.name}"
+        title = COMPARE_TITLE if path.parent.name == "compare" else compare_title(data)
         return title, compare.format_results(data).replace("### ", "#### ")
     if isinstance(data, dict) and {"config", "summary", "records"} <= data.keys():
         cfg = config_from_saved(data["config"])
@@ -92,6 +92,19 @@ def render_results(path: Path, data: Any) -> tuple[str, str]:
         pattern = "stragglers that come and go" if data["args"].get("hiccups") else "a straggler"
         return f"Parameter server under {pattern}", ps_table(data["summary"], reference=modes[0])
     raise ValueError(f"{path}: not a results file of compare, the benchmark or ps_straggler")
+
+
+def compare_title(data: dict[str, Any]) -> str:
+    """A compare run's section title from what it ran: workloads and their length, the cases, the overrides."""
+    sizes = data.get("sizes") or {}
+    parts = []
+    for name, workload in data["workloads"].items():
+        length = f"{sizes['steps']} steps" if name == "char_lm" and sizes.get("steps") else ""
+        length = f"{sizes['epochs']} epochs" if name == "digits" and sizes.get("epochs") else length
+        cases = ", ".join(r["case"] for r in workload["rows"])
+        parts.append(f"{name}{' ' + length if length else ''}: {cases}")
+    knobs = ", ".join(o.removeprefix("strategy.") for o in data.get("overrides") or [])
+    return "; ".join(parts) + (f" ({knobs})" if knobs else "")
 
 
 def figure_name(path: Path) -> str:
