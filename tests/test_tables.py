@@ -170,11 +170,15 @@ def test_a_compare_run_gets_a_figure_that_check_keeps_current(tmp_path, capsys):
     run = tmp_path / "results" / "char_lm_300_steps"
     run.mkdir(parents=True)
     workloads = {"char_lm": {"title": "t", "metric": "test/loss", "spread": "min-max", "rows": rows}}
-    (run / "results.json").write_text(json.dumps({"provenance": {"command": "c"}, "workloads": workloads}))
+    sizes, overrides = {"steps": 300, "epochs": 30}, ["strategy.outer_lr=0.5"]
+    data = {"provenance": {"command": "c"}, "workloads": workloads, "sizes": sizes, "overrides": overrides}
+    (run / "results.json").write_text(json.dumps(data))
     out = tmp_path / "docs" / "results.md"
     assert main([str(tmp_path / "results"), "--out", str(out)]) == 0
     figure = out.parent / "figures" / "char_lm_300_steps.svg"
-    assert "![Compare: char_lm_300_steps](figures/char_lm_300_steps.svg)" in out.read_text()
+    # titled by what it ran; the figure named by its folder
+    title = "char_lm 300 steps: ddp, periodic:diloco/8 (outer_lr=0.5)"
+    assert f"## {title}" in out.read_text() and f"![{title}](figures/char_lm_300_steps.svg)" in out.read_text()
     svg = figure.read_text()
     assert svg.startswith("<?xml") and "periodic:diloco/8" in svg and "test/loss" in svg
     assert main([str(tmp_path / "results"), "--out", str(out), "--check"]) == 0  # the same bytes again
