@@ -177,7 +177,7 @@ def test_a_compare_run_gets_a_figure_that_check_keeps_current(tmp_path, capsys):
     assert main([str(tmp_path / "results"), "--out", str(out)]) == 0
     figure = out.parent / "figures" / "char_lm_300_steps.svg"
     # titled by what it ran; the figure named by its folder
-    title = "char_lm 300 steps: ddp, periodic:diloco/8 (outer_lr=0.5)"
+    title = "Compare `char_lm_300_steps`: char_lm 300 steps: ddp, periodic:diloco/8 (outer_lr=0.5)"
     assert f"## {title}" in out.read_text() and f"![{title}](figures/char_lm_300_steps.svg)" in out.read_text()
     svg = figure.read_text()
     assert svg.startswith("<?xml") and "periodic:diloco/8" in svg and "test/loss" in svg

@@ -80,7 +80,9 @@ def render_results(path: Path, data: Any) -> tuple[str, str]:
         ValueError: The file is not one of the known results files.
     """
     if isinstance(data, dict) and "workloads" in data:
-        title = COMPARE_TITLE if path.parent.name == "compare" else compare_title(data)
+        title = (
+            COMPARE_TITLE if path.parent.name == "compare" else f"Compare `{path.parent.name}`: {compare_title(data)}"
+        )
         return title, compare.format_results(data).replace("### ", "#### ")
     if isinstance(data, dict) and {"config", "summary", "records"} <= data.keys():
         cfg = config_from_saved(data["config"])

@@ -91,8 +91,9 @@ _CASES = (
     Case("allreduce_flat", "allreduce", {"bucketing": "flat"}, "our AllReduceStrategy(bucketing='flat')"),
     Case("allreduce_overlap", "allreduce", {"bucketing": "overlap"}, "our AllReduceStrategy(bucketing='overlap')"),
     Case("diloco", "periodic", {"mode": "diloco", "sync_every": 16}, "our PeriodicSyncStrategy(mode='diloco', "
-         "sync_every=diloco_sync_every), the default outer optimizer (results from before the defaults changed: "
-         "the paper's Nesterov SGD, lr 0.7, momentum 0.9)", period_knob="diloco_sync_every"),
+         "sync_every=diloco_sync_every) with the strategy's default outer optimizer at the run's commit: outer SGD "
+         "without momentum, lr 0.7 (since c224b12; lr 0.5 from 320bfaf); the paper's Nesterov SGD, lr 0.7, "
+         "momentum 0.9 before 320bfaf (the char_lm/* benchmark runs of 2026-11-24)", period_knob="diloco_sync_every"),
     Case("diloco_8", "periodic", {"mode": "diloco", "sync_every": 8, "outer_momentum": 0.0}, "diloco every "
          f"sync_every steps with {_SGD}: streaming_diloco_8 without fragments, delay or int4",
          period_knob="sync_every"),
