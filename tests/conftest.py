@@ -31,9 +31,12 @@ HEAVIER_THAN_UNIT = ("dist", "e2e", "netns")
 # ended within a timeout, and a survivor must go on at its pace. Each of their tests is marked ``timed``. With several
 # pytest-xdist workers (``make test``) these files run one after another on one worker (:func:`_scope`) at the
 # normal CPU priority, while the other worker's tests run at a lower one (:func:`_timed_tests_first`): the time a
-# failure takes is then the code's, not that of another test's processes sharing the 2 cores.
+# failure takes is then the code's, not that of another test's processes sharing the 2 cores. test_ps_async.py is
+# here too: the accuracy of async ps depends on how evenly its workers get the CPU, and at the lower priority beside
+# the timed tests one worker starved (async median 0.936 against sync 0.958, over the 2 points it may lose).
 TIMED_FILES = frozenset(
     {
+        "test_ps_async.py",
         "test_faults.py",
         "test_ft.py",
         "test_ps_core.py",
