@@ -124,17 +124,34 @@ def _plotted(data: Any) -> list[tuple[str, dict[str, Any]]]:
     return [(name, w) for name, w in workloads.items() if any(r.get("mean") is not None for r in w["rows"])]
 
 
-def compare_figure(data: dict[str, Any]) -> str:
-    """A compare run as an SVG: per workload, each case's metric as its mean over the seeds with the min-max range,
-    and DDP's mean as a line. Written without a date and with a fixed hash salt, so the same results give the
-    same bytes (``--check``)."""
+def _pyplot() -> Any:
+    """``matplotlib.pyplot`` for the page's figures: no display, and SVGs that give the same bytes for the same
+    results (a fixed hash salt; text as text: small files, and the browser renders the labels)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     plt.rcParams["svg.hashsalt"] = "lightning-sync"
-    plt.rcParams["svg.fonttype"] = "none"  # text as text: small files, and the browser renders the labels
+    plt.rcParams["svg.fonttype"] = "none"
+    return plt
+
+
+def _svg(fig: Any) -> str:
+    """``fig`` as SVG text, without a date (``--check`` compares bytes); the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    out = io.StringIO()
+    fig.savefig(out, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return out.getvalue()
+
+
+def compare_figure(data: dict[str, Any]) -> str:
+    """A compare run as an SVG: per workload, each case's metric as its mean over the seeds with the min-max range,
+    and DDP's mean as a line. Written without a date and with a fixed hash salt, so the same results give the
+    same bytes (``--check``)."""
+    plt = _pyplot()
     workloads = _plotted(data)
     height = max(len(w["rows"]) for _, w in workloads) * 0.32 + 1.3
     fig, axes = plt.subplots(1, len(workloads), figsize=(5.2 * len(workloads), height), squeeze=False)
@@ -153,10 +170,7 @@ def compare_figure(data: dict[str, Any]) -> str:
         ax.set_title(name, fontsize=10)
         ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    out = io.StringIO()
-    fig.savefig(out, format="svg", metadata={"Date": None})
-    plt.close(fig)
-    return out.getvalue()
+    return _svg(fig)
 
 
 def _timed_rows(data: Any) -> list[dict[str, Any]]:
@@ -169,13 +183,7 @@ def _timed_rows(data: Any) -> list[dict[str, Any]]:
 def bench_figure(data: dict[str, Any]) -> str:
     """A benchmark run as an SVG: per workload and link rate, each case's training seconds to the target (median,
     with the seeds' range) on a log axis; a case that never reached it is marked so."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plt.rcParams["svg.hashsalt"] = "lightning-sync"
-    plt.rcParams["svg.fonttype"] = "none"
+    plt = _pyplot()
     rows = _timed_rows(data)
     panels: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in rows:
@@ -200,10 +208,7 @@ def bench_figure(data: dict[str, Any]) -> str:
         ax.set_title(f"{workload} at {rate}", fontsize=10)
         ax.grid(axis="x", alpha=0.3, which="both")
     fig.tight_layout()
-    out = io.StringIO()
-    fig.savefig(out, format="svg", metadata={"Date": None})
-    plt.close(fig)
-    return out.getvalue()
+    return _svg(fig)
 
 
 def results_figures(sources: Sequence[str | Path]) -> dict[str, str]:
@@ -254,13 +259,7 @@ def _loss_curves(ax: Any, report: dict[str, Any], rate: str) -> None:
 def time_to_target_figure(report: dict[str, Any]) -> str:
     """The composed report as an SVG: each case's seconds to the target against the link rate (mean, with the
     seeds' range; log axis), slowest link on the left; measured points hollow, composed ones filled."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plt.rcParams["svg.hashsalt"] = "lightning-sync"
-    plt.rcParams["svg.fonttype"] = "none"
+    plt = _pyplot()
     rates = [r for r in ttt.RATES if any((e["seconds"].get(r) or {}).get("mean") for e in report["cases"].values())]
     fig, (ax, curves) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.2, 1]})
     markers = "osD^v<>pX*h"
@@ -290,10 +289,7 @@ def time_to_target_figure(report: dict[str, Any]) -> str:
     ax.set_title("time to the target per link", fontsize=10)
     _loss_curves(curves, report, CURVES_RATE)
     fig.tight_layout()
-    out = io.StringIO()
-    fig.savefig(out, format="svg", metadata={"Date": None})
-    plt.close(fig)
-    return out.getvalue()
+    return _svg(fig)
 
 
 def _results_files(sources: Sequence[str | Path]) -> list[Path]:
@@ -420,12 +416,18 @@ def headline(data: dict[str, Any]) -> str:
     )
 
 
+def _replace_block(page: str, start_marker: str, end_marker: str, text: str) -> str:
+    """``page`` with what lies between the line that opens with ``start_marker`` and ``end_marker`` replaced by
+    ``text``."""
+    start = page.index(start_marker)
+    body = page.index("-->", start) + len("-->\n")
+    end = page.index(end_marker, body)
+    return page[:body] + text + page[end:]
+
+
 def _with_headline(readme: str, data: dict[str, Any]) -> str:
     """``readme`` with the block between the headline markers replaced by :func:`headline`."""
-    start = readme.index(HEADLINE_START)
-    body = readme.index("-->", start) + len("-->\n")
-    end = readme.index(HEADLINE_END, body)
-    return readme[:body] + headline(data) + readme[end:]
+    return _replace_block(readme, HEADLINE_START, HEADLINE_END, headline(data))
 
 
 def _case_call(case: str) -> str:
@@ -470,13 +472,10 @@ def which_mode(report: dict[str, Any]) -> str:
 
 def _with_which_mode(page: str, report: dict[str, Any], docs_page: bool) -> str:
     """``page`` with the block between the "which mode when" markers replaced by :func:`which_mode`."""
-    start = page.index(WHICH_MODE_START)
-    body = page.index("-->", start) + len("-->\n")
-    end = page.index(WHICH_MODE_END, body)
     text = which_mode(report)
     if docs_page:  # the docs' front page links within the site
         text = text.replace("](docs/results.md", "](results.md")
-    return page[:body] + text + page[end:]
+    return _replace_block(page, WHICH_MODE_START, WHICH_MODE_END, text)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

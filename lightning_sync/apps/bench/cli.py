@@ -123,9 +123,9 @@ class Targets:
         if WORKLOADS[workload].metric != "time_to_loss" or not record.get("ok") or not trajectory:
             return
         if self.cfg.window:
-            seconds = window_step_seconds(trajectory, self.cfg.window_span(record["case"])[0])
-            record["window_step_ms"] = None if seconds is None else 1e3 * seconds
             record["window_from"] = self.cfg.window_span(record["case"])[0]
+            seconds = window_step_seconds(trajectory, record["window_from"])
+            record["window_step_ms"] = None if seconds is None else 1e3 * seconds
             return
         seed = record["seed"]
         if record["case"] == "lightning_ddp":

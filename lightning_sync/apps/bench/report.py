@@ -70,9 +70,10 @@ def summarize(records: list[dict[str, Any]], cfg: BenchConfig) -> list[dict[str,
             row["target_loss"] = next((r.get("target_loss") for r in runs if r.get("target_loss") is not None), None)
             row["steps_run"] = [r["trajectory"][-1][1] if r.get("trajectory") else None for r in runs]
             # training seconds over steps: a periodic case's sync steps count (the median step would hide them)
-            means = [1e3 * r["trajectory"][-1][0] / r["trajectory"][-1][1] for r in runs if _trained(r)]
             if cfg.window:  # the window's: warm-up left out
                 means = [v for v in values if v is not None]
+            else:
+                means = [1e3 * r["trajectory"][-1][0] / r["trajectory"][-1][1] for r in runs if _trained(r)]
             if means:
                 row["median_mean_step_ms"] = statistics.median(means)
         for extra in (
