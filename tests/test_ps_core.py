@@ -311,6 +311,10 @@ def test_a_worker_whose_held_reply_is_released_is_not_taken_for_silent():
     clock.advance(5.0)
     assert watch.silent(initialized=True, held={0}) == {1: 5.0}  # worker 1 is dropped, worker 0's reply released
     watch.answered(0)
+    assert watch.waited() == 0.0 and watch.patience(True, held=()) == pytest.approx(0.01)  # worker 1 is due
+    watch.live[1] = False  # dropped
+    assert watch.patience(True, held=()) == pytest.approx(4.01)  # worker 0 has timeout_s for its next request
+    watch.live[1] = True
     clock.advance(1.0)
     assert watch.silent(initialized=True, held=()) == {1: 6.0}  # worker 0 waited on the server, it was not silent
     clock.advance(4.0)

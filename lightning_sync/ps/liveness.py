@@ -2,7 +2,8 @@
 
 A live worker that the server is not itself holding back (a pending sync gradient, a withheld ssp reply, a pull
 waiting for the initial parameters) and that completes no request for ``timeout_s`` is lost. So is every worker once
-no request at all arrived for ``timeout_s`` (``connect_timeout_s`` before the initial parameters). This module only
+the server neither heard a request nor sent a reply for ``timeout_s`` (``connect_timeout_s`` before the initial
+parameters). This module only
 decides and words it; the server loop (:mod:`lightning_sync.ps.server`) raises and reports.
 """
 
@@ -15,7 +16,7 @@ from lightning_sync.ps.errors import PSTimeoutError
 
 
 class WorkerLiveness:
-    """Who is live, and when each worker and anyone at all was last heard from.
+    """Who is live, when each worker was last heard from, and when the server last heard a request or sent a reply.
 
     Args:
         num_workers: number of workers.
@@ -40,17 +41,18 @@ class WorkerLiveness:
         now = clock()
         self.live = [True] * num_workers
         self.last_contact = [now] * num_workers
-        self.last_request = now
+        self.last_exchange = now
 
     def heard(self, worker: int) -> None:
         """``worker`` completed a request now."""
-        self.last_contact[worker] = self.last_request = self._clock()
+        self.last_contact[worker] = self.last_exchange = self._clock()
 
     def answered(self, worker: int) -> None:
         """The server answered ``worker`` now: its silence counts from here. A worker whose reply the server held
         back (ssp's bound, a sync round waiting for a lost peer) sent nothing while it waited, and must not be taken
-        for lost the moment its reply is released."""
-        self.last_contact[worker] = self._clock()
+        for lost the moment its reply is released; nor is the server, whose wait for the next request counts from
+        this reply too (a worker held for ``timeout_s`` has ``timeout_s`` again to send its next request)."""
+        self.last_contact[worker] = self.last_exchange = self._clock()
 
     def restart(self) -> None:
         """The initial parameters arrived: every worker's silence counts from now."""
@@ -58,12 +60,12 @@ class WorkerLiveness:
         self.last_contact = [now] * len(self.live)
 
     def bound(self, initialized: bool) -> float:
-        """The longest wait for any request."""
+        """The longest wait for any request after the last request or reply."""
         return self.timeout_s if initialized else self.connect_timeout_s
 
     def patience(self, initialized: bool, held: Collection[int]) -> float:
         """Seconds until a worker not in ``held`` would be lost, or the wait for any request would end."""
-        deadlines = [self.last_request + self.bound(initialized)]
+        deadlines = [self.last_exchange + self.bound(initialized)]
         if initialized:
             deadlines += [
                 self.last_contact[w] + self.timeout_s for w in range(len(self.live)) if self.live[w] and w not in held
@@ -71,8 +73,8 @@ class WorkerLiveness:
         return max(min(deadlines) - self._clock(), 0.0) + 0.01
 
     def waited(self) -> float:
-        """Seconds since any request."""
-        return self._clock() - self.last_request
+        """Seconds since the last request or reply."""
+        return self._clock() - self.last_exchange
 
     def silent(self, initialized: bool, held: Collection[int]) -> dict[int, float]:
         """``{worker: seconds silent}`` of the live workers not in ``held`` silent for more than ``timeout_s`` (none

@@ -45,8 +45,8 @@ closes. What follows depends on the mode:
   returns control (a dedicated process exits with code 1). A sync step needs every worker; a run that would go on
   without one must say so (``elastic``).
 
-The loop also fails when no request at all arrives for ``timeout_s`` (``connect_timeout_s`` before the initial
-parameters). :mod:`~lightning_sync.ps.liveness` keeps that bookkeeping.
+The loop also fails when no request arrives for ``timeout_s`` after its last request or reply
+(``connect_timeout_s`` before the initial parameters). :mod:`~lightning_sync.ps.liveness` keeps that bookkeeping.
 """
 
 from __future__ import annotations
