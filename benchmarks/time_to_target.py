@@ -88,19 +88,16 @@ def main(argv: list[str] | None = None) -> None:
             continue
         print(f"== {phase}: {commands[phase]}", flush=True)
         subprocess.run(command, check=False)  # a failed run is recorded in its results.json and reported below
-    trajectories = _load(out / "parts" / "trajectories" / "results.json")
-    if trajectories is None:
+    results = {p: data for p in plan if (data := _load(out / "parts" / p / "results.json")) is not None}
+    if "trajectories" not in results:
         sys.exit(f"error: no trajectories in {out / 'parts' / 'trajectories'}; run without --compose-only first")
-    windows = [d for p in plan if p.startswith("windows_") and (d := _load(out / "parts" / p / "results.json"))]
-    validation = _load(out / "parts" / "validation" / "results.json")
-    composed = ttt.compose(trajectories, windows, validation)
-    decisions = ttt.decide(composed)
-    ran = [p for p in plan if (out / "parts" / p / "results.json").exists()]
+    windows = [data for p, data in results.items() if p.startswith("windows_")]
+    composed = ttt.compose(results["trajectories"], windows, results.get("validation"))
     report = {
         **composed,
-        "decisions": decisions,
-        "commands": {p: commands[p] for p in ran},
-        "parts_provenance": {p: (_load(out / "parts" / p / "results.json") or {}).get("provenance") for p in ran},
+        "decisions": ttt.decide(composed),
+        "commands": {p: commands[p] for p in results},
+        "parts_provenance": {p: data.get("provenance") for p, data in results.items()},
         "provenance": provenance(),
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -120,10 +117,11 @@ def main(argv: list[str] | None = None) -> None:
 TITLE = "Time to a real loss, 1 Mbit to loopback"
 NOTE = (
     "Method: each case's steps to the target come from its loopback run (per seed; the runs are deterministic, so "
-    "the link does not change them); its ms per step at each rate from a window of whole scoring intervals after "
-    "20 steps of warm-up (12 at 1 Mbit; sync steps included, one seed); the composed time is their product, at every "
-    "rate, loopback included. The asynchronous parameter server (whose steps depend on timing) is measured end to "
-    "end. The validation table puts one end-to-end run per case beside its composed time."
+    "the link does not change them); its ms per step at each rate from a window of whole scoring intervals after a "
+    "warm-up (" + ", ".join(f"{warmup} steps at {rate}" for rate, (_, _, warmup) in WINDOWS.items()) + "; sync steps "
+    "included, one seed); the composed time is their product, at every rate, loopback included. The asynchronous "
+    "parameter server (whose steps depend on timing) is measured end to end. The validation table puts one "
+    "end-to-end run per case beside its composed time."
 )
 
 
@@ -134,7 +132,7 @@ def format_report(report: dict[str, Any]) -> str:
         "### Which mode when\n",
         markdown_table(*ttt.decision_table(report["decisions"]), align="llrrrl"),
         f"\n### Training time to the target, per case and link rate\n\nTarget: the validation loss Lightning DDP "
-        f"reaches in 992 steps, per seed ({targets} nats/char for seeds "
+        f"reaches in {ttt.reference_steps(report)} steps, per seed ({targets} nats/char for seeds "
         f"{', '.join(map(str, report['seeds']))}); mean [min, max] over the seeds.\n",
         markdown_table(*ttt.time_table(report)),
     ]

@@ -17,7 +17,8 @@ their end-to-end runs (the trajectories' at loopback, the validation's at its ra
 
 :func:`compose` reads the three benchmarks' ``results.json`` and gives, per case and rate, the seconds to the target
 over the seeds (mean, min, max), composed or measured; :func:`decide` the fastest case per rate, its speedup over
-Lightning DDP and its steps over DDP's; :func:`format_report` the tables. No torch here: it reads JSON.
+Lightning DDP and its steps over DDP's; :func:`decision_table`, :func:`time_table` and :func:`validation_table` the
+tables. No torch here: it reads JSON.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def compose(trajectories: dict[str, Any], windows: list[dict[str, Any]], validat
     """Seconds to the target per case and rate.
 
     Args:
-        trajectories: the loopback benchmark's ``results.json`` (its records' ``steps_to_target``, and at loopback
-            their ``seconds_to_target``, measured).
+        trajectories: the loopback benchmark's ``results.json`` (its records' ``steps_to_target``; for the cases
+            that are only measured, their ``seconds_to_target`` at loopback).
         windows: ``results.json`` of window runs (``window > 0``) at the emulated rates (median ``window_step_ms``
             over their repeats per case and rate).
         validation: a ``results.json`` of end-to-end runs at one or more emulated rates (or ``None``).
@@ -135,6 +136,16 @@ def _validation(cases: dict[str, Any], checked: list[dict[str, Any]], seeds: lis
     return rows
 
 
+def reference_steps(composed: dict[str, Any]) -> str:
+    """Lightning DDP's steps to the target (the end of its budget's last scoring), as the text quotes them: ``992``,
+    or ``984 to 992`` where the seeds differ."""
+    steps = composed["cases"][REFERENCE]["steps"]
+    if steps["mean"] is None:
+        return "?"
+    low, high = f"{steps['min']:.0f}", f"{steps['max']:.0f}"
+    return low if low == high else f"{low} to {high}"
+
+
 def decide(composed: dict[str, Any], rates: Iterable[str] = RATES) -> list[dict[str, Any]]:
     """The fastest case to the target at each rate (by mean over the seeds), with the cases whose seed range overlaps
     its own (a tie), its speedup over Lightning DDP (DDP's mean over its mean) and its mean steps over DDP's."""
@@ -168,8 +179,8 @@ def decide(composed: dict[str, Any], rates: Iterable[str] = RATES) -> list[dict[
 
 
 def _cell(stats: dict[str, Any] | None, how: str) -> str:
-    if stats is None:
-        return "-" if how == "not run" else "not run"
+    if stats is None:  # not run at this rate
+        return "-"
     if stats["mean"] is None:
         return "not reached"
     text = _seconds(stats["mean"]) + f" [{_seconds(stats['min'])}, {_seconds(stats['max'])}]"
