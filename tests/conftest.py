@@ -30,13 +30,10 @@ HEAVIER_THAN_UNIT = ("dist", "e2e", "netns")
 # The files whose tests time a failure: a frozen or killed rank, server or replica group must be noticed, named and
 # ended within a timeout, and a survivor must go on at its pace. Each of their tests is marked ``timed``. With several
 # pytest-xdist workers (``make test``) these files run one after another on one worker (:func:`_scope`) at the
-# normal CPU priority, while the other worker's tests run at a lower one (:func:`_timed_tests_first`): the time a
-# failure takes is then the code's, not that of another test's processes sharing the 2 cores. test_ps_async.py is
-# here too: the accuracy of async ps depends on how evenly its workers get the CPU, and at the lower priority beside
-# the timed tests one worker starved (async median 0.936 against sync 0.958, over the 2 points it may lose).
+# normal CPU priority, while the other workers' tests run at a lower one (:func:`_timed_tests_first`): the time a
+# failure takes is then the code's, not that of another test's processes sharing the 2 cores.
 TIMED_FILES = frozenset(
     {
-        "test_ps_async.py",
         "test_faults.py",
         "test_ft.py",
         "test_ps_core.py",
@@ -47,11 +44,19 @@ TIMED_FILES = frozenset(
         "test_streaming_diloco.py",
     }
 )
+# Files that time nothing but need the normal CPU priority too, on a worker of their own: the accuracy of async ps
+# depends on how evenly its workers get the CPU, and at the lower priority beside the timed tests one async worker
+# starved (async median 0.936 against sync 0.958, over the 2 points it may lose).
+NORMAL_PRIORITY_FILES = frozenset({"test_ps_async.py"})
 OTHER_TESTS_NICE = 10
 
 
+def _file(nodeid: str) -> str:
+    return os.path.basename(nodeid.split("::", 1)[0])
+
+
 def _is_timed(nodeid: str) -> bool:
-    return os.path.basename(nodeid.split("::", 1)[0]) in TIMED_FILES
+    return _file(nodeid) in TIMED_FILES
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -78,12 +83,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 @pytest.fixture(autouse=True)
 def _timed_tests_first(request: pytest.FixtureRequest) -> None:
-    """Under pytest-xdist, a ``timed`` test (and the processes it starts) runs at the normal CPU priority and any
-    other test at nice :data:`OTHER_TESTS_NICE`. Raising the priority again needs root (``make test`` as a user leaves
+    """Under pytest-xdist, a ``timed`` test or one of :data:`NORMAL_PRIORITY_FILES` (and the processes it starts) runs
+    at the normal CPU priority and any other test at nice :data:`OTHER_TESTS_NICE`. Raising the priority again needs root (``make test`` as a user leaves
     the priority as it is)."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    nice = 0 if request.node.get_closest_marker("timed") else OTHER_TESTS_NICE
+    normal = request.node.get_closest_marker("timed") or _file(request.node.nodeid) in NORMAL_PRIORITY_FILES
+    nice = 0 if normal else OTHER_TESTS_NICE
     try:
         os.setpriority(os.PRIO_PROCESS, 0, nice)
     except OSError:
