@@ -1,5 +1,5 @@
-"""What one async push does: the server multiplies its gradient by ``push_scale`` (``auto``: ``1/W`` for SGD-family
-optimizers, ``1`` for scale-invariant ones such as AdamW), then takes one optimizer step.
+"""What one async push does: one optimizer step scaled by ``push_scale`` (``auto``: ``1/W``), on the gradient of
+SGD-family optimizers and on the learning rate of scale-invariant ones such as AdamW.
 
 Plain torch.distributed (no Lightning), two forked workers and a server thread of worker 0.
 """
@@ -54,13 +54,16 @@ def _one_push(rank: int, port: int, kind: str, push_scale: float | None) -> dict
     return {"params": [p.detach().clone() for p in model.parameters()], "stats": stats}
 
 
-def _local_steps(kind: str, scale: float) -> list[torch.Tensor]:
-    """The same two steps in one process, each gradient times ``scale``."""
+def _local_steps(kind: str, scale: float, on: str = "") -> list[torch.Tensor]:
+    """The same two steps in one process, ``on`` (default: SGD's gradient, AdamW's learning rate) times ``scale``."""
+    on = on or ("lr" if kind == "adamw" else "grad")
     model = _model()
     opt = OPTIMIZERS[kind](model.parameters())
+    for group in opt.param_groups if on == "lr" else []:
+        group["lr"] *= scale
     for step in range(2):
         _backward(model, 0, step)
-        for p in model.parameters():
+        for p in model.parameters() if on == "grad" else []:
             p.grad.mul_(scale)
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
@@ -70,10 +73,10 @@ def _local_steps(kind: str, scale: float) -> list[torch.Tensor]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "kind, push_scale, expected_scale",
-    [("sgd", None, 0.5), ("sgd", 0.25, 0.25), ("adamw", None, 1.0), ("adamw", 0.5, 0.5)],
-    ids=["sgd-auto", "sgd-0.25", "adamw-auto", "adamw-0.5"],
+    [("sgd", None, 0.5), ("sgd", 0.25, 0.25), ("adamw", None, 0.5), ("adamw", 0.25, 0.25)],
+    ids=["sgd-auto", "sgd-0.25", "adamw-auto", "adamw-0.25"],
 )
-def test_async_push_is_one_step_with_the_gradient_times_push_scale(procs, kind, push_scale, expected_scale):  # noqa: F811
+def test_async_push_is_one_step_scaled_by_push_scale(procs, kind, push_scale, expected_scale):  # noqa: F811
     port = _free_port()
     for rank in range(2):
         procs.start(f"worker{rank}", _one_push, rank, port, kind, push_scale)
@@ -82,9 +85,12 @@ def test_async_push_is_one_step_with_the_gradient_times_push_scale(procs, kind, 
     expected = _local_steps(kind, expected_scale)
     got = out["worker0"]["params"]
     assert all(torch.allclose(g, e, atol=1e-7, rtol=0) for g, e in zip(got, expected)), (got, expected)
-    if kind == "sgd":  # the test can fail: another scale gives other parameters (AdamW's step hardly depends on it)
-        differs = _local_steps(kind, 1.0)
-        assert not all(torch.allclose(g, e, atol=1e-7, rtol=0) for g, e in zip(got, differs))
+    for other in (1.0, expected_scale * 2):  # the test can fail: another scale gives other parameters
+        differs = _local_steps(kind, other)
+        assert not all(torch.allclose(g, e, atol=1e-7, rtol=0) for g, e in zip(got, differs)), other
+    if kind == "adamw":  # and on the gradient, the scale would not have changed AdamW's step
+        on_gradient = _local_steps(kind, expected_scale, on="grad")
+        assert all(torch.allclose(g, e, atol=1e-6, rtol=0) for g, e in zip(on_gradient, _local_steps(kind, 1.0)))
     start = [p.detach() for p in copy.deepcopy(_model()).parameters()]
     assert not all(torch.equal(g, s) for g, s in zip(got, start))  # it did train
 
@@ -107,24 +113,22 @@ def test_push_scale_knob_is_checked_before_any_process_starts():
 
 @pytest.mark.unit
 @pytest.mark.timeout(10)
-def test_default_push_scale_follows_the_optimizer_family():
+def test_push_scale_goes_on_the_learning_rate_of_scale_invariant_optimizers_only():
     params = list(torch.nn.Linear(2, 2).parameters())
     spec = ps.optimizer_spec
-    assert ps.default_push_scale(spec(torch.optim.SGD(params, lr=0.1), params), 4) == 0.25
-    for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad):
-        assert ps.default_push_scale(spec(cls(params), params), 4) == 1.0, cls
-
-    assert ps.default_push_scale(spec(MyAdamW(params), params), 4) == 1.0
+    assert not ps.scales_learning_rate(spec(torch.optim.SGD(params, lr=0.1, momentum=0.9), params))
+    for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad, MyAdamW):
+        assert ps.scales_learning_rate(spec(cls(params), params)), cls
 
 
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_async_and_ssp_with_adamw_are_within_two_points_of_sync_on_the_digits(tmp_path):
-    """AdamW (lr 0.003, 10 epochs) through the app; ``push_scale: auto`` is 1 for AdamW. The median test accuracy
-    over seeds 0, 1, 2 is compared: one async run's order of updates depends on timing, and under a loaded test
-    worker one run fell to 0.878 (the others 0.958 and 0.953, sync 0.956-0.972), which moved the mean by 3 points;
-    every run must still have learned (>= 0.85). The file runs with the timed tests, at the normal CPU priority
+    """AdamW (lr 0.003, 10 epochs) through the app; ``push_scale: auto`` makes each push a step of ``lr/W``. The
+    median test accuracy over seeds 0, 1, 2 is compared: one async run's order of updates depends on timing, and
+    under a loaded test worker one run fell to 0.878 (the others 0.958 and 0.953, sync 0.956-0.972), which moved the
+    mean by 3 points; every run must still have learned (>= 0.85). The file runs at the normal CPU priority
     (``tests/conftest.py``), so that the workers' order of updates is not that of a starved process."""
     from lightning_sync.apps.compare import CASES
     from lightning_sync.apps.runner import run_case

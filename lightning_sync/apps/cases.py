@@ -79,6 +79,8 @@ _CASES = (
     Case("ps:async", "ps", {"mode": "async"},
          "our ParameterServerStrategy(mode='async'), one dedicated server on node 0", alias="ps_async"),
     Case("ps:ssp/2", "ps", {"mode": "ssp", "max_staleness": 2}, "stale-synchronous, at most 2 steps apart"),
+    Case("ps:async/push_scale_1", "ps", {"mode": "async", "push_scale": 1.0},
+         "async ps, push_scale=1: each push a full step (with Adam, of the whole learning rate)"),
     _streaming("periodic:streaming_diloco/16", 16, 4, 2, "diloco with fragments=4, sync_delay=2, "
                "fragment_alpha=0.5, outer_compression='int4' (streaming DiLoCo)", alias="streaming_diloco",
                period_knob="diloco_sync_every"),

@@ -48,9 +48,10 @@ class ParameterServerConfig(StrategyConfig):
     )
     push_scale: Any = knob(
         "auto",
-        """``async``/``ssp``: what one push's gradient is multiplied by before the server's optimizer step, a number > 0
-        or ``auto``: ``1/W`` (W workers) for SGD-family optimizers, so W pushes move as far as one sync step, and ``1``
-        for scale-invariant ones (Adam family, RMSprop, Adagrad), whose step a factor would not change.""",
+        """``async``/``ssp``: the factor of one push's step, a number > 0 or ``auto``: ``1/W`` (W workers), so W pushes
+        move about as far as one sync step. It multiplies the pushed gradient of SGD-family optimizers and the learning
+        rate of scale-invariant ones (Adam family, RMSprop, Adagrad), whose step a factor on the gradient would not
+        change.""",
     )
     local_steps: Any = knob(
         1,

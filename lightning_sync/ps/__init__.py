@@ -28,8 +28,8 @@ from lightning_sync.ps.optim_spec import (
     OptimizerSpec,
     build_shard_optimizer,
     current_lrs,
-    default_push_scale,
     optimizer_spec,
+    scales_learning_rate,
 )
 from lightning_sync.ps.placement import (
     ColocatedServer,
@@ -69,11 +69,11 @@ __all__ = [
     "build_shard_optimizer",
     "connect_store",
     "current_lrs",
-    "default_push_scale",
     "describe",
     "lost_workers_at_end",
     "optimizer_spec",
     "run_server",
+    "scales_learning_rate",
     "server_ps_rank",
     "shard_by_bytes",
     "shard_indices",

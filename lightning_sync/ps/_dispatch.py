@@ -33,7 +33,7 @@ from lightning_sync.ps._protocol import (
 from lightning_sync.ps.codec import GradientCodec
 from lightning_sync.ps.group import PSGroup
 from lightning_sync.ps.liveness import WorkerLiveness
-from lightning_sync.ps.optim_spec import OptimizerSpec, default_push_scale
+from lightning_sync.ps.optim_spec import OptimizerSpec
 from lightning_sync.ps.settings import PSConfig
 from lightning_sync.ps.shard import ServerShard
 
@@ -63,7 +63,7 @@ class RequestDispatch:
         self.codec: GradientCodec | None = None
         self.checksum = 0
         self.num_groups = 0
-        self.push_scales = [1.0]  # async and ssp: factor of a pushed gradient, per worker optimizer (from the INIT)
+        self.push_scales = [1.0]  # async and ssp: factor of a push's step, per worker optimizer (from the INIT)
         self.initialized_by = -1
         self.liveness = WorkerLiveness(self.num_workers, group.timeout_s, group.connect_timeout_s, group.name)
         self.live = self.liveness.live  # the same list: a goodbye ends a worker's liveness
@@ -228,14 +228,8 @@ class RequestDispatch:
             raise _Refused(f"cannot initialize from worker {worker}'s INIT: {type(exc).__name__}: {exc}") from exc
         self.config, self.codec, self.shard = config, GradientCodec.from_config(config), shard
         self.max_updates = config.max_updates
-        scale = config.push_scale
-        if config.local_steps > 1:  # the outer SGD: 1/W per push, as any SGD (one pseudo-gradient of W per round)
-            self.push_scales = [1.0 / self.num_workers if scale is None else float(scale)]
-        else:
-            self.push_scales = [
-                default_push_scale(spec, self.num_workers, k) if scale is None else float(scale)
-                for k in range(spec.num_optimizers)
-            ]
+        scale = 1.0 / self.num_workers if config.push_scale is None else float(config.push_scale)  # auto: 1/W
+        self.push_scales = [scale] * (1 if config.local_steps > 1 else spec.num_optimizers)  # > 1: the outer SGD
         self.num_groups = spec.num_groups
         self.checksum = int(init["checksum"])
         self.initialized_by = worker
@@ -288,8 +282,8 @@ class RequestDispatch:
             self.skipped_updates += 1
             self.channels.send([(worker, self._params_reply(Kind.PUSH, worker, FLAG_SKIPPED, staleness))])
             return
-        # One push is one worker's gradient, where a sync step averages W of them: push_scale (by default 1/W for
-        # SGD-family optimizers, 1 for scale-invariant ones; see default_push_scale) is what one push counts for.
+        # One push is one worker's gradient, where a sync step averages W of them: push_scale (auto: 1/W) is what
+        # one push's step counts for, on the gradient or the learning rate (see scales_learning_rate).
         k = request.optimizer
         self.shard.apply(grad, lrs, k, request.clip, self.push_scales[k])
         self.shard.record(worker, staleness)

@@ -213,19 +213,20 @@ SCALE_INVARIANT = frozenset(
 )
 
 
-def default_push_scale(spec: OptimizerSpec, num_workers: int, optimizer: int = 0) -> float:
-    """What a server multiplies each async or ssp push for the worker's optimizer ``optimizer`` by when ``push_scale``
-    is ``auto``.
+def scales_learning_rate(spec: OptimizerSpec, optimizer: int = 0) -> bool:
+    """Whether an async or ssp push's ``push_scale`` multiplies the learning rate of the worker's optimizer number
+    ``optimizer`` rather than the pushed gradient.
 
-    * ``1/W`` for optimizers whose step is linear in the gradient (SGD with or without momentum and Nesterov, and
-      any optimizer this rule does not know): ``W`` pushes then move the parameters as far as one sync step, which
-      averages ``W`` gradients, so one learning rate fits every mode.
-    * ``1`` for scale-invariant ones (:data:`SCALE_INVARIANT`: the Adam family, RMSprop, Adagrad, ...): a factor
-      on the gradient cancels in their step, so ``1/W`` would change nothing but the weight of ``eps``; every push
-      is one full optimizer step, as in sync.
+    * The gradient, for optimizers whose step is linear in it (SGD with or without momentum and Nesterov, and any
+      optimizer :data:`SCALE_INVARIANT` does not name): ``W`` pushes of ``g/W`` move the parameters as far as one
+      sync step of the average.
+    * The learning rate, for scale-invariant ones (:data:`SCALE_INVARIANT` and their subclasses: the Adam family,
+      RMSprop, Adagrad, ...), on whose step a factor on the gradient would cancel: each push moves the parameters
+      by about ``lr * push_scale``. A full ``lr`` per push makes ``W`` such steps per sync step's worth of samples,
+      on gradients up to ``W - 1`` versions stale.
 
-    In both cases momentum, weight decay and the Adam moments act once per push, i.e. ``W`` times per sync step's
-    worth of samples.
+    Either way momentum, weight decay and the Adam moments act once per push, i.e. ``W`` times per sync step's worth
+    of samples.
     """
     path = spec.optimizer_classes[optimizer]
     name = path.rpartition(":")[2].rpartition(".")[2]
@@ -233,7 +234,7 @@ def default_push_scale(spec: OptimizerSpec, num_workers: int, optimizer: int = 0
         mro = [cls.__name__ for cls in _import_class(path).__mro__]
     except (ImportError, AttributeError, ValueError):
         mro = [name]
-    return 1.0 if SCALE_INVARIANT.intersection(mro) else 1.0 / num_workers
+    return bool(SCALE_INVARIANT.intersection(mro))
 
 
 def current_lrs(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> list[float]:

@@ -8,8 +8,9 @@ worker process) and every mode:
   version is refused), averages them in fp32 (sum in worker order 0..W-1, divided by the number of contributions,
   ``W`` while every worker is live), steps once (version ``t+1``), then replies to every contributor with the new
   parameters.
-* ``async``: each push is one optimizer step with that gradient times ``push_scale`` (see
-  :func:`~lightning_sync.ps.optim_spec.default_push_scale`), answered at once with the new parameters.
+* ``async``: each push is one optimizer step scaled by ``push_scale`` (its gradient, or for the Adam family its
+  learning rate: :func:`~lightning_sync.ps.optim_spec.scales_learning_rate`), answered at once with the new
+  parameters.
 * ``ssp`` (``max_staleness = s``): applied as in async, but the reply to a worker is withheld while its clock
   (pushes applied) is more than ``s`` ahead of the slowest live worker's clock; ``s = 0`` is lockstep.
 

@@ -36,10 +36,10 @@ class PSConfig:
         error_feedback: with ``topk``, keep what was not sent on the worker and add it to the next push.
         skip_nonfinite: a worker whose gradient holds a NaN or Inf pushes none (its codec's memory untouched) and
             the servers skip: in sync the whole step, for every worker; in async and ssp that push.
-        push_scale: async and ssp: the factor a server multiplies each pushed gradient by before its optimizer
-            step, a number > 0, or ``None`` for the optimizer's default (:func:`~lightning_sync.ps.optim_spec.
-            default_push_scale`: ``1/W`` for SGD-family optimizers, ``1`` for Adam-family ones). Ignored in sync,
-            where a step averages the ``W`` gradients.
+        push_scale: async and ssp: the factor of each push's step, a number > 0, or ``None`` for ``1/W``; it
+            multiplies the pushed gradient of SGD-family optimizers and the learning rate of scale-invariant ones
+            (:func:`~lightning_sync.ps.optim_spec.scales_learning_rate`). Ignored in sync, where a step averages the
+            ``W`` gradients.
         local_steps: ``1``: workers push gradients and the servers step the workers' optimizer. ``H > 1`` (async
             local SGD, :mod:`~lightning_sync.ps.outer`): each worker steps its own optimizer ``H`` times, then pushes
             its pseudo-gradient, and the servers step an outer SGD (:class:`~lightning_sync.ps.outer.

@@ -13,7 +13,7 @@ import torch
 
 from lightning_sync.ps._layout import ShardLayout
 from lightning_sync.ps._protocol import CLIP_NORM, CLIP_VALUE, Clip
-from lightning_sync.ps.optim_spec import OptimizerSpec, build_shard_optimizer
+from lightning_sync.ps.optim_spec import OptimizerSpec, build_shard_optimizer, scales_learning_rate
 from lightning_sync.ps.outer import DelayedNesterov
 
 #: Staleness values from this one up are counted together under it (a histogram of bounded size, whatever the run).
@@ -50,11 +50,13 @@ class ServerShard:
             self.optimizers: list[torch.optim.Optimizer | None] = [DelayedNesterov(self.params, **outer)]
             self.group_maps: list[list[int]] = [[]]
             self.owner = [0] * len(self.params)
+            self.scale_lr = [False]
         else:  # one shard optimizer per worker optimizer (None where it holds none of this shard's parameters)
             built = [build_shard_optimizer(spec, self.params, self.indices, k) for k in range(spec.num_optimizers)]
             self.optimizers = [opt for opt, _ in built]
             self.group_maps = [mirrored for _, mirrored in built]
             self.owner = [spec.owner_of(spec.group_of[i]) for i in self.indices]  # each shard parameter's optimizer
+            self.scale_lr = [scales_learning_rate(spec, k) for k in range(spec.num_optimizers)]
         self.num_workers = num_workers
         self.version = 0
         self.clocks = [0] * num_workers
@@ -75,9 +77,11 @@ class ServerShard:
         """One step of the worker's optimizer number ``optimizer`` with ``grad`` (fp32, layout order) at the workers'
         learning rates ``lrs`` (every group of every optimizer).
 
-        Guarantees: each param group's ``lr`` is set to ``lrs[g]`` of the worker group it mirrors before the step;
+        Guarantees: each param group's ``lr`` is set to ``lrs[g]`` of the worker group it mirrors before the step,
+        times ``scale`` for a scale-invariant optimizer (:func:`~lightning_sync.ps.optim_spec.scales_learning_rate`);
         the gradient of that optimizer's parameters is clipped as ``clip`` says (``torch.nn.utils``' own functions,
-        as Lightning's precision plugins call them), then multiplied by ``scale``; only that optimizer's parameters
+        as Lightning's precision plugins call them), then multiplied by ``scale`` for any other; only that optimizer's
+        parameters
         change; ``version`` increases by one (also when this shard holds none of its parameters); gradients are
         cleared after the step.
         """
@@ -87,11 +91,12 @@ class ServerShard:
             raise ValueError(f"optimizer {optimizer} does not exist; the worker has {len(self.optimizers)}")
         stepping = self.optimizers[optimizer]
         if stepping is not None:
+            lr_scale, grad_scale = (scale, 1.0) if self.scale_lr[optimizer] else (1.0, scale)
             for group, spec_group in zip(stepping.param_groups, self.group_maps[optimizer]):
                 if isinstance(group["lr"], torch.Tensor):
-                    group["lr"].fill_(float(lrs[spec_group]))
+                    group["lr"].fill_(float(lrs[spec_group]) * lr_scale)
                 else:
-                    group["lr"] = float(lrs[spec_group])
+                    group["lr"] = float(lrs[spec_group]) * lr_scale
             for p, g in zip(self.params, self.layout.split(grad)):
                 p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
             stepped = [p for p, k in zip(self.params, self.owner) if k == optimizer]
@@ -99,10 +104,10 @@ class ServerShard:
                 torch.nn.utils.clip_grad_norm_(stepped, clip.value)
             elif clip is not None and clip.algorithm == CLIP_VALUE:
                 torch.nn.utils.clip_grad_value_(stepped, clip.value)
-            if scale != 1.0:
+            if grad_scale != 1.0:
                 for p in stepped:
                     assert p.grad is not None  # set for every parameter above
-                    p.grad.mul_(scale)
+                    p.grad.mul_(grad_scale)
             stepping.step()
             for p in self.params:
                 p.grad = None
