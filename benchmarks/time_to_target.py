@@ -9,12 +9,17 @@ Runs three kinds of benchmark (``python -m lightning_sync.bench``; the emulated 
 3. ``validation``: every case end to end at ``--validate-rate``, seed 0, beside its composed time.
 
 A phase whose ``results.json`` exists is not run again (``--redo PHASE`` runs it again), so an interrupted run goes
-on where it stopped. The composed report goes to ``<out>/time_to_target.json`` and ``.md``, with a
-``.provenance.json`` for the results page (``make docs-gen``), which also writes the "which mode when" table of the
-README and the docs' front page from it.
+on where it stopped. ``--redo PHASE --case CASE`` runs only that case of the phase again (into
+``parts/<phase>/cases/<case>/``, Lightning DDP's records and targets taken from the phase with ``ddp_from``) and puts
+its records in place of the case's old ones, the command and provenance listed under the phase's ``merged``.
+
+The composed report goes to ``<out>/time_to_target.json`` and ``.md``, with a ``.provenance.json`` for the results
+page (``make docs-gen``), which also writes the "which mode when" table of the README and the docs' front page from
+it.
 
     python benchmarks/time_to_target.py                     # everything, about an hour and a half
     python benchmarks/time_to_target.py --compose-only      # the report from the parts there are
+    python benchmarks/time_to_target.py --redo validation --case ps_async   # one case of one phase again
 """
 
 from __future__ import annotations
@@ -67,11 +72,35 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--redo", action="append", default=[], help="run this phase again (repeatable)")
     parser.add_argument("--only", action="append", default=[], help="run only this phase (repeatable)")
     parser.add_argument("--compose-only", action="store_true", help="run nothing; compose the parts there are")
+    parser.add_argument(
+        "--case", action="append", default=[], help="with --redo: run only this case of the phase (repeatable)"
+    )
     return parser
 
 
 def _load(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def _redo_cases(folder: Path, overrides: list[str], cases: list[str]) -> None:
+    """Runs ``cases`` of the phase in ``folder`` again and puts their records and summary rows in place of the
+    phase's, listing the command and its provenance under ``merged``."""
+    again = folder / "cases" / "_".join(cases)
+    phase_results = folder / "results.json"
+    chosen = [o for o in overrides if not o.startswith("cases=")] + [f"cases={','.join(cases)}"]
+    chosen.append(f"ddp_from={phase_results}")
+    command = [sys.executable, "-m", "lightning_sync.bench", "--out", str(again), *chosen]
+    print(f"== {folder.name} ({', '.join(cases)}): {shlex.join(['python', *command[1:]])}", flush=True)
+    subprocess.run(command, check=False)
+    new, old = _load(again / "results.json"), _load(phase_results)
+    if new is None or old is None:
+        sys.exit(f"error: the run in {again} wrote no results.json")
+    for key in ("records", "summary"):
+        old[key] = [r for r in old.get(key, []) if r.get("case") not in cases]
+        old[key] += [r for r in new.get(key, []) if r.get("case") in cases]
+    merged = {"cases": cases, "command": shlex.join(["python", *command[1:]]), "provenance": new.get("provenance")}
+    old["merged"] = [m for m in old.get("merged", []) if m["cases"] != cases] + [merged]
+    phase_results.write_text(json.dumps(old, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
         chosen = not args.only or phase in args.only
         if args.compose_only or not chosen or ((folder / "results.json").exists() and phase not in args.redo):
             continue
+        if args.case and (folder / "results.json").exists():
+            _redo_cases(folder, overrides, args.case)
+            continue
         print(f"== {phase}: {commands[phase]}", flush=True)
         subprocess.run(command, check=False)  # a failed run is recorded in its results.json and reported below
     results = {p: data for p in plan if (data := _load(out / "parts" / p / "results.json")) is not None}
@@ -96,8 +128,18 @@ def main(argv: list[str] | None = None) -> None:
     report = {
         **composed,
         "decisions": ttt.decide(composed),
-        "commands": {p: commands[p] for p in results},
-        "parts_provenance": {p: data.get("provenance") for p, data in results.items()},
+        "commands": {p: commands[p] for p in results}
+        | {
+            f"{p} ({', '.join(m['cases'])})": m["command"]
+            for p, data in results.items()
+            for m in data.get("merged", [])
+        },
+        "parts_provenance": {p: data.get("provenance") for p, data in results.items()}
+        | {
+            f"{p} ({', '.join(m['cases'])})": m["provenance"]
+            for p, data in results.items()
+            for m in data.get("merged", [])
+        },
         "provenance": provenance(),
     }
     out.mkdir(parents=True, exist_ok=True)

@@ -100,3 +100,64 @@ def test_tables_say_not_reached_measured_and_timing_dependent():
     assert rows["`diloco`"][2] == "15 min [15 min, 16 min]" and rows["`diloco`"][3] == "41 s [40 s, 42 s]"
     header, body = ttt.decision_table(ttt.decide(report))
     assert body[0][:2] == ["1mbit", "`diloco`"]
+
+
+def _script():
+    """``benchmarks/time_to_target.py`` (repository tooling, not in the package), loaded from its file."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "time_to_target.py"
+    spec = importlib.util.spec_from_file_location("time_to_target_script", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_redoing_one_case_of_a_phase_replaces_its_records_and_lists_its_command(tmp_path, monkeypatch):
+    import json
+
+    script = _script()
+    out = tmp_path / "ttt"
+    for phase, data in {
+        "trajectories": {**TRAJECTORIES, "provenance": {"commit": "trajectories"}},
+        "validation": {
+            "records": [_run("lightning_ddp", 0, 992, 64.0, "1gbit"), _run("ps_async", 0, None, None, "1gbit")],
+            "summary": [{"case": "ps_async", "metric": "seconds_to_target"}, {"case": "lightning_ddp"}],
+            "provenance": {"commit": "old"},
+        },
+    }.items():
+        (out / "parts" / phase).mkdir(parents=True)
+        (out / "parts" / phase / "results.json").write_text(json.dumps(data))
+    ran = []
+
+    def bench(command, check):  # what `python -m lightning_sync.bench` would write: the reused DDP, the case again
+        ran.append(command)
+        folder = out / "parts" / "validation" / "cases" / "ps_async"
+        assert command[command.index("--out") + 1] == str(folder)
+        folder.mkdir(parents=True)
+        records = [_run("lightning_ddp", 0, 992, 64.0, "1gbit"), _run("ps_async", 0, 950, 44.0, "1gbit")]
+        (folder / "results.json").write_text(json.dumps({"records": records, "provenance": {"commit": "new"}}))
+
+    monkeypatch.setattr(script.subprocess, "run", bench)
+    monkeypatch.setattr(script, "provenance", lambda: {"commit": "now"})
+    args = ["--out", str(out), "--only", "validation", "--redo", "validation", "--case", "ps_async"]
+    script.main(args)
+    (command,) = ran
+    assert [a for a in command if a.startswith("cases=")] == ["cases=ps_async"]
+    assert f"ddp_from={out / 'parts' / 'validation' / 'results.json'}" in command
+    merged = json.loads((out / "parts" / "validation" / "results.json").read_text())
+    assert [(r["case"], r["steps_to_target"]) for r in merged["records"]] == [("lightning_ddp", 992), ("ps_async", 950)]
+    assert merged["summary"] == [{"case": "lightning_ddp"}]  # the case's old row is gone; the new run had none
+    assert merged["provenance"] == {"commit": "old"} and merged["merged"][0]["provenance"] == {"commit": "new"}
+    report = json.loads((out / "time_to_target.json").read_text())
+    assert "cases=ps_async" in report["commands"]["validation (ps_async)"]
+    assert report["parts_provenance"]["validation (ps_async)"] == {"commit": "new"}
+    assert report["cases"]["ps_async"]["seconds"]["1gbit"]["per_seed"] == [44.0]
+    ran.clear()
+    import shutil
+
+    shutil.rmtree(out / "parts" / "validation" / "cases")
+    script.main(args)  # again: one entry per case in `merged`, the latest
+    assert len(json.loads((out / "parts" / "validation" / "results.json").read_text())["merged"]) == 1
