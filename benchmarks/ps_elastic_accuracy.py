@@ -59,7 +59,7 @@ def _epochs_logged(run_dir: Path) -> int:
 
 def _training_seconds(summary: dict[str, Any]) -> float:
     """A run's training time: its optimizer steps times its median step time (from ``summary.json``)."""
-    return float(summary["steps"]) * float(summary["step_time_ms"]) / 1e3
+    return float(summary["optimizer_steps"]) * float(summary["step_time_ms"]) / 1e3
 
 
 def _rank_pid(run_dir: Path, rank: int) -> int | None:
@@ -81,6 +81,7 @@ def run(seed: int, run_dir: Path, kill_after_s: float | None, timeout_s: float =
     """One run of the app; with ``kill_after_s``, worker 2 is SIGKILLed that many seconds after rank 0's first logged
     metrics."""
     kill = kill_after_s is not None
+    run_dir = run_dir.resolve()  # the launcher gives the other ranks the absolute path
     command = [sys.executable, "-m", "lightning_sync.train", *OVERRIDES, f"seed={seed}", f"hydra.run.dir={run_dir}"]
     started = time.monotonic()
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -114,7 +115,9 @@ def run(seed: int, run_dir: Path, kill_after_s: float | None, timeout_s: float =
         "seconds": time.monotonic() - started,
         "killed_at_epoch": killed_at,
         "test_acc": summary.get("test", {}).get("test/acc"),
-        "training_s": _training_seconds(summary) if "steps" in summary and "step_time_ms" in summary else None,
+        "training_s": _training_seconds(summary)
+        if "optimizer_steps" in summary and "step_time_ms" in summary
+        else None,
         "lost_workers": summary.get("lost_workers", {}),
         "clocks": clocks,
         "stderr_tail": stderr[-2000:] if job.returncode else "",
