@@ -81,9 +81,8 @@ class ServerShard:
         times ``scale`` for a scale-invariant optimizer (:func:`~lightning_sync.ps.optim_spec.scales_learning_rate`);
         the gradient of that optimizer's parameters is clipped as ``clip`` says (``torch.nn.utils``' own functions,
         as Lightning's precision plugins call them), then multiplied by ``scale`` for any other; only that optimizer's
-        parameters
-        change; ``version`` increases by one (also when this shard holds none of its parameters); gradients are
-        cleared after the step.
+        parameters change; ``version`` increases by one (also when this shard holds none of its parameters);
+        gradients are cleared after the step.
         """
         if grad.numel() != self.layout.numel:
             raise ValueError(f"gradient has {grad.numel()} entries, the shard {self.layout.numel}")
