@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib.util
 import re
 import warnings
 from dataclasses import MISSING, fields
@@ -155,11 +154,9 @@ def test_the_apps_knob_check_names_strategy_knob_value_and_what_is_allowed(knobs
 
 def _internals_checker():
     """``.ci/check_lightning_internals.py`` (the lint step's rule that Lightning internals live in one module)."""
-    path = Path(__file__).resolve().parents[1] / ".ci" / "check_lightning_internals.py"
-    spec = importlib.util.spec_from_file_location("check_lightning_internals", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from repo_utils import load_script
+
+    return load_script(".ci/check_lightning_internals.py")
 
 
 def test_lightning_internals_check_flags_each_kind_of_use(tmp_path):

@@ -7,7 +7,6 @@ reports must be written with every case ok. With a GPU the ``cuda`` tests run th
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import multiprocessing
 import os
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_ranks
+from repo_utils import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -26,11 +26,7 @@ BENCHMARKS = ROOT / "benchmarks"
 def _load(name: str):
     if str(BENCHMARKS) not in sys.path:
         sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"benchmarks/{name}.py")
 
 
 gpu_check = _load("gpu_check")

@@ -233,14 +233,9 @@ def test_fragment_modules_name_the_fragments_in_sync_order():
 @pytest.mark.unit
 def test_the_guide_prints_the_char_gpt_partition_the_code_forms():
     """docs/guide/streaming-diloco.md holds tools/gen_fragments.py's tables, as the code forms them now."""
-    import importlib.util
-    from pathlib import Path
+    from repo_utils import load_script
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "gen_fragments.py"
-    spec = importlib.util.spec_from_file_location("gen_fragments", path)
-    assert spec is not None and spec.loader is not None
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+    gen = load_script("tools/gen_fragments.py")
     text = gen.GUIDE.read_text()
     assert gen.updated(text) == text, "the guide's fragment tables are stale: run python tools/gen_fragments.py"
     assert "| 0 | `tok_emb`, `pos_emb`, `blocks.0` |" in text

@@ -8,12 +8,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
+from repo_utils import load_script
 
 from lightning_sync.apps.bench.report import utilization_rows
 from lightning_sync.apps.markdown import markdown_table
@@ -21,10 +21,7 @@ from lightning_sync.apps.markdown import markdown_table
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-_SPEC = importlib.util.spec_from_file_location("gen_docs", ROOT / "tools" / "gen_docs.py")
-assert _SPEC is not None and _SPEC.loader is not None
-gen_docs = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(gen_docs)
+gen_docs = load_script("tools/gen_docs.py")
 main, results_page = gen_docs.main, gen_docs.results_page
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from repo_utils import load_script
 
 from lightning_sync.apps.bench import time_to_target as ttt
 
@@ -102,23 +103,10 @@ def test_tables_say_not_reached_measured_and_timing_dependent():
     assert body[0][:2] == ["1mbit", "`diloco`"]
 
 
-def _script():
-    """``benchmarks/time_to_target.py`` (repository tooling, not in the package), loaded from its file."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "time_to_target.py"
-    spec = importlib.util.spec_from_file_location("time_to_target_script", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_redoing_one_case_of_a_phase_replaces_its_records_and_lists_its_command(tmp_path, monkeypatch):
     import json
 
-    script = _script()
+    script = load_script("benchmarks/time_to_target.py", "time_to_target_script")
     out = tmp_path / "ttt"
     for phase, data in {
         "trajectories": {**TRAJECTORIES, "provenance": {"commit": "trajectories"}},
