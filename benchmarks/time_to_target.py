@@ -125,21 +125,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: no trajectories in {out / 'parts' / 'trajectories'}; run without --compose-only first")
     windows = [data for p, data in results.items() if p.startswith("windows_")]
     composed = ttt.compose(results["trajectories"], windows, results.get("validation"))
+    merged = {f"{p} ({', '.join(m['cases'])})": m for p, data in results.items() for m in data.get("merged", [])}
     report = {
         **composed,
         "decisions": ttt.decide(composed),
-        "commands": {p: commands[p] for p in results}
-        | {
-            f"{p} ({', '.join(m['cases'])})": m["command"]
-            for p, data in results.items()
-            for m in data.get("merged", [])
-        },
+        "commands": {p: commands[p] for p in results} | {key: m["command"] for key, m in merged.items()},
         "parts_provenance": {p: data.get("provenance") for p, data in results.items()}
-        | {
-            f"{p} ({', '.join(m['cases'])})": m["provenance"]
-            for p, data in results.items()
-            for m in data.get("merged", [])
-        },
+        | {key: m["provenance"] for key, m in merged.items()},
         "provenance": provenance(),
     }
     out.mkdir(parents=True, exist_ok=True)
