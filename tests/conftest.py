@@ -44,9 +44,10 @@ TIMED_FILES = frozenset(
         "test_streaming_diloco.py",
     }
 )
-# Files that time nothing but need the normal CPU priority too, on a worker of their own: the accuracy of async ps
-# depends on how evenly its workers get the CPU, and at the lower priority beside the timed tests one async worker
-# starved (async median 0.936 against sync 0.958, over the 2 points it may lose).
+# Files that time nothing but need the normal CPU priority too, each file a unit of its own (not queued behind the
+# timed files): the accuracy of async ps depends on how evenly its workers get the CPU, and at the lower priority
+# beside the timed tests one async worker starved (async median 0.936 against sync 0.958, over the 2 points it may
+# lose).
 NORMAL_PRIORITY_FILES = frozenset({"test_ps_async.py"})
 OTHER_TESTS_NICE = 10
 

@@ -3,8 +3,8 @@
 A live worker that the server is not itself holding back (a pending sync gradient, a withheld ssp reply, a pull
 waiting for the initial parameters) and that completes no request for ``timeout_s`` is lost. So is every worker once
 the server neither heard a request nor sent a reply for ``timeout_s`` (``connect_timeout_s`` before the initial
-parameters). This module only
-decides and words it; the server loop (:mod:`lightning_sync.ps.server`) raises and reports.
+parameters). This module only decides and words it; the server loop (:mod:`lightning_sync.ps.server`) raises and
+reports.
 """
 
 from __future__ import annotations
