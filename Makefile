@@ -14,9 +14,10 @@ PIP := $(PY) -m pip
 LOCK := requirements.lock
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test` and `make test-fast` (0: all in this one process). Each worker takes a whole
-# test file at a time; the files that time a failure (a frozen or killed peer) all go to one worker, one after
-# another, at a higher CPU priority than the other workers' tests (TIMED_FILES in tests/conftest.py). Three workers
-# on 2 cores: the timed files spend much of their time waiting out a frozen peer's timeout, which the others fill.
+# test file at a time (the notebooks one test at a time); the files that time a failure (a frozen or killed peer) all
+# go to one worker, one after another, at a higher CPU priority than the other workers' tests (TIMED_FILES in
+# tests/conftest.py). Three workers on 2 cores: the timed files spend much of their time waiting out a frozen peer's
+# timeout, which the others fill.
 TEST_WORKERS ?= 3
 COMPARE_ARGS ?=
 BENCH_ARGS ?=

@@ -14,6 +14,7 @@ import multiprocessing.process
 import os
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,7 +50,15 @@ TIMED_FILES = frozenset(
 # beside the timed tests one async worker starved (async median 0.936 against sync 0.958, over the 2 points it may
 # lose).
 NORMAL_PRIORITY_FILES = frozenset({"test_ps_async.py"})
+# Files of a few long tests that do not depend on one another (a notebook each, the 9-run accuracy test). Under
+# pytest-xdist each of their tests is a unit of its own, handed out right after the timed files, so that they spread
+# over the other workers instead of one worker taking a whole file of them.
+SPLIT_FILES = frozenset({"test_notebooks.py", "test_ps_async.py"})
 OTHER_TESTS_NICE = 10
+# A test's rough cost in seconds by its markers (the highest counts), for the order the files are handed out in: a
+# ``slow`` one tens of seconds, a Trainer or a subprocess (``e2e``, ``netns``) seconds to tens of seconds, a process
+# group about a second, a unit test next to nothing.
+MARKER_COST = {"slow": 30.0, "e2e": 10.0, "netns": 10.0, "dist": 1.0, "unit": 0.05}
 
 
 def _file(nodeid: str) -> str:
@@ -67,17 +76,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _is_timed(item.nodeid):
             item.add_marker(pytest.mark.timed)
+    # The order pytest-xdist hands the units out in (:func:`pytest_xdist_make_scheduler` keeps it): the timed files,
+    # the tests of SPLIT_FILES, then the other files, the costliest first by their markers (:data:`MARKER_COST`), so that
+    # the last units handed out are short ones.
+    cost: Counter[str] = Counter()
+    for item in items:
+        cost[_file(item.nodeid)] += max(c for m, c in MARKER_COST.items() if item.get_closest_marker(m))
+    items.sort(
+        key=lambda item: (
+            0 if _is_timed(item.nodeid) else 1 if _file(item.nodeid) in SPLIT_FILES else 2,
+            -cost[_file(item.nodeid)],
+            _file(item.nodeid),
+        )
+    )
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without xdist the tests run in this one process
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Whole files to a worker at a time (as ``--dist loadfile``), the timed files all as one unit (see
-    :data:`TIMED_FILES`)."""
+    :data:`TIMED_FILES`) and each test of :data:`SPLIT_FILES` as one; the units in the collection's order
+    (:func:`pytest_collection_modifyitems`)."""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     class _TimedFilesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "timed-files" if _is_timed(nodeid) else nodeid.split("::", 1)[0]
+            if _is_timed(nodeid):
+                return "timed-files"
+            return nodeid if _file(nodeid) in SPLIT_FILES else nodeid.split("::", 1)[0]
 
     return _TimedFilesTogether(config, log)
 

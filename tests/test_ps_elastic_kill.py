@@ -1,0 +1,82 @@
+"""The elastic parameter server through the Hydra app, where a worker is killed: the servers see its connection close
+and drop it at once, so nothing here waits out a timer (the frozen worker, dropped after ``timeout_s``, is
+``test_ps_elastic.py``'s, one of the timed files of ``conftest.py``); these tests run beside the others.
+
+The app runs with the ``popen`` launcher as a user runs it (rank 0 is the command, ranks 1 and 2 its children, the
+server a process of rank 0; see :mod:`fault_utils`).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import signal  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from fault_utils import HAS_PROC, allowed_s, run_and_hit  # noqa: E402
+from test_ps_elastic import TIMEOUT_S, _summary  # noqa: E402
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not HAS_PROC, reason="needs /proc")
+def test_killing_an_async_worker_leaves_the_job_to_finish_on_the_others(tmp_path):
+    """3 workers, 1 dedicated server, async: worker 2 is SIGKILLed about a third into the run. Workers 0 and 1
+    finish, the job exits 0, worker 2 is named in a warning and in summary.json, the checkpoint is written (by
+    rank 0, with the servers' state), and no process is left."""
+    run_dir = tmp_path / "run"
+    overrides = [
+        "strategy=ps",
+        "strategy.mode=async",
+        f"strategy.timeout_s={TIMEOUT_S}",
+        "trainer.devices=3",
+        "trainer.max_epochs=20",
+        "+logger.csv.flush_logs_every_n_steps=5",  # metrics.csv early: the hit comes a third into the run
+        "test=true",
+    ]
+    outcome = run_and_hit(overrides, run_dir, "rank2", signal.SIGKILL, wait_s=allowed_s(120, 60.0), after_s=1.2)
+    print(f"async worker 2 SIGKILL: exit code {outcome.returncode} after {outcome.seconds:.1f} s")
+    assert outcome.returncode == 0, outcome.stderr[-4000:]
+    assert "rank 2 (local) was lost" in outcome.stderr, outcome.stderr[-4000:]
+    assert "worker 2 (rank 2)" in outcome.stderr, outcome.stderr[-4000:]  # the strategy's warning, with the reason
+    summary = _summary(run_dir)
+    assert list(summary.get("lost_workers", {})) == ["2"], summary
+    assert "closed its connection" in summary["lost_workers"]["2"], summary
+    assert summary["world_size"] == 3, summary  # the job's ranks, not the one each survivor is left with
+    assert summary["test"]["test/acc"] > 0.5, summary  # the survivors trained (and rank 0 tested alone)
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt.rank0.pt", weights_only=False, map_location="cpu")
+    clocks = state["servers"][0]["clocks"]  # rank 0 kept the servers' state after the loss
+    print(f"pushes applied per worker: {clocks}")
+    assert 0 < clocks[2] < 0.7 * min(clocks[0], clocks[1]), clocks  # worker 2 was lost early in the run
+    assert not outcome.left, f"orphans: {outcome.left}"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not HAS_PROC, reason="needs /proc")
+def test_elastic_sync_finishes_on_the_live_workers(tmp_path):
+    """``sync`` with ``strategy.elastic=true``: worker 2 of 3 is SIGKILLed; the server drops it, each later step
+    averages the two live workers' pushes, and the job exits 0 naming it."""
+    run_dir = tmp_path / "run"
+    overrides = [
+        "strategy=ps",
+        "strategy.elastic=true",
+        f"strategy.timeout_s={TIMEOUT_S}",
+        "trainer.devices=3",
+        "trainer.max_epochs=10",
+        "+logger.csv.flush_logs_every_n_steps=5",
+        "test=false",
+    ]
+    outcome = run_and_hit(overrides, run_dir, "rank2", signal.SIGKILL, wait_s=allowed_s(120, 60.0), after_s=1.5)
+    print(f"elastic sync worker 2 SIGKILL: exit code {outcome.returncode} after {outcome.seconds:.1f} s")
+    assert outcome.returncode == 0, outcome.stderr[-4000:]
+    summary = _summary(run_dir)
+    assert list(summary.get("lost_workers", {})) == ["2"], summary
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt.rank0.pt", weights_only=False, map_location="cpu")
+    server = state["servers"][0]
+    assert server["version"] == server["clocks"][0] == server["clocks"][1] > server["clocks"][2], server["clocks"]
+    assert not outcome.left, f"orphans: {outcome.left}"
