@@ -64,7 +64,7 @@ def _key(every: int, lr: float, momentum: float) -> str:
     return f"H{every} lr{lr:g} m{momentum:g}"
 
 
-def _run(argv: list[str], folder: Path) -> float | None:
+def run_case(argv: list[str], folder: Path) -> float | None:
     """One main-job run (one case, one seed) into ``folder``, unless it holds a result already: its test loss."""
     found = folder / "results.json"
     if not found.exists():
@@ -74,7 +74,8 @@ def _run(argv: list[str], folder: Path) -> float | None:
     return row["values"][0]
 
 
-def _point(values: dict[str, float | None], **about: Any) -> dict[str, Any]:
+def seed_point(values: dict[str, float | None], **about: Any) -> dict[str, Any]:
+    """A point of a sweep: ``about``, each seed's value, and their mean, min and max (``None`` if none finished)."""
     found = spread(list(values.values()))
     return {
         **about,
@@ -166,11 +167,11 @@ def main(argv: list[str] | None = None) -> None:
     for seed in seeds:  # seed by seed, so that a pruned sweep has every point's first seeds first
         for key, case_argv, about in jobs:
             folder = runs / tag / key.replace(" ", "_") / f"seed{seed}"
-            value = _run([*base, "--seeds", str(seed), *case_argv], folder)
+            value = run_case([*base, "--seeds", str(seed), *case_argv], folder)
             target = results.setdefault("ddp", None) if key == "ddp" else results["points"].get(key)
             values = {**(target or {}).get("values", {}), str(seed): value}
             command = shlex.join(["python", "-m", "lightning_sync.compare", *base, "--seeds", "SEED", *case_argv])
-            point = _point(dict(sorted(values.items())), **about, compare_command=command)
+            point = seed_point(dict(sorted(values.items())), **about, compare_command=command)
             if key == "ddp":
                 results["ddp"] = point
             else:
