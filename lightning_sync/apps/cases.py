@@ -86,6 +86,8 @@ _CASES = (
                period_knob="diloco_sync_every"),
     _streaming("periodic:streaming_diloco/8", 8, 4, 1, "streaming DiLoCo every 8 steps, sync_delay=1"),
     _streaming("periodic:streaming_diloco/8/k2", 8, 2, 3, "streaming DiLoCo, 2 fragments, sync_delay=3"),
+    _streaming("periodic:streaming_diloco/16/tau1", 16, 4, 1, "streaming DiLoCo every 16 steps, 4 fragments, "
+               "sync_delay=1 (one fragment per block of a 4-block model)"),
     _streaming("periodic:streaming_diloco/12", 12, 4, 2, "streaming DiLoCo every 12 steps"),
     Case("ps:async_local/8", "ps", {"mode": "async", "local_steps": 8}, "async ps, 8 local steps per push"),
     Case("ps:async_local/auto", "ps", {"mode": "async", "local_steps": "auto"}, "async ps, local steps auto"),

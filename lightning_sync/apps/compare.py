@@ -66,9 +66,8 @@ LM_CASES = hydra_cases(("ddp", "allreduce+powersgd4", "periodic:local_sgd/8", "p
 LM_OPT_IN_CASES = hydra_cases(
     [
         *("periodic:streaming_diloco/16", "periodic:streaming_diloco/8", "periodic:streaming_diloco/8/k2"),
-        *("periodic:streaming_diloco/12", "ps:async", "ps:async/push_scale_1", "ps:async_local/8"),
-        "ps:async_local/auto",
-        "periodic:diloco/16",
+        *("periodic:streaming_diloco/16/tau1", "periodic:streaming_diloco/12", "ps:async", "ps:async/push_scale_1"),
+        *("ps:async_local/8", "ps:async_local/auto", "periodic:diloco/16"),
     ]
 )
 REFERENCE = "ddp"
