@@ -209,3 +209,24 @@ def test_which_mode_block_names_the_fastest_its_call_and_where_ddp_is_right():
     page = "intro\n" + gen_docs.WHICH_MODE_START + "x -->\nold\n" + gen_docs.WHICH_MODE_END + "\nrest\n"
     done = gen_docs._with_which_mode(page, report, docs_page=True)
     assert "old" not in done and done.endswith(gen_docs.WHICH_MODE_END + "\nrest\n") and "](results.md#" in done
+
+
+@pytest.mark.unit
+def test_defaults_block_judges_each_case_against_ddp_of_its_own_model_by_two_percent_and_the_ranges():
+    def row(case, mean, low, high):
+        return {"case": case, "mean": mean, "min": low, "max": high}
+
+    def run(steps, *rows, model=""):
+        command = f"python -m lightning_sync.compare --steps {steps} {model}".strip()
+        return {"workloads": {"char_lm": {"rows": list(rows)}}, "sizes": {"steps": steps}, "seeds": [0, 1, 2],
+                "provenance": {"commit": "0123456789abc", "command": command}}  # fmt: skip
+
+    short = run(300, row("ddp", 2.0, 1.9, 2.1), row("periodic:diloco/16", 2.03, 2.0, 2.06))  # +1.5%, overlapping
+    long = run(1000, row("ddp", 1.0, 0.99, 1.01), row("periodic:diloco/16", 1.03, 1.005, 1.05))  # +3%: worse
+    four = run(300, row("ddp", 3.0, 2.9, 3.1), row("periodic:diloco/16", 2.5, 2.4, 2.6), model="model.n_layer=4")
+    block = gen_docs.defaults_block([("2 blocks", short, long), ("4 blocks", four, run(1000, row("ddp", 1, 1, 1)))])
+    lines = [line for line in block.splitlines() if line.startswith("| `periodic:diloco/16`")]
+    assert "`mode='diloco', sync_every=16`" in lines[0]  # the case's knobs, from the catalogue
+    assert "2.030 [2.000, 2.060], +1.5%, tie" in lines[0] and "1.030 [1.005, 1.050], +3.0%, worse" in lines[0]
+    assert "2.500 [2.400, 2.600], -16.7%, better" in lines[1] and lines[1].rstrip(" |").endswith("-")  # not run
+    assert "`python -m lightning_sync.compare --steps 300 model.n_layer=4` (commit `0123456789`)" in block
