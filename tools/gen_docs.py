@@ -520,10 +520,11 @@ def which_mode(report: dict[str, Any]) -> str:
     )
     prov = report.get("provenance") or {}
     seeds = report["seeds"]
+    targets = list(report["targets"].values())
     return (
         f"Training seconds to a real loss (the validation loss Lightning DDP reaches in {ttt.reference_steps(report)} "
         "steps on the character "
-        f"language model, about 1.5 nats/char), 2 CPU ranks on 2 emulated hosts, seeds {', '.join(map(str, seeds))} "
+        f"language model, {min(targets):.2f} to {max(targets):.2f} nats/char over the seeds), 2 CPU ranks on 2 emulated hosts, seeds {', '.join(map(str, seeds))} "
         f"(`python benchmarks/time_to_target.py`, commit `{(prov.get('commit') or '?')[:10]}`; method and every "
         f"case's times on the [results page](docs/results.md#time-to-a-real-loss-1-mbit-to-loopback)):\n\n"
         f"{table}\n\n{cases}\n\n"
