@@ -34,10 +34,7 @@ from typing import Any
 from lightning_sync.apps import compare
 from lightning_sync.apps.markdown import markdown_table
 from lightning_sync.apps.provenance import provenance
-from lightning_sync.apps.stats import spread
-
-TIE_PERCENT = 2.0
-"""A point ties DDP when its mean is within this many percent of DDP's mean and the seed ranges overlap."""
+from lightning_sync.apps.stats import TIE_PERCENT, Spread, spread, versus_reference
 
 
 def _floats(text: str) -> list[float]:
@@ -92,11 +89,7 @@ def _judge(points: dict[str, dict[str, Any]], ddp: dict[str, Any] | None) -> Non
         if ddp is None or ddp["mean"] is None or point["mean"] is None:
             point["vs_ddp_percent"], point["vs_ddp"] = None, "-"
             continue
-        percent = 100.0 * (point["mean"] / ddp["mean"] - 1.0)
-        overlap = point["min"] <= ddp["max"] and ddp["min"] <= point["max"]
-        tie = abs(percent) <= TIE_PERCENT and overlap
-        point["vs_ddp_percent"] = percent
-        point["vs_ddp"] = "tie" if tie else "better" if percent < 0 else "worse"
+        point["vs_ddp_percent"], point["vs_ddp"] = versus_reference(Spread.of_row(point), Spread.of_row(ddp))
 
 
 def format_sweep(results: dict[str, Any]) -> str:

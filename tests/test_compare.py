@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from lightning_sync.apps.compare import LM_CASES, aggregate, format_results, format_table, workloads
-from lightning_sync.apps.stats import Spread, spread, verdict
+from lightning_sync.apps.stats import Spread, spread, verdict, versus_reference
 
 
 @pytest.mark.unit
@@ -38,6 +38,24 @@ def test_verdict_against_the_reference(case, reference, higher, expected):
     b = Spread(sum(reference) / 2, *reference, n=3)
     assert verdict(a, b, higher) == expected
     assert verdict(None, b, higher) == "-"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("case", "reference", "expected"),
+    [
+        ((1.01, 1.00, 1.02), (1.0, 0.98, 1.025), "tie"),  # +1%, ranges overlap
+        ((1.03, 1.02, 1.04), (1.0, 0.98, 1.025), "worse"),  # ranges overlap, but +3% is over the 2% bar
+        ((1.015, 1.012, 1.02), (1.0, 0.99, 1.01), "worse"),  # +1.5%, but apart from the reference's range
+        ((0.90, 0.88, 0.92), (1.0, 0.98, 1.025), "better"),
+    ],
+)
+def test_versus_reference_needs_both_the_percent_bar_and_overlapping_ranges(case, reference, expected):
+    percent, found = versus_reference(Spread(*case, n=3), Spread(*reference, n=3))
+    assert percent == pytest.approx(100.0 * (case[0] - 1.0))
+    assert found == expected
+    row = {"mean": 1.0, "min": 0.99, "max": 1.01, "values": {"0": 1.0, "1": 0.99, "2": 1.01}}
+    assert Spread.of_row(row) == Spread(1.0, 0.99, 1.01, n=3)
 
 
 def _summary(seed, value, metric="test/acc", diverged=False, ms=10.0, sent=1000.0):

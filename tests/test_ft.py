@@ -18,6 +18,7 @@ import torch
 from dist_utils import run_ranks
 from ft_group_worker import run_group, run_lightning_group
 
+from lightning_sync.apps.ft_local import start_lighthouse
 from lightning_sync.errors import ConfigError
 from lightning_sync.ft import FaultTolerance, FaultToleranceUnavailable, check_lighthouse, require_torchft
 
@@ -134,29 +135,11 @@ def lighthouse(request, tmp_path):
     """torchft's ``torchft_lighthouse`` as a process of its own, as users run it: a ``LighthouseServer`` in this
     process would leave its runtime's threads here for good, and every later test that forks ranks from this process
     would fork a multi-threaded process (ranks then abort now and then)."""
-    import shutil
-    import subprocess
-
-    binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or "torchft_lighthouse"
-    min_replicas = getattr(request, "param", 2)
-    log = tmp_path / "lighthouse.log"
-    with open(log, "w") as out:
-        server = subprocess.Popen(
-            [binary, "--bind", "127.0.0.1:0", "--min_replicas", str(min_replicas), "--join_timeout_ms", "5000",
-             "--heartbeat_timeout_ms", "1000"],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+    server = start_lighthouse(tmp_path / "lighthouse.log", getattr(request, "param", 2), 5000, 1000, start_timeout_s=20)
     try:
-        deadline = time.monotonic() + 20
-        while "listening on" not in log.read_text():
-            if server.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"torchft_lighthouse did not start:\n{log.read_text()[-2000:]}")
-            time.sleep(0.05)
-        line = next(line for line in log.read_text().splitlines() if "listening on" in line)
-        yield f"127.0.0.1:{line.rstrip('/').rsplit(':', 1)[1]}"
+        yield server.address
     finally:
-        server.kill()
-        server.wait(10)
+        server.stop()
 
 
 def _start_group(

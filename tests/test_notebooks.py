@@ -24,6 +24,7 @@ EXPECTED = {
     "04_compression": (("test acc", "bytes sent/step", "modelled ms/batch 10mbit"), 2),
     "05_language_model": (("test loss nats/char", "meter bytes/step", "modelled s to target 10mbit"), 3),
     "06_streaming_diloco": (("test loss nats/char", "meter bytes/step", "utilization 10mbit"), 3),
+    "07_fault_tolerance": (("exit code", "commits", "heal", "final parameters of the 3 groups equal: True"), 1),
 }
 # Runs a notebook source as __main__, then reports how many matplotlib figures it left open (Agg backend).
 _RUN_AND_COUNT = (

@@ -30,6 +30,7 @@ from lightning_sync.apps.bench.report import markdown, utilization_rows
 from lightning_sync.apps.markdown import markdown_table
 from lightning_sync.apps.provenance import git_output
 from lightning_sync.apps.ps_study import format_table as ps_table
+from lightning_sync.apps.stats import TIE_PERCENT, Spread, versus_reference
 
 PROVENANCE_FILE = "provenance.json"
 DEFAULT_SOURCES = ("benchmarks/results",)
@@ -61,8 +62,6 @@ DEFAULTS_SOURCES = (
     ),
 )
 """The periodic guide's table of the defaults against DDP: per model, the compare runs at 300 and 1000 steps."""
-TIE_PERCENT = 2.0
-"""In that table, a case ties DDP when its mean is within this many percent of DDP's and the seed ranges overlap."""
 PARTS = "parts"
 """A folder of the runs a composed report is made of (``benchmarks/time_to_target.py``): the report is on the
 page, its parts are not."""
@@ -453,9 +452,7 @@ def _versus(row: dict[str, Any], ddp: dict[str, Any]) -> str:
     loss = f"{row['mean']:.3f} [{row['min']:.3f}, {row['max']:.3f}]"
     if row is ddp:
         return loss
-    percent = 100.0 * (row["mean"] / ddp["mean"] - 1.0)
-    overlap = row["min"] <= ddp["max"] and ddp["min"] <= row["max"]
-    verdict = "tie" if abs(percent) <= TIE_PERCENT and overlap else "better" if percent < 0 else "worse"
+    percent, verdict = versus_reference(Spread.of_row(row), Spread.of_row(ddp))
     return f"{loss}, {percent:+.1f}%, {verdict}"
 
 

@@ -1,15 +1,18 @@
 """Statistics over seeds: a metric's mean and range, the verdict of one case against another, seed bands.
 
 A leaf of :mod:`lightning_sync.apps`: the main job (``compare``), the notebooks' studies and the parameter-server
-study all judge their cases with :func:`spread` and :func:`verdict`.
+study all judge their cases with :func:`spread` and :func:`verdict`; the outer-optimizer sweep and the periodic
+guide's table judge a loss against DDP's with :func:`versus_reference`, which also asks for a mean within
+:data:`TIE_PERCENT`.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +25,11 @@ class Spread:
     low: float
     high: float
     n: int
+
+    @classmethod
+    def of_row(cls, row: Mapping[str, Any]) -> Spread:
+        """The spread a results table's row stores as ``mean``, ``min``, ``max`` and its per-seed ``values``."""
+        return cls(row["mean"], row["min"], row["max"], len(row.get("values") or ()))
 
     def overlaps(self, other: Spread) -> bool:
         """Whether the two ranges share a point: the cases cannot be told apart (a tie)."""
@@ -43,6 +51,20 @@ def verdict(case: Spread | None, reference: Spread | None, higher_is_better: boo
     if case.overlaps(reference):
         return "tie"
     return "better" if (case.mean > reference.mean) == higher_is_better else "worse"
+
+
+#: A case ties its reference when its mean is within this many percent of the reference's and the ranges overlap (the
+#: bar issue 27 sets for the outer-optimizer defaults against DDP).
+TIE_PERCENT = 2.0
+
+
+def versus_reference(case: Spread, reference: Spread, tie_percent: float = TIE_PERCENT) -> tuple[float, str]:
+    """``(percent, verdict)`` of a lower-is-better metric: ``case``'s mean as a percent difference from
+    ``reference``'s, and ``tie`` when that is within ``tie_percent`` and the ranges overlap, else ``better``/``worse``."""
+    percent = 100.0 * (case.mean / reference.mean - 1.0)
+    if abs(percent) <= tie_percent and case.overlaps(reference):
+        return percent, "tie"
+    return percent, "better" if percent < 0 else "worse"
 
 
 def seed_band(

@@ -8,6 +8,9 @@
   with stragglers;
 * :class:`FlushDenormal` (:mod:`~lightning_sync.callbacks.flush_denormal`): subnormal floats are zero on every
   rank's CPU;
+* :class:`StepClock` (:mod:`~lightning_sync.callbacks.step_clock`): the wall time and loss of every step and
+  validation, appended to a file as it happens, so that a killed process's record survives it
+  (:func:`read_step_clock` reads it back);
 * :class:`SyncMetricsLogger`: core plumbing that every strategy adds by itself; it lives with the strategies and
   stays importable from here.
 """
@@ -15,6 +18,7 @@
 from lightning_sync.callbacks.divergence import DivergenceGuard
 from lightning_sync.callbacks.flush_denormal import FlushDenormal
 from lightning_sync.callbacks.report import SyncReport
+from lightning_sync.callbacks.step_clock import StepClock, read_step_clock
 from lightning_sync.callbacks.straggler import StragglerCallback
 from lightning_sync.callbacks.summary import read_summary
 from lightning_sync.strategies._metrics import SyncMetricsLogger
@@ -22,8 +26,10 @@ from lightning_sync.strategies._metrics import SyncMetricsLogger
 __all__ = [
     "DivergenceGuard",
     "FlushDenormal",
+    "StepClock",
     "StragglerCallback",
     "SyncMetricsLogger",
     "SyncReport",
+    "read_step_clock",
     "read_summary",
 ]

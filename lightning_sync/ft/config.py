@@ -16,8 +16,10 @@ The timeouts are derived from one number, ``timeout_s``, in an order that holds:
 * so a quorum call must wait longer than all of those, or a survivor gives up on a quorum that was about to form.
 
 ``heartbeat_timeout_s`` and ``join_timeout_s`` describe the lighthouse (its ``--heartbeat_timeout_ms`` and
-``--join_timeout_ms``); the defaults are torchft's heartbeat (5 s) and the 1 s join this package's demo lighthouse
-uses (torchft's binary defaults to 60 s: say so with ``join_timeout_s=60``).
+``--join_timeout_ms``); the defaults are torchft's heartbeat (5 s) and the 5 s join the guide's lighthouse uses
+(torchft's binary defaults to 60 s: say so with ``join_timeout_s=60``). A lost or frozen group is dropped by its
+heartbeat; the join timeout only bounds how long a quorum waits for a live group that is late, and a group later
+than that misses the sync and heals at the next one, losing its steps since the last sync.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class FaultTolerance:
     min_replicas: int = 1
     timeout_s: float = 10.0
     heartbeat_timeout_s: float = 5.0
-    join_timeout_s: float = 1.0
+    join_timeout_s: float = 5.0
     sync_period_s: float | None = None
     collective_timeout_s: float | None = None
     quorum_timeout_s: float | None = None

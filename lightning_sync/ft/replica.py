@@ -193,8 +193,8 @@ class ReplicaGroupLink:
         if ok:
             self.stats.commits += 1
             log.info(
-                "replica group %d: sync committed (commit %d, groups %s)",
-                self.config.replica_group, self.stats.commits, self.stats.participants,
+                "replica group %d: sync committed (step %d, commit %d, groups %s)",
+                self.config.replica_group, self.manager.current_step(), self.stats.commits, self.stats.participants,
             )  # fmt: skip
         else:
             self.stats.failed_commits += 1

@@ -1,0 +1,184 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Fault tolerance: three replica groups, one killed and restarted
+#
+# With `ft=torchft`, a run of the Hydra app is one *replica group* of a larger job. The groups meet at torchft's
+# lighthouse, and every outer sync of DiLoCo is a torchft quorum over the groups that are alive. A group that is lost
+# drops out of the next quorum while the others train on, and a group started again with its original command heals
+# from a live one: it pulls the model, both optimizers' state and the step, then trains on with the others.
+#
+# This notebook starts a lighthouse and three groups of one rank on this machine (`experiment=char_lm`, DiLoCo every
+# 8 steps), SIGKILLs group 2 partway through, starts it again with the same command, and plots the training loss
+# and the quorum size against time, with the kill and the restart marked. Guide: `docs/guide/fault-tolerance.md`.
+#
+# Set the environment variable `SMOKE=1` for a short run; `NOTEBOOK_OUT` names the output folder.
+
+# %%
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+SMOKE = os.environ.get("SMOKE", "0") == "1"
+GROUPS = 3
+SYNC_EVERY = 8
+# Every group ends at MAX_STEPS (for a healed group: the live step count). The survivors must still be training when
+# the restarted group has started up (seconds of imports and Lightning's set-up), so MAX_STEPS leaves room for that.
+MAX_STEPS = 320 if SMOKE else 800
+KILL_AT_STEP = 40 if SMOKE else 200  # group 2 is SIGKILLed once its clock shows this step
+RESTART_AFTER_S = 1.0 if SMOKE else 10.0
+OUT = os.environ.get("NOTEBOOK_OUT", "outputs/notebook_fault_tolerance")
+
+# %%
+import re
+import shutil
+import time
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+
+from lightning_sync.apps.ft_local import group_command, read_commits, start_lighthouse, start_process, stop_process
+from lightning_sync.apps.markdown import markdown_table
+from lightning_sync.apps.provenance import provenance, summary_line
+from lightning_sync.callbacks import read_step_clock
+
+out = Path(OUT)
+shutil.rmtree(out, ignore_errors=True)
+APP = [
+    "experiment=char_lm",
+    "strategy=periodic",
+    "strategy.mode=diloco",
+    f"strategy.sync_every={SYNC_EVERY}",
+    f"trainer.max_steps={MAX_STEPS}",
+    "trainer.limit_val_batches=0",
+    "test=false",
+    "callbacks=[default,step_clock]",
+]
+
+
+def clock_file(group):
+    return out / f"group{group}.clock"
+
+
+def start_group(group, attempt):
+    """Starts replica group ``group`` with the same command every time; ``attempt`` only names its run folder."""
+    run_dir = out / f"group{group}.{attempt}"
+    command = group_command(
+        lighthouse.address, group, GROUPS, run_dir, *APP, f"callbacks.step_clock.path={clock_file(group)}"
+    )
+    return run_dir, start_process(command, run_dir / "stdout.log")
+
+
+# %% [markdown]
+# ## The run
+# The lighthouse drops a group whose heartbeat is 1 s old; a quorum waits for every live group of the last one, or,
+# once 2 groups are in (`--min_replicas 2`), up to 5 s for a late one (`--join_timeout_ms 5000`). Each group runs
+# with `ft.min_replicas=2` and `ft.timeout_s=5`.
+
+# %%
+lighthouse = start_lighthouse(out / "lighthouse.log", min_replicas=2, join_timeout_ms=5000, heartbeat_timeout_ms=1000)
+started = time.time()
+runs = {g: [start_group(g, 0)] for g in range(GROUPS)}
+try:
+    deadline = time.monotonic() + 300
+    while not any(step >= KILL_AT_STEP for _, step, _ in read_step_clock(clock_file(2)).steps):
+        assert all(p.poll() is None for _, p in (r[-1] for r in runs.values())), "a group ended before the kill"
+        assert time.monotonic() < deadline, "group 2 did not reach the step of the kill"
+        time.sleep(0.1)
+    stop_process(runs[2][-1][1])  # SIGKILL
+    killed = time.time()
+    time.sleep(RESTART_AFTER_S)
+    runs[2].append(start_group(2, 1))
+    restarted = time.time()
+    codes = {g: r[-1][1].wait(timeout=900) for g, r in runs.items()}
+finally:
+    for group_runs in runs.values():
+        for _, process in group_runs:
+            stop_process(process)
+    lighthouse.stop()
+finished = time.time()
+record = provenance()
+print(summary_line(record) + f"; load average {record['load_average']}{' (SMOKE)' if SMOKE else ''}")
+print(
+    f"group 2 killed at {killed - started:.1f} s, restarted at {restarted - started:.1f} s; all done at {finished - started:.1f} s"
+)
+
+# %% [markdown]
+# ## What each group did
+# Commits are the syncs each process logged as committed. The restarted group's log names the heal:
+# the step it came back at and the live step it took.
+
+# %%
+heal_line = re.compile(r"healed from a live group: step (\d+) -> (\d+) in ([\d.]+) s")
+lost_line = re.compile(r"replica group\(s\) \[([\d, ]+)\] lost from the quorum")
+rows, commits = [], []
+for g, group_runs in runs.items():
+    for attempt, (run_dir, _) in enumerate(group_runs):
+        log = run_dir / "train.log"
+        text = log.read_text(errors="replace") if log.exists() else ""
+        mine = read_commits(log)
+        commits += mine
+        heal, lost = heal_line.search(text), lost_line.search(text)
+        rows.append(
+            (
+                f"{g}" + (" (restarted)" if attempt else ""),
+                "SIGKILL" if attempt < len(group_runs) - 1 else str(codes[g]),
+                str(len(mine)),
+                f"step {heal[1]} -> {heal[2]} in {heal[3]} s" if heal else "-",
+                f"group(s) [{lost[1]}] lost" if lost else "-",
+            )
+        )
+commits.sort(key=lambda c: c.time)
+print(markdown_table(("group", "exit code", "commits", "heal", "logged"), rows))
+
+# %% [markdown]
+# ## The final parameters
+# Every group ends at the same sync, so their parameters must be equal: the restarted group's too.
+
+# %%
+finals = [
+    torch.load(r[-1][0] / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    for r in runs.values()
+]
+equal = all(torch.equal(finals[0][k], other[k]) for other in finals[1:] for k in finals[0])
+print(f"final parameters of the {GROUPS} groups equal: {equal}")
+assert equal and all(code == 0 for code in codes.values()), (codes, equal)
+
+# %% [markdown]
+# ## Loss and quorum size against time
+# Each group's training loss per batch (its own shard; a faint line, and the mean of 16 batches on top), and the
+# number of groups in each committed sync. The red line is the kill, the green one the restart.
+
+# %%
+by_step = {}
+for commit in commits:
+    by_step.setdefault(commit.step, commit)
+fig, (ax_loss, ax_quorum) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, height_ratios=(3, 1))
+for g in range(GROUPS):
+    steps = read_step_clock(clock_file(g)).steps
+    t = [s[0] - started for s in steps]
+    loss = [s[2] for s in steps]
+    (line,) = ax_loss.plot(t, loss, alpha=0.2)
+    smooth = [sum(loss[max(0, i - 15) : i + 1]) / len(loss[max(0, i - 15) : i + 1]) for i in range(len(loss))]
+    ax_loss.plot(t, smooth, color=line.get_color(), label=f"group {g}")
+times = [c.time - started for c in by_step.values()]
+ax_quorum.step(times, [len(c.groups) for c in by_step.values()], where="post")
+for ax in (ax_loss, ax_quorum):
+    ax.axvline(killed - started, color="red", linestyle="--")
+    ax.axvline(restarted - started, color="green", linestyle="--")
+ax_loss.set(ylabel="training loss (nats/char)", title="three replica groups, group 2 killed and restarted")
+ax_loss.legend()
+ax_quorum.set(xlabel="seconds since start", ylabel="groups in the sync", ylim=(0, GROUPS + 0.5))
+fig.tight_layout()
+plt.show()

@@ -1,0 +1,59 @@
+"""The records a killed run leaves behind: the step clock's lines and the groups' commit lines, read back."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_sync.apps.ft_local import Commit, read_commits
+from lightning_sync.callbacks import StepClock, read_step_clock
+
+pytestmark = pytest.mark.unit
+
+
+def test_step_clock_appends_steps_and_validations_on_rank_0_and_survives_a_cut_line(tmp_path):
+    path = tmp_path / "clock.txt"
+    trainer = SimpleNamespace(global_rank=0, global_step=1, sanity_checking=False, callback_metrics={})
+    clock = StepClock(str(path))
+    clock.on_train_batch_end(trainer, None, torch.tensor(2.5), None, 0)
+    trainer.global_step = 2
+    clock.on_train_batch_end(trainer, None, {"loss": torch.tensor(2.25)}, None, 1)
+    trainer.callback_metrics = {"val/loss": torch.tensor(2.0)}
+    trainer.sanity_checking = True
+    clock.on_validation_end(trainer, None)  # the sanity check: not a validation of the trained model
+    trainer.sanity_checking = False
+    clock.on_validation_end(trainer, None)
+    StepClock(str(path)).on_train_batch_end(SimpleNamespace(global_rank=1, global_step=9), None, None, None, 0)
+    clock.on_train_batch_end(SimpleNamespace(global_rank=0, global_step=3), None, None, None, 2)  # no loss returned
+    clock.teardown(trainer, None, "fit")
+    with open(path, "a") as f:
+        f.write("1700000000.5 step 3")  # cut short by a SIGKILL: no loss, no newline
+    record = read_step_clock(path)
+    assert [(s, loss) for _, s, loss in record.steps[:2]] == [(1, 2.5), (2, 2.25)]
+    assert record.steps[2][1] == 3 and math.isnan(record.steps[2][2]) and len(record.steps) == 3
+    assert [(s, loss) for _, s, loss in record.vals] == [(2, 2.0)]
+    assert all(abs(t - record.steps[0][0]) < 60 for t, _, _ in record.steps + record.vals)
+    assert read_step_clock(tmp_path / "missing.txt").steps == []
+
+
+def test_read_commits_parses_hydra_log_lines_of_every_group_oldest_first(tmp_path):
+    a, b = tmp_path / "g0.log", tmp_path / "g2.log"
+    a.write_text(
+        "[2026-11-26 23:02:37,043][lightning_sync.ft][INFO] - replica group 0: sync committed (step 7, commit 7, "
+        "groups [0, 1, 2])\n"
+        "[2026-11-26 23:02:42,623][lightning_sync.ft][WARNING] - replica group(s) [2] lost from the quorum; training "
+        "on with [0, 1]\n"
+        "[2026-11-26 23:02:43,100][lightning_sync.ft][INFO] - replica group 0: sync committed (step 8, commit 8, "
+        "groups [0, 1])\n"
+    )
+    b.write_text(
+        "[2026-11-26 23:02:37,041][lightning_sync.ft][INFO] - replica group 2: sync committed (step 7, commit 3, "
+        "groups [0, 1, 2])\n"
+    )
+    commits = read_commits(a, b, tmp_path / "never_started.log")
+    assert [(c.group, c.step, c.groups) for c in commits] == [(2, 7, (0, 1, 2)), (0, 7, (0, 1, 2)), (0, 8, (0, 1))]
+    assert commits[1].time - commits[0].time == pytest.approx(0.002, abs=1e-6)
+    assert isinstance(commits[0], Commit)
