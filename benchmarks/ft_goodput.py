@@ -2,7 +2,10 @@
 
 Three replicas train ``char_lm`` with DiLoCo (``strategy=periodic strategy.mode=diloco strategy.sync_every=8``,
 the Hydra app, one process per replica, ``OMP_NUM_THREADS=1``) for ``--seconds`` of wall time each, in three cases
-that alternate (``ft``, ``restart``, ``none``, then again for each ``--repeats``):
+that alternate (``ft``, ``restart``, ``none``, then again for each ``--repeats``). Every batch is padded to
+``--step-s`` seconds (``callbacks=[...,pacer]``): three replicas on a machine of two cores would otherwise share its
+cores, and losing one would speed the others up instead of costing a third of the work, as it does when each
+replica has a host of its own.
 
 - ``ft``: three replica groups of one rank on a local ``torchft_lighthouse`` (``ft=torchft``, ``ft.min_replicas=2``,
   ``ft.timeout_s=5``, heartbeat 1 s, join 5 s). Every ``--kill-every`` seconds one group is SIGKILLed (groups 2, 1,
@@ -60,12 +63,18 @@ GROUPS = 3
 SYNC_EVERY = 8
 BATCH, BLOCK = 16, 64  # conf/data/text.yaml: windows per batch per rank, characters per window
 TIMEOUT_S, HEARTBEAT_S, JOIN_S = 5.0, 1.0, 5.0
-APP = (
-    "experiment=char_lm", "strategy=periodic", "strategy.mode=diloco", f"strategy.sync_every={SYNC_EVERY}",
-    "trainer.max_steps=1000000", "trainer.val_check_interval=40", "trainer.limit_val_batches=4", "test=false",
-    "callbacks=[default,step_clock]",
-)  # fmt: skip
-"""The Hydra app's overrides every case shares: char_lm, DiLoCo every 8 steps, no end of its own, a step clock."""
+
+
+def _app(args: argparse.Namespace) -> list[str]:
+    """The Hydra app's overrides every case shares: char_lm, DiLoCo every 8 steps, no end of its own, a step clock,
+    and with ``--step-s`` a step pacer."""
+    paced = args.step_s > 0
+    return [
+        "experiment=char_lm", "strategy=periodic", "strategy.mode=diloco", f"strategy.sync_every={SYNC_EVERY}",
+        "trainer.max_steps=1000000", "trainer.val_check_interval=40", "trainer.limit_val_batches=4", "test=false",
+        f"callbacks=[default,step_clock{',pacer' if paced else ''}]",
+        *([f"callbacks.pacer.step_s={args.step_s}"] if paced else []),
+    ]  # fmt: skip
 
 
 @dataclass
@@ -94,11 +103,11 @@ def _start(run: Run, name: str, command: list[str], run_dir: Path) -> Proc:
     return proc
 
 
-def _group(run: Run, folder: Path, lighthouse: str, group: int, attempt: int) -> Proc:
+def _group(run: Run, args: argparse.Namespace, folder: Path, lighthouse: str, group: int, attempt: int) -> Proc:
     run_dir = folder / f"group{group}.{attempt}"
     clock = f"callbacks.step_clock.path={folder / f'group{group}.clock'}"  # one file for every attempt of a group
     command = group_command(
-        lighthouse, group, GROUPS, run_dir, *APP, clock, min_replicas=2, timeout_s=TIMEOUT_S,
+        lighthouse, group, GROUPS, run_dir, *_app(args), clock, min_replicas=2, timeout_s=TIMEOUT_S,
         heartbeat_timeout_s=HEARTBEAT_S, join_timeout_s=JOIN_S,
     )  # fmt: skip
     return _start(run, f"group{group}", command, run_dir)
@@ -137,7 +146,7 @@ def _run_case(case: str, args: argparse.Namespace, folder: Path) -> Run:
             for item in [p for p in pending if p[0] <= time.time()]:
                 pending.remove(item)
                 assert lighthouse is not None
-                proc = _group(run, folder, lighthouse.address, item[1], item[2])
+                proc = _group(run, args, folder, lighthouse.address, item[1], item[2])
                 next(k for k in run.kills if k.get("group") == item[1] and "restarted" not in k)["restarted"] = (
                     proc.started - run.start
                 )
@@ -147,7 +156,7 @@ def _run_case(case: str, args: argparse.Namespace, folder: Path) -> Run:
         if case == "restart":
             command = [
                 sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={GROUPS}",
-                "--max-restarts=100", "--monitor-interval=0.5", "-m", "lightning_sync.train", *APP,
+                "--max-restarts=100", "--monitor-interval=0.5", "-m", "lightning_sync.train", *_app(args),
                 f"trainer.devices={GROUPS}", f"hydra.run.dir={folder / 'job'}",
                 f"callbacks.step_clock.path={folder / 'job.clock'}",
                 f"+callbacks.model_checkpoint.every_n_train_steps={args.ckpt_every}",
@@ -156,7 +165,7 @@ def _run_case(case: str, args: argparse.Namespace, folder: Path) -> Run:
         else:
             lighthouse = start_lighthouse(folder / "lighthouse.log", 2, int(JOIN_S * 1000), int(HEARTBEAT_S * 1000))
             for g in range(GROUPS):
-                _group(run, folder, lighthouse.address, g, 0)
+                _group(run, args, folder, lighthouse.address, g, 0)
         for k, at in enumerate(kills):
             victim = (GROUPS - 1 - k) % GROUPS
             wait_until(run.start + at)
@@ -322,6 +331,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="rounds of the three cases, alternating")
     parser.add_argument("--cases", default="ft,restart,none")
     parser.add_argument(
+        "--step-s", type=float, default=0.15,
+        help="every batch of every replica takes at least this long (callbacks.pacer.step_s), so that each trains at "
+        "its own pace as on a host of its own; 0: no pacing, the replicas share the machine's cores",
+    )  # fmt: skip
+    parser.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks/results/ft_goodput",
         help="records.json goes in this folder, the page beside it (<out>.md, <out>.provenance.json)",
     )  # fmt: skip
@@ -360,8 +374,14 @@ def main(argv: list[str] | None = None) -> None:
         f"per run; a kill every {args.kill_every:g} s (groups 2, 1, 0, ... in turn), restarted {args.restart_after:g} s "
         f"later under `ft`; torchrun restarts at once under `restart`, from a `last.ckpt` written every "
         f"{args.ckpt_every} steps. Lighthouse: heartbeat {HEARTBEAT_S:g} s, join {JOIN_S:g} s; `ft.timeout_s="
-        f"{TIMEOUT_S:g}`. On {os.cpu_count()} cores the survivors of a kill get the lost group's CPU time, so `ft` can "
-        "exceed `none` x its live share."
+        f"{TIMEOUT_S:g}`. "
+        + (
+            f"Every batch of every replica is padded to {args.step_s:g} s (`callbacks.pacer.step_s`), so that each "
+            "trains at its own pace as on a host of its own."
+            if args.step_s > 0
+            else f"Unpaced: the replicas share {os.cpu_count()} cores, so the survivors of a kill get the lost "
+            "one's CPU time."
+        )
     )
     record = {**prov, "command": command, "title": TITLE, "note": note}
     page.with_suffix(".provenance.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -1,4 +1,4 @@
-"""The records a killed run leaves behind: the step clock's lines and the groups' commit lines, read back."""
+"""The records a killed run leaves behind (the step clock, the groups' commit lines) and the step pacer."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lightning_sync.apps.ft_local import Commit, read_commits
-from lightning_sync.callbacks import StepClock, read_step_clock
+from lightning_sync.callbacks import StepClock, StepPacer, read_step_clock
+from lightning_sync.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 
@@ -57,3 +58,18 @@ def test_read_commits_parses_hydra_log_lines_of_every_group_oldest_first(tmp_pat
     assert [(c.group, c.step, c.groups) for c in commits] == [(2, 7, (0, 1, 2)), (0, 7, (0, 1, 2)), (0, 8, (0, 1))]
     assert commits[1].time - commits[0].time == pytest.approx(0.002, abs=1e-6)
     assert isinstance(commits[0], Commit)
+
+
+def test_step_pacer_pads_a_short_batch_to_step_s_and_leaves_a_long_one_alone():
+    now = [0.0]
+    pacer = StepPacer(0.2, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    pacer.on_train_batch_start(None, None, None, 0)
+    now[0] += 0.05  # the batch's compute
+    pacer.on_train_batch_end(None, None, None, None, 0)
+    assert now[0] == pytest.approx(0.2)
+    pacer.on_train_batch_start(None, None, None, 1)
+    now[0] += 0.5  # a slow sync: no padding on top
+    pacer.on_train_batch_end(None, None, None, None, 1)
+    assert now[0] == pytest.approx(0.7) and pacer.padded_s == pytest.approx(0.15)
+    with pytest.raises(ConfigError, match=r"step_s=0 is not allowed; it must be > 0"):
+        StepPacer(0)

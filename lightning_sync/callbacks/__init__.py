@@ -8,6 +8,8 @@
   with stragglers;
 * :class:`FlushDenormal` (:mod:`~lightning_sync.callbacks.flush_denormal`): subnormal floats are zero on every
   rank's CPU;
+* :class:`StepPacer` (:mod:`~lightning_sync.callbacks.pacer`): every batch takes at least a set time, so that
+  workers sharing a machine's cores each train at a pace of their own;
 * :class:`StepClock` (:mod:`~lightning_sync.callbacks.step_clock`): the wall time and loss of every step and
   validation, appended to a file as it happens, so that a killed process's record survives it
   (:func:`read_step_clock` reads it back);
@@ -17,6 +19,7 @@
 
 from lightning_sync.callbacks.divergence import DivergenceGuard
 from lightning_sync.callbacks.flush_denormal import FlushDenormal
+from lightning_sync.callbacks.pacer import StepPacer
 from lightning_sync.callbacks.report import SyncReport
 from lightning_sync.callbacks.step_clock import StepClock, read_step_clock
 from lightning_sync.callbacks.straggler import StragglerCallback
@@ -27,6 +30,7 @@ __all__ = [
     "DivergenceGuard",
     "FlushDenormal",
     "StepClock",
+    "StepPacer",
     "StragglerCallback",
     "SyncMetricsLogger",
     "SyncReport",
