@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import math
+import sys
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from lightning_sync.apps.ft_local import Commit, read_commits
+from lightning_sync.apps.ft_local import Commit, descendants, read_commits, start_process, stop_process
 from lightning_sync.callbacks import StepClock, StepPacer, read_step_clock
 from lightning_sync.errors import ConfigError
 
-pytestmark = pytest.mark.unit
 
-
+@pytest.mark.unit
 def test_step_clock_appends_steps_and_validations_on_rank_0_and_survives_a_cut_line(tmp_path):
     path = tmp_path / "clock.txt"
     trainer = SimpleNamespace(global_rank=0, global_step=1, sanity_checking=False, callback_metrics={})
@@ -40,6 +42,7 @@ def test_step_clock_appends_steps_and_validations_on_rank_0_and_survives_a_cut_l
     assert read_step_clock(tmp_path / "missing.txt").steps == []
 
 
+@pytest.mark.unit
 def test_read_commits_parses_hydra_log_lines_of_every_group_oldest_first(tmp_path):
     a, b = tmp_path / "g0.log", tmp_path / "g2.log"
     a.write_text(
@@ -60,6 +63,7 @@ def test_read_commits_parses_hydra_log_lines_of_every_group_oldest_first(tmp_pat
     assert isinstance(commits[0], Commit)
 
 
+@pytest.mark.unit
 def test_step_pacer_pads_a_short_batch_to_step_s_and_leaves_a_long_one_alone():
     now = [0.0]
     pacer = StepPacer(0.2, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
@@ -73,3 +77,26 @@ def test_step_pacer_pads_a_short_batch_to_step_s_and_leaves_a_long_one_alone():
     assert now[0] == pytest.approx(0.7) and pacer.padded_s == pytest.approx(0.15)
     with pytest.raises(ConfigError, match=r"step_s=0 is not allowed; it must be > 0"):
         StepPacer(0)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(60)
+def test_stop_process_also_ends_what_it_started_in_a_session_of_its_own(tmp_path):
+    # as torchrun starts its workers: each in a session of its own, out of reach of its own group's signal
+    script = (
+        "import subprocess, sys, time; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+        "print(child.pid, flush=True); time.sleep(60)"
+    )
+    process = start_process([sys.executable, "-c", script], tmp_path / "out.log")
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "out.log").read_text().strip():
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.05)
+    child = int((tmp_path / "out.log").read_text().split()[0])
+    assert child in descendants(process.pid)
+    stop_process(process)
+    deadline = time.monotonic() + 5  # the orphan is reaped by init a moment after its death
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{child}").exists(), "the child in its own session outlived stop_process"

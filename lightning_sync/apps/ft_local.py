@@ -8,6 +8,7 @@ their logs, with the time, torchft's step and the groups that took part.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
@@ -122,13 +123,32 @@ def start_process(command: list[str], log: str | Path, cwd: str | Path | None = 
         return subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def stop_process(process: subprocess.Popen[bytes], sig: int = signal.SIGKILL, wait_s: float = 30.0) -> None:
-    """Sends ``sig`` to ``process``'s whole session (nothing it started is left behind) and waits for it."""
-    if process.poll() is None:
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first), read from ``/proc``; empty where ``/proc`` has none."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
+            children = [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+        for child in children:
+            found += [child, *descendants(child)]
+    return found
+
+
+def stop_process(process: subprocess.Popen[bytes], sig: int = signal.SIGKILL, wait_s: float = 30.0) -> None:
+    """Sends ``sig`` to ``process``'s process group and to every process below it, and waits for it.
+
+    The processes below are found first and signalled one by one, because a launcher may start its workers in
+    sessions of their own (torchrun does): signalling its group alone would leave them running, orphaned.
+    """
+    if process.poll() is None:
+        below = descendants(process.pid)
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            pass
+        for pid in below:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
     process.wait(wait_s)
 
 
