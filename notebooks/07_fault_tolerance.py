@@ -158,7 +158,8 @@ assert equal and all(code == 0 for code in codes.values()), (codes, equal)
 # %% [markdown]
 # ## Loss and quorum size against time
 # Each group's training loss per batch (its own shard; a faint line, and the mean of 16 batches on top), and the
-# number of groups in each committed sync. The red line is the kill, the green one the restart.
+# number of groups in each committed sync. The red line is the kill, the green one the restart. The restarted group
+# starts from fresh weights and takes a few steps of its own before its first sync, where it heals.
 
 # %%
 by_step = {}
@@ -167,11 +168,15 @@ for commit in commits:
 fig, (ax_loss, ax_quorum) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, height_ratios=(3, 1))
 for g in range(GROUPS):
     steps = read_step_clock(clock_file(g)).steps
-    t = [s[0] - started for s in steps]
-    loss = [s[2] for s in steps]
-    (line,) = ax_loss.plot(t, loss, alpha=0.2)
-    smooth = [sum(loss[max(0, i - 15) : i + 1]) / len(loss[max(0, i - 15) : i + 1]) for i in range(len(loss))]
-    ax_loss.plot(t, smooth, color=line.get_color(), label=f"group {g}")
+    # one line per process: a restarted one starts its own count again (the heal then takes the live step)
+    cuts = [0, *(i for i in range(1, len(steps)) if steps[i][1] < steps[i - 1][1]), len(steps)]
+    color = f"C{g}"
+    for a, b in zip(cuts, cuts[1:]):
+        t = [s[0] - started for s in steps[a:b]]
+        loss = [s[2] for s in steps[a:b]]
+        smooth = [sum(loss[max(0, i - 15) : i + 1]) / len(loss[max(0, i - 15) : i + 1]) for i in range(len(loss))]
+        ax_loss.plot(t, loss, color=color, alpha=0.2)
+        ax_loss.plot(t, smooth, color=color, label=f"group {g}" if a == 0 else None)
 times = [c.time - started for c in by_step.values()]
 ax_quorum.step(times, [len(c.groups) for c in by_step.values()], where="post")
 for ax in (ax_loss, ax_quorum):
