@@ -146,7 +146,8 @@ def _make_callbacks(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, An
 
     Sets ``trainer_kwargs["enable_progress_bar"]`` (null: a bar when stderr is a terminal; without a bar, one plain
     line per epoch) and ``enable_checkpointing`` (null: on when a ``ModelCheckpoint`` is configured; false drops the
-    configured ones). A ``ModelCheckpoint`` whose ``dirpath`` is null writes to ``<run folder>/checkpoints``.
+    configured ones). A ``ModelCheckpoint`` whose ``dirpath`` is null writes to ``<run folder>/checkpoints``, a
+    ``StepClock`` whose ``path`` is null to ``<run folder>/step_clock.txt``.
 
     Args:
         cfg: the composed config (``cfg.callbacks``: name -> callback config).
@@ -157,7 +158,7 @@ def _make_callbacks(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, An
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_sync.apps._console import ProgressReport
-    from lightning_sync.callbacks import DivergenceGuard, SyncReport
+    from lightning_sync.callbacks import DivergenceGuard, StepClock, SyncReport
 
     summary = str(run_dir / "summary.json")
     # SyncReport first: the guard's per-batch exchange comes after the batch has been timed.
@@ -177,6 +178,9 @@ def _make_callbacks(cfg: DictConfig, run_dir: Path, trainer_kwargs: dict[str, An
             if conf.get("dirpath") is None:
                 made.append(hydra.utils.instantiate(conf, dirpath=str(run_dir / "checkpoints")))
                 continue
+        if issubclass(target, StepClock) and conf.get("path") is None:
+            made.append(hydra.utils.instantiate(conf, path=str(run_dir / "step_clock.txt")))
+            continue
         made.append(hydra.utils.instantiate(conf))
     if trainer_kwargs.get("enable_checkpointing") is None:
         trainer_kwargs["enable_checkpointing"] = any(isinstance(cb, ModelCheckpoint) for cb in made)

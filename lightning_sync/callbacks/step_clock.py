@@ -34,17 +34,20 @@ class StepClock(pl.Callback):
     Every line is flushed as it is written.
 
     Args:
-        path: the file to append to (a restarted process appends to the same file).
+        path: the file to append to (a restarted process appends to the same file); ``None``: ``step_clock.txt`` in
+            the Trainer's ``default_root_dir``.
     """
 
-    def __init__(self, path: str) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | None = None) -> None:
+        self.path = None if path is None else Path(path)
         self._file: Any = None
 
     def _write(self, trainer: pl.Trainer, line: str) -> None:
         if trainer.global_rank != 0:
             return
         if self._file is None:
+            if self.path is None:
+                self.path = Path(trainer.default_root_dir) / "step_clock.txt"
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed at teardown)
         self._file.write(f"{time.time():.3f} {line}\n")
