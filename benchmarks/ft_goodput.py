@@ -53,7 +53,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_sync.apps.ft_local import group_command, read_commits, start_lighthouse, start_process, stop_process
+from lightning_sync.apps.ft_local import (
+    descendants,
+    group_command,
+    read_commits,
+    start_lighthouse,
+    start_process,
+    stop_process,
+)
 from lightning_sync.apps.markdown import markdown_table
 from lightning_sync.apps.provenance import provenance
 from lightning_sync.callbacks import read_step_clock
@@ -119,18 +126,15 @@ def _kill_times(args: argparse.Namespace) -> list[float]:
 
 
 def _torchrun_rank(torchrun: subprocess.Popen[bytes], local_rank: int) -> int | None:
-    """The pid of torchrun's worker ``local_rank`` (a child of the torchrun process), if it is running."""
-    try:
-        children = Path(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children").read_text().split()
-    except OSError:
-        return None
-    for pid in children:
+    """The pid of torchrun's worker ``local_rank`` (the first process below torchrun with that ``LOCAL_RANK``), if
+    it is running."""
+    for pid in descendants(torchrun.pid):
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
         if f"LOCAL_RANK={local_rank}".encode() in environ:
-            return int(pid)
+            return pid
     return None
 
 
