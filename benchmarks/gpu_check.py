@@ -931,6 +931,7 @@ class Options:
     quant_numel: int
     quant_repeats: int
     budget_s: float
+    commit: str | None = None  # the tree's commit, as given; else what git says in the checkout
     argv: list[str] = field(default_factory=list)  # as given on the command line, for the report
 
 
@@ -985,7 +986,7 @@ def build_report(opts: Options, results: list[CaseResult], wall_s: float) -> dic
     return {
         "schema": SCHEMA,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": opts.commit or _commit(),
         "command": " ".join(["python benchmarks/gpu_check.py", *opts.argv]),
         "device": environment(opts.device),
         "settings": {
@@ -1144,6 +1145,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quant-entries", type=int, help="entries of the codec benchmark (default: 2**24 / 2**20)")
     parser.add_argument("--quant-repeats", type=int, help="timed repeats per codec op (default: 10 on CUDA, 3 on CPU)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="cases left after it: skipped")
+    parser.add_argument(
+        "--commit", help="the commit of the tree that runs, for the report, where a copied tree's git metadata is stale"
+    )
     # internal: one rank of a two-rank case, or the one-rank NCCL process
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--nccl-worker", action="store_true", help=argparse.SUPPRESS)
@@ -1181,6 +1185,7 @@ def options_from(args: argparse.Namespace, cuda_available: bool, argv: list[str]
         quant_numel=args.quant_entries or (2**24 if cuda else 2**20),
         quant_repeats=args.quant_repeats or (10 if cuda else 3),
         budget_s=args.budget_s,
+        commit=args.commit,
         argv=list(sys.argv[1:] if argv is None else argv),
     )
 
