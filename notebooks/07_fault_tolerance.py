@@ -34,9 +34,13 @@ GROUPS = 3
 SYNC_EVERY = 8
 # Every group ends at MAX_STEPS (for a healed group: the live step count). The survivors must still be training when
 # the restarted group has started up (seconds of imports and Lightning's set-up), so MAX_STEPS leaves room for that.
-MAX_STEPS = 320 if SMOKE else 800
+MAX_STEPS = 400 if SMOKE else 800
 KILL_AT_STEP = 40 if SMOKE else 200  # group 2 is SIGKILLed once its clock shows this step
 RESTART_AFTER_S = 1.0 if SMOKE else 10.0
+# SMOKE: a model a few times smaller, each batch paced to 0.05 s (StepPacer), so the survivors still train while the
+# restarted group starts up, at a fraction of the CPU
+SMOKE_APP = ["model.d_model=32", "model.n_layer=1", "callbacks.pacer.step_s=0.05"]
+CALLBACKS = "default,step_clock,pacer" if SMOKE else "default,step_clock"
 OUT = os.environ.get("NOTEBOOK_OUT", "outputs/notebook_fault_tolerance")
 
 # %%
@@ -63,7 +67,8 @@ APP = [
     f"trainer.max_steps={MAX_STEPS}",
     "trainer.limit_val_batches=0",
     "test=false",
-    "callbacks=[default,step_clock]",
+    f"callbacks=[{CALLBACKS}]",
+    *(SMOKE_APP if SMOKE else []),
 ]
 
 

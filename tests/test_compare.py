@@ -10,7 +10,15 @@ import sys
 
 import pytest
 
-from lightning_sync.apps.compare import LM_CASES, aggregate, format_results, format_table, workloads
+from lightning_sync.apps.compare import (
+    CASES,
+    LM_CASES,
+    LM_OPT_IN_CASES,
+    aggregate,
+    format_results,
+    format_table,
+    workloads,
+)
 from lightning_sync.apps.stats import Spread, spread, verdict, versus_reference
 
 
@@ -206,3 +214,28 @@ def test_provenance_names_the_checkout_even_when_a_stale_egg_info_hides_the_edit
     assert provenance.source_checkout() == str(repo)
     head = (provenance.git_output("rev-parse", "HEAD", cwd=repo) or "").strip()
     assert head and provenance.git_state()["commit"] == head
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_every_case_of_every_workload_builds_its_strategy_model_and_trainer(tmp_path):
+    """Each case the compare job can run (the opt-in ones too) composes with its workload's overrides and builds its
+    strategy, data, model and Trainer, without training: the notebooks' smoke runs train only some of them."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_sync.apps.train import CONFIG_DIR, build
+
+    built = []
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        for work in workloads().values():
+            for case, overrides in {**work.cases, **work.opt_in}.items():
+                cfg = compose(
+                    "config",
+                    overrides=[*overrides, *work.common, *work.per_case.get(case, []), f"+run_dir={tmp_path / 'run'}"],
+                )
+                _, model, trainer = build(cfg)
+                family = overrides[0].split("=", 1)[1]
+                assert trainer.strategy.strategy_name == f"sync_{family}", (work.name, case, trainer.strategy)
+                assert model is not None
+                built.append(f"{work.name}/{case}")
+    assert len(built) == len(CASES) + len(LM_CASES) + len(LM_OPT_IN_CASES), built
