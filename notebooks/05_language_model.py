@@ -63,8 +63,8 @@ print(f"unigram baseline: {data.unigram_entropy:.3f} nats/char ({data.unigram_bi
 # Every mode on 2 CPU ranks (gloo), the same steps and seeds. A seed sets the initial weights and the data order.
 # `allreduce` appears with compression only: uncompressed, it averages the same fp32 gradients as `ddp` and sends
 # the same bytes. 150 steps per run keep the 18 runs within the time a notebook should take on this machine.
-# `ps:async` has one dedicated server process; DiLoCo's outer optimizer is the strategy's default (Nesterov SGD,
-# lr 0.7, momentum 0.9) over the model's AdamW.
+# `ps:async` has one dedicated server process; DiLoCo's outer optimizer is the strategy's default (SGD, lr 0.7, no
+# momentum) over the model's AdamW.
 
 # %%
 MODES = hydra_cases(
