@@ -51,13 +51,18 @@ def flat(model: nn.Module) -> torch.Tensor:
 
 
 def streaming(spec: str) -> object:
-    """``"k,tau,alpha"`` as :class:`StreamingOptions` (``""``: plain DiLoCo)."""
+    """``"k,tau,alpha[,outer_compression]"`` as :class:`StreamingOptions` (``""``: plain DiLoCo)."""
     from lightning_sync.comm.periodic import StreamingOptions
 
     if not spec:
         return StreamingOptions()
-    k, tau, alpha = spec.split(",")
-    return StreamingOptions(fragments=int(k), sync_delay=int(tau), fragment_alpha=float(alpha))
+    k, tau, alpha, *codec = spec.split(",")
+    return StreamingOptions(
+        fragments=int(k),
+        sync_delay=int(tau),
+        fragment_alpha=float(alpha),
+        outer_compression=codec[0] if codec else "none",
+    )
 
 
 def ordinary_rank(rank: int, world: int, steps: int, sync_every: int, out: str, spec: str = "") -> None:

@@ -91,9 +91,15 @@ def test_mode_that_cannot_be_fault_tolerant_is_refused():
     check_fault_tolerant_knobs(PeriodicAverager(sync_every=8, streaming=StreamingOptions(fragments=2, sync_delay=1)))
     with pytest.raises(ConfigError, match=r"warmup_steps=2 is not allowed with fault tolerance; it must be 0"):
         check_fault_tolerant_knobs(PeriodicAverager(sync_every=8, warmup_steps=2))
-    int8 = StreamingOptions(outer_compression="int8")
-    with pytest.raises(ConfigError, match=r"outer_compression='int8' is not allowed with fault tolerance"):
-        check_fault_tolerant_knobs(PeriodicAverager(sync_every=8, outer=True, streaming=int8))
+    check_fault_tolerant_knobs(
+        PeriodicAverager(sync_every=8, outer=True, streaming=StreamingOptions(outer_compression="int4"))
+    )
+    bf16 = StreamingOptions(outer_compression="bf16")
+    with pytest.raises(
+        ConfigError,
+        match=r"outer_compression='bf16' is not allowed with fault tolerance; it must be one of 'none', 'int8', 'int4'",
+    ):
+        check_fault_tolerant_knobs(PeriodicAverager(sync_every=8, outer=True, streaming=bf16))
     with pytest.raises(ConfigError, match=r"sync_every='auto' is not allowed with fault tolerance"):
         check_fault_tolerant_knobs(PeriodicAverager(sync_every="auto"))
     with pytest.raises(ConfigError, match=r"fault_tolerance is not allowed with mode='gradient'"):
@@ -179,10 +185,14 @@ def _wait(procs: list[multiprocessing.process.BaseProcess], limit_s: float) -> N
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("lighthouse", [3], indirect=True)
-@pytest.mark.parametrize("spec", ["", "2,1,0.0", "2,1,0.5"], ids=["diloco", "streaming_k2_tau1", "k2_tau1_alpha"])
+@pytest.mark.parametrize(
+    "spec",
+    ["", "2,1,0.0", "2,1,0.5", "1,0,0.0,int8", "2,1,0.5,int4"],
+    ids=["diloco", "streaming_k2_tau1", "k2_tau1_alpha", "int8", "k2_tau1_alpha_int4"],
+)
 def test_three_groups_compute_what_three_ordinary_ranks_do(lighthouse, spec, tmp_path):
-    """DiLoCo every 8 steps for 40 steps (and streaming DiLoCo: 2 fragments, sync_delay 1, alpha 0 or 0.5): 3 groups
-    of 1 rank through torchft against 3 ordinary gloo ranks."""
+    """DiLoCo every 8 steps for 40 steps (and streaming DiLoCo: 2 fragments, sync_delay 1, alpha 0 or 0.5; with
+    int8/int4 pseudo-gradients): 3 groups of 1 rank through torchft against 3 ordinary gloo ranks."""
     from dist_utils import run_ranks
     from ft_group_worker import flat as flatten
     from ft_group_worker import make_model, ordinary_rank
@@ -193,7 +203,7 @@ def test_three_groups_compute_what_three_ordinary_ranks_do(lighthouse, spec, tmp
     logs = [out.with_suffix(".log").read_text() for out in outs]
     for g, proc in enumerate(procs):
         assert proc.exitcode == 0, f"group {g} failed:\n{logs[g][-3000:]}"
-        syncs = 5 if not spec else 10  # 2 fragments: one syncs every 4 steps
+        syncs = 10 if spec.startswith("2,") else 5  # 2 fragments: one syncs every 4 steps
         assert f"committed={syncs} failed=0" in logs[g], f"group {g}: not {syncs} commits:\n{logs[g][-2000:]}"
     ordinary = str(tmp_path / "ordinary.pt")
     run_ranks(ordinary_rank, 40, 8, ordinary, spec, world_size=3)

@@ -12,8 +12,10 @@ outer step). Streaming DiLoCo works: each fragment's sync is a quorum of its own
 is joined when the fragment's sync is launched (a group behind heals there, while nothing is in flight), the worker
 thread averages inside the group and then across groups while the inner steps go on, and torchft votes when the
 result is applied (with ``fragment_alpha``), as torchft's own ``DiLoCo`` does. ``sync_every="auto"``,
-``warmup_steps > 0``, ``average_optimizer_state`` and ``outer_compression`` are refused
-(:func:`check_fault_tolerant_knobs`).
+``warmup_steps > 0``, ``average_optimizer_state`` and an fp16/bf16 ``outer_compression`` are refused
+(:func:`check_fault_tolerant_knobs`); int8/int4 pseudo-gradients cross the groups as codes
+(:meth:`~lightning_sync.ft.replica.ReplicaGroupLink.average_quantized_`), in the same two phases as among ordinary
+ranks.
 """
 
 from __future__ import annotations
@@ -31,9 +33,13 @@ from lightning_sync.comm.averaging import WAIT_GRACE_S as GRACE_S
 from lightning_sync.comm.averaging import average_buffers
 from lightning_sync.comm.meter import CommMeter
 from lightning_sync.comm.periodic import PeriodicAverager
+from lightning_sync.comm.quantized import Int4Compression, Int8Compression
 from lightning_sync.comm.sync_groups import SyncGroup
 from lightning_sync.errors import ConfigError
 from lightning_sync.ft.replica import ReplicaGroupLink
+
+_ACROSS_GROUPS = ("none", "int8", "int4")
+"""The ``outer_compression`` values the sync across groups carries (int8/int4 ride on torchft's process group)."""
 
 
 def check_fault_tolerant_knobs(averager: PeriodicAverager) -> None:
@@ -41,13 +47,18 @@ def check_fault_tolerant_knobs(averager: PeriodicAverager) -> None:
 
     Raises:
         ConfigError: ``sync_every="auto"``, ``warmup_steps > 0``, ``average_optimizer_state`` or an
-            ``outer_compression``.
+            ``outer_compression`` of fp16 or bf16.
     """
     for name, bad, allowed, why in (
         ("sync_every", averager.adaptive is not None, "an integer", "'auto' lets groups pick different periods"),
         ("warmup_steps", averager.warmup_steps != 0, "0", "warmup all-reduces gradients inside a group only"),
         ("average_optimizer_state", averager.average_optimizer_state, "False", "averaged inside a group only"),
-        ("outer_compression", averager.outer_compression != "none", "'none'", "not carried across groups yet"),
+        (
+            "outer_compression",
+            averager.outer_compression not in _ACROSS_GROUPS,
+            "one of " + ", ".join(map(repr, _ACROSS_GROUPS)),
+            "the fp16/bf16 casts are not carried across groups",
+        ),
     ):
         if bad:
             value = getattr(averager, name)
@@ -72,6 +83,15 @@ class FaultTolerantAverager(PeriodicAverager):
         self.committed_syncs = 0
         self.failed_syncs = 0
         self._cross: dict[int, concurrent.futures.Future] = {}
+        # int8/int4: the pseudo-gradients cross the groups as codes too, as they do inside a group
+        self._codec = {"int8": Int8Compression, "int4": Int4Compression}.get(self.outer_compression, lambda: None)()
+
+    def _average_across(self, deltas: Sequence[torch.Tensor]) -> None:
+        """The mean of ``deltas`` over the quorum's groups, in place (as ``outer_compression``'s codes, if any)."""
+        if self._codec is None:
+            self.link.average_(deltas)
+        else:
+            self.link.average_quantized_(deltas, self._codec)
 
     def setup(
         self,
@@ -98,7 +118,7 @@ class FaultTolerantAverager(PeriodicAverager):
         for group in groups:
             group.in_flight = group.averager.launch_(self._sign, self.steps)
             squared += group.averager.complete_(group.in_flight, self.timeout_s)
-            self.link.average_(group.averager.deltas)
+            self._average_across(group.averager.deltas)
         return self._commit(groups, squared, alpha=0.0)
 
     def _launch(self, group: SyncGroup) -> None:
@@ -115,7 +135,7 @@ class FaultTolerantAverager(PeriodicAverager):
         super()._launch(group)
         deltas = group.averager.deltas
         assert self._worker is not None
-        self._cross[id(group)] = self._worker.submit(lambda: self.link.average_(deltas))
+        self._cross[id(group)] = self._worker.submit(lambda: self._average_across(deltas))
 
     def _apply(self, groups: Sequence[SyncGroup], optimizers: Sequence[torch.optim.Optimizer]) -> float:
         """Streaming: waits for the in-flight averages (inside and across groups), then torchft's vote and the

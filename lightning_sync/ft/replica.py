@@ -21,9 +21,36 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_sync.comm.quantized import BLOCK, BlockQuantizedCompression
 from lightning_sync.ft.config import FaultTolerance, check_lighthouse, lighthouse_url, require_torchft
 
 log = logging.getLogger("lightning_sync.ft")
+
+
+def _average_quantized(
+    pg: Any, codec: BlockQuantizedCompression, tensor: torch.Tensor, participants: int, taking_part: bool
+) -> None:
+    """Replaces ``tensor`` by its mean over ``pg``'s ranks, sent as ``codec``'s codes (see
+    :meth:`ReplicaGroupLink.average_quantized_`); every rank decodes the same mean, bit for bit."""
+    from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
+
+    world, numel = pg.size(), tensor.numel()
+    chunk = -(-numel // (world * BLOCK)) * BLOCK  # entries per rank's chunk, whole blocks
+    padded = torch.zeros(world * chunk, dtype=torch.float32, device=tensor.device)
+    if taking_part:
+        padded[:numel].copy_(tensor.reshape(-1))
+    size = codec.chunk_bytes(chunk)
+    sent = torch.cat([codec.encode(part) for part in padded.view(world, chunk)])
+    received = torch.empty_like(sent)
+    pg.alltoall_base(received, sent, [], [], AllToAllOptions()).wait()
+    reduced = torch.zeros(chunk, dtype=torch.float32, device=tensor.device)
+    for part in received.view(world, size):
+        reduced.add_(codec.decode(part, chunk))
+    reduced.mul_(1.0 / participants)
+    gathered = [torch.empty(size, dtype=torch.uint8, device=tensor.device) for _ in range(world)]
+    pg.allgather([gathered], [codec.encode(reduced)], AllgatherOptions()).wait()
+    mean = torch.cat([codec.decode(part, chunk) for part in gathered])
+    tensor.copy_(mean[:numel].view_as(tensor))
 
 
 class QuorumError(RuntimeError):
@@ -92,8 +119,9 @@ class ReplicaGroupLink:
             source = dist.get_global_rank(intra_group, 0) if intra_group is not None else 0
             dist.broadcast_object_list(address, src=source, group=intra_group)
         store_host, port = str(address[0]), int(address[1])
+        self._pg = ProcessGroupGloo(timeout=timeouts.collective)  # torchft reconfigures it at every quorum
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeouts.collective),
+            pg=self._pg,
             load_state_dict=None,
             state_dict=None,
             min_replica_size=config.min_replicas,
@@ -185,6 +213,24 @@ class ReplicaGroupLink:
         works = [self.manager.allreduce(t) for t in tensors if t.numel()]
         for work in works:
             work.wait()
+
+    def average_quantized_(self, tensors: Sequence[torch.Tensor], codec: BlockQuantizedCompression) -> None:
+        """As :meth:`average_`, with the tensors on the wire as ``codec``'s block-scaled integer codes: the same two
+        phases as :meth:`~lightning_sync.comm.quantized.BlockQuantizedCompression.average` among ordinary ranks
+        (an all-to-all of each group's encoded chunks, summed in fp32 by the chunk's owner, then an all-gather of the
+        requantized means), over torchft's process group. A group that does not take part in this sync sends zeros,
+        and the mean is over the participants, as torchft's ``allreduce`` does. A failed collective is reported to
+        the Manager, so :meth:`commit` says ``False``; the tensors then hold garbage."""
+        if self.manager.errored() is not None:
+            return
+        self.manager.wait_quorum()
+        participants, taking_part = self.manager.num_participants(), self.manager.is_participating()
+        try:
+            for tensor in tensors:
+                if tensor.numel():
+                    _average_quantized(self._pg, codec, tensor, participants, taking_part)
+        except Exception as error:  # noqa: BLE001 - torchft's vote carries it (commit() is False)
+            self.manager.report_error(error)
 
     def commit(self) -> bool:
         """torchft's vote on this sync: ``True`` when every collective since :meth:`start` succeeded on every rank
