@@ -181,6 +181,15 @@ def test_a_compare_run_gets_a_figure_that_check_keeps_current(tmp_path, capsys):
     assert main([str(tmp_path / "results"), "--out", str(out), "--check"]) == 0  # the same bytes again
     figure.write_text(svg.replace("periodic:diloco/8", "periodic:diloco/16"))
     assert main([str(tmp_path / "results"), "--out", str(out), "--check"]) == 1
+    # an about.md beside the results gives the short title, and its method leads the section's note
+    (run / "about.md").write_text("# DiLoCo at outer lr 0.5\n\nTwo ranks, seeds 0-2.\n")
+    assert main([str(tmp_path / "results"), "--out", str(out)]) == 0
+    page = out.read_text()
+    section = page.split("## DiLoCo at outer lr 0.5\n", 1)[1]
+    assert "![DiLoCo at outer lr 0.5](figures/char_lm_300_steps.svg)" in section and f"## {title}" not in page
+    note = section.split('??? note "How it was measured"\n\n', 1)[1].split("\n\n####", 1)[0]
+    assert note.startswith("    Two ranks, seeds 0-2.\n\n    What ran: " + title) and "Command: `c`" in note
+    assert "- [DiLoCo at outer lr 0.5](#diloco-at-outer-lr-05)" in page
 
 
 def test_which_mode_block_names_the_fastest_its_call_and_where_ddp_is_right():
