@@ -13,7 +13,10 @@ replica has a host of its own.
   the live groups.
 - ``restart``: today's fail-fast job, the same three ranks in one ``torchrun --max-restarts`` job that writes
   ``last.ckpt`` every ``--ckpt-every`` steps. The same kill schedule SIGKILLs one rank; torchrun then restarts all
-  three at once, and they resume from ``last.ckpt`` (the steps since it are trained again).
+  three, and they resume from ``last.ckpt`` (the steps since it are trained again). The killed rank's slot is down
+  for ``--restart-after`` seconds, as the killed group's is under ``ft`` (its host comes back then): its restarted
+  process waits that long before it starts, and the other two wait for it at the rendezvous.
+  ``--instant-restart`` drops that wait (torchrun restarts all three at once, as on a host that never went away).
 - ``none``: the ``ft`` case without faults.
 
 Measured from the processes' own records (the Hydra log's commit lines, and the step clock ``callbacks=[default,step_clock]``):
@@ -120,6 +123,20 @@ def _group(run: Run, args: argparse.Namespace, folder: Path, lighthouse: str, gr
     return _start(run, f"group{group}", command, run_dir)
 
 
+GATE = "--gate"
+"""First argument of torchrun's worker command under ``restart``: :func:`_gate` runs it."""
+
+
+def _gate(folder: str, app: list[str]) -> None:
+    """torchrun's worker under ``restart``: while this rank's slot is down (until the time its ``down.<LOCAL_RANK>``
+    file in ``folder`` holds, written at the kill), it waits; then it becomes the Hydra app (same pid and
+    environment)."""
+    down = Path(folder) / f"down.{os.environ.get('LOCAL_RANK', '0')}"
+    if down.exists():
+        time.sleep(max(0.0, float(down.read_text()) - time.time()))
+    os.execv(sys.executable, [sys.executable, "-m", "lightning_sync.train", *app])
+
+
 def _kill_times(args: argparse.Namespace) -> list[float]:
     """Seconds into a run of each kill: every ``--kill-every`` seconds, none at the end."""
     return [k * args.kill_every for k in range(1, math.ceil(args.seconds / args.kill_every))]
@@ -160,7 +177,7 @@ def _run_case(case: str, args: argparse.Namespace, folder: Path) -> Run:
         if case == "restart":
             command = [
                 sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={GROUPS}",
-                "--max-restarts=100", "--monitor-interval=0.5", "-m", "lightning_sync.train", *_app(args),
+                "--max-restarts=100", "--monitor-interval=0.5", __file__, GATE, str(folder), *_app(args),
                 f"trainer.devices={GROUPS}", f"hydra.run.dir={folder / 'job'}",
                 f"callbacks.step_clock.path={folder / 'job.clock'}",
                 f"+callbacks.model_checkpoint.every_n_train_steps={args.ckpt_every}",
@@ -175,6 +192,8 @@ def _run_case(case: str, args: argparse.Namespace, folder: Path) -> Run:
             wait_until(run.start + at)
             now = time.time()
             if case == "restart":
+                if not args.instant_restart:  # the slot comes back when the ft case restarts its group
+                    (folder / f"down.{victim}").write_text(str(now + args.restart_after))
                 pid = _torchrun_rank(run.procs[0].popen, victim)
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
@@ -327,10 +346,22 @@ TITLE = "Goodput under failures: fault-tolerant DiLoCo against fail-fast with to
 
 
 def main(argv: list[str] | None = None) -> None:
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] == [GATE]:
+        _gate(given[1], given[2:])
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=300.0, help="wall time of each run")
     parser.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills")
-    parser.add_argument("--restart-after", type=float, default=20.0, help="seconds from a kill to the restart (ft)")
+    parser.add_argument(
+        "--restart-after", type=float, default=20.0,
+        help="seconds from a kill until the killed replica's host is back: ft restarts the group then; under restart "
+        "the killed rank's restarted process waits until then",
+    )  # fmt: skip
+    parser.add_argument(
+        "--instant-restart", action="store_true",
+        help="restart: torchrun's restarted ranks all start at once (the killed one's host never went away)",
+    )  # fmt: skip
     parser.add_argument("--ckpt-every", type=int, default=40, help="steps between last.ckpt writes (restart)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of the three cases, alternating")
     parser.add_argument("--cases", default="ft,restart,none")
@@ -376,8 +407,14 @@ def main(argv: list[str] | None = None) -> None:
     note = (
         f"char_lm, DiLoCo every {SYNC_EVERY} steps, 3 replicas of one CPU rank each on one host, {args.seconds:g} s "
         f"per run; a kill every {args.kill_every:g} s (groups 2, 1, 0, ... in turn), restarted {args.restart_after:g} s "
-        f"later under `ft`; torchrun restarts at once under `restart`, from a `last.ckpt` written every "
-        f"{args.ckpt_every} steps. Lighthouse: heartbeat {HEARTBEAT_S:g} s, join {JOIN_S:g} s; `ft.timeout_s="
+        f"later under `ft`; under `restart` torchrun restarts all three ranks from a `last.ckpt` written every "
+        f"{args.ckpt_every} steps, "
+        + (
+            "at once. "
+            if args.instant_restart
+            else f"the killed one's process waiting {args.restart_after:g} s for its host, the others for it. "
+        )
+        + f"Lighthouse: heartbeat {HEARTBEAT_S:g} s, join {JOIN_S:g} s; `ft.timeout_s="
         f"{TIMEOUT_S:g}`. "
         + (
             f"Every batch of every replica is padded to {args.step_s:g} s (`callbacks.pacer.step_s`), so that each "
