@@ -32,8 +32,8 @@
 # updates, and (c) how many bytes each server receives per update with one and with two servers. For a careful,
 # alternating and repeated measurement run `python benchmarks/ps_straggler.py`.
 #
-# Set the environment variable `SMOKE=1` to run every case for a few steps only, with one seed; `NOTEBOOK_OUT`
-# names the output folder.
+# Set the environment variable `SMOKE=1` to run the cases for a few steps only (one server in (c)), with one
+# seed; `NOTEBOOK_OUT` names the output folder.
 
 # %%
 import os
@@ -180,7 +180,7 @@ ingress_cases = {
     f"{servers} server(s)": ps_overrides(
         "sync", workers=3, slow_worker=-1, num_servers=servers, max_steps=8 if SMOKE else 60, extra=["test=false"]
     )
-    for servers in (1, 2)
+    for servers in ((1,) if SMOKE else (1, 2))  # SMOKE: two servers are tests/test_ps_strategy.py's
 }
 ingress = by_case(
     {
