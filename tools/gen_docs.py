@@ -348,7 +348,7 @@ def _about(path: Path, title: str) -> tuple[str, list[str]]:
     if about is None or not about.exists():
         return title, []
     head, _, body = about.read_text().strip().partition("\n")
-    return head.lstrip("# ").strip(), [body.strip(), f"What ran: {title}."]
+    return head.lstrip("# ").strip(), [p for p in (body.strip(), f"What ran: {title}.") if p]
 
 
 def results_page(sources: Sequence[str | Path]) -> str:
