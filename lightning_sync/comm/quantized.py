@@ -94,6 +94,29 @@ class BlockQuantizedCompression(Compressor):
             codes = packed.view(torch.int8).to(torch.float32)
         return (codes.view(-1, BLOCK) * scales.view(-1, 1)).reshape(-1)
 
+    # ------------------------------------------------------------------ the two phases, on any collectives
+    def padded_chunks(self, values: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+        """``values`` (flat) in fp32, zero-padded to ``n`` chunks of whole blocks, and the entries per chunk."""
+        chunk = -(-values.numel() // (n * BLOCK)) * BLOCK
+        padded = torch.zeros(n * chunk, dtype=torch.float32, device=values.device)
+        padded[: values.numel()].copy_(values)
+        return padded, chunk
+
+    def encode_chunks(self, padded: torch.Tensor, n: int) -> torch.Tensor:
+        """Each of the ``n`` chunks of ``padded`` encoded, one after the other (what the all-to-all sends)."""
+        return torch.cat([self.encode(part) for part in padded.view(n, -1)])
+
+    def reduce_chunks(self, received: torch.Tensor, n: int, chunk: int, scale: float) -> torch.Tensor:
+        """The ``n`` encoded copies of this rank's chunk (what the all-to-all brought) decoded, summed in fp32 in rank
+        order and multiplied by ``scale``."""
+        # n > 1 here, so the sum is a tensor, never sum()'s start value 0
+        reduced = cast(torch.Tensor, sum(self.decode(part, chunk) for part in received.view(n, -1)))
+        return reduced.mul_(scale)
+
+    def decode_chunks(self, gathered: torch.Tensor, n: int, chunk: int) -> torch.Tensor:
+        """The ``n`` encoded reduced chunks (what the all-gather brought) decoded into one flat mean."""
+        return torch.cat([self.decode(part, chunk) for part in gathered.view(n, -1)])
+
     # ------------------------------------------------------------------ averaging
     def average(self, bucket: FlatBucket, meter: CommMeter, group: ProcessGroup | None = None) -> torch.futures.Future:
         n = meter.world_size(group)
@@ -101,28 +124,22 @@ class BlockQuantizedCompression(Compressor):
         numel = buffer.numel()
         if n == 1 or numel == 0:
             return _completed(buffer)
-        chunk = -(-numel // (n * BLOCK)) * BLOCK  # entries per rank's chunk, whole blocks
-        padded = torch.zeros(n * chunk, dtype=torch.float32, device=buffer.device)
-        padded[:numel].copy_(buffer.reshape(-1))
-        size = self.chunk_bytes(chunk)
+        padded, chunk = self.padded_chunks(buffer.reshape(-1), n)
 
         # 1. reduce-scatter from all_to_all: chunk j of every rank goes to rank j, summed there in fp32
-        sent = torch.cat([self.encode(part) for part in padded.view(n, chunk)])
+        sent = self.encode_chunks(padded, n)
         received = torch.empty_like(sent)
         work = meter.all_to_all_single(received, sent, group=group, async_op=True)
         work.wait()
-        # n > 1 here, so the sum is a tensor, never sum()'s start value 0
-        reduced = cast(torch.Tensor, sum(self.decode(part, chunk) for part in received.view(n, size)))
-        reduced.mul_(bucket.scale(n))
+        reduced = self.reduce_chunks(received, n, chunk, bucket.scale(n))
 
         # 2. all-gather of the requantized reduced chunks
-        gathered = torch.empty(n * size, dtype=torch.uint8, device=buffer.device)
+        gathered = torch.empty(n * self.chunk_bytes(chunk), dtype=torch.uint8, device=buffer.device)
         work = meter.all_gather_into_tensor(gathered, self.encode(reduced), group=group, async_op=True)
 
         def _decode(done: torch.futures.Future) -> torch.Tensor:
             done.value()  # the all-gather's error, if it failed
-            mean = torch.cat([self.decode(part, chunk) for part in gathered.view(n, size)])
-            buffer.copy_(mean[:numel].view_as(buffer))
+            buffer.copy_(self.decode_chunks(gathered, n, chunk)[:numel].view_as(buffer))
             return buffer
 
         return work.get_future().then(_decode)

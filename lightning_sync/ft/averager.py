@@ -33,7 +33,7 @@ from lightning_sync.comm.averaging import WAIT_GRACE_S as GRACE_S
 from lightning_sync.comm.averaging import average_buffers
 from lightning_sync.comm.meter import CommMeter
 from lightning_sync.comm.periodic import PeriodicAverager
-from lightning_sync.comm.quantized import Int4Compression, Int8Compression
+from lightning_sync.comm.quantized import BlockQuantizedCompression
 from lightning_sync.comm.sync_groups import SyncGroup
 from lightning_sync.errors import ConfigError
 from lightning_sync.ft.replica import ReplicaGroupLink
@@ -83,8 +83,9 @@ class FaultTolerantAverager(PeriodicAverager):
         self.committed_syncs = 0
         self.failed_syncs = 0
         self._cross: dict[int, concurrent.futures.Future] = {}
-        # int8/int4: the pseudo-gradients cross the groups as codes too, as they do inside a group
-        self._codec = {"int8": Int8Compression, "int4": Int4Compression}.get(self.outer_compression, lambda: None)()
+        # int8/int4 (the only codecs the check lets through): the pseudo-gradients cross the groups as codes too
+        codec = self.new_compressor() if self.outer_compression != "none" else None
+        self._codec = codec if isinstance(codec, BlockQuantizedCompression) else None
 
     def _average_across(self, deltas: Sequence[torch.Tensor]) -> None:
         """The mean of ``deltas`` over the quorum's groups, in place (as ``outer_compression``'s codes, if any)."""

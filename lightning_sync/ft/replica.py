@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_sync.comm.quantized import BLOCK, BlockQuantizedCompression
+from lightning_sync.comm.quantized import BlockQuantizedCompression
 from lightning_sync.ft.config import FaultTolerance, check_lighthouse, lighthouse_url, require_torchft
 
 log = logging.getLogger("lightning_sync.ft")
@@ -30,27 +30,22 @@ log = logging.getLogger("lightning_sync.ft")
 def _average_quantized(
     pg: Any, codec: BlockQuantizedCompression, tensor: torch.Tensor, participants: int, taking_part: bool
 ) -> None:
-    """Replaces ``tensor`` by its mean over ``pg``'s ranks, sent as ``codec``'s codes (see
+    """Replaces ``tensor`` by its mean over ``pg``'s ranks, sent as ``codec``'s codes: the phases of
+    :meth:`~lightning_sync.comm.quantized.BlockQuantizedCompression.average` on torchft's process group (see
     :meth:`ReplicaGroupLink.average_quantized_`); every rank decodes the same mean, bit for bit."""
     from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 
     world, numel = pg.size(), tensor.numel()
-    chunk = -(-numel // (world * BLOCK)) * BLOCK  # entries per rank's chunk, whole blocks
-    padded = torch.zeros(world * chunk, dtype=torch.float32, device=tensor.device)
-    if taking_part:
-        padded[:numel].copy_(tensor.reshape(-1))
-    size = codec.chunk_bytes(chunk)
-    sent = torch.cat([codec.encode(part) for part in padded.view(world, chunk)])
+    padded, chunk = codec.padded_chunks(tensor.reshape(-1), world)
+    if not taking_part:
+        padded.zero_()
+    sent = codec.encode_chunks(padded, world)
     received = torch.empty_like(sent)
     pg.alltoall_base(received, sent, [], [], AllToAllOptions()).wait()
-    reduced = torch.zeros(chunk, dtype=torch.float32, device=tensor.device)
-    for part in received.view(world, size):
-        reduced.add_(codec.decode(part, chunk))
-    reduced.mul_(1.0 / participants)
-    gathered = [torch.empty(size, dtype=torch.uint8, device=tensor.device) for _ in range(world)]
-    pg.allgather([gathered], [codec.encode(reduced)], AllgatherOptions()).wait()
-    mean = torch.cat([codec.decode(part, chunk) for part in gathered])
-    tensor.copy_(mean[:numel].view_as(tensor))
+    reduced = codec.reduce_chunks(received, world, chunk, 1.0 / participants)
+    gathered = torch.empty(world * codec.chunk_bytes(chunk), dtype=torch.uint8, device=tensor.device)
+    pg.allgather([list(gathered.view(world, -1))], [codec.encode(reduced)], AllgatherOptions()).wait()
+    tensor.copy_(codec.decode_chunks(gathered, world, chunk)[:numel].view_as(tensor))
 
 
 class QuorumError(RuntimeError):
