@@ -357,14 +357,14 @@ def results_page(sources: Sequence[str | Path]) -> str:
     sections = []
     bench_rows: list[dict[str, Any]] = []
     for path in _results_files(sources):
-        figure = ""
+        plot: Path | None = None  # the results file the section's figure is drawn from
         if path.name == "results.json":
             data = json.loads(path.read_text())
             title, tables = render_results(path, data)
             if title.startswith("Benchmark"):
                 bench_rows += data["summary"]
             if _plotted(data) or _timed_rows(data):
-                figure = f"![{title}]({FIGURES}/{figure_name(path)})\n\n"
+                plot = path
             embedded = data.get("provenance") if isinstance(data, dict) else None
             record = embedded or _read_json(path.parent / PROVENANCE_FILE)
         elif path.suffix == ".md" and (path.with_suffix(".provenance.json")).exists():
@@ -373,12 +373,11 @@ def results_page(sources: Sequence[str | Path]) -> str:
             title = record.get("title") or path.stem
             tables = path.read_text().strip().replace("### ", "#### ")
             if path.with_suffix(".json").name == TIME_TO_TARGET and path.with_suffix(".json").exists():
-                figure = f"![{title}]({FIGURES}/{figure_name(path.with_suffix('.json'))})\n\n"
+                plot = path.with_suffix(".json")
         else:
             continue
         title, method = _about(path, title)
-        if figure:
-            figure = f"![{title}]({figure.split('](', 1)[1]}"
+        figure = f"![{title}]({FIGURES}/{figure_name(plot)})\n\n" if plot else ""
         note = "\n\n".join([*method, provenance_line(record, path)])
         note = '??? note "How it was measured"\n\n' + textwrap.indent(note, "    ")
         sections.append(f"## {title}\n\n{figure}{note}\n\n{tables.strip()}\n")
