@@ -139,8 +139,12 @@ def test_hydra_modes_match_the_registered_strategies():
             {"_target_": "lightning_sync.ParameterServerStrategy", "mode": "async", "max_staleness": 3},
             "strategy.max_staleness=3 is not allowed with mode='async'; it is for ssp",
         ),
+        (
+            {"_target_": "lightning_sync.ParameterServerStrategy", "mode": "sync", "max_restarts": 1},
+            "strategy.max_restarts=1 is not allowed with mode='sync' and start_method='popen'",
+        ),
     ],
-    ids=["strategy-knob", "compressor-knob", "averager-knob", "ps-knob"],
+    ids=["strategy-knob", "compressor-knob", "averager-knob", "ps-knob", "ps-restarts"],
 )
 def test_the_apps_knob_check_names_strategy_knob_value_and_what_is_allowed(knobs, message):
     """The Hydra app checks a composed ``strategy`` node before it starts any process: the config's own knobs, how

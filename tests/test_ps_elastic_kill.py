@@ -63,6 +63,38 @@ def test_killing_an_async_worker_leaves_the_job_to_finish_on_the_others(tmp_path
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not HAS_PROC, reason="needs /proc")
+def test_a_killed_async_worker_is_started_again_and_rejoins(tmp_path):
+    """``strategy.max_restarts=1``: worker 2 of 3 is SIGKILLed about a third into an async run; the launcher starts
+    rank 2 again, the new process rejoins the servers (the current parameters and its step count) and trains on its
+    shard to the end. The job exits 0, the servers counted the join, no worker counts as lost, and worker 2's pushes
+    after the rejoin were applied (its clock ends near the others')."""
+    run_dir = tmp_path / "run"
+    overrides = [
+        "strategy=ps",
+        "strategy.mode=async",
+        "strategy.max_restarts=1",
+        f"strategy.timeout_s={TIMEOUT_S}",
+        "trainer.devices=3",
+        "trainer.max_epochs=40",  # the restarted rank starts an interpreter, imports Lightning and rejoins
+        "+logger.csv.flush_logs_every_n_steps=5",
+        "test=false",
+    ]
+    outcome = run_and_hit(overrides, run_dir, "rank2", signal.SIGKILL, wait_s=allowed_s(150, 60.0), after_s=1.2)
+    print(f"async worker 2 SIGKILL, max_restarts=1: exit code {outcome.returncode} after {outcome.seconds:.1f} s")
+    assert outcome.returncode == 0, outcome.stderr[-4000:]
+    assert "rank 2 (local) was lost (killed by SIGKILL); starting it again" in outcome.stderr, outcome.stderr[-4000:]
+    summary = _summary(run_dir)
+    assert summary.get("rejoined_workers") == {"2": 1} and "lost_workers" not in summary, summary
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt.rank0.pt", weights_only=False, map_location="cpu")
+    clocks = state["servers"][0]["clocks"]
+    print(f"pushes applied per worker: {clocks}")
+    assert clocks[2] > 0.6 * min(clocks[0], clocks[1]), clocks  # it trained again after the rejoin
+    assert not outcome.left, f"orphans: {outcome.left}"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not HAS_PROC, reason="needs /proc")
 def test_elastic_sync_finishes_on_the_live_workers(tmp_path):
     """``sync`` with ``strategy.elastic=true``: worker 2 of 3 is SIGKILLed; the server drops it, each later step
     averages the two live workers' pushes, and the job exits 0 naming it."""

@@ -72,6 +72,13 @@ class ParameterServerConfig(StrategyConfig):
         """``sync``: a lost worker (killed, crashed, or silent for ``timeout_s``) is dropped and each step averages the
         live workers' pushes, instead of ending the job. ``async`` and ``ssp`` always drop a lost worker.""",
     )
+    max_restarts: int = knob(
+        0,
+        """``async``/``ssp`` with ``start_method: popen``: how many times the launcher starts a worker rank again after
+        its process exited with an error (killed, crashed). The new process rejoins the servers: it pulls the current
+        parameters and its step count, then trains on the lost rank's data shard. Rank 0, and a rank that runs a
+        colocated server, are not restarted: losing either ends the job. 0: a lost worker stays lost.""",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -82,6 +89,13 @@ class ParameterServerConfig(StrategyConfig):
                 "(async and ssp always drop a lost worker)"
             )
         check_range("max_staleness", self.max_staleness, low=0, integer=True)
+        check_range("max_restarts", self.max_restarts, low=0, integer=True)
+        if self.max_restarts and (self.mode == "sync" or self.start_method != "popen"):
+            raise ConfigError(
+                f"max_restarts={self.max_restarts} is not allowed with mode={self.mode!r} and "
+                f"start_method={self.start_method!r}; a restarted worker rejoins in async or ssp, started by the "
+                "popen launcher"
+            )
         check_range("num_servers", self.num_servers, low=1, integer=True)
         check_choice("placement", self.placement, PS_PLACEMENTS)
         check_range("slow_worker", self.slow_worker, low=-1, integer=True)

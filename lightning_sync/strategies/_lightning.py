@@ -198,3 +198,15 @@ def route_clip_gradients(plugin: Precision, clip: Callable[[Any, Any, Any], None
 def restore_clip_gradients(plugin: Precision) -> None:
     """Undoes :func:`route_clip_gradients`: the plugin's own ``clip_gradients`` again (no-op if not routed)."""
     plugin.__dict__.pop("clip_gradients", None)
+
+
+def set_global_step(trainer: pl.Trainer, steps: int) -> None:
+    """Makes ``trainer.global_step`` (and the step its loggers write at) ``steps``, before the first batch of a fit:
+    a rank that joins a running job continues its count instead of starting at 0."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    for total in (
+        epoch_loop.automatic_optimization.optim_progress.optimizer.step.total,
+        epoch_loop.manual_optimization.optim_step_progress.total,
+    ):
+        total.ready = total.completed = steps
+    epoch_loop._batches_that_stepped = steps

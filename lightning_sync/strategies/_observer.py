@@ -5,7 +5,8 @@ Lightning's child observer ends the whole job (SIGKILL to every child and to the
 exits with an error. That is right for a job whose ranks depend on each other, and it stays the observer of every
 strategy that does not say otherwise. A strategy whose ``tolerates_lost_ranks`` is true (the parameter server in
 ``async`` and ``ssp``: the servers drop a lost worker and the others go on) gets :class:`ChildObserver` instead: a
-child that exits with an error is named on stderr as lost, and the job goes on. The decision is this one place; the
+child that exits with an error is named on stderr as lost, and the job goes on; where the strategy asks for it
+(``max_restarts``), the observer starts the lost rank again, up to that many times per rank. The decision is this one place; the
 app's end of job (``lightning_sync.apps.train``) only reports what it finds.
 """
 
@@ -31,17 +32,30 @@ class ChildObserver(threading.Thread):
     when it does not.
 
     Args:
-        children: the child ranks, local ranks ``1..n-1`` in order.
+        children: the child ranks, local ranks ``1..n-1`` in order (a restarted rank's process replaces its entry).
         tolerated: whether a lost rank leaves the job running (asked when one is lost).
         period_s: seconds between two looks.
+        restart: starts local rank ``r`` again and returns its process (where lost ranks are restarted).
+        max_restarts: how many times each rank is started again (with ``restart``) before it counts as lost.
     """
 
-    def __init__(self, children: list[subprocess.Popen], tolerated: Callable[[], bool], period_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        children: list[subprocess.Popen],
+        tolerated: Callable[[], bool],
+        period_s: float = 0.5,
+        restart: Callable[[int], subprocess.Popen] | None = None,
+        max_restarts: int = 0,
+    ) -> None:
         super().__init__(daemon=True, name="lightning_sync-child-observer")
         self.children = children
         self.tolerated = tolerated
         self.period_s = period_s
+        self.restart = restart
+        self.max_restarts = max_restarts if restart is not None else 0
+        self.restarting = True  # cleared at the end of the job: a rank lost then is not started again
         self.lost: dict[int, int] = {}  # local rank -> exit code of the children lost while the job went on
+        self.restarts: dict[int, int] = {}  # local rank -> how many times it was started again
 
     def run(self) -> None:
         while True:
@@ -63,6 +77,18 @@ class ChildObserver(threading.Thread):
                 )
                 self.end_job()
                 return True
+            done = self.restarts.get(local_rank, 0)
+            if self.restarting and self.restart is not None and done < self.max_restarts:
+                self.restarts[local_rank] = done + 1
+                print(
+                    f"warning: rank {local_rank} (local) was lost ({describe_exit(code)}); starting it again "
+                    f"(restart {done + 1} of {self.max_restarts}): it rejoins the running job",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self.children[local_rank - 1] = self.restart(local_rank)
+                codes[local_rank - 1] = None
+                continue
             self.lost[local_rank] = code
             print(
                 f"warning: rank {local_rank} (local) was lost ({describe_exit(code)}); the job goes on with the "

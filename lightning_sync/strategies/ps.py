@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import uuid
 import warnings
@@ -11,6 +12,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -35,9 +37,13 @@ from lightning_sync.ps import (
 from lightning_sync.ps.elastic import lost_workers_at_end
 from lightning_sync.ps.outer import LocalSteps
 from lightning_sync.strategies._detached import DetachableCollectives
-from lightning_sync.strategies._lightning import restore_clip_gradients, route_clip_gradients
+from lightning_sync.strategies._lightning import restore_clip_gradients, route_clip_gradients, set_global_step
 from lightning_sync.strategies._ps_clip import ServerClips
 from lightning_sync.strategies._ps_metrics import ReplyMetrics
+
+# Set by the launcher in the environment of a worker rank it starts again (``max_restarts``): that process rejoins.
+REJOIN_ENV = "LIGHTNING_SYNC_PS_REJOIN"
+_PREFIX_KEY = "lightning_sync/ps/fit_prefix"  # rank 0 publishes the fit's PS group prefix here, for a rejoining rank
 
 
 class ParameterServerStrategy(DetachableCollectives):
@@ -83,6 +89,7 @@ class ParameterServerStrategy(DetachableCollectives):
         outer_momentum: float = ParameterServerConfig.outer_momentum,
         outer_nesterov: bool = ParameterServerConfig.outer_nesterov,
         elastic: bool = ParameterServerConfig.elastic,
+        max_restarts: int = ParameterServerConfig.max_restarts,
         start_method: str = ParameterServerConfig.start_method,
         timeout_s: float = ParameterServerConfig.timeout_s,
         check_consistency_every: int = ParameterServerConfig.check_consistency_every,
@@ -107,6 +114,8 @@ class ParameterServerStrategy(DetachableCollectives):
         self._clips = ServerClips()  # the clipping each optimizer's next push asks the servers for
         self._local: LocalSteps | None = None  # local_steps > 1: the worker's side of async local SGD
         self.lost_workers: dict[int, str] = {}  # elastic modes: the workers the servers dropped, and why
+        self.rejoined_workers: dict[int, int] = {}  # the workers that rejoined after a loss, and how many times
+        self._rejoining = False  # this process is a worker rank started again by the launcher (max_restarts)
         self._reply_metrics = ReplyMetrics(staleness=self.config.mode != "sync", elastic=self.tolerates_lost_ranks)
 
     @property
@@ -115,6 +124,17 @@ class ParameterServerStrategy(DetachableCollectives):
         it and the others go on); the launcher's child observer and the app's end of job ask this. Rank 0 hosts the
         store and the dedicated servers: losing it always ends the job, as losing a server does."""
         return self.config.mode != "sync" or self.config.elastic
+
+    @property
+    def restarts_lost_ranks(self) -> int:
+        """How many times the ``popen`` launcher starts a lost worker rank again (``max_restarts``), with
+        :attr:`restart_environment` added to its environment."""
+        return self.config.max_restarts if self.tolerates_lost_ranks else 0
+
+    @property
+    def restart_environment(self) -> dict[str, str]:
+        """What a restarted worker finds in its environment: it then rejoins (see :meth:`setup_distributed`)."""
+        return {REJOIN_ENV: "1"}
 
     @property
     def _runs_apart(self) -> bool:
@@ -139,6 +159,18 @@ class ParameterServerStrategy(DetachableCollectives):
         if cfg.slow_worker >= world:
             raise ConfigError(f"strategy.slow_worker={cfg.slow_worker} is not allowed; the ranks are 0..{world - 1}")
         super().configure_launcher()
+
+    @override
+    def setup_distributed(self) -> None:
+        """Joins the process group as the base does; a rejoining worker (started again by the launcher after it was
+        lost) is a world of its own instead: Lightning's default process group needs every rank at once, so the
+        restarted rank's collectives act on itself, while it keeps its rank and the world size for its data shard."""
+        self._rejoining = os.environ.get(REJOIN_ENV) == "1"
+        if self._rejoining and not dist.is_initialized():
+            if not self.tolerates_lost_ranks:
+                raise ConfigError(f"{REJOIN_ENV}=1 is set, but mode={self.config.mode!r} does not take a worker back")
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        super().setup_distributed()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -172,14 +204,24 @@ class ParameterServerStrategy(DetachableCollectives):
         """Agrees on a store prefix for this fit, starts this rank's servers, and joins the PS group."""
         cfg, env, world = self.config, self.cluster_environment, self.world_size
         assert env is not None and self.meter is not None
-        prefix, host, port = f"lightning_sync/ps/{self.broadcast(uuid.uuid4().hex)}", env.main_address, env.main_port
-        self.servers = start_servers(
-            cfg.placement, self.global_rank, host, port, world, cfg.num_servers, timeout_s=cfg.timeout_s, prefix=prefix
-        )
+        host, port = env.main_address, env.main_port
         store = connect_store(host, port, is_host=False, timeout_s=cfg.timeout_s)
+        if self._rejoining:  # the fit's group is running: its prefix is in the store, its servers are up
+            if cfg.placement == "colocated" and self.global_rank < cfg.num_servers:
+                raise ConfigError(f"rank {self.global_rank} ran colocated server {self.global_rank}; it cannot rejoin")
+            prefix = store.get(_PREFIX_KEY).decode()
+        else:
+            prefix = f"lightning_sync/ps/{self.broadcast(uuid.uuid4().hex)}"
+            self.servers = start_servers(
+                cfg.placement, self.global_rank, host, port, world, cfg.num_servers, timeout_s=cfg.timeout_s,
+                prefix=prefix,
+            )  # fmt: skip
+            if self.global_rank == 0:
+                store.set(_PREFIX_KEY, prefix)
         self._group = PSGroup(
-            store, self.global_rank, world, cfg.num_servers, cfg.timeout_s, prefix=prefix, meter=self.meter
-        )
+            store, self.global_rank, world, cfg.num_servers, cfg.timeout_s, prefix=prefix, meter=self.meter,
+            rejoin=self._rejoining,
+        )  # fmt: skip
         self._straggler = Straggler(self.global_rank, cfg.slow_worker if cfg.slow_worker >= 0 else None, cfg.slowdown)
 
     @property
@@ -222,6 +264,8 @@ class ParameterServerStrategy(DetachableCollectives):
         if "client" in self._resume_state:
             self.client.load_state_dict(self._resume_state["client"])
         self.last_reply = self.client.pull()
+        if self._rejoining:  # the step count the servers keep for this worker: its pushes applied, raised to the
+            set_global_step(trainer, max(self.last_reply.clocks) * self._local_steps)  # slowest live worker's
         if self._local_steps > 1:
             adaptive = self.config.local_steps == "auto"
             lrs = lambda: current_lrs(self.optimizers)  # noqa: E731
@@ -342,16 +386,23 @@ class ParameterServerStrategy(DetachableCollectives):
         if self.tolerates_lost_ranks:
             grace = self.config.timeout_s + min(self.config.timeout_s / 4, 5.0) + 5.0
             self.lost_workers = lost_workers_at_end(self.client, grace)
+            for server in self.client.server_stats():
+                for worker, joins in server.get("joins", {}).items():
+                    self.rejoined_workers[int(worker)] = max(self.rejoined_workers.get(int(worker), 0), int(joins))
         self.final_server_states = self.client.server_states() if self.global_rank == 0 else []
         self.client.close()
         if self.lost_workers and self.global_rank == 0:
             names = "; ".join(f"worker {w} (rank {w}): {why}" for w, why in self.lost_workers.items())
             warnings.warn(f"the ps run ended on the live workers; lost: {names}", stacklevel=2)
+        if self.rejoined_workers and self.global_rank == 0:
+            names = "; ".join(f"worker {w} (rank {w}) {n} time(s)" for w, n in self.rejoined_workers.items())
+            warnings.warn(f"the ps run took back lost workers: {names}", stacklevel=2)
 
     @override
     def _can_attach(self) -> bool:
-        """After a lost worker the survivors stay apart: a collective would wait for the lost rank."""
-        return not self.lost_workers
+        """After a lost worker the survivors stay apart: a collective would wait for the lost rank, or, when it
+        rejoined, for its first process, which the default process group still holds."""
+        return not self.lost_workers and not self.rejoined_workers and not self._rejoining
 
     @override
     def sync_state_dict(self) -> dict[str, Any]:
