@@ -4,19 +4,46 @@ Pass a strategy object, ``Trainer(strategy=lightning_sync.AllReduceStrategy(...)
 importing the package imports :mod:`lightning_sync.strategies` (and so Lightning), whose import registers ``sync_ddp``,
 ``sync_allreduce``, ``sync_periodic`` and ``sync_ps`` with Lightning's ``StrategyRegistry``, as Lightning registers
 its own strategies, so ``Trainer(strategy="sync_allreduce")`` works after a plain ``import lightning_sync``.
+
+One process skips that import: a dedicated parameter server (``python -m lightning_sync.ps``), which runs on torch
+alone. The strategy starts it with ``LIGHTNING_SYNC_SERVER_PROCESS=1`` in its environment, and importing Lightning
+would cost each server seconds of CPU at start. There the strategy names are still reachable, imported on first use.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from lightning_sync._server_process import is_server_process
 from lightning_sync.comm.meter import CommMeter, CommStats
 from lightning_sync.errors import CheckpointError, ConfigError
-from lightning_sync.strategies import (
-    STRATEGIES,
-    AllReduceStrategy,
-    DDPSyncStrategy,
-    ParameterServerStrategy,
-    PeriodicSyncStrategy,
+
+_STRATEGY_NAMES = (
+    "STRATEGIES",
+    "AllReduceStrategy",
+    "DDPSyncStrategy",
+    "ParameterServerStrategy",
+    "PeriodicSyncStrategy",
 )
+
+if not is_server_process():
+    from lightning_sync.strategies import (
+        STRATEGIES,
+        AllReduceStrategy,
+        DDPSyncStrategy,
+        ParameterServerStrategy,
+        PeriodicSyncStrategy,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    """The strategy names, imported on first use in a process that skipped them (a parameter server's)."""
+    if name in _STRATEGY_NAMES:
+        import lightning_sync.strategies
+
+        return getattr(lightning_sync.strategies, name)
+    raise AttributeError(f"module 'lightning_sync' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 

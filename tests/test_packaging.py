@@ -3,6 +3,7 @@
 - ``import lightning_sync`` registers all four ``sync_*`` names with Lightning, also in a user's own package run as
   ``python -m pkg.train`` whose ``__init__`` imports it before Lightning is imported.
 - The core (strategies, comm, ps) imports neither scikit-learn, Hydra nor matplotlib: those are the ``apps`` extra.
+- A dedicated parameter server process runs on torch alone: it never imports Lightning.
 - An unknown strategy knob added with ``+strategy.<knob>=`` is a one-line config error.
 """
 
@@ -69,6 +70,46 @@ def test_plain_import_registers_the_names_and_exports_the_strategies(tmp_path):
     result = _run(["-c", code], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split("\n")[:2] == ["['sync_allreduce', 'sync_ddp', 'sync_periodic', 'sync_ps']", "True"]
+
+
+def test_a_server_process_imports_the_server_and_not_lightning(tmp_path, monkeypatch):
+    """The strategy starts each dedicated server with ``LIGHTNING_SYNC_SERVER_PROCESS=1``; with it, the server's
+    module loads without Lightning (seconds of CPU per server), and the strategy names still resolve on first use."""
+    import lightning_sync.ps.placement as placement
+    from lightning_sync._server_process import SERVER_PROCESS_ENV
+
+    started: list[dict[str, str]] = []
+
+    class _Popen:
+        def __init__(self, command: list[str], env: dict[str, str], **kwargs: object) -> None:
+            started.append(env)
+
+        def poll(self) -> int:
+            return 0
+
+    with monkeypatch.context() as patch:  # (subprocess.Popen itself: undone before the real run below)
+        patch.setattr(placement.subprocess, "Popen", _Popen)
+        placement.start_server_processes("127.0.0.1", 1, num_workers=2, num_servers=2, timeout_s=5)
+    assert [env.get(SERVER_PROCESS_ENV) for env in started] == ["1", "1"], started
+    code = textwrap.dedent(
+        """
+        import sys
+        import lightning_sync.ps.__main__
+        print("lightning" in sys.modules, "lightning.pytorch" in sys.modules)
+        import lightning_sync
+        print(lightning_sync.ParameterServerStrategy.__name__)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={**ENV, SERVER_PROCESS_ENV: "1"},
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[:2] == ["False False", "ParameterServerStrategy"], result.stdout
 
 
 def test_core_works_without_the_apps_extra(tmp_path):

@@ -33,6 +33,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+from lightning_sync._server_process import SERVER_PROCESS_ENV
 from lightning_sync.ps.errors import PSError, PSTimeoutError
 from lightning_sync.ps.group import DEFAULT_PREFIX
 from lightning_sync.ps.server import run_server
@@ -193,7 +194,8 @@ def start_server_processes(
         connect_timeout_s: bound of the rendezvous and of the wait for the initial parameters; ``None``:
             ``max(timeout_s, 60)`` (a fresh interpreter takes seconds to import torch).
         prefix: store prefix of the group (as given to the workers' ``PSGroup``).
-        env: environment of the servers (default: this process's, with ``OMP_NUM_THREADS=1`` unless set).
+        env: environment of the servers (default: this process's, with ``OMP_NUM_THREADS=1`` unless set); each
+            server also gets ``LIGHTNING_SYNC_SERVER_PROCESS=1``.
         python: interpreter to run (default: this one).
 
     Raises:
@@ -202,6 +204,7 @@ def start_server_processes(
     _check_counts(num_workers, num_servers)
     environ = dict(os.environ if env is None else env)
     environ.setdefault("OMP_NUM_THREADS", "1")
+    environ[SERVER_PROCESS_ENV] = "1"  # the server runs on torch alone: no Lightning import (see lightning_sync)
     processes = []
     for server in range(num_servers):
         command = [
