@@ -380,6 +380,9 @@ class ParameterServerStrategy(DetachableCollectives):
         """After the run: each pulls the final parameters, worker 0 keeps the servers' state, all say goodbye."""
         if self.client is None or self.final_server_states is not None:
             return
+        stop_restarts = getattr(self.launcher, "stop_restarts", None)
+        if stop_restarts is not None:  # (rank 0's launcher) a rank lost from now on has no run left to rejoin
+            stop_restarts()
         if not self.client.stopped:
             self.client.request_stop()
         self.last_reply = self.client.pull()
