@@ -19,6 +19,10 @@ import torch.multiprocessing as mp
 def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, errors: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    # Every rank's connections are up before any rank runs fn: a rank whose fn makes no collective could otherwise
+    # finish and close its end while a peer is still connecting ("Gloo connectFullMesh failed ... Connection closed
+    # by peer", seen once in CI on a test without collectives).
+    dist.barrier()
     try:
         fn(rank, world_size, *args)
     except BaseException:
