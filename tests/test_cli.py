@@ -2,7 +2,9 @@
 
 These start real processes (the default ``popen`` launcher re-runs the job for rank 1), so each run costs a few
 imports of torch and Lightning, which are single-threaded. All runs of this module are therefore started together
-when the module starts (see :func:`cli_runs`), so that both cores work; each test then waits for its own runs.
+when the module starts (see :func:`cli_runs`), so that both cores work; each test then waits for its own runs. The
+runs that start no rank (bad input, ``--help``) run the app's ``main`` in a fork of this process instead
+(``tests/app_utils.py``), which skips those imports.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from app_utils import ForkedApp
 
 pytestmark = pytest.mark.e2e
 
@@ -44,11 +47,19 @@ class _Run:
     """One ``python -m lightning_sync.train`` started in ``root/cwd``; stdout and stderr go to files (no pipe fills)."""
 
     root: Path
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedApp
 
     @classmethod
-    def start(cls, root: Path, *args: str) -> _Run:
+    def start(cls, root: Path, *args: str, forked: bool = False) -> _Run:
+        """``forked``: the app's ``main`` in a fork of this process (for runs that start no rank; no interpreter
+        start-up, see ``tests/app_utils.py``)."""
         (root / "cwd").mkdir(parents=True)
+        if forked:
+            from lightning_sync.apps.train import main
+
+            return cls(
+                root, ForkedApp(main, [str(REPO / "lightning_sync" / "train.py"), *args], root / "cwd", _env(), root)
+            )
         with open(root / "stdout.txt", "w") as out, open(root / "stderr.txt", "w") as err:
             # its own session: the rank it launches is in the same process group, killed together on timeout
             proc = subprocess.Popen(
@@ -66,7 +77,7 @@ class _Run:
         """Exit code, stdout and stderr; kills the run (rank children included, one process group) on timeout."""
         try:
             code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, TimeoutError):
             self.kill()
             raise
         return code, (self.root / "stdout.txt").read_text(), (self.root / "stderr.txt").read_text()
@@ -116,7 +127,11 @@ def cli_runs(tmp_path_factory) -> dict[str, _Run]:
     }
     for i, (override, _) in enumerate(BAD_INPUTS):
         runs[f"bad{i}"] = _Run.start(
-            root / f"bad{i}", *override.split(" "), "experiment=smoke", f"hydra.run.dir={root / f'bad{i}' / 'run'}"
+            root / f"bad{i}",
+            *override.split(" "),
+            "experiment=smoke",
+            f"hydra.run.dir={root / f'bad{i}' / 'run'}",
+            forked=True,
         )
     yield runs
     for run in runs.values():
@@ -304,11 +319,11 @@ def test_help_lists_the_groups_and_documents_every_knob_of_the_chosen_strategy(t
     from lightning_sync.apps.conf_store import MODES
     from lightning_sync.config import knob_docs
 
-    proc = subprocess.run(
-        _train_cmd(f"strategy={mode}", "--help"), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=100
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out, flat = proc.stdout, " ".join(proc.stdout.split())
+    cwd = tmp_path / "cwd"
+    run = _Run.start(tmp_path, f"strategy={mode}", "--help", forked=True)
+    code, out, err = run.wait(timeout=100)
+    assert code == 0, err[-3000:]
+    flat = " ".join(out.split())
     assert "schema" not in out, out  # the group behind conf/strategy/*.yaml is not a user's choice
     assert re.search(r"^ +strategy +allreduce, ddp, periodic, ps$", out, re.M), out
     assert f"== Knobs of strategy={mode} " in out
@@ -316,7 +331,7 @@ def test_help_lists_the_groups_and_documents_every_knob_of_the_chosen_strategy(t
         assert doc, f"strategy.{name} of {mode} has no docstring"
         assert f"strategy.{name}=" in out and " ".join(doc.replace("``", "`").split()) in flat, name
     assert "\nstrategy:\n" in out and "\ntrainer:\n" in out  # the composed config follows
-    assert not any(tmp_path.iterdir())  # help writes no run folder
+    assert not any(cwd.iterdir())  # help writes no run folder
 
 
 @pytest.fixture(scope="module")

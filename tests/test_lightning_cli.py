@@ -2,19 +2,22 @@
 knob through the Hydra app: ``--trainer.strategy.sync_every=8`` and ``strategy.sync_every=8`` both reach the
 strategy.
 
-Each test runs its app in a subprocess (a fit initializes a process group, which must not outlive the test), on one
-CPU device for a few steps.
+Each test runs its app in a process forked from the test process (a fit initializes a process group, which must not
+outlive the test; a fork skips a fresh interpreter's imports, see ``tests/app_utils.py``), on one CPU device for a few
+steps.
 """
 
 from __future__ import annotations
 
 import csv
 import os
+import runpy
 import subprocess
-import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from app_utils import ForkedApp
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -53,7 +56,25 @@ def _env() -> dict[str, str]:
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=200)
+    """``python <args>`` (a script, or ``-m lightning_sync.train``) run in a fork; its exit code and output."""
+    if args[0] == "-m":
+        from lightning_sync.apps.train import main
+
+        argv = [args[1], *args[2:]]
+    else:
+        argv = list(args)
+
+        def main() -> None:
+            runpy.run_path(args[0], run_name="__main__")
+
+    out = Path(tempfile.mkdtemp(dir=cwd, prefix="out"))
+    app = ForkedApp(main, argv, cwd, _env(), out)
+    try:
+        code = app.wait(timeout=200)
+    finally:
+        app.kill()
+    stdout, stderr = ((out / name).read_text() for name in ("stdout.txt", "stderr.txt"))
+    return subprocess.CompletedProcess(args, code, stdout, stderr)
 
 
 def test_lightning_cli_sets_a_knob_as_a_strategy_argument(tmp_path):
@@ -61,7 +82,6 @@ def test_lightning_cli_sets_a_knob_as_a_strategy_argument(tmp_path):
     script.write_text(CLI_SCRIPT)
     proc = _run(
         [
-            sys.executable,
             str(script),
             "fit",
             "--trainer.strategy=lightning_sync.PeriodicSyncStrategy",
@@ -81,9 +101,7 @@ def test_lightning_cli_help_documents_each_knob_and_rejects_a_bad_value(tmp_path
 
     script = tmp_path / "cli.py"
     script.write_text(CLI_SCRIPT)
-    helped = _run(
-        [sys.executable, str(script), "fit", "--trainer.strategy.help", "lightning_sync.PeriodicSyncStrategy"], tmp_path
-    )
+    helped = _run([str(script), "fit", "--trainer.strategy.help", "lightning_sync.PeriodicSyncStrategy"], tmp_path)
     assert helped.returncode == 0, helped.stderr[-4000:]
     packed = "".join(helped.stdout.split())  # argparse wraps lines, at hyphens too
     for name, doc in knob_docs(PeriodicConfig).items():
@@ -91,7 +109,6 @@ def test_lightning_cli_help_documents_each_knob_and_rejects_a_bad_value(tmp_path
         assert "".join(doc.split()[:6]) in packed, (name, doc)  # its help, from the generated Args: section
     bad = _run(
         [
-            sys.executable,
             str(script),
             "fit",
             "--trainer.strategy=lightning_sync.PeriodicSyncStrategy",
@@ -108,7 +125,6 @@ def test_hydra_app_sets_the_same_knob(tmp_path):
     run_dir = tmp_path / "run"
     proc = _run(
         [
-            sys.executable,
             "-m",
             "lightning_sync.train",
             "strategy=periodic",

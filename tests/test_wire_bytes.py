@@ -87,7 +87,8 @@ def test_wire_bytes_agree_with_the_meter_for_dense_compressed_and_ps(tmp_path):
             "--out",
             str(out),
             "workloads=char_lm",
-            "cases=lightning_ddp,allreduce,topk,ps_async",  # char_lm: lightning_ddp sets the target loss
+            "cases=allreduce,topk,ps_async",
+            "window=1",  # step times, no target loss: no lightning_ddp run needed
             "budget_steps=16",
             "repeats=1",
             "network.rate=1gbit",
@@ -97,7 +98,7 @@ def test_wire_bytes_agree_with_the_meter_for_dense_compressed_and_ps(tmp_path):
         ]
     )
     records = {r["case"]: r for r in json.loads((out / "results.json").read_text())["records"]}
-    assert set(records) == {"lightning_ddp", "allreduce", "topk", "ps_async"}
+    assert set(records) == {"allreduce", "topk", "ps_async"}
     for case, record in records.items():
         assert record["ok"], record
         ratio = record["wire_over_meter"]
