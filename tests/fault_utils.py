@@ -79,24 +79,30 @@ class FaultOutcome:
     left: dict[str, int]  # processes of the job still there after it ended (each is SIGKILLed before returning)
 
 
-def _start_training(overrides: list[str], run_dir: Path, attempts: int = 3, after_s: float = 1.0) -> subprocess.Popen:
-    """Starts the job and returns once it has trained for a second.
+def _start_training(
+    overrides: list[str], run_dir: Path, attempts: int = 3, after_s: float = 1.0, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """Starts the job (``env``: added to its environment) and returns once it has trained for ``after_s`` seconds.
 
     The rendezvous has ``timeout_s`` too, and rank 1 starts (imports torch and Lightning) only after rank 0 is up: on
     a loaded machine a short ``timeout_s`` can expire there, before anything a fault test is about. Such a job is
     started again (at most 3 times in all); any other early exit fails the test.
     """
     command = [sys.executable, "-m", "lightning_sync.train", *overrides, f"hydra.run.dir={run_dir}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     job = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        command,
+        env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and not (run_dir / "metrics.csv").is_file():
         if job.poll() is not None:
             stderr = job.communicate()[1]
             assert attempts > 1 and "clients joined" in stderr, stderr[-3000:]
-            return _start_training(overrides, run_dir, attempts - 1, after_s)
+            return _start_training(overrides, run_dir, attempts - 1, after_s, env)
         time.sleep(0.2)
     if not (run_dir / "metrics.csv").is_file():
         os.killpg(job.pid, signal.SIGKILL)

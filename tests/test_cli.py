@@ -101,6 +101,11 @@ BAD_INPUTS = [
     ("strategy=allreduce strategy.compression=zip", "strategy.compression='zip'"),
     ("strategy=periodic strategy.sync_every=0", "strategy.sync_every=0"),
     ("strategy=periodic strategy.mode=local_sgd strategy.module_sync_every=[['nope.*',8]]", "'nope.*'"),
+    # a worker added to a running ps job needs that job's address
+    (
+        "strategy=ps strategy.mode=async strategy.spare_workers=1 strategy.join=true",
+        "needs MASTER_ADDR and MASTER_PORT",
+    ),
 ]
 
 

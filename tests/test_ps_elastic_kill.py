@@ -13,10 +13,13 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from fault_utils import HAS_PROC, allowed_s, run_and_hit  # noqa: E402
+from fault_utils import HAS_PROC, _start_training, allowed_s, job_processes, run_and_hit  # noqa: E402
 from test_ps_elastic import _summary  # noqa: E402
 
 # Nothing here waits out timeout_s (a killed worker's connection closes at once), but the rendezvous waits up to
@@ -117,3 +120,62 @@ def test_elastic_sync_finishes_on_the_live_workers(tmp_path):
     server = state["servers"][0]
     assert server["version"] == server["clocks"][0] == server["clocks"][1] > server["clocks"][2], server["clocks"]
     assert not outcome.left, f"orphans: {outcome.left}"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not HAS_PROC, reason="needs /proc")
+def test_a_worker_added_with_join_trains_in_the_spare_slot(tmp_path):
+    """A 2-worker async job started with ``strategy.spare_workers=1`` and a known ``MASTER_PORT``; once it trains,
+    the same command with ``strategy.join=true`` adds a third worker: it takes the spare slot, pulls the current
+    parameters, and pushes until the servers stop. Both exit 0; the job's summary names the added worker and no lost
+    one, and its pushes were applied (the servers' clocks in rank 0's checkpoint)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    overrides = [
+        "strategy=ps",
+        "strategy.mode=async",
+        "strategy.spare_workers=1",
+        f"strategy.timeout_s={TIMEOUT_S}",
+        "trainer.devices=2",
+        "trainer.max_epochs=20",
+        "callbacks=[default,pacer]",  # 0.05 s a batch: the job trains for about 20 s, which the added worker's
+        "callbacks.pacer.step_s=0.05",  # start (an interpreter importing Lightning) takes a part of, at little CPU
+        "+logger.csv.flush_logs_every_n_steps=5",
+        "test=false",
+    ]
+    run_dir, joined_dir = tmp_path / "run", tmp_path / "joined"
+    job = _start_training(overrides, run_dir, after_s=0.0, env=address)
+    try:
+        joiner = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "lightning_sync.train",
+                *overrides,
+                "strategy.join=true",
+                f"hydra.run.dir={joined_dir}",
+            ],
+            env=dict(os.environ, OMP_NUM_THREADS="1", **address),
+            capture_output=True,
+            text=True,
+            timeout=allowed_s(150, 60.0),
+        )
+        _, stderr = job.communicate(timeout=allowed_s(150, 60.0))
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert joiner.returncode == 0, joiner.stderr[-4000:]
+    assert job.returncode == 0, stderr[-4000:]
+    assert "worker 2 (ps rank 2) joined (a spare slot" in stderr, stderr[-4000:]
+    summary = _summary(run_dir)
+    assert summary.get("added_workers") == [2] and "lost_workers" not in summary, summary
+    assert _summary(joined_dir)["optimizer_steps"] > 0, _summary(joined_dir)
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt.rank0.pt", weights_only=False, map_location="cpu")
+    applied = [sum(counts.values()) for counts in state["servers"][0]["staleness_counts"]]  # its clock was raised
+    print(f"pushes applied per worker: {applied}")  # at the join: its own pushes are the ones counted here
+    assert applied[2] > 0.1 * min(applied[0], applied[1]), applied
+    assert not job_processes(run_dir, job.pid), "a process of the job was left behind"

@@ -86,6 +86,9 @@ class SyncReport(pl.Callback):
             self.summary["lost_workers"] = {str(worker): why for worker, why in lost.items()}
         if rejoined:  # the lost ranks started again (max_restarts), and how many times each
             self.summary["rejoined_workers"] = {str(worker): joins for worker, joins in rejoined.items()}
+        added = getattr(trainer.strategy, "added_workers", None)
+        if added:  # the workers added to the run in a spare slot (join), by their worker rank
+            self.summary["added_workers"] = list(added)
         if lost or rejoined:
             self.summary["world_size"] = trainer.num_nodes * trainer.num_devices
         meter = getattr(trainer.strategy, "meter", None)

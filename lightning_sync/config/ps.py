@@ -79,6 +79,19 @@ class ParameterServerConfig(StrategyConfig):
         parameters and its step count, then trains on the lost rank's data shard. Rank 0, and a rank that runs a
         colocated server, are not restarted: losing either ends the job. 0: a lost worker stays lost.""",
     )
+    spare_workers: int = knob(
+        0,
+        """``async``/``ssp``: worker slots the servers keep free, beyond the ``trainer.devices x trainer.num_nodes``
+        workers the job starts with, for workers added to the running job (``join``). Each added worker trains on
+        the whole training set, in an order of its own; its pushes count towards the job's end like the others'.""",
+    )
+    join: bool = knob(
+        False,
+        """Run this process as a worker added to a running ``ps`` job (``async``/``ssp``, started with
+        ``spare_workers``): it finds that job's rank 0 at ``MASTER_ADDR``:``MASTER_PORT`` (set them to the job's),
+        takes a spare slot, pulls the current parameters and step count, and trains until the job's servers stop. Give
+        the job's own command with ``strategy.join=true``: this process launches no other rank.""",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -95,6 +108,17 @@ class ParameterServerConfig(StrategyConfig):
                 f"max_restarts={self.max_restarts} is not allowed with mode={self.mode!r} and "
                 f"start_method={self.start_method!r}; a restarted worker rejoins in async or ssp, started by the "
                 "popen launcher"
+            )
+        check_range("spare_workers", self.spare_workers, low=0, integer=True)
+        if (self.spare_workers or self.join) and self.mode == "sync":
+            name, value = ("spare_workers", self.spare_workers) if self.spare_workers else ("join", self.join)
+            raise ConfigError(
+                f"{name}={value!r} is not allowed with mode='sync'; a worker is added to a running job in async or ssp"
+            )
+        if self.join is not False and (self.join is not True or not self.spare_workers):
+            raise ConfigError(
+                f"join={self.join!r} is not allowed with spare_workers={self.spare_workers}; a worker joins a job "
+                "started with spare_workers >= 1: give that job's command, spare_workers included"
             )
         check_range("num_servers", self.num_servers, low=1, integer=True)
         check_choice("placement", self.placement, PS_PLACEMENTS)

@@ -23,7 +23,7 @@ from lightning_sync.ps.client import PSClient, PSReply, ServerStepOptimizer
 from lightning_sync.ps.codec import GradientCodec
 from lightning_sync.ps.elastic import lost_workers_at_end
 from lightning_sync.ps.errors import PSError, PSPeerLostError, PSServerError, PSTimeoutError
-from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, connect_store, describe, server_ps_rank
+from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, claim_spare_slot, connect_store, describe, server_ps_rank
 from lightning_sync.ps.optim_spec import (
     OptimizerSpec,
     build_shard_optimizer,
@@ -67,6 +67,7 @@ __all__ = [
     "ServerStepOptimizer",
     "Straggler",
     "build_shard_optimizer",
+    "claim_spare_slot",
     "connect_store",
     "current_lrs",
     "describe",

@@ -23,7 +23,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", required=True, help="host of the run's TCPStore (worker 0)")
     parser.add_argument("--port", type=int, required=True, help="port of the run's TCPStore")
     parser.add_argument("--server", type=int, required=True, help="index of this server, 0 .. num_servers-1")
-    parser.add_argument("--num-workers", type=int, required=True)
+    parser.add_argument("--num-workers", type=int, required=True, help="worker ranks, the spare slots included")
+    parser.add_argument(
+        "--spare-workers", type=int, default=0, help="of them, the last ones free for workers added to the run"
+    )
     parser.add_argument("--num-servers", type=int, required=True)
     parser.add_argument("--timeout-s", type=float, required=True, help="bound of every wait after the rendezvous")
     parser.add_argument("--connect-timeout-s", type=float, default=None, help="bound of the rendezvous")
@@ -49,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout_s=args.timeout_s,
             connect_timeout_s=args.connect_timeout_s,
             prefix=args.prefix,
+            spare_workers=args.spare_workers,
         )
     except (PSError, ValueError) as exc:
         print(f"lightning_sync.ps server {args.server}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -45,9 +46,9 @@ class WorkerChannels:
         self._inflight: dict[int, list[tuple[Kind, Any]]] = {}  # worker -> sends of its last reply
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (worker, request, data, error) of each receiver
 
-    def start(self) -> None:
-        """Starts one receiving thread per worker (each first connects its link to that worker)."""
-        for worker in range(self.group.num_workers):
+    def start(self, workers: Iterable[int]) -> None:
+        """Starts one receiving thread per worker of ``workers`` (each first connects its link to that worker)."""
+        for worker in workers:
             self.listen(worker, 0)
 
     def listen(self, worker: int, generation: int) -> None:

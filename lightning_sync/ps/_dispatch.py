@@ -47,17 +47,28 @@ class RequestDispatch:
 
     Args:
         group: this server's member of the PS group (``group.is_server``).
+        spare_workers: how many of the group's worker ranks, the last ones, are spare slots: no worker holds them at
+            the start, and a worker added to the running job takes one (elastic modes; see
+            :func:`~lightning_sync.ps.group.claim_spare_slot`).
 
     Raises:
-        ValueError: ``group`` is a worker's member.
+        ValueError: ``group`` is a worker's member, or ``spare_workers`` leaves no worker to start with.
     """
 
-    def __init__(self, group: PSGroup) -> None:
+    def __init__(self, group: PSGroup, spare_workers: int = 0) -> None:
         if not group.is_server:
             raise ValueError(f"{group.name()} is a worker; a ParameterServer needs a server's member of the group")
+        if isinstance(spare_workers, bool) or not isinstance(spare_workers, int):
+            raise ValueError(f"spare_workers={spare_workers!r} must be an integer")
+        if not 0 <= spare_workers < group.num_workers:
+            raise ValueError(
+                f"spare_workers={spare_workers!r} must be in [0, {group.num_workers - 1}]: the group's "
+                f"{group.num_workers} worker ranks include the spare slots, and at least one worker starts the run"
+            )
         self.group = group
         self.server = group.ps_rank - group.num_workers
-        self.num_workers = group.num_workers
+        self.num_workers = group.num_workers  # worker slots, the spare ones included
+        self.initial_workers = group.num_workers - spare_workers  # the workers the run starts with
         self.shard: ServerShard | None = None
         self.config: PSConfig | None = None
         self.codec: GradientCodec | None = None
@@ -80,6 +91,9 @@ class RequestDispatch:
         self._withdrawn: dict[int, float] = {}  # worker -> its share of max_updates withdrawn while it is lost
         self.joins: dict[int, int] = {}  # worker -> how many times it rejoined
         self.generation = [0] * self.num_workers  # per worker, the generation of its links (0, +1 per rejoin)
+        self.vacant = set(range(self.initial_workers, self.num_workers))  # spare slots no worker has taken yet
+        for worker in self.vacant:
+            self.live[worker] = False
         self._joins_checked = 0.0
         self.channels = WorkerChannels(group, self.server)
 
@@ -108,6 +122,7 @@ class RequestDispatch:
             "lost_reasons": {w: why for w, why in sorted(self.lost.items())},
             "seen_stop": sorted(self.seen_stop),
             "joins": dict(sorted(self.joins.items())),
+            "vacant": sorted(self.vacant),
             "max_updates": self.max_updates,
             "rejected_pushes": self.rejected_pushes,
             "skipped_updates": self.skipped_updates,
@@ -216,7 +231,7 @@ class RequestDispatch:
             spec = OptimizerSpec.from_dict(init["optimizer"])
             outer = None
             if config.local_steps > 1:
-                delay = 1 if config.mode == "sync" else self.num_workers
+                delay = 1 if config.mode == "sync" else self.initial_workers
                 outer = {"lr": config.outer_lr, "momentum": config.outer_momentum}
                 outer.update(nesterov=config.outer_nesterov, delay=delay)
             shard = ServerShard(init["params"], init["indices"], spec, self.num_workers, outer)
@@ -226,9 +241,14 @@ class RequestDispatch:
                 shard.load_state_dict(init["state"])
         except (ValueError, KeyError, TypeError, RuntimeError, AttributeError, ImportError) as exc:
             raise _Refused(f"cannot initialize from worker {worker}'s INIT: {type(exc).__name__}: {exc}") from exc
+        if self.vacant and not config.drops_lost_workers:
+            raise _Refused(
+                f"{len(self.vacant)} spare worker slot(s) in mode={config.mode!r}, which does not take a worker in "
+                "during the run; use async or ssp (or sync with elastic)"
+            )
         self.config, self.codec, self.shard = config, GradientCodec.from_config(config), shard
         self.max_updates = config.max_updates
-        scale = 1.0 / self.num_workers if config.push_scale is None else float(config.push_scale)  # auto: 1/W
+        scale = 1.0 / self.initial_workers if config.push_scale is None else float(config.push_scale)  # auto: 1/W
         self.push_scales = [scale] * (1 if config.local_steps > 1 else spec.num_optimizers)  # > 1: the outer SGD
         self.num_groups = spec.num_groups
         self.checksum = int(init["checksum"])

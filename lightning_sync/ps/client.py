@@ -81,6 +81,9 @@ class ServerStepOptimizer:
         return result
 
 
+_SET_BY_THE_INIT = ("max_updates", "withdraw_lost_share")  # PSConfig fields the servers take from the INIT only
+
+
 class PSClient:
     """A worker's client of the parameter servers.
 
@@ -119,7 +122,10 @@ class PSClient:
         self.indices = [shard_indices(self.owner, i) for i in range(self.num_servers)]
         self.layouts = [ShardLayout.of([params[j] for j in idx]) for idx in self.indices]
         self.codec = GradientCodec.from_config(config)
-        settings = repr(sorted(config.as_dict().items())) + f"|{spec.optimizer_classes}|{spec.num_groups}|{spec.owner}"
+        # What every worker must agree on; the run's end is worker 0's alone (its INIT sets it on the servers), so a
+        # worker added to the run, with another share of the data and so another count of updates, still matches.
+        agreed = sorted((k, v) for k, v in config.as_dict().items() if k not in _SET_BY_THE_INIT)
+        settings = repr(agreed) + f"|{spec.optimizer_classes}|{spec.num_groups}|{spec.owner}"
         self.checksums = [
             checksum(f"{settings}|{idx}|{layout.signature()}") for idx, layout in zip(self.indices, self.layouts)
         ]

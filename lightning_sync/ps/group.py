@@ -74,6 +74,28 @@ def describe(ps_rank: int, num_workers: int) -> str:
     return f"server {ps_rank - num_workers} (ps rank {ps_rank})"
 
 
+def claim_spare_slot(store: dist.Store, num_workers: int, spare_workers: int, prefix: str = DEFAULT_PREFIX) -> int:
+    """The worker rank of a spare slot that no other process has claimed, for a worker added to a running group.
+
+    The servers of a group started with ``spare_workers`` slots (the last worker ranks, ``num_workers`` counting
+    them) serve nobody there until a worker takes one: it claims a slot here (one store ``add``: no two processes
+    get the same), then builds its member with ``PSGroup(store, rank, num_workers, ..., rejoin=True)``.
+
+    Raises:
+        PSError: every spare slot is taken.
+        ValueError: ``spare_workers`` out of ``[1, num_workers - 1]``.
+    """
+    if isinstance(spare_workers, bool) or not isinstance(spare_workers, int) or not 0 < spare_workers < num_workers:
+        raise ValueError(f"spare_workers={spare_workers!r} must be an integer in [1, {num_workers - 1}]")
+    claimed = int(store.add(prefix + "/spare_claims", 1))
+    if claimed > spare_workers:
+        raise PSError(
+            f"no spare worker slot left: the {spare_workers} of group {prefix!r} are taken (start the run with more "
+            "spare slots to add more workers)"
+        )
+    return num_workers - spare_workers + claimed - 1
+
+
 class _Seconds:
     """A c10d work whose ``wait`` takes seconds, as the meter's works do."""
 

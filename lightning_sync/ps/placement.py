@@ -175,6 +175,7 @@ def start_server_processes(
     prefix: str = DEFAULT_PREFIX,
     env: Mapping[str, str] | None = None,
     python: str | None = None,
+    spare_workers: int = 0,
 ) -> ServerProcesses:
     """Starts ``num_servers`` dedicated server processes that join the PS group through the store at
     ``host:port`` (hosted by worker 0, e.g. :func:`~lightning_sync.ps.group.connect_store`).
@@ -197,6 +198,8 @@ def start_server_processes(
         env: environment of the servers (default: this process's, with ``OMP_NUM_THREADS=1`` unless set); each
             server also gets ``LIGHTNING_SYNC_SERVER_PROCESS=1``.
         python: interpreter to run (default: this one).
+        spare_workers: how many of the ``num_workers`` worker ranks, the last ones, are spare slots for workers
+            added to the running job (see :class:`~lightning_sync.ps.server.ParameterServer`).
 
     Raises:
         ValueError: bad counts.
@@ -211,7 +214,7 @@ def start_server_processes(
             python or sys.executable, "-m", "lightning_sync.ps",
             "--host", host, "--port", str(port), "--server", str(server),
             "--num-workers", str(num_workers), "--num-servers", str(num_servers),
-            "--timeout-s", repr(float(timeout_s)), "--prefix", prefix,
+            "--timeout-s", repr(float(timeout_s)), "--prefix", prefix, "--spare-workers", str(spare_workers),
         ]  # fmt: skip
         if connect_timeout_s is not None:
             command += ["--connect-timeout-s", repr(float(connect_timeout_s))]
@@ -291,11 +294,13 @@ def start_colocated_server(
     timeout_s: float,
     connect_timeout_s: float | None = None,
     prefix: str = DEFAULT_PREFIX,
+    spare_workers: int = 0,
 ) -> ColocatedServer:
     """Starts server ``server`` (PS rank ``num_workers + server``) in a daemon thread of this process.
 
     Meant for worker ``server``'s process (``num_servers <= num_workers``); any process works. The thread joins the
-    group through the store at ``host:port`` while this process's worker member joins in parallel.
+    group through the store at ``host:port`` while this process's worker member joins in parallel. ``spare_workers``:
+    as for :func:`start_server_processes`.
 
     Raises:
         ValueError: ``server`` is not in ``[0, num_servers)`` or bad counts.
@@ -314,6 +319,7 @@ def start_colocated_server(
             timeout_s=timeout_s,
             connect_timeout_s=connect_timeout_s,
             prefix=prefix,
+            spare_workers=spare_workers,
         )
 
     handle = ColocatedServer(server, _target)
@@ -334,11 +340,13 @@ def start_servers(
     *,
     timeout_s: float,
     prefix: str = DEFAULT_PREFIX,
+    spare_workers: int = 0,
 ) -> Any | None:
     """Starts the servers that worker ``worker`` is responsible for under ``placement`` (call on every worker).
 
     ``dedicated``: worker 0 starts all ``num_servers`` processes. ``colocated``: worker ``r < num_servers`` runs
-    server ``r`` in a thread. Every other worker starts nothing.
+    server ``r`` in a thread. Every other worker starts nothing. ``num_workers`` counts the ``spare_workers`` slots
+    too (see :func:`start_server_processes`).
 
     Returns:
         A handle with ``raise_if_failed()`` and ``finish(timeout_s)``, or ``None`` when this worker starts none.
@@ -349,7 +357,12 @@ def start_servers(
     if placement not in PLACEMENTS:
         raise ValueError(f"placement={placement!r} is not allowed; choose one of {', '.join(PLACEMENTS)}")
     if placement == "dedicated" and worker == 0:
-        return start_server_processes(host, port, num_workers, num_servers, timeout_s=timeout_s, prefix=prefix)
+        return start_server_processes(
+            host, port, num_workers, num_servers, timeout_s=timeout_s, prefix=prefix, spare_workers=spare_workers
+        )
     if placement == "colocated" and worker < num_servers:
-        return start_colocated_server(host, port, worker, num_workers, num_servers, timeout_s=timeout_s, prefix=prefix)
+        return start_colocated_server(
+            host, port, worker, num_workers, num_servers, timeout_s=timeout_s, prefix=prefix,
+            spare_workers=spare_workers,
+        )  # fmt: skip
     return None

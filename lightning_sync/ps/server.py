@@ -92,7 +92,7 @@ class ParameterServer(RequestDispatch):
             PSPeerLostError: a worker's connection closed while the server was talking to it.
         """
         try:
-            self.channels.start()
+            self.channels.start(w for w in range(self.num_workers) if w not in self.vacant)
             while any(self.live):
                 got = self._next_request()
                 if got is None:  # a worker was dropped meanwhile (elastic modes)
@@ -106,7 +106,7 @@ class ParameterServer(RequestDispatch):
                     self.channels.send([(worker, self._error_reply(request.kind, str(refusal)))])
                 self._check_silent_workers()
             self.channels.settle_all()
-            if len(self.lost) == self.num_workers:
+            if len(self.lost) == self.num_workers - len(self.vacant):
                 reasons = "; ".join(f"{self.group.name(w)}: {why}" for w, why in sorted(self.lost.items()))
                 raise PSPeerLostError(f"every worker was lost ({reasons})")
         except BaseException as exc:
@@ -130,7 +130,7 @@ class ParameterServer(RequestDispatch):
         self.channels.forget(worker)
         config, shard = self.config, self.shard
         if config is not None and shard is not None and config.withdraw_lost_share and config.max_updates:
-            self._withdrawn[worker] = max(config.max_updates / self.num_workers - shard.clocks[worker], 0.0)
+            self._withdrawn[worker] = max(config.max_updates / self.initial_workers - shard.clocks[worker], 0.0)
             self._update_max_updates()
         live = sum(self.live)
         print(
@@ -144,9 +144,11 @@ class ParameterServer(RequestDispatch):
         self._after_change()
 
     def rejoin(self, worker: int) -> None:
-        """Takes dropped ``worker`` back (its rank restarted, on new links): live again, its clock raised to the
-        slowest live worker's (so ssp does not hold the others back for it), and its share of ``max_updates`` given
-        back. Said on stderr."""
+        """Takes dropped ``worker`` back (its rank restarted, on new links), or in a spare slot a worker added to the
+        run: live, its clock raised to the slowest live worker's (so ssp does not hold the others back for it), and
+        a dropped worker's share of ``max_updates`` given back. Said on stderr."""
+        added = worker in self.vacant
+        self.vacant.discard(worker)
         self.live[worker] = True
         self.lost.pop(worker, None)
         self.seen_stop.discard(worker)
@@ -158,9 +160,10 @@ class ParameterServer(RequestDispatch):
                 self.shard.clocks[worker] = max(self.shard.clocks[worker], min(others))
         if self._withdrawn.pop(worker, None) is not None:
             self._update_max_updates()
+        how = "joined (a spare slot: a worker added to the run)" if added else f"rejoined (join {self.joins[worker]})"
         print(
-            f"warning: lightning_sync.ps {self.group.name()}: {self.group.name(worker)} rejoined (join "
-            f"{self.joins[worker]}); it serves {sum(self.live)} live worker(s)",
+            f"warning: lightning_sync.ps {self.group.name()}: {self.group.name(worker)} {how}; it serves "
+            f"{sum(self.live)} live worker(s)",
             file=sys.stderr,
             flush=True,
         )
@@ -179,7 +182,7 @@ class ParameterServer(RequestDispatch):
             patience = self.liveness.patience(initialized, held)
             try:
                 worker, generation, request, payload, error = self.channels.next(
-                    min(patience, JOIN_POLL_S) if self.lost else patience
+                    min(patience, JOIN_POLL_S) if self.lost or self.vacant else patience
                 )
             except queue.Empty:
                 if self._check_silent_workers():
@@ -191,10 +194,10 @@ class ParameterServer(RequestDispatch):
             self._watch_joins()
             if generation != self.generation[worker]:
                 continue  # a request or error of an earlier generation of a rejoined worker's links
-            if not self.live[worker] and worker in self.lost:
+            if not self.live[worker] and (worker in self.lost or worker in self.vacant):
                 if error is not None or request is None or generation == 0:
-                    continue  # a dropped worker's late request or error: it is no longer served
-                self.rejoin(worker)  # the first request on the new links of a worker that rejoined
+                    continue  # a dropped worker's late request or error (or a failed join): it is not served
+                self.rejoin(worker)  # the first request on the new links of a worker that (re)joined
             if error is not None:
                 if self.elastic and self.live[worker]:
                     self.drop(worker, f"{type(error).__name__}: {error}")
@@ -215,13 +218,14 @@ class ParameterServer(RequestDispatch):
         return "waiting for requests"
 
     def _watch_joins(self) -> None:
-        """Listens on the new links of each dropped worker that rejoined since (asked at most every
-        :data:`JOIN_POLL_S`)."""
+        """Listens on the new links of each dropped worker that rejoined since, and of each spare slot a worker took
+        (asked at most every :data:`JOIN_POLL_S`)."""
         now = time.monotonic()
-        if not self.lost or now - self._joins_checked < JOIN_POLL_S:
+        waiting = sorted(set(self.lost) | self.vacant)
+        if not waiting or now - self._joins_checked < JOIN_POLL_S:
             return
         self._joins_checked = now
-        for worker in sorted(self.lost):
+        for worker in waiting:
             generation = self.group.join_generation(worker)
             if generation > self.generation[worker]:
                 self.generation[worker] = generation
@@ -251,10 +255,12 @@ def run_server(
     timeout_s: float,
     connect_timeout_s: float | None = None,
     prefix: str = DEFAULT_PREFIX,
+    spare_workers: int = 0,
 ) -> dict[str, Any]:
     """Joins the PS group as server ``server`` through the store at ``host:port`` and serves until the end.
 
-    This is the loop both placements run (a dedicated process, a worker's thread).
+    This is the loop both placements run (a dedicated process, a worker's thread). ``num_workers`` counts every
+    worker rank, the ``spare_workers`` slots included (see :class:`ParameterServer`).
 
     Returns:
         The server's final stats (:meth:`ParameterServer.stats`).
@@ -277,6 +283,6 @@ def run_server(
         prefix=prefix,
     )
     try:
-        return ParameterServer(group).run()
+        return ParameterServer(group, spare_workers).run()
     finally:
         group.close()

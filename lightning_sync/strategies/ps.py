@@ -6,7 +6,6 @@ import dataclasses
 import os
 import time
 import uuid
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -29,21 +28,21 @@ from lightning_sync.ps import (
     PSGroup,
     ServerStepOptimizer,
     Straggler,
+    claim_spare_slot,
     connect_store,
     current_lrs,
     optimizer_spec,
     start_servers,
 )
-from lightning_sync.ps.elastic import lost_workers_at_end
 from lightning_sync.ps.outer import LocalSteps
 from lightning_sync.strategies._detached import DetachableCollectives
 from lightning_sync.strategies._lightning import restore_clip_gradients, route_clip_gradients, set_global_step
 from lightning_sync.strategies._ps_clip import ServerClips
+from lightning_sync.strategies._ps_membership import Membership, publish_fit, running_fit
 from lightning_sync.strategies._ps_metrics import ReplyMetrics
 
 # Set by the launcher in the environment of a worker rank it starts again (``max_restarts``): that process rejoins.
 REJOIN_ENV = "LIGHTNING_SYNC_PS_REJOIN"
-_PREFIX_KEY = "lightning_sync/ps/fit_prefix"  # rank 0 publishes the fit's PS group prefix here, for a rejoining rank
 
 
 class ParameterServerStrategy(DetachableCollectives):
@@ -90,6 +89,8 @@ class ParameterServerStrategy(DetachableCollectives):
         outer_nesterov: bool = ParameterServerConfig.outer_nesterov,
         elastic: bool = ParameterServerConfig.elastic,
         max_restarts: int = ParameterServerConfig.max_restarts,
+        spare_workers: int = ParameterServerConfig.spare_workers,
+        join: bool = ParameterServerConfig.join,
         start_method: str = ParameterServerConfig.start_method,
         timeout_s: float = ParameterServerConfig.timeout_s,
         check_consistency_every: int = ParameterServerConfig.check_consistency_every,
@@ -115,7 +116,10 @@ class ParameterServerStrategy(DetachableCollectives):
         self._local: LocalSteps | None = None  # local_steps > 1: the worker's side of async local SGD
         self.lost_workers: dict[int, str] = {}  # elastic modes: the workers the servers dropped, and why
         self.rejoined_workers: dict[int, int] = {}  # the workers that rejoined after a loss, and how many times
+        self.added_workers: list[int] = []  # the workers added to the run in a spare slot (their ranks)
         self._rejoining = False  # this process is a worker rank started again by the launcher (max_restarts)
+        self._ps_rank = -1  # this worker's rank in the PS group: its global rank, or (join) the spare slot it took
+        self._first_workers = 0  # the workers the fit started with (the PS group's worker ranks before the spare slots)
         self._reply_metrics = ReplyMetrics(staleness=self.config.mode != "sync", elastic=self.tolerates_lost_ranks)
 
     @property
@@ -147,10 +151,24 @@ class ParameterServerStrategy(DetachableCollectives):
         build_parts(self.config)
 
     # ------------------------------------------------------------------ launch and setup
+    @property
+    def _late(self) -> bool:
+        """Whether this process takes part in a running fit: a restarted worker rank, or a worker added (``join``)."""
+        return self._rejoining or self.config.join
+
     @override
     def configure_launcher(self) -> None:
-        """Checks the placement and ``slow_worker`` against the number of ranks (before any rank starts)."""
+        """Checks the placement and ``slow_worker`` against the number of ranks (before any rank starts). A worker
+        added to a running job (``join``) launches nothing: it is one process, which needs the job's address."""
         world, cfg = self.num_processes * self.num_nodes, self.config
+        if cfg.join:
+            missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+            if missing:
+                raise ConfigError(
+                    f"strategy.join=true needs {' and '.join(missing)} in the environment: the address and port of "
+                    "the running job's rank 0 (start that job with MASTER_PORT set, and give this process the same)"
+                )
+            return
         if cfg.placement == "colocated" and cfg.num_servers > world:
             raise ConfigError(
                 f"strategy.num_servers={cfg.num_servers} is not allowed with placement='colocated' and {world} "
@@ -166,10 +184,11 @@ class ParameterServerStrategy(DetachableCollectives):
         lost) is a world of its own instead: Lightning's default process group needs every rank at once, so the
         restarted rank's collectives act on itself, while it keeps its rank and the world size for its data shard."""
         self._rejoining = os.environ.get(REJOIN_ENV) == "1"
-        if self._rejoining and not dist.is_initialized():
+        if self._late and not dist.is_initialized():
             if not self.tolerates_lost_ranks:
                 raise ConfigError(f"{REJOIN_ENV}=1 is set, but mode={self.config.mode!r} does not take a worker back")
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        self._alone = self.config.join  # an added worker has no shard of its own: it samples the whole training set
         super().setup_distributed()
 
     @override
@@ -201,28 +220,33 @@ class ParameterServerStrategy(DetachableCollectives):
             )
 
     def _join_servers(self) -> None:
-        """Agrees on a store prefix for this fit, starts this rank's servers, and joins the PS group."""
-        cfg, env, world = self.config, self.cluster_environment, self.world_size
+        """Agrees on a store prefix for this fit, starts this rank's servers, and joins the PS group (worker ranks:
+        the job's ranks, then ``spare_workers`` slots; a worker added with ``join`` takes a free one)."""
+        cfg, env = self.config, self.cluster_environment
         assert env is not None and self.meter is not None
         host, port = env.main_address, env.main_port
         store = connect_store(host, port, is_host=False, timeout_s=cfg.timeout_s)
-        if self._rejoining:  # the fit's group is running: its prefix is in the store, its servers are up
-            if cfg.placement == "colocated" and self.global_rank < cfg.num_servers:
+        workers, spares, servers = self.world_size + cfg.spare_workers, cfg.spare_workers, cfg.num_servers
+        self._ps_rank = self.global_rank
+        if self._late:  # the fit's group is running: its prefix and layout are in the store, its servers are up
+            if self._rejoining and cfg.placement == "colocated" and self.global_rank < cfg.num_servers:
                 raise ConfigError(f"rank {self.global_rank} ran colocated server {self.global_rank}; it cannot rejoin")
-            prefix = store.get(_PREFIX_KEY).decode()
+            prefix, workers, spares, servers = running_fit(store)
+            if cfg.join:
+                self._ps_rank = claim_spare_slot(store, workers, spares, prefix)
         else:
             prefix = f"lightning_sync/ps/{self.broadcast(uuid.uuid4().hex)}"
             self.servers = start_servers(
-                cfg.placement, self.global_rank, host, port, world, cfg.num_servers, timeout_s=cfg.timeout_s,
-                prefix=prefix,
+                cfg.placement, self.global_rank, host, port, workers, servers, timeout_s=cfg.timeout_s,
+                prefix=prefix, spare_workers=spares,
             )  # fmt: skip
             if self.global_rank == 0:
-                store.set(_PREFIX_KEY, prefix)
+                publish_fit(store, prefix, workers, spares, servers)
+        self._first_workers = workers - spares
         self._group = PSGroup(
-            store, self.global_rank, world, cfg.num_servers, cfg.timeout_s, prefix=prefix, meter=self.meter,
-            rejoin=self._rejoining,
-        )  # fmt: skip
-        self._straggler = Straggler(self.global_rank, cfg.slow_worker if cfg.slow_worker >= 0 else None, cfg.slowdown)
+            store, self._ps_rank, workers, servers, cfg.timeout_s, prefix=prefix, meter=self.meter, rejoin=self._late
+        )
+        self._straggler = Straggler(self._ps_rank, cfg.slow_worker if cfg.slow_worker >= 0 else None, cfg.slowdown)
 
     @property
     def _local_steps(self) -> int:
@@ -259,12 +283,12 @@ class ParameterServerStrategy(DetachableCollectives):
         settings = ps_settings(self.config, max_updates)
         settings = dataclasses.replace(settings, elastic=self.config.elastic, withdraw_lost_share=withdraw)
         self.client = PSClient(self._group, params, spec, settings)
-        if self.global_rank == 0:
+        if self._ps_rank == 0:
             self.client.init_servers(self._resume_state.get("servers"))
         if "client" in self._resume_state:
             self.client.load_state_dict(self._resume_state["client"])
         self.last_reply = self.client.pull()
-        if self._rejoining:  # the step count the servers keep for this worker: its pushes applied, raised to the
+        if self._late:  # the step count the servers keep for this worker: its pushes applied, raised to the
             set_global_step(trainer, max(self.last_reply.clocks) * self._local_steps)  # slowest live worker's
         if self._local_steps > 1:
             adaptive = self.config.local_steps == "auto"
@@ -386,26 +410,27 @@ class ParameterServerStrategy(DetachableCollectives):
         if not self.client.stopped:
             self.client.request_stop()
         self.last_reply = self.client.pull()
+        membership = Membership()
         if self.tolerates_lost_ranks:
             grace = self.config.timeout_s + min(self.config.timeout_s / 4, 5.0) + 5.0
-            self.lost_workers = lost_workers_at_end(self.client, grace)
-            for server in self.client.server_stats():
-                for worker, joins in server.get("joins", {}).items():
-                    self.rejoined_workers[int(worker)] = max(self.rejoined_workers.get(int(worker), 0), int(joins))
-        self.final_server_states = self.client.server_states() if self.global_rank == 0 else []
+            membership = Membership.at_end(self.client, self._first_workers, grace)
+        self.lost_workers, self.rejoined_workers, self.added_workers = (
+            membership.lost,
+            membership.rejoined,
+            membership.added,
+        )
+        first = self._ps_rank == 0
+        self.final_server_states = self.client.server_states() if first else []
         self.client.close()
-        if self.lost_workers and self.global_rank == 0:
-            names = "; ".join(f"worker {w} (rank {w}): {why}" for w, why in self.lost_workers.items())
-            warnings.warn(f"the ps run ended on the live workers; lost: {names}", stacklevel=2)
-        if self.rejoined_workers and self.global_rank == 0:
-            names = "; ".join(f"worker {w} (rank {w}) {n} time(s)" for w, n in self.rejoined_workers.items())
-            warnings.warn(f"the ps run took back lost workers: {names}", stacklevel=2)
+        if first:
+            membership.warn()
 
     @override
     def _can_attach(self) -> bool:
         """After a lost worker the survivors stay apart: a collective would wait for the lost rank, or, when it
-        rejoined, for its first process, which the default process group still holds."""
-        return not self.lost_workers and not self.rejoined_workers and not self._rejoining
+        rejoined, for its first process, which the default process group still holds. A worker added in a spare slot
+        is in no one's default process group: it stays apart, and the others attach as usual."""
+        return not (self.lost_workers or self.rejoined_workers or self._late)
 
     @override
     def sync_state_dict(self) -> dict[str, Any]:
@@ -413,7 +438,7 @@ class ParameterServerStrategy(DetachableCollectives):
         state = super().sync_state_dict()
         if self.client is not None:
             state["client"] = self.client.state_dict()
-            if self.global_rank == 0:
+            if self._ps_rank == 0:
                 final = self.final_server_states
                 state["servers"] = self.client.server_states() if final is None else final
         return state
