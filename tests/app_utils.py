@@ -14,7 +14,9 @@ import io
 import logging
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -136,3 +138,18 @@ class ForkedApp:
             self.wait(10)
         except ChildProcessError:
             pass
+
+
+def run_forked(
+    main: Callable[[], object], argv: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """Runs ``main`` in a :class:`ForkedApp` to its end (killed after ``timeout`` seconds): its exit code, stdout and
+    stderr, as ``subprocess.run(..., capture_output=True, text=True)`` returns them."""
+    out = Path(tempfile.mkdtemp(dir=cwd, prefix="forked-out-"))
+    app = ForkedApp(main, argv, cwd, env, out)
+    try:
+        code = app.wait(timeout)
+    finally:
+        app.kill()
+    stdout, stderr = ((out / name).read_text() for name in ("stdout.txt", "stderr.txt"))
+    return subprocess.CompletedProcess(list(argv), code, stdout, stderr)

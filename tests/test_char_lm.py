@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from app_utils import run_forked
 
 from lightning_sync.errors import ConfigError
 from lightning_sync.examples.data import TextDataModule, default_corpus, read_text, split_text
@@ -152,18 +153,26 @@ def test_bad_path_is_one_line_naming_data_path(tmp_path, case):
     assert message.startswith(f"data.path={str(path)!r} is not allowed") and "\n" not in message
 
 
-def _train(cwd, *overrides: str, timeout: float) -> subprocess.CompletedProcess:
-    """``python -m lightning_sync.train experiment=char_lm <overrides>`` in ``cwd``, without a launcher's env."""
+def _env() -> dict[str, str]:
+    """This process's environment without a launcher's variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "MASTER_", "LOCAL_RANK", "WORLD_SIZE"))}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", HYDRA_FULL_ERROR="0")
+    return env
+
+
+def _train(cwd, *overrides: str, timeout: float) -> subprocess.CompletedProcess:
+    """``python -m lightning_sync.train experiment=char_lm <overrides>`` in ``cwd``, without a launcher's env."""
     cmd = [sys.executable, "-m", "lightning_sync.train", "experiment=char_lm", *overrides]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(200)
 def test_cli_bad_path_stops_before_any_rank(tmp_path):
-    proc = _train(tmp_path, f"data.path={tmp_path}/nope.txt", timeout=180)
+    from lightning_sync.apps.train import main
+
+    argv = ["lightning_sync.train", "experiment=char_lm", f"data.path={tmp_path}/nope.txt"]
+    proc = run_forked(main, argv, tmp_path, _env(), timeout=180)  # no rank: a fork of this process will do
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("error: data.path=") and "no such file" in lines[-1], proc.stderr[-2000:]

@@ -360,6 +360,7 @@ def late_runs(tmp_path_factory) -> dict[str, _Run]:
             "logger=tensorboard",
             "experiment=smoke",
             f"hydra.run.dir={root / 'tensorboard' / 'run'}",
+            forked=True,  # it must stop before any rank starts
         )
     yield runs
     for run in runs.values():

@@ -27,6 +27,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from app_utils import run_forked
 from lightning_utils import make_trainer
 
 from lightning_sync.apps._console import _QUIET_LOGGERS, ProgressReport, quiet_lightning
@@ -63,7 +64,10 @@ def _compare(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Com
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_compare_help_works(tmp_path):
-    proc = _compare(tmp_path, "--help", timeout=100)
+    from lightning_sync.apps.compare import main
+
+    argv = ["lightning_sync.compare", "--out", str(tmp_path / "out"), "--help"]
+    proc = run_forked(main, argv, tmp_path, _env(), timeout=100)  # no rank: a fork of this process will do
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--cases" in proc.stdout and "allreduce+topk1%" in proc.stdout, proc.stdout
     assert "Traceback" not in proc.stderr

@@ -13,11 +13,10 @@ import csv
 import os
 import runpy
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
-from app_utils import ForkedApp
+from app_utils import run_forked
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -60,21 +59,8 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     if args[0] == "-m":
         from lightning_sync.apps.train import main
 
-        argv = [args[1], *args[2:]]
-    else:
-        argv = list(args)
-
-        def main() -> None:
-            runpy.run_path(args[0], run_name="__main__")
-
-    out = Path(tempfile.mkdtemp(dir=cwd, prefix="out"))
-    app = ForkedApp(main, argv, cwd, _env(), out)
-    try:
-        code = app.wait(timeout=200)
-    finally:
-        app.kill()
-    stdout, stderr = ((out / name).read_text() for name in ("stdout.txt", "stderr.txt"))
-    return subprocess.CompletedProcess(args, code, stdout, stderr)
+        return run_forked(main, [args[1], *args[2:]], cwd, _env(), timeout=200)
+    return run_forked(lambda: runpy.run_path(args[0], run_name="__main__"), args, cwd, _env(), timeout=200)
 
 
 def test_lightning_cli_sets_a_knob_as_a_strategy_argument(tmp_path):
