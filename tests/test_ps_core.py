@@ -35,8 +35,16 @@ from fake_clock import FakeClock  # noqa: E402
 from fault_utils import allowed_s  # noqa: E402
 
 import lightning_sync.ps as ps  # noqa: E402
+from lightning_sync.ps._exchange import exchange  # noqa: E402
 from lightning_sync.ps._layout import ShardLayout  # noqa: E402
-from lightning_sync.ps._protocol import HEADER_BYTES  # noqa: E402
+from lightning_sync.ps._protocol import (  # noqa: E402
+    HEADER_BYTES,
+    TAG_REPLY,
+    TAG_REQUEST,
+    TAG_REQUEST_DATA,
+    Kind,
+    Request,
+)
 from lightning_sync.ps.shard import STALENESS_CAP  # noqa: E402
 
 torch.set_num_threads(1)
@@ -822,6 +830,114 @@ def test_lost_server_makes_workers_raise_naming_it(procs, how):
             assert seconds <= allowed_s(timeout_s, 3.0), seconds
         else:  # the close, seen at once, not the timeout
             assert seconds < timeout_s / 2, seconds
+
+
+class _GroupWithAStuckHeaderSend:
+    """A worker's group whose server was killed while the request header was being written: gloo never fails that
+    send (its wait would run out ``timeout_s``), but fails the posted receive of the reply at once."""
+
+    timeout_s = 0.04  # the exchange's grace for a server's report is a quarter of it
+
+    def __init__(self) -> None:
+        self.waited: list[tuple[str, int]] = []
+
+    def server_rank(self, server: int) -> int:
+        return 1 + server
+
+    def name(self, rank: int | None = None) -> str:
+        return f"server {rank}"
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> tuple[str, int]:
+        return "recv", tag
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> tuple[str, int]:
+        return "send", tag
+
+    def first_reported_failure(self, servers_only: bool = False) -> None:
+        return None
+
+    def reported_failure(self, rank: int) -> None:
+        return None
+
+    def wait(self, work: tuple[str, int], peer: int, what: str, *, receiving: bool, timeout_s: float) -> None:
+        self.waited.append(work)
+        if work == ("send", TAG_REQUEST):
+            raise ps.PSTimeoutError("the header send waited out timeout_s")
+        if work == ("recv", TAG_REPLY):
+            raise ps.PSPeerLostError("server 1 closed its connection")
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_the_exchange_waits_for_the_reply_before_the_request_header():
+    """A PUSH to a killed server: the data send and the reply's receive fail (or complete) as gloo sees the close,
+    the header send may never; so the exchange waits for the data, then the reply, and the header last (taken once
+    a reply came), and raises the lost server at once rather than a timeout."""
+    group = _GroupWithAStuckHeaderSend()
+    payload = torch.zeros(8, dtype=torch.uint8)
+    request = Request(Kind.PUSH, 0, 0, payload.numel(), 0, 0)
+    with pytest.raises(ps.PSPeerLostError, match="closed its connection"):
+        exchange(group, Kind.PUSH, [request], [payload], [torch.empty(0, dtype=torch.uint8)], reply_timeout=1.0)
+    assert group.waited == [("send", TAG_REQUEST_DATA), ("recv", TAG_REPLY)], group.waited
+
+
+def _server_that_will_die(port: int) -> dict:
+    """A server member with its link to worker 0 up and a request header receive posted (as its receiving thread
+    keeps one), then idle until it is killed."""
+    store = ps.connect_store(HOST, port, is_host=False, timeout_s=30)
+    group = ps.PSGroup(store, 1, 1, 1, 4.0, connect_timeout_s=30)
+    group.connect(0)
+    pending = group.recv(torch.zeros(HEADER_BYTES // 8, dtype=torch.int64), 0, TAG_REQUEST)
+    group.post("ready", 1.0)
+    time.sleep(120)
+    return {"pending": pending is not None}
+
+
+def _worker_resumed_after_the_kill(port: int) -> dict:
+    """Stops itself once the server is ready; resumed after the server was killed, it sends a PULL at once: the
+    request goes into the dead connection while gloo may not have read the close yet."""
+    store = ps.connect_store(HOST, port, is_host=True, timeout_s=30)
+    group = ps.PSGroup(store, 0, 1, 1, 4.0, connect_timeout_s=30)
+    while not group.posted("ready", range(1, 2)):
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    started = time.monotonic()
+    request = Request(Kind.PULL, 0, 0, 0, 0, 0)
+    try:
+        exchange(group, Kind.PULL, [request], None, [torch.empty(0, dtype=torch.uint8)], reply_timeout=4.0)
+    except ps.PSError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started}
+    return {"error": None, "seconds": time.monotonic() - started}
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_a_request_sent_into_a_killed_servers_connection_fails_at_once(procs):
+    """gloo fails every posted receive when it reads a closed connection, but not a send it was writing then (one
+    queued after the write met the reset): that send would wait out ``timeout_s`` (4 s here). The worker is frozen
+    while the server is killed, then resumed straight into a PULL, so that its send and gloo's reading of the close
+    race; over 8 rounds the send loses at least once in most runs. Every round must end with PSPeerLostError, from
+    the reply's receive, well before the timeout (the exchange gives a lost server ``timeout_s / 4`` to leave its
+    reason in the store, which a killed one never does)."""
+    for round_ in range(8):
+        port = _free_port()
+        server = procs.start(f"server{round_}", _server_that_will_die, port)
+        worker = procs.start(f"worker{round_}", _worker_resumed_after_the_kill, port)
+        deadline = time.monotonic() + 30
+        while _state(worker.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _state(worker.pid) == "T", "the worker did not stop itself"
+        os.kill(server.pid, signal.SIGKILL)
+        time.sleep(0.2)  # the close has reached the worker's socket
+        os.kill(worker.pid, signal.SIGCONT)
+        out = procs.ok([f"worker{round_}"], timeout=30)[f"worker{round_}"]
+        assert out["error"] and out["error"].startswith("PSPeerLostError: server 0 (ps rank 1)"), (round_, out)
+        assert out["seconds"] < 2.5, (round_, out)  # the close and a 1 s grace for the server's report, not 4 s
 
 
 def _worker_after_a_failed_peer(rank: int, port: int, server_pid: Any, failed_at: Any) -> dict:

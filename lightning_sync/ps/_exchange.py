@@ -69,20 +69,20 @@ def exchange(
         for i, rank in enumerate(ranks):
             peer = rank
             reply_works.append(group.recv(headers[i], rank, TAG_REPLY))
-        sends = []
+        header_sends, data_sends = [], []
         for i, rank in enumerate(ranks):
             peer = rank
             payload = payloads[i] if payloads is not None else None
-            sends.append((i, group.send(requests[i].header(), rank, TAG_REQUEST)))
+            header_sends.append((i, group.send(requests[i].header(), rank, TAG_REQUEST)))
             if payload is not None and requests[i].payload_nbytes:
-                sends.append((i, group.send(payload, rank, TAG_REQUEST_DATA)))
+                data_sends.append((i, group.send(payload, rank, TAG_REQUEST_DATA)))
         # A peer that already gave up left its reason in the store: stop now rather than wait out timeout_s on
         # the servers it gave up on (asked while the sends are in flight, so a healthy step pays no latency).
         failed = group.first_reported_failure(servers_only)
         if failed is not None:
             raise PSPeerLostError(f"{group.name(failed[0])} failed before this {what}: {failed[1]}")
         deadline = time.monotonic() + group.timeout_s
-        for i, work in sends:
+        for i, work in data_sends:  # a frozen server does not take the data: named after timeout_s
             peer = ranks[i]
             group.wait(work, peer, f"it to take the {what}", receiving=False, timeout_s=_left(deadline))
         deadline = time.monotonic() + reply_timeout
@@ -90,6 +90,14 @@ def exchange(
         for i, work in enumerate(reply_works):
             peer = ranks[i]
             group.wait(work, peer, f"the reply to the {what}", receiving=True, timeout_s=_left(deadline))
+        # Each header was taken (its server replied): these waits return at once. They come after the replies
+        # because gloo does not fail a send that was being written when the peer's connection closed (one
+        # queued after a reset write) when it sees the close, while it fails every posted receive: waited
+        # first, a header sent to a killed server would wait out timeout_s instead of raising at once.
+        deadline = time.monotonic() + group.timeout_s
+        for i, work in header_sends:
+            peer = ranks[i]
+            group.wait(work, peer, f"it to take the {what}", receiving=False, timeout_s=_left(deadline))
         replies = [ReplyHeader.parse(h) for h in headers]
         data_works = []
         buffers: list[torch.Tensor | None] = []
