@@ -1,18 +1,30 @@
-"""Who took part in a ``ps`` fit besides the ranks it started with, and where a late worker finds the running fit.
+"""Who takes part in a ``ps`` fit besides the ranks it started with: the strategy's elastic side.
 
-The elastic modes let workers go (lost), come back (rejoined: a restarted rank) and come in (added: a spare slot
-taken with ``join``). :meth:`Membership.at_end` reads that from the servers once the run is over; rank 0 names each
-in a warning and ``summary.json``. A worker that takes part late (restarted or added) reads the fit's PS group from
-the run's store, where rank 0 published it (:func:`publish_fit`, :func:`running_fit`).
+The elastic modes (``async``, ``ssp``, ``sync`` with ``elastic``) let workers go (lost), come back (rejoined: a rank
+the launcher started again, ``max_restarts``) and come in (added: a spare slot taken with ``join``).
+:class:`ElasticWorkers` holds what the strategy does about them: a late worker is a world of its own for Lightning's
+collectives and finds the running fit's PS group in the run's store, where rank 0 published it (:func:`publish_fit`,
+:func:`running_fit`); at the end :meth:`Membership.at_end` reads from the servers who was lost, rejoined or added,
+and rank 0 names each in a warning and ``summary.json``.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
+from typing_extensions import override
+
+from lightning_sync.config import ParameterServerConfig
+from lightning_sync.errors import ConfigError
 from lightning_sync.ps.elastic import lost_workers_at_end
+from lightning_sync.strategies._detached import DetachableCollectives
+
+# Set by the launcher in the environment of a worker rank it starts again (``max_restarts``): that process rejoins.
+REJOIN_ENV = "LIGHTNING_SYNC_PS_REJOIN"
 
 _PREFIX_KEY = "lightning_sync/ps/fit_prefix"  # the fit's PS group prefix
 _LAYOUT_KEY = "lightning_sync/ps/fit_layout"  # "<worker ranks> <spare slots> <servers>"
@@ -70,3 +82,88 @@ class Membership:
         if self.added:
             names = ", ".join(f"worker {w}" for w in self.added)
             warnings.warn(f"the ps run took in workers added to it: {names}", stacklevel=3)
+
+
+class ElasticWorkers(DetachableCollectives):
+    """The ps strategy's elastic side: whether a lost rank leaves the job running, whether it is started again, and
+    how a late worker (restarted, or added with ``join``) takes part in the running fit."""
+
+    config: ParameterServerConfig
+
+    def _init_membership(self) -> None:
+        self.lost_workers: dict[int, str] = {}  # elastic modes: the workers the servers dropped, and why
+        self.rejoined_workers: dict[int, int] = {}  # the workers that rejoined after a loss, and how many times
+        self.added_workers: list[int] = []  # the workers added to the run in a spare slot (their ranks)
+        self._rejoining = False  # this process is a worker rank started again by the launcher (max_restarts)
+        self._ps_rank = -1  # this worker's rank in the PS group: its global rank, or (join) the spare slot it took
+        self._first_workers = 0  # the workers the fit started with (the PS group's worker ranks before the spare slots)
+
+    @property
+    def tolerates_lost_ranks(self) -> bool:
+        """Whether losing a worker rank other than 0 leaves the job running (``async`` and ``ssp``: the servers drop
+        it and the others go on); the launcher's child observer and the app's end of job ask this. Rank 0 hosts the
+        store and the dedicated servers: losing it always ends the job, as losing a server does."""
+        return self.config.mode != "sync" or self.config.elastic
+
+    @property
+    def restarts_lost_ranks(self) -> int:
+        """How many times the ``popen`` launcher starts a lost worker rank again (``max_restarts``), with
+        :attr:`restart_environment` added to its environment."""
+        return self.config.max_restarts if self.tolerates_lost_ranks else 0
+
+    @property
+    def restart_environment(self) -> dict[str, str]:
+        """What a restarted worker finds in its environment: it then rejoins (see :meth:`setup_distributed`)."""
+        return {REJOIN_ENV: "1"}
+
+    @property
+    def _runs_apart(self) -> bool:
+        """Whether the workers run apart from each other during the fit (no Lightning collective among them): in
+        async and ssp, and in elastic sync, where a lost rank must not hang a collective of the others."""
+        return self.tolerates_lost_ranks
+
+    @property
+    def _late(self) -> bool:
+        """Whether this process takes part in a running fit: a restarted worker rank, or a worker added (``join``)."""
+        return self._rejoining or self.config.join
+
+    def _check_join_address(self) -> None:
+        """(``join``) The running job's rank 0 address must be in the environment, checked before anything starts."""
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+        if missing:
+            raise ConfigError(
+                f"strategy.join=true needs {' and '.join(missing)} in the environment: the address and port of "
+                "the running job's rank 0 (start that job with MASTER_PORT set, and give this process the same)"
+            )
+
+    @override
+    def setup_distributed(self) -> None:
+        """Joins the process group as the base does. A late worker (a rank the launcher started again after it was
+        lost, or a worker added with ``join``) is a world of its own instead: Lightning's default process group
+        needs every rank at once, so its collectives act on itself. A restarted rank keeps its rank and the world
+        size for its data shard; an added worker samples the whole training set."""
+        self._rejoining = os.environ.get(REJOIN_ENV) == "1"
+        if self._late and not dist.is_initialized():
+            if not self.tolerates_lost_ranks:
+                raise ConfigError(f"{REJOIN_ENV}=1 is set, but mode={self.config.mode!r} does not take a worker back")
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        self._alone = self.config.join
+        super().setup_distributed()
+
+    def _take_membership(self, client: Any) -> None:
+        """At the end of the fit: who was lost, rejoined or added (elastic modes; rank 0 names them)."""
+        membership = Membership()
+        if self.tolerates_lost_ranks:
+            grace = self.config.timeout_s + min(self.config.timeout_s / 4, 5.0) + 5.0
+            membership = Membership.at_end(client, self._first_workers, grace)
+        self.lost_workers, self.rejoined_workers = membership.lost, membership.rejoined
+        self.added_workers = membership.added
+        if self._ps_rank == 0:
+            membership.warn()
+
+    @override
+    def _can_attach(self) -> bool:
+        """After a lost worker the survivors stay apart: a collective would wait for the lost rank, or, when it
+        rejoined, for its first process, which the default process group still holds. A worker added in a spare slot
+        is in no one's default process group: it stays apart, and the others attach as usual."""
+        return not (self.lost_workers or self.rejoined_workers or self._late)

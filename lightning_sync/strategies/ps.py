@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 import uuid
 from collections.abc import Callable
@@ -11,7 +10,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -35,17 +33,13 @@ from lightning_sync.ps import (
     start_servers,
 )
 from lightning_sync.ps.outer import LocalSteps
-from lightning_sync.strategies._detached import DetachableCollectives
 from lightning_sync.strategies._lightning import restore_clip_gradients, route_clip_gradients, set_global_step
 from lightning_sync.strategies._ps_clip import ServerClips
-from lightning_sync.strategies._ps_membership import Membership, publish_fit, running_fit
+from lightning_sync.strategies._ps_membership import ElasticWorkers, publish_fit, running_fit
 from lightning_sync.strategies._ps_metrics import ReplyMetrics
 
-# Set by the launcher in the environment of a worker rank it starts again (``max_restarts``): that process rejoins.
-REJOIN_ENV = "LIGHTNING_SYNC_PS_REJOIN"
 
-
-class ParameterServerStrategy(DetachableCollectives):
+class ParameterServerStrategy(ElasticWorkers):
     """Parameter server over torch.distributed point-to-point: workers push gradients, servers step and reply.
 
     The Lightning ranks are the workers. The strategy starts the servers, each holding a byte-balanced shard of the
@@ -114,60 +108,21 @@ class ParameterServerStrategy(DetachableCollectives):
         self._straggler: Straggler | None = None
         self._clips = ServerClips()  # the clipping each optimizer's next push asks the servers for
         self._local: LocalSteps | None = None  # local_steps > 1: the worker's side of async local SGD
-        self.lost_workers: dict[int, str] = {}  # elastic modes: the workers the servers dropped, and why
-        self.rejoined_workers: dict[int, int] = {}  # the workers that rejoined after a loss, and how many times
-        self.added_workers: list[int] = []  # the workers added to the run in a spare slot (their ranks)
-        self._rejoining = False  # this process is a worker rank started again by the launcher (max_restarts)
-        self._ps_rank = -1  # this worker's rank in the PS group: its global rank, or (join) the spare slot it took
-        self._first_workers = 0  # the workers the fit started with (the PS group's worker ranks before the spare slots)
+        self._init_membership()
         self._reply_metrics = ReplyMetrics(staleness=self.config.mode != "sync", elastic=self.tolerates_lost_ranks)
-
-    @property
-    def tolerates_lost_ranks(self) -> bool:
-        """Whether losing a worker rank other than 0 leaves the job running (``async`` and ``ssp``: the servers drop
-        it and the others go on); the launcher's child observer and the app's end of job ask this. Rank 0 hosts the
-        store and the dedicated servers: losing it always ends the job, as losing a server does."""
-        return self.config.mode != "sync" or self.config.elastic
-
-    @property
-    def restarts_lost_ranks(self) -> int:
-        """How many times the ``popen`` launcher starts a lost worker rank again (``max_restarts``), with
-        :attr:`restart_environment` added to its environment."""
-        return self.config.max_restarts if self.tolerates_lost_ranks else 0
-
-    @property
-    def restart_environment(self) -> dict[str, str]:
-        """What a restarted worker finds in its environment: it then rejoins (see :meth:`setup_distributed`)."""
-        return {REJOIN_ENV: "1"}
-
-    @property
-    def _runs_apart(self) -> bool:
-        """Whether the workers run apart from each other during the fit (no Lightning collective among them): in
-        async and ssp, and in elastic sync, where a lost rank must not hang a collective of the others."""
-        return self.tolerates_lost_ranks
 
     @override
     def _check_algorithm_knobs(self) -> None:
         build_parts(self.config)
 
     # ------------------------------------------------------------------ launch and setup
-    @property
-    def _late(self) -> bool:
-        """Whether this process takes part in a running fit: a restarted worker rank, or a worker added (``join``)."""
-        return self._rejoining or self.config.join
-
     @override
     def configure_launcher(self) -> None:
         """Checks the placement and ``slow_worker`` against the number of ranks (before any rank starts). A worker
         added to a running job (``join``) launches nothing: it is one process, which needs the job's address."""
         world, cfg = self.num_processes * self.num_nodes, self.config
         if cfg.join:
-            missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
-            if missing:
-                raise ConfigError(
-                    f"strategy.join=true needs {' and '.join(missing)} in the environment: the address and port of "
-                    "the running job's rank 0 (start that job with MASTER_PORT set, and give this process the same)"
-                )
+            self._check_join_address()
             return
         if cfg.placement == "colocated" and cfg.num_servers > world:
             raise ConfigError(
@@ -177,19 +132,6 @@ class ParameterServerStrategy(DetachableCollectives):
         if cfg.slow_worker >= world:
             raise ConfigError(f"strategy.slow_worker={cfg.slow_worker} is not allowed; the ranks are 0..{world - 1}")
         super().configure_launcher()
-
-    @override
-    def setup_distributed(self) -> None:
-        """Joins the process group as the base does; a rejoining worker (started again by the launcher after it was
-        lost) is a world of its own instead: Lightning's default process group needs every rank at once, so the
-        restarted rank's collectives act on itself, while it keeps its rank and the world size for its data shard."""
-        self._rejoining = os.environ.get(REJOIN_ENV) == "1"
-        if self._late and not dist.is_initialized():
-            if not self.tolerates_lost_ranks:
-                raise ConfigError(f"{REJOIN_ENV}=1 is set, but mode={self.config.mode!r} does not take a worker back")
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        self._alone = self.config.join  # an added worker has no shard of its own: it samples the whole training set
-        super().setup_distributed()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -410,27 +352,9 @@ class ParameterServerStrategy(DetachableCollectives):
         if not self.client.stopped:
             self.client.request_stop()
         self.last_reply = self.client.pull()
-        membership = Membership()
-        if self.tolerates_lost_ranks:
-            grace = self.config.timeout_s + min(self.config.timeout_s / 4, 5.0) + 5.0
-            membership = Membership.at_end(self.client, self._first_workers, grace)
-        self.lost_workers, self.rejoined_workers, self.added_workers = (
-            membership.lost,
-            membership.rejoined,
-            membership.added,
-        )
-        first = self._ps_rank == 0
-        self.final_server_states = self.client.server_states() if first else []
+        self._take_membership(self.client)
+        self.final_server_states = self.client.server_states() if self._ps_rank == 0 else []
         self.client.close()
-        if first:
-            membership.warn()
-
-    @override
-    def _can_attach(self) -> bool:
-        """After a lost worker the survivors stay apart: a collective would wait for the lost rank, or, when it
-        rejoined, for its first process, which the default process group still holds. A worker added in a spare slot
-        is in no one's default process group: it stays apart, and the others attach as usual."""
-        return not (self.lost_workers or self.rejoined_workers or self._late)
 
     @override
     def sync_state_dict(self) -> dict[str, Any]:
