@@ -885,7 +885,7 @@ def _server_that_will_die(port: int) -> dict:
     """A server member with its link to worker 0 up and a request header receive posted (as its receiving thread
     keeps one), then idle until it is killed."""
     store = ps.connect_store(HOST, port, is_host=False, timeout_s=30)
-    group = ps.PSGroup(store, 1, 1, 1, 4.0, connect_timeout_s=30)
+    group = ps.PSGroup(store, 1, 1, 1, 2.0, connect_timeout_s=30)
     group.connect(0)
     pending = group.recv(torch.zeros(HEADER_BYTES // 8, dtype=torch.int64), 0, TAG_REQUEST)
     group.post("ready", 1.0)
@@ -897,14 +897,14 @@ def _worker_resumed_after_the_kill(port: int) -> dict:
     """Stops itself once the server is ready; resumed after the server was killed, it sends a PULL at once: the
     request goes into the dead connection while gloo may not have read the close yet."""
     store = ps.connect_store(HOST, port, is_host=True, timeout_s=30)
-    group = ps.PSGroup(store, 0, 1, 1, 4.0, connect_timeout_s=30)
+    group = ps.PSGroup(store, 0, 1, 1, 2.0, connect_timeout_s=30)
     while not group.posted("ready", range(1, 2)):
         time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGSTOP)
     started = time.monotonic()
     request = Request(Kind.PULL, 0, 0, 0, 0, 0)
     try:
-        exchange(group, Kind.PULL, [request], None, [torch.empty(0, dtype=torch.uint8)], reply_timeout=4.0)
+        exchange(group, Kind.PULL, [request], None, [torch.empty(0, dtype=torch.uint8)], reply_timeout=2.0)
     except ps.PSError as exc:
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started}
     return {"error": None, "seconds": time.monotonic() - started}
@@ -919,7 +919,7 @@ def _state(pid: int) -> str:
 @pytest.mark.timeout(120)
 def test_a_request_sent_into_a_killed_servers_connection_fails_at_once(procs):
     """gloo fails every posted receive when it reads a closed connection, but not a send it was writing then (one
-    queued after the write met the reset): that send would wait out ``timeout_s`` (4 s here). The worker is frozen
+    queued after the write met the reset): that send would wait out ``timeout_s`` (2 s here). The worker is frozen
     while the server is killed, then resumed straight into a PULL, so that its send and gloo's reading of the close
     race; over 8 rounds the send loses at least once in most runs. Every round must end with PSPeerLostError, from
     the reply's receive, well before the timeout (the exchange gives a lost server ``timeout_s / 4`` to leave its
@@ -937,7 +937,7 @@ def test_a_request_sent_into_a_killed_servers_connection_fails_at_once(procs):
         os.kill(worker.pid, signal.SIGCONT)
         out = procs.ok([f"worker{round_}"], timeout=30)[f"worker{round_}"]
         assert out["error"] and out["error"].startswith("PSPeerLostError: server 0 (ps rank 1)"), (round_, out)
-        assert out["seconds"] < 2.5, (round_, out)  # the close and a 1 s grace for the server's report, not 4 s
+        assert out["seconds"] < 1.5, (round_, out)  # the close and a 0.5 s grace for the server's report, not 2 s
 
 
 def _worker_after_a_failed_peer(rank: int, port: int, server_pid: Any, failed_at: Any) -> dict:
