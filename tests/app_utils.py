@@ -39,7 +39,14 @@ def _fresh_logging() -> None:
         logger.propagate = False
 
 
-def _child(main: Callable[[], object], argv: Sequence[str], cwd: Path, env: Mapping[str, str], out: Path) -> int:
+def _child(
+    main: Callable[[], object],
+    argv: Sequence[str],
+    cwd: Path,
+    env: Mapping[str, str],
+    out: Path,
+    command: Sequence[str],
+) -> int:
     os.setsid()
     os.chdir(cwd)
     for fd, path in ((1, out / "stdout.txt"), (2, out / "stderr.txt")):
@@ -55,6 +62,7 @@ def _child(main: Callable[[], object], argv: Sequence[str], cwd: Path, env: Mapp
     os.environ.clear()
     os.environ.update(env)
     sys.argv = list(argv)
+    sys.orig_argv = list(command)  # what provenance records as the command line
     warnings.resetwarnings()
     warnings.showwarning = warnings._showwarning_orig  # type: ignore[attr-defined]  # pytest records them
     if "ignore" in env.get("PYTHONWARNINGS", "").split(","):
@@ -89,10 +97,18 @@ class ForkedApp:
         cwd: the child's working directory.
         env: its whole environment.
         out: the folder its ``stdout.txt`` and ``stderr.txt`` go to.
+        command: the command line it stands for (``sys.orig_argv``), e.g. ``[python, "-m", module, *args]``;
+            default: the interpreter and ``argv``.
     """
 
     def __init__(
-        self, main: Callable[[], object], argv: Sequence[str], cwd: Path, env: Mapping[str, str], out: Path
+        self,
+        main: Callable[[], object],
+        argv: Sequence[str],
+        cwd: Path,
+        env: Mapping[str, str],
+        out: Path,
+        command: Sequence[str] = (),
     ) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -100,7 +116,7 @@ class ForkedApp:
         if pid == 0:  # the child never returns into the test runner
             code = 1
             try:
-                code = _child(main, argv, cwd, env, out)
+                code = _child(main, argv, cwd, env, out, command or [sys.executable, *argv])
             finally:
                 for stream in (sys.stdout, sys.stderr):
                     try:
@@ -141,12 +157,17 @@ class ForkedApp:
 
 
 def run_forked(
-    main: Callable[[], object], argv: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float
+    main: Callable[[], object],
+    argv: Sequence[str],
+    cwd: Path,
+    env: Mapping[str, str],
+    timeout: float,
+    command: Sequence[str] = (),
 ) -> subprocess.CompletedProcess[str]:
     """Runs ``main`` in a :class:`ForkedApp` to its end (killed after ``timeout`` seconds): its exit code, stdout and
     stderr, as ``subprocess.run(..., capture_output=True, text=True)`` returns them."""
     out = Path(tempfile.mkdtemp(dir=cwd, prefix="forked-out-"))
-    app = ForkedApp(main, argv, cwd, env, out)
+    app = ForkedApp(main, argv, cwd, env, out, command)
     try:
         code = app.wait(timeout)
     finally:

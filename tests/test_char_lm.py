@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -160,12 +158,6 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _train(cwd, *overrides: str, timeout: float) -> subprocess.CompletedProcess:
-    """``python -m lightning_sync.train experiment=char_lm <overrides>`` in ``cwd``, without a launcher's env."""
-    cmd = [sys.executable, "-m", "lightning_sync.train", "experiment=char_lm", *overrides]
-    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.e2e
 @pytest.mark.timeout(200)
 def test_cli_bad_path_stops_before_any_rank(tmp_path):
@@ -187,10 +179,13 @@ def test_cli_trains_two_ranks_on_a_text_it_has_never_seen(tmp_path):
     (tmp_path / "texts" / "story.txt").write_text(
         "".join(f"Day {i}: the ship sailed {i % 7} leagues north, and the crew sang.\n" for i in range(600))
     )
-    proc = _train(
-        tmp_path, f"data.path={tmp_path}/texts", "trainer.max_steps=6", "trainer.val_check_interval=3",
-        "callbacks=none", "hydra.run.dir=run", timeout=280,
-    )  # fmt: skip
+    from lightning_sync.apps.train import main
+
+    argv = [
+        "lightning_sync.train", "experiment=char_lm", "strategy.start_method=fork", f"data.path={tmp_path}/texts",
+        "trainer.max_steps=6", "trainer.val_check_interval=3", "callbacks=none", "hydra.run.dir=run",
+    ]  # fmt: skip
+    proc = run_forked(main, argv, tmp_path, _env(), timeout=280)  # its ranks forked, and it a fork of this process
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("summary:"))
     assert "steps=6" in line and "test/loss=" in line and "unigram baseline: loss=" in line, line

@@ -346,12 +346,14 @@ def late_runs(tmp_path_factory) -> dict[str, _Run]:
 
     root = tmp_path_factory.mktemp("cli_late")
     runs = {
-        "first": _Run.start(
+        "first": _Run.start(  # its ranks forked, and it a fork of this process: resuming is what is tested here
             root / "first",
             "strategy=ddp",
+            "strategy.start_method=fork",
             "experiment=smoke",
             "trainer.limit_train_batches=2",
             f"hydra.run.dir={root / 'first' / 'run'}",
+            forked=True,
         ),
     }
     if not (find_spec("tensorboard") or find_spec("tensorboardX")):
@@ -381,12 +383,14 @@ def test_resume_from_last_checkpoint(late_runs):
     resumed = _Run.start(
         first.root.parent / "resumed",
         "strategy=ddp",
+        "strategy.start_method=fork",
         "experiment=smoke",
         "trainer.max_epochs=2",
         "trainer.limit_train_batches=2",
         f"ckpt_path={ckpt}",
         "callbacks=early_stopping",
         f"hydra.run.dir={first.root.parent / 'resumed' / 'run'}",
+        forked=True,
     )
     try:
         code, _, err = resumed.wait(timeout=240)

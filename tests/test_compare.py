@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from app_utils import run_forked
 
 from lightning_sync.apps.compare import (
     CASES,
@@ -170,16 +170,13 @@ def test_one_catalogue_gives_the_main_job_s_overrides_and_the_bench_s_arguments(
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_smoke_run_gives_both_tables_and_a_results_file_with_provenance(tmp_path):
+    from lightning_sync.apps.compare import main
+
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     args = ["--smoke", "--seeds", "0,1", "--cases", "ddp,periodic:local_sgd/8", "--out", str(tmp_path / "out")]
-    proc = subprocess.run(
-        [sys.executable, "-m", "lightning_sync.compare", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=380,
-    )
+    # the job forks its ranks: it runs as a fork of this process (no interpreter start-up), as a command would
+    command = [sys.executable, "-m", "lightning_sync.compare", *args]
+    proc = run_forked(main, ["lightning_sync.compare", *args], tmp_path, env, timeout=380, command=command)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "### Digits classifier" in proc.stdout and "### Character language model" in proc.stdout, proc.stdout
     results = json.loads((tmp_path / "out" / "results.json").read_text())
