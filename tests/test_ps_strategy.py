@@ -112,14 +112,17 @@ def test_sync_ingress_is_workers_times_model_bytes_and_splits_over_two_servers(t
 @TIMEOUT
 @pytest.mark.parametrize("mode", ["async", "ssp"])
 def test_async_and_ssp_end_at_the_server_version(tmp_path, mode):
-    """max_steps counts server updates; a slowed worker does fewer of them, and staleness is logged."""
+    """max_steps counts server updates; a slowed worker does fewer of them, and staleness is logged. In ssp the fast
+    worker 0 may see none: held at the bound, its reply comes right after the straggler's push, so it computes on the
+    newest version (seen once in CI under load, all zeros); in async the straggler's pushes land between its own."""
     extra = {"max_staleness": 2} if mode == "ssp" else {}
     _, rec = _fit(_ps(mode=mode, slow_worker=1, slowdown=3.0, **extra), tmp_path, max_steps=40)
     assert rec["version"] == 40
     fast, slow = rec["steps"]
     assert fast + slow >= 40, rec["steps"]
-    assert rec["staleness"] and max(rec["staleness"]) >= 1
+    assert rec["staleness"], rec  # logged (rank 0's, the fast worker's)
     if mode == "async":
+        assert max(rec["staleness"]) >= 1, rec["staleness"]  # the straggler's pushes land between its pull and push
         assert fast > slow, rec["steps"]  # the straggler does not set the pace (speed itself: the benchmark)
     else:
         assert abs(fast - slow) <= 2 + 1, rec["steps"]  # the bound, plus a push refused after the stop
