@@ -24,6 +24,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning,ignore::FutureWarning")
 
+from lightning_sync._exit import skip_final_collection  # noqa: E402  # after the thread settings above
+
+skip_final_collection()  # the test processes (pytest and its xdist workers) exit as the apps' processes do
+
 TIERS = ("unit", "dist", "e2e", "netns")
 HEAVIER_THAN_UNIT = ("dist", "e2e", "netns")
 

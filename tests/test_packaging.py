@@ -168,3 +168,38 @@ def test_the_wheel_lists_every_package_of_the_source_tree():
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(init.parent.relative_to(REPO).parts) for init in (REPO / "lightning_sync").rglob("__init__.py")}
     assert found <= listed, f"packages missing from [tool.setuptools] packages: {sorted(found - listed)}"
+
+
+_EXIT_CHILD = """
+import gc, importlib.util, sys
+spec = importlib.util.spec_from_file_location("_exit", sys.argv[2])  # the module alone: no torch to import
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+if sys.argv[1] == "skip":
+    module.skip_final_collection()
+    module.skip_final_collection()  # a second call registers nothing more
+class Cycle:
+    def __del__(self):
+        print("cycle finalized", flush=True)
+cycle = Cycle()
+cycle.me = cycle
+del cycle
+gc.disable()  # the cycle stays alive until the exit
+import atexit
+atexit.register(print, "a later exit handler ran")
+"""
+
+
+def test_an_app_process_exits_without_collecting_the_heap(tmp_path):
+    """``skip_final_collection``: the exit's collections skip the heap (a reference cycle alive at exit is not
+    finalized, where a plain interpreter finalizes it), and the exit handlers registered after it still run."""
+    script = tmp_path / "child.py"
+    script.write_text(_EXIT_CHILD)
+    runs = {}
+    for mode in ("skip", "plain"):
+        proc = _run([str(script), mode, str(REPO / "lightning_sync" / "_exit.py")], tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        runs[mode] = proc.stdout
+    assert "cycle finalized" in runs["plain"], runs
+    assert "cycle finalized" not in runs["skip"], runs
+    assert all("a later exit handler ran" in out for out in runs.values()), runs

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_sync._exit import skip_final_collection
 from lightning_sync.apps._console import ProgressReport, quiet_lightning
 from lightning_sync.apps.cases import hydra_cases
 from lightning_sync.apps.markdown import format_cell, markdown_table
@@ -295,6 +296,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Workload]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    skip_final_collection()
     args = _parser().parse_args(argv)
     seeds = _parse_seeds(args.seeds) if args.seeds is not None else [0] if args.smoke else list(DEFAULT_SEEDS)
     plan = _plan(args)

@@ -21,6 +21,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_sync._exit import skip_final_collection
 from lightning_sync.apps._app_help import group_options, register_help_resolvers
 from lightning_sync.apps.conf_store import check_strategy_knobs, register_strategy_schemas
 from lightning_sync.apps.ft_conf import fault_tolerance_arguments
@@ -398,6 +399,7 @@ def _check_group_choices(argv: list[str]) -> None:
 
 def main() -> None:
     """Console-script entry point (``lightning-sync-train``)."""
+    skip_final_collection()
     try:
         _check_group_choices(sys.argv[1:])
     except ConfigError as exc:

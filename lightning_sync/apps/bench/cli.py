@@ -26,6 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from lightning_sync._exit import skip_final_collection
 from lightning_sync.apps.bench.config import BenchConfig, NetworkConfig, parse_overrides, reused_ddp_records
 from lightning_sync.apps.bench.workloads import BOUNDS, CASE_HELP, WORKLOADS
 from lightning_sync.apps.provenance import provenance
@@ -228,6 +229,7 @@ def run(cfg: BenchConfig, out: Path, records: list[dict[str, Any]]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
+    skip_final_collection()
     args = _parser().parse_args(argv)
     try:
         cfg = parse_overrides(args.overrides)
