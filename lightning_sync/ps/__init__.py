@@ -21,7 +21,7 @@ Parts, one module per concern:
 from lightning_sync.ps._protocol import CLIP_ALGORITHMS, Clip
 from lightning_sync.ps.client import PSClient, PSReply, ServerStepOptimizer
 from lightning_sync.ps.codec import GradientCodec
-from lightning_sync.ps.elastic import lost_workers_at_end
+from lightning_sync.ps.elastic import lost_workers_at_end, servers_at_end
 from lightning_sync.ps.errors import PSError, PSPeerLostError, PSServerError, PSTimeoutError
 from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, claim_spare_slot, connect_store, describe, server_ps_rank
 from lightning_sync.ps.optim_spec import (
@@ -76,6 +76,7 @@ __all__ = [
     "run_server",
     "scales_learning_rate",
     "server_ps_rank",
+    "servers_at_end",
     "shard_by_bytes",
     "shard_indices",
     "start_colocated_server",

@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lightning_sync.config import ParameterServerConfig
 from lightning_sync.errors import ConfigError
-from lightning_sync.ps.elastic import lost_workers_at_end
+from lightning_sync.ps.elastic import servers_at_end
 from lightning_sync.strategies._detached import DetachableCollectives
 
 # Set by the launcher in the environment of a worker rank it starts again (``max_restarts``): that process rejoins.
@@ -56,11 +56,12 @@ class Membership:
     @classmethod
     def at_end(cls, client: Any, first_workers: int, grace_s: float) -> Membership:
         """After the stop, before the goodbye: who was lost once every worker is accounted for
-        (:func:`~lightning_sync.ps.elastic.lost_workers_at_end`), and the servers' joins. A join in a spare slot (a
+        (:func:`~lightning_sync.ps.elastic.servers_at_end`), and the servers' joins. A join in a spare slot (a
         rank of ``first_workers`` or more) is an added worker; its later joins, and the others', are rejoins."""
-        out = cls(lost=lost_workers_at_end(client, grace_s))
+        lost, stats = servers_at_end(client, grace_s)
+        out = cls(lost=lost)
         added: set[int] = set()
-        for server in client.server_stats():
+        for server in stats:
             for worker, joins in server.get("joins", {}).items():
                 worker, joins = int(worker), int(joins)
                 if worker >= first_workers:
