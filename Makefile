@@ -22,6 +22,8 @@ TEST_WORKERS ?= 3
 COMPARE_ARGS ?=
 BENCH_ARGS ?=
 # The quick tier: no process group, or 2-rank collectives that take seconds; no Trainer fits, no root, nothing slow.
+# Its timed files (tests/conftest.py) go to the workers file by file: with no Trainer or app beside them, their waits
+# for a frozen or killed peer may overlap.
 FAST_MARKERS := (unit or dist) and not (e2e or netns or slow)
 
 .PHONY: setup test test-fast check lint typecheck imports docs docs-gen lock compare bench gpu-check notebook clean-venv
@@ -49,7 +51,8 @@ test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 -n $(TEST_WORKERS) -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 -n $(TEST_WORKERS) -m "$(FAST_MARKERS)" --timed-files-apart \
+		$(PYTEST_ARGS)
 
 # The checks CI runs before the tests.
 check: lint typecheck imports docs

@@ -65,6 +65,15 @@ OTHER_TESTS_NICE = 10
 MARKER_COST = {"slow": 30.0, "e2e": 10.0, "netns": 10.0, "dist": 1.0, "unit": 0.05}
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--timed-files-apart",
+        action="store_true",
+        help="hand each timed file to the xdist workers as a unit of its own instead of all of them as one (`make "
+        "test-fast`: the fast tier starts no Trainer and no app, so the timed files' waits may overlap)",
+    )
+
+
 def _file(nodeid: str) -> str:
     return os.path.basename(nodeid.split("::", 1)[0])
 
@@ -98,15 +107,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without xdist the tests run in this one process
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Whole files to a worker at a time (as ``--dist loadfile``), the timed files all as one unit (see
-    :data:`TIMED_FILES`) and each test of :data:`SPLIT_FILES` as one; the units in the collection's order
-    (:func:`pytest_collection_modifyitems`)."""
+    :data:`TIMED_FILES`; each file a unit of its own with ``--timed-files-apart``) and each test of
+    :data:`SPLIT_FILES` as one; the units in the collection's order (:func:`pytest_collection_modifyitems`)."""
     from xdist.scheduler import LoadScopeScheduling
 
     config.option.loadscopereorder = False
 
+    together = not config.getoption("timed_files_apart")
+
     class _TimedFilesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            if _is_timed(nodeid):
+            if together and _is_timed(nodeid):
                 return "timed-files"
             return nodeid if _file(nodeid) in SPLIT_FILES else nodeid.split("::", 1)[0]
 
