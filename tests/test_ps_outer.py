@@ -168,7 +168,7 @@ def test_lightning_sync_local_steps_equals_periodic_diloco(tmp_path):
     # replicas checked at every step: compared right after each push only (they differ between pushes)
     strategy = ParameterServerStrategy(start_method="fork", local_steps=4, check_consistency_every=1, **knobs)
     ours, _ = _fit_digits(strategy, tmp_path, max_steps=16)
-    diff = max(float((p - q).abs().max()) for p, q in zip(ours.parameters(), theirs.parameters()))
+    diff = max(float((p - q).detach().abs().max()) for p, q in zip(ours.parameters(), theirs.parameters()))
     assert diff <= 1e-5, diff
 
 

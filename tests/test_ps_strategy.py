@@ -80,7 +80,7 @@ def _fit(strategy: Any, tmp_path: Path, model: type[pl.LightningModule] = Digits
 
 
 def _max_diff(a: nn.Module, b: nn.Module) -> float:
-    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+    return max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
 
 @pytest.mark.e2e
