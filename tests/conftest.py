@@ -24,10 +24,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning,ignore::FutureWarning")
 
-from lightning_sync._exit import skip_final_collection  # noqa: E402  # after the thread settings above
-
-skip_final_collection()  # the test processes (pytest and its xdist workers) exit as the apps' processes do
-
 TIERS = ("unit", "dist", "e2e", "netns")
 HEAVIER_THAN_UNIT = ("dist", "e2e", "netns")
 
@@ -122,6 +118,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return nodeid if _file(nodeid) in SPLIT_FILES else nodeid.split("::", 1)[0]
 
     return _TimedFilesTogether(config, log)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _exit_without_final_collection() -> None:
+    """The processes that run tests (each xdist worker, or pytest alone) exit as the apps' processes do
+    (:mod:`lightning_sync._exit`). A fixture, not a module-level call: importing the package imports Lightning,
+    which pytest-xdist's controller, running no test, would otherwise pay for at start-up."""
+    from lightning_sync._exit import skip_final_collection
+
+    skip_final_collection()
 
 
 @pytest.fixture(autouse=True)
