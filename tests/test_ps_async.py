@@ -121,6 +121,12 @@ def test_push_scale_goes_on_the_learning_rate_of_scale_invariant_optimizers_only
         assert ps.scales_learning_rate(spec(cls(params), params)), cls
 
 
+# Every batch of the AdamW accuracy test takes at least this long (the StepPacer callback, sleeping after a faster
+# batch): the async workers then train at one pace whatever else the machine runs, so the order of their updates is
+# not that of a starved process. A batch of its digits model computes in a few milliseconds.
+PACE_S = 0.02
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(600)
@@ -137,6 +143,7 @@ def test_async_and_ssp_with_adamw_are_within_two_points_of_sync_on_the_digits(tm
     runs: dict[str, list[float]] = {case: [] for case in ("ps:sync", "ps:async", "ps:ssp/2")}
     for seed in (0, 1, 2):
         common = ["strategy.start_method=fork", "trainer.limit_val_batches=0", f"seed={seed}", "trainer.max_epochs=10"]
+        common += ["callbacks=[default,pacer]", f"callbacks.pacer.step_s={PACE_S}"]
         for case in runs:
             folder = tmp_path / f"{case.replace(':', '_').replace('/', '_')}_{seed}"
             runs[case].append(run_case(CASES[case] + adamw + common, folder)["test"]["test/acc"])
