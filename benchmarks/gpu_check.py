@@ -25,7 +25,7 @@ Sections (a case is ``section/name``; ``--list`` prints them all):
     One process, a one-rank NCCL group: the package's collectives on tensors it makes itself (a CUDA run only;
     on CPU the same calls run on gloo).
 ``quantizer``
-    Encode and decode throughput of the block-wise int8/int4 codec (:mod:`lightning_sync.comm.quantized`) on the
+    Encode and decode throughput of the block-wise int8/int4 codec (:mod:`lightning_sync.comm.compression.quantized`) on the
     GPU and on the CPU, in GB/s of fp32 input.
 
 A case that fails is recorded with its error and the others still run; the exit status is 1 when any failed. The
@@ -106,18 +106,16 @@ class StrategyCase:
 
 
 def _strategy_cases() -> list[StrategyCase]:
+    from lightning_sync.comm.compression import PowerSGDCompression
+
     base: list[tuple[str, str, dict[str, Any], str]] = [
         ("lightning_single_device", "lightning", {}, "Lightning's own single-device strategy: the baseline")
     ]
     for hook in ("none", "fp16", "bf16", "powersgd", "topk"):
-        knobs: dict[str, Any] = {"comm_hook": hook}
-        if hook == "powersgd":
-            knobs["powersgd_start_iter"] = 2
+        knobs: dict[str, Any] = {"comm_hook": PowerSGDCompression(start_iter=2) if hook == "powersgd" else hook}
         base.append((f"ddp_{hook}", "ddp", knobs, f"torch DDP, comm hook {hook}"))
     for compression in ("none", "fp16", "bf16", "powersgd", "topk"):
-        knobs = {"compression": compression}
-        if compression == "powersgd":
-            knobs["powersgd_start_iter"] = 2
+        knobs = {"compression": PowerSGDCompression(start_iter=2) if compression == "powersgd" else compression}
         base.append((f"allreduce_{compression}", "allreduce", knobs, f"bucketed all-reduce, compression {compression}"))
     base += [
         ("periodic_local_sgd", "periodic", {"mode": "local_sgd", "sync_every": 3}, "local SGD, sync every 3 steps"),
@@ -438,7 +436,7 @@ def case_bucketing(rank: int, world: int, device: str, port: int) -> dict[str, A
     import torch
 
     from lightning_sync.comm.bucketing import GradientSynchronizer
-    from lightning_sync.comm.compression import build_compressor
+    from lightning_sync.comm.compression import resolve_codec
     from lightning_sync.comm.meter import CommMeter
 
     tolerance = {"none": 1e-6, "fp16": 2e-3, "bf16": 2e-2}  # relative to the largest gradient entry
@@ -449,7 +447,7 @@ def case_bucketing(rank: int, world: int, device: str, port: int) -> dict[str, A
             model = _mlp(device)
             params = list(model.parameters())
             sync = GradientSynchronizer(
-                params, build_compressor(compression), CommMeter(), bucketing=bucketing,
+                params, resolve_codec(compression)(), CommMeter(), bucketing=bucketing,
                 bucket_cap_mb=0.02, first_bucket_mb=0.01, gradient_as_bucket_view=True,
             )  # fmt: skip
             buckets = len(sync.buckets)
@@ -545,8 +543,8 @@ def _quantized_case(bits: int, rank: int, world: int, device: str) -> dict[str, 
     import torch
 
     from lightning_sync.comm.compression import FlatBucket
+    from lightning_sync.comm.compression.quantized import Int4Compression, Int8Compression
     from lightning_sync.comm.meter import CommMeter
-    from lightning_sync.comm.quantized import Int4Compression, Int8Compression
 
     make = Int8Compression if bits == 8 else Int4Compression
     numel = 3000  # not a multiple of 2 x 256: the padding is exercised
@@ -585,9 +583,8 @@ def case_streaming_outer(rank: int, world: int, device: str, port: int) -> dict[
     outer SGD step (lr 1, no momentum: the global copy moves by the mean delta), then ``alpha = 0.5`` mixing."""
     import torch
 
-    from lightning_sync.comm.averaging import make_outer_optimizer
+    from lightning_sync.comm.compression.quantized import Int4Compression
     from lightning_sync.comm.meter import CommMeter
-    from lightning_sync.comm.quantized import Int4Compression
     from lightning_sync.comm.streaming import OuterSyncWorker, StreamingAverager, new_stream_group
 
     torch.manual_seed(0)
@@ -595,7 +592,7 @@ def case_streaming_outer(rank: int, world: int, device: str, port: int) -> dict[
     params = [torch.nn.Parameter(t.clone().to(device)) for t in start]
     group = new_stream_group(None, 60.0)
     averager = StreamingAverager(params, Int4Compression(), CommMeter(timeout_s=60.0), bucket_cap_mb=1.0, group=group)
-    outer = make_outer_optimizer(averager, lr=1.0, momentum=0.0)
+    outer = torch.optim.SGD(averager.anchors, lr=1.0)
     gen = torch.Generator().manual_seed(20 + rank)
     deltas = [torch.randn(t.shape, generator=gen) * 0.1 for t in start]
     with torch.no_grad():
@@ -648,6 +645,7 @@ def case_ps_client(rank: int, world: int, device: str, port: int) -> dict[str, A
     import torch
 
     import lightning_sync.ps as ps
+    from lightning_sync.comm.compression import TopKCompression, resolve_codec
 
     torch.manual_seed(0)
     start = [torch.randn(24, 16), torch.randn(24), torch.randn(5, 24)]
@@ -684,11 +682,15 @@ def case_ps_client(rank: int, world: int, device: str, port: int) -> dict[str, A
     layout = client.layouts[0]
     grads_cpu = [torch.randn(t.shape, generator=torch.Generator().manual_seed(9)) for t in start]
     for compression in ("none", "fp16", "bf16", "topk"):
-        on_device = ps.GradientCodec(compression, topk_density=0.2).encode(0, layout, [g.to(device) for g in grads_cpu])
-        on_cpu = ps.GradientCodec(compression, topk_density=0.2).encode(0, layout, grads_cpu)
+
+        def codec(name: str = compression) -> Any:
+            return TopKCompression(density=0.2) if name == "topk" else resolve_codec(name)()
+
+        on_device = codec().pack(layout.flat_fp32([g.to(device) for g in grads_cpu]), 0)
+        on_cpu = codec().pack(layout.flat_fp32(grads_cpu), 0)
         _on_device([on_device], "cpu", f"the {compression} wire payload")
         if compression == "topk":  # the same entries and values, in whatever order topk returned them
-            decoded = [ps.GradientCodec(compression, topk_density=0.2).decode(x, layout) for x in (on_device, on_cpu)]
+            decoded = [codec().unpack(x, layout.numel) for x in (on_device, on_cpu)]
             same = torch.equal(*decoded)
         else:
             same = torch.equal(on_device, on_cpu)
@@ -877,12 +879,12 @@ def run_nccl(device: str, timeout_s: float = PAIR_TIMEOUT_S) -> dict[str, Any]:
 def quantizer_throughput(bits: int, device: str, numel: int, repeats: int) -> dict[str, Any]:
     """Encode and decode GB/s (fp32 input bytes per second) of the int8/int4 codec on ``device`` and on the CPU.
 
-    The codec's own :meth:`~lightning_sync.comm.quantized.BlockQuantizedCompression.encode` and ``decode``; the
+    The codec's own :meth:`~lightning_sync.comm.compression.quantized.BlockQuantizedCompression.encode` and ``decode``; the
     median of ``repeats`` timed calls after one warm-up, the device synchronized around each.
     """
     import torch
 
-    from lightning_sync.comm.quantized import Int4Compression, Int8Compression
+    from lightning_sync.comm.compression.quantized import Int4Compression, Int8Compression
 
     codec = Int8Compression() if bits == 8 else Int4Compression()
     rows = []

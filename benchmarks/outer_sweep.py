@@ -1,8 +1,8 @@
 """The outer optimizer's sweep on the language model: DiLoCo's outer lr x momentum at several periods H, against DDP.
 
 Every point of the grid ``--every`` x ``--lr`` x ``--momentum`` trains ``--case`` (default ``periodic:diloco/8``,
-its period set by ``strategy.sync_every=H``) with ``strategy.outer_lr`` and ``strategy.outer_momentum`` (Nesterov
-whenever the momentum is not 0, the strategy's ``outer_nesterov`` default) through the main job,
+its period set by ``strategy.sync_every=H``) with an outer SGD of that lr and momentum (``strategy.outer_optimizer.lr``,
+and Nesterov momentum whenever it is not 0) through the main job,
 :func:`lightning_sync.apps.compare.main`, once per seed; ``--ddp`` adds the reference, the ``ddp`` case, on the same
 seeds. Outer lr 1 with momentum 0 is plain parameter averaging (local SGD).
 
@@ -154,7 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     grid = [] if args.no_grid else [(h, lr, m) for h in map(int, _floats(args.every)) for m in _floats(args.momentum)
                                     for lr in _floats(args.lr)]  # fmt: skip
     for every, lr, momentum in grid:
-        knobs = [f"strategy.sync_every={every}", f"strategy.outer_lr={lr:g}", f"strategy.outer_momentum={momentum:g}"]
+        knobs = [f"strategy.sync_every={every}", f"strategy.outer_optimizer.lr={lr:g}"]
+        if momentum:  # the schema's outer SGD has no momentum argument: add it, with Nesterov
+            knobs += [f"+strategy.outer_optimizer.momentum={momentum:g}", "+strategy.outer_optimizer.nesterov=true"]
         about = {"case": args.case, "every": every, "outer_lr": lr, "outer_momentum": momentum}
         jobs.append((_key(every, lr, momentum), ["--cases", args.case, *args.overrides, *knobs], about))
     for seed in seeds:  # seed by seed, so that a pruned sweep has every point's first seeds first

@@ -15,8 +15,22 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_sync._server_process import is_server_process
+from lightning_sync.comm.compression import (
+    CODECS,
+    BF16Compression,
+    Compressor,
+    FP16Compression,
+    Int4Compression,
+    Int8Compression,
+    NoCompression,
+    PowerSGDCompression,
+    SparseLoCo,
+    TopKCompression,
+)
+from lightning_sync.comm.averaging import OUTER_OPTIMIZER
 from lightning_sync.comm.meter import CommMeter, CommStats
 from lightning_sync.errors import CheckpointError, ConfigError
+from lightning_sync.ps.outer import DelayedNesterov
 
 _STRATEGY_NAMES = (
     "STRATEGIES",
@@ -48,13 +62,25 @@ def __getattr__(name: str) -> Any:
 __version__ = "0.1.0"
 
 __all__ = [
+    "CODECS",
     "STRATEGIES",
     "AllReduceStrategy",
+    "BF16Compression",
+    "Compressor",
+    "FP16Compression",
+    "Int4Compression",
+    "Int8Compression",
+    "NoCompression",
+    "PowerSGDCompression",
+    "SparseLoCo",
+    "TopKCompression",
     "CheckpointError",
     "CommMeter",
     "CommStats",
     "ConfigError",
     "DDPSyncStrategy",
+    "DelayedNesterov",
+    "OUTER_OPTIMIZER",
     "ParameterServerStrategy",
     "PeriodicSyncStrategy",
 ]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_sync.comm.bucketing import GradientSynchronizer
-from lightning_sync.comm.compression import Compressor, compressor_factory
+from lightning_sync.comm.compression import Compressor, resolve_codec
 from lightning_sync.comm.periodic import AdaptiveOptions, PeriodicAverager, StreamingOptions
 from lightning_sync.config import (
     DDPConfig,
@@ -55,15 +55,11 @@ def ps_settings(cfg: ParameterServerConfig, max_updates: int | None = None) -> P
             cfg.mode,
             cfg.max_staleness if cfg.mode == "ssp" else 0,
             max_updates,
-            cfg.compression,
-            cfg.topk_density,
-            cfg.error_feedback,
-            cfg.skip_nonfinite,
+            codec=resolve_codec(cfg.compression, "compression", needs=("point_to_point",))().spec(),
+            skip_nonfinite=cfg.skip_nonfinite,
             push_scale=None if cfg.push_scale == "auto" else cfg.push_scale,
             local_steps=cfg.max_local_steps if cfg.local_steps == "auto" else cfg.local_steps,
-            outer_lr=cfg.outer_lr,
-            outer_momentum=cfg.outer_momentum,
-            outer_nesterov=cfg.outer_nesterov,
+            outer_optimizer=cfg.outer_optimizer,
         )
     except ValueError as error:
         raise ConfigError(str(error)) from None
@@ -76,14 +72,14 @@ def build_parts(cfg: StrategyConfig) -> AlgorithmParts:
         ConfigError: an algorithm refused a knob; the message names the field (without the ``strategy.`` prefix).
     """
     if isinstance(cfg, DDPConfig):
-        return AlgorithmParts(compressor_factory(cfg.comm_hook, field="comm_hook", **cfg.compressor_options()))
+        return AlgorithmParts(resolve_codec(cfg.comm_hook, "comm_hook"))
     if isinstance(cfg, ParameterServerConfig):
         ps_settings(cfg)  # checked now; built with max_updates once training starts
         return AlgorithmParts()
     if not isinstance(cfg, GradientSyncKnobs):
         return AlgorithmParts()
     GradientSynchronizer.check_settings(cfg.bucketing, cfg.bucket_cap_mb, cfg.first_bucket_mb)
-    parts = AlgorithmParts(compressor_factory(cfg.compression, **cfg.compressor_options()))
+    parts = AlgorithmParts(resolve_codec(cfg.compression))
     if isinstance(cfg, PeriodicConfig) and cfg.mode != "gradient":
         parts.averager_arguments = dict(
             outer=cfg.mode == "diloco",

@@ -118,7 +118,7 @@ plt.show()
 # parameters back. Comm seconds are the time collectives are in flight on rank 0, per optimizer step (a periodic
 # mode spends it all on every 8th step); a parameter-server push waits for its reply, so its round trip includes
 # the server's work and, in `sync` and `ssp`, the wait for the other worker. Below, the same as running totals:
-# bytes against optimizer steps (PowerSGD sends uncompressed for its first `powersgd_start_iter` = 10 steps,
+# bytes against optimizer steps (PowerSGD sends uncompressed for its first `start_iter` = 10 steps,
 # periodic modes send only at syncs) and seconds in collectives against batches. Bars are the mean over the seeds,
 # black lines their range.
 

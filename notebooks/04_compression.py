@@ -18,10 +18,10 @@
 #
 # - `none`: fp32, the reference;
 # - `fp16`, `bf16`: each value cast to 16 bits for the transfer (half the bytes);
-# - `topk` (`topk_density=0.01`): each rank sends the largest 1% of its gradient entries, values and indices (an
+# - `topk` (`TopKCompression(density=0.01)`): each rank sends the largest 1% of its gradient entries, values and indices (an
 #   all-gather), and keeps the rest in an error-feedback residual added to its next gradient;
-# - `powersgd` (`powersgd_rank=4`): each gradient matrix is sent as two rank-4 factors (r(n + m) values instead of
-#   n x m; vectors such as biases go uncompressed), with error feedback, after `powersgd_start_iter` (10)
+# - `powersgd` (`PowerSGDCompression(rank=4)`): each gradient matrix is sent as two rank-4 factors (r(n + m) values instead of
+#   n x m; vectors such as biases go uncompressed), with error feedback, after `start_iter` (10)
 #   uncompressed steps.
 #
 # The digits classifier on 2 CPU ranks, the same epochs for every case, each case over 3 seeds (a seed sets the

@@ -8,6 +8,7 @@ parameters in ``OUT``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 WIDTH = 16
-OUTER = dict(outer=True, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True)
+OUTER = dict(outer=True, outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
 
 
 def make_model() -> nn.Module:

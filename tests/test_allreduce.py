@@ -14,7 +14,7 @@ import torch
 from lightning_utils import make_trainer
 from torch import nn
 
-from lightning_sync import AllReduceStrategy, ConfigError
+from lightning_sync import AllReduceStrategy, ConfigError, PowerSGDCompression, TopKCompression
 from lightning_sync.examples.data import DigitsDataModule
 from lightning_sync.examples.models import DigitsClassifier
 
@@ -221,9 +221,9 @@ class _OneMatrix(pl.LightningModule):
         ({"compression": "none"}, 48 * 64 * 4),
         ({"compression": "fp16"}, 48 * 64 * 2),
         ({"compression": "bf16"}, 48 * 64 * 2),
-        ({"compression": "powersgd", "powersgd_rank": 2, "powersgd_start_iter": 0}, 2 * (48 + 64) * 4),
+        ({"compression": PowerSGDCompression(rank=2, start_iter=0)}, 2 * (48 + 64) * 4),
         # k = ceil(0.05 * 3072) = 154 values (fp32) + 154 indices (int32)
-        ({"compression": "topk", "topk_density": 0.05}, 154 * 4 + 154 * 4),
+        ({"compression": TopKCompression(density=0.05)}, 154 * 4 + 154 * 4),
     ],
     ids=["none", "fp16", "bf16", "powersgd", "topk"],
 )
@@ -241,9 +241,7 @@ def test_meter_counts_compressed_bytes(kwargs, expected_bytes, tmp_path):
         ({"bucket_cap_mb": -1.0}, "strategy.bucket_cap_mb=-1.0"),
         ({"bucketing": "ring"}, "strategy.bucketing='ring'"),
         ({"compression": "zip"}, "strategy.compression='zip'"),
-        ({"compression": "powersgd", "powersgd_rank": 0}, "strategy.powersgd_rank=0"),
-        ({"compression": "topk", "topk_density": 0.0}, "strategy.topk_density=0.0"),
-        ({"compression": "topk", "topk_density": 1.5}, "strategy.topk_density=1.5"),
+        ({"compression": 0.01}, "strategy.compression=0.01 is not allowed; it must be a codec object"),
         ({"start_method": "thread"}, "strategy.start_method='thread'"),
     ],
 )

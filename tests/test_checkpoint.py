@@ -16,6 +16,7 @@ are fixed) when a stateful compressor must resume exactly.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +28,13 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_utils import make_trainer
 
-from lightning_sync import AllReduceStrategy, DDPSyncStrategy, PeriodicSyncStrategy
+from lightning_sync import (
+    AllReduceStrategy,
+    DDPSyncStrategy,
+    PeriodicSyncStrategy,
+    PowerSGDCompression,
+    TopKCompression,
+)
 from lightning_sync.errors import CheckpointError
 from lightning_sync.examples.data import DigitsDataModule
 from lightning_sync.examples.models import DigitsClassifier
@@ -74,15 +81,20 @@ def _ends(run: Path) -> tuple[list[torch.Tensor], list[dict[str, float]]]:
 CASES = {
     "ddp": (lambda: DDPSyncStrategy(start_method="fork"), {}),
     "allreduce": (lambda: AllReduceStrategy(start_method="fork"), {}),
-    "allreduce-topk": (lambda: AllReduceStrategy(start_method="fork", compression="topk", topk_density=0.05), {}),
+    "allreduce-topk": (lambda: AllReduceStrategy(start_method="fork", compression=TopKCompression(density=0.05)), {}),
     "allreduce-powersgd": (
-        lambda: AllReduceStrategy(start_method="fork", compression="powersgd", powersgd_rank=2, powersgd_start_iter=2),
+        lambda: AllReduceStrategy(start_method="fork", compression=PowerSGDCompression(rank=2, start_iter=2)),
         {},
     ),
     "periodic-gradient": (lambda: PeriodicSyncStrategy(start_method="fork", mode="gradient", sync_every=2), {}),
     "periodic-local_sgd": (lambda: PeriodicSyncStrategy(start_method="fork", mode="local_sgd", sync_every=3), {}),
     "periodic-diloco-adamw": (
-        lambda: PeriodicSyncStrategy(start_method="fork", mode="diloco", sync_every=3, outer_momentum=0.9),
+        lambda: PeriodicSyncStrategy(
+            start_method="fork",
+            mode="diloco",
+            sync_every=3,
+            outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
+        ),
         {"optimizer": "adamw", "lr": 0.01},
     ),
 }

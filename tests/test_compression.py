@@ -11,7 +11,7 @@ import torch.distributed as dist
 from dist_utils import run_ranks
 
 from lightning_sync.comm.compression import (
-    COMPRESSORS,
+    CODECS,
     BF16Compression,
     Compressor,
     FlatBucket,
@@ -19,7 +19,7 @@ from lightning_sync.comm.compression import (
     NoCompression,
     PowerSGDCompression,
     TopKCompression,
-    build_compressor,
+    resolve_codec,
 )
 from lightning_sync.comm.meter import CommMeter, ring_all_reduce_bytes
 from lightning_sync.errors import ConfigError
@@ -63,7 +63,7 @@ def _average(comp: Compressor, bucket: FlatBucket, meter: CommMeter) -> torch.Te
 def _check_dense(rank: int, world_size: int, name: str, elem: int, tol: float) -> None:
     shapes = [(40, 25), (25,), (3, 7, 2)]
     numel = sum(math.prod(s) for s in shapes)
-    comp = build_compressor(name)
+    comp = resolve_codec(name)()
     meter = CommMeter()
     out = _average(comp, _bucket(_tensors(rank, shapes)), meter)
     torch.testing.assert_close(out, _exact_mean(world_size, shapes), rtol=tol, atol=tol)
@@ -80,7 +80,7 @@ def _check_dense(rank: int, world_size: int, name: str, elem: int, tol: float) -
     [("none", NoCompression, 4, 1e-6), ("fp16", FP16Compression, 2, 2e-3), ("bf16", BF16Compression, 2, 2e-2)],
 )
 def test_dense_exact_mean_and_bytes(name: str, cls: type, elem: int, tol: float) -> None:
-    assert isinstance(build_compressor(name), cls)
+    assert isinstance(resolve_codec(name)(), cls)
     run_ranks(_check_dense, name, elem, tol)
 
 
@@ -201,7 +201,7 @@ def _check_powersgd_low_rank(rank: int, world_size: int) -> None:
     u, v = torch.randn(48, 1, generator=gen), torch.randn(1, 3, 5, 4, generator=gen)
     matrix = (u @ v.reshape(1, -1)).reshape(48, 3, 5, 4)  # rank-1 4-d tensor, viewed as 48x60
     bias = torch.randn(48, generator=gen)
-    comp = PowerSGDCompression(rank=2)
+    comp = PowerSGDCompression(rank=2, start_iter=0)
     meter = CommMeter()
     out = _average(comp, _bucket([matrix, bias], index=3), meter)
     torch.testing.assert_close(out[: matrix.numel()].view_as(matrix), matrix, rtol=1e-4, atol=1e-4)
@@ -214,7 +214,7 @@ def _check_powersgd_low_rank(rank: int, world_size: int) -> None:
     # Different random matrices per rank: lossy, but identical on all ranks and finite; a zero gradient gives a
     # zero output without NaN (no error feedback, which would send the residual), and the all-zero warm-start
     # factor it leaves behind is redrawn, so later steps are not stuck at zero.
-    comp = PowerSGDCompression(rank=2, seed=11, error_feedback=False)
+    comp = PowerSGDCompression(rank=2, start_iter=0, seed=11, error_feedback=False)
     for step, scale in enumerate((1.0, 0.0, 1.0, 1.0)):
         tensors = [t * scale for t in _tensors(rank, [(20, 30), (30,)], seed=step)]
         out = _average(comp, _bucket(tensors, index=1), meter)
@@ -239,7 +239,7 @@ def _check_powersgd_error_feedback(rank: int, world_size: int) -> None:
     mean = _exact_mean(world_size, shapes, seed=9)
     errors = {}
     for feedback in (True, False):
-        comp = PowerSGDCompression(rank=1, error_feedback=feedback)
+        comp = PowerSGDCompression(rank=1, start_iter=0, error_feedback=feedback)
         meter = CommMeter()
         total, steps = torch.zeros(mean.numel()), 200
         for _ in range(steps):
@@ -260,7 +260,7 @@ def test_powersgd_error_feedback_converges_to_mean() -> None:
 def _check_buckets_in_flight(rank: int, world_size: int) -> None:
     # Several buckets launched before any is waited for: no deadlock, each gets its own result.
     layouts = [[(40, 50), (50,)], [(64, 32)], [(7,), (30, 30)]]
-    for comp in (PowerSGDCompression(rank=2), TopKCompression(1.0)):
+    for comp in (PowerSGDCompression(rank=2, start_iter=0), TopKCompression(1.0)):
         meter = CommMeter()
         buckets = [_bucket(_tensors(rank, shapes, seed=i), index=i) for i, shapes in enumerate(layouts)]
         futures = [comp.average(b, meter) for b in buckets]
@@ -289,7 +289,7 @@ def _check_state_dict(rank: int, world_size: int) -> None:
     makers = {
         "topk": lambda: TopKCompression(0.1),
         "powersgd": lambda: PowerSGDCompression(rank=2, start_iter=1, seed=4),
-        "powersgd_cold": lambda: PowerSGDCompression(rank=2, warm_start=False, seed=4),
+        "powersgd_cold": lambda: PowerSGDCompression(rank=2, start_iter=0, warm_start=False, seed=4),
     }
     for name, make in makers.items():
         comp, meter = make(), CommMeter()
@@ -328,22 +328,30 @@ def test_state_dict_roundtrip_is_bit_exact() -> None:
 # ---------------------------------------------------------------------------------------------------------- factory
 @pytest.mark.unit
 @pytest.mark.timeout(60)
-def test_build_compressor_names_and_errors() -> None:
-    assert COMPRESSORS == ("none", "fp16", "bf16", "topk", "powersgd")
-    assert [build_compressor(n).name for n in COMPRESSORS] == list(COMPRESSORS)
-    topk = build_compressor("topk", topk_density=0.25, error_feedback=False)
-    assert isinstance(topk, TopKCompression) and topk.density == 0.25 and not topk.error_feedback
-    psgd = build_compressor("powersgd", powersgd_rank=2, powersgd_start_iter=5, powersgd_warm_start=False)
-    assert isinstance(psgd, PowerSGDCompression)
-    assert (psgd.rank, psgd.start_iter, psgd.warm_start) == (2, 5, False)
+def test_the_codec_registry_names_objects_and_errors() -> None:
+    assert list(CODECS) == ["none", "fp16", "bf16", "topk", "powersgd", "int8", "int4", "sparseloco"]
+    assert [resolve_codec(n)().name for n in CODECS] == list(CODECS)
+    topk = TopKCompression(density=0.25, error_feedback=False)
+    copies = resolve_codec(topk)
+    first, second = copies(), copies()
+    assert first is not topk and first is not second and repr(first) == repr(topk)
+    assert repr(topk) == "TopKCompression(density=0.25, error_feedback=False)"
+    assert Compressor.from_spec(topk.spec()).__dict__.keys() == topk.__dict__.keys()
+    assert repr(Compressor.from_spec(topk.spec())) == repr(topk)
+    psgd = resolve_codec("powersgd")()
+    assert isinstance(psgd, PowerSGDCompression) and (psgd.rank, psgd.start_iter, psgd.warm_start) == (4, 10, True)
     with pytest.raises(ConfigError, match="compression='zstd' is not allowed") as info:
-        build_compressor("zstd")
-    assert all(n in str(info.value) for n in COMPRESSORS)
+        resolve_codec("zstd")
+    assert all(n in str(info.value) for n in CODECS)
+    with pytest.raises(ConfigError, match="compression=3 is not allowed; it must be a codec object"):
+        resolve_codec(3)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"compression=PowerSGDCompression\(rank=4.* point_to_point.*: none, fp16"):
+        resolve_codec("powersgd", needs=("point_to_point",))
     for bad, named in (
-        (lambda: TopKCompression(0.0), "topk_density=0.0"),
-        (lambda: TopKCompression(1.5), "topk_density"),
-        (lambda: PowerSGDCompression(0), "powersgd_rank=0"),
-        (lambda: build_compressor("powersgd", powersgd_start_iter=-1), "powersgd_start_iter=-1"),
+        (lambda: TopKCompression(0.0), "density=0.0"),
+        (lambda: TopKCompression(1.5), "density"),
+        (lambda: PowerSGDCompression(0), "rank=0"),
+        (lambda: PowerSGDCompression(start_iter=-1), "start_iter=-1"),
     ):
         with pytest.raises(ConfigError, match=named):
             bad()
@@ -355,7 +363,7 @@ def _divided_matches_undivided(rank: int, world_size: int) -> None:
     from lightning_sync.comm.meter import CommMeter
 
     meter = CommMeter()
-    for make in (lambda: PowerSGDCompression(rank=2), lambda: TopKCompression(density=0.1)):
+    for make in (lambda: PowerSGDCompression(rank=2, start_iter=0), lambda: TopKCompression(density=0.1)):
         plain, divided = make(), make()
         gen = torch.Generator().manual_seed(100 + rank)
         for _ in range(4):
@@ -411,7 +419,7 @@ def _ddp_identical_blocks(rank: int, world_size: int) -> None:
 
     from lightning_sync.comm.ddp_hook import DDPHookState, compressed_allreduce_hook
 
-    for comp in (TopKCompression(0.1), PowerSGDCompression(rank=1)):
+    for comp in (TopKCompression(0.1), PowerSGDCompression(rank=1, start_iter=0)):
         torch.manual_seed(0)  # the same initial model on every rank
         model = torch.nn.Sequential(*(torch.nn.Linear(_WIDTH, _WIDTH) for _ in range(_BLOCKS)))
         ddp = DistributedDataParallel(model, bucket_cap_mb=_BLOCK_CAP_MB)

@@ -16,7 +16,7 @@ import torch
 from lightning_utils import WORLD, make_trainer
 
 import lightning_sync
-from lightning_sync import DDPSyncStrategy
+from lightning_sync import DDPSyncStrategy, PowerSGDCompression
 from lightning_sync.examples.data import DigitsDataModule
 from lightning_sync.examples.models import DigitsClassifier
 
@@ -139,7 +139,7 @@ def test_fp16_hook_runs_on_cpu_and_halves_bytes(none_run, tmp_path):
     "kwargs",
     [
         {"comm_hook": "bf16"},
-        {"comm_hook": "powersgd", "powersgd_start_iter": 3, "check_consistency_every": 1},
+        {"comm_hook": PowerSGDCompression(start_iter=3), "check_consistency_every": 1},
     ],
     ids=["bf16", "powersgd"],
 )
@@ -149,7 +149,7 @@ def test_other_hooks_train(kwargs, none_run, tmp_path):
     assert all(torch.isfinite(result["params"]))
     none, _ = none_run
     # every step after PowerSGD switches on (and every bf16 step) sends fewer bytes than fp32
-    start = kwargs.get("powersgd_start_iter", 0)
+    start = getattr(kwargs["comm_hook"], "start_iter", 0)
     compressed = result["bytes_sent"][start + 1 :]
     assert compressed and all(b < 0.6 * none["bytes_sent"][0] for b in compressed), result["bytes_sent"]
 

@@ -45,7 +45,7 @@ def test_compressor_memory_forgets_nonfinite_entries():
     topk.forget_nonfinite()
     assert torch.equal(topk.residuals[0], torch.tensor([1.0, 0.0, 0.0, 2.0]))
 
-    powersgd = PowerSGDCompression(rank=1)
+    powersgd = PowerSGDCompression(rank=1, start_iter=0)
     from lightning_sync.comm.compression import _PowerSGDMemory
 
     good_q = torch.ones(3, 1)
@@ -143,15 +143,13 @@ def _fit(strategy: Any, poison: float, *callbacks: pl.Callback, steps: int = STE
     [
         pytest.param(lambda: AllReduceStrategy(start_method="fork"), "allreduce", BAD_BATCH, id="allreduce"),
         pytest.param(
-            lambda: AllReduceStrategy(start_method="fork", compression="topk", topk_density=0.1),
+            lambda: AllReduceStrategy(start_method="fork", compression=TopKCompression(density=0.1)),
             "allreduce",
             BAD_BATCH,
             id="allreduce-topk",
         ),
         pytest.param(
-            lambda: AllReduceStrategy(
-                start_method="fork", compression="powersgd", powersgd_rank=1, powersgd_start_iter=1
-            ),
+            lambda: AllReduceStrategy(start_method="fork", compression=PowerSGDCompression(rank=1, start_iter=1)),
             "allreduce",
             BAD_BATCH,
             id="allreduce-powersgd",
@@ -165,7 +163,7 @@ def _fit(strategy: Any, poison: float, *callbacks: pl.Callback, steps: int = STE
         ),
         pytest.param(lambda: ParameterServerStrategy(start_method="fork"), "ps (sync)", BAD_BATCH, id="ps-sync"),
         pytest.param(
-            lambda: ParameterServerStrategy(start_method="fork", compression="topk", topk_density=0.1, num_servers=2),
+            lambda: ParameterServerStrategy(start_method="fork", compression=TopKCompression(0.1), num_servers=2),
             "ps (sync)",
             BAD_BATCH,
             id="ps-sync-topk-2servers",

@@ -7,6 +7,7 @@ and final weights come back to the parent from rank 0.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -22,8 +23,8 @@ from torch import nn
 
 from lightning_sync import ConfigError, DDPSyncStrategy, PeriodicSyncStrategy
 from lightning_sync.comm.adaptive import AdaptivePeriod, agree_max, choose_period, comm_fraction
-from lightning_sync.comm.averaging import ModelAverager, average_buffers, average_optimizer_state, make_outer_optimizer
-from lightning_sync.comm.compression import NoCompression
+from lightning_sync.comm.averaging import ModelAverager, average_buffers, average_optimizer_state
+from lightning_sync.comm.compression import NoCompression, PowerSGDCompression, TopKCompression
 from lightning_sync.comm.meter import CommMeter, ring_all_reduce_bytes
 from lightning_sync.comm.module_policy import validate_module_policy
 from lightning_sync.comm.periodic import AdaptiveOptions, PeriodicAverager
@@ -33,6 +34,7 @@ from lightning_sync.examples.models import DigitsClassifier
 from lightning_sync.strategies._checkpoint import sync_state_path
 
 TIMEOUT = pytest.mark.timeout(120)
+PAPER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)  # DiLoCo's outer optimizer
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
@@ -348,6 +350,9 @@ def test_module_policy_head_every_8_backbone_every_step(tmp_path, mode):
     )
 
 
+_CODECS = {"powersgd": lambda: PowerSGDCompression(start_iter=0), "topk": lambda: TopKCompression(density=0.05)}
+
+
 @pytest.mark.e2e
 @TIMEOUT
 @pytest.mark.parametrize(
@@ -363,7 +368,7 @@ def test_sync_payload_is_compressed(tmp_path, mode, compression):
                 assert torch.equal(rows[0], rows[1]), f"replicas differ after a compressed sync ({compression})"
 
     model, rec = fit(
-        periodic(mode=mode, sync_every=4, compression=compression, powersgd_start_iter=0, topk_density=0.05),
+        periodic(mode=mode, sync_every=4, compression=_CODECS.get(compression, lambda: compression)()),
         tmp_path,
         compression,
         callbacks=(Check(),),
@@ -431,7 +436,11 @@ def test_unmatched_pattern_fails_at_setup(tmp_path):
             r"strategy\.max_sync_every=2 is not allowed; it must be >= 4",
         ),
         ({"sync_every": "auto", "target_comm_fraction": 0.0}, r"strategy\.target_comm_fraction=0\.0 is not allowed"),
-        ({"outer_momentum": 1.0}, r"strategy\.outer_momentum=1\.0 is not allowed"),
+        ({"outer_optimizer": 0.7}, r"strategy\.outer_optimizer=0\.7 is not allowed; it must be a callable"),
+        (
+            {"outer_optimizer": functools.partial(torch.optim.SGD, lr=-1.0)},
+            r"strategy\.outer_optimizer=.*lr=-1\.0\) is not allowed: Invalid learning rate",
+        ),
         ({"compression": "zip"}, r"strategy\.compression='zip' is not allowed"),
     ],
 )
@@ -630,13 +639,13 @@ def _averaging_ranks(rank: int, world_size: int) -> None:
 
     # DiLoCo with lr=1 and no momentum equals local SGD; with momentum, the outer state builds up
     diloco = ModelAverager(params, NoCompression(), meter)
-    outer = make_outer_optimizer(diloco, lr=1.0, momentum=0.0, nesterov=True)
+    outer = torch.optim.SGD(diloco.anchors, lr=1.0)
     anchor = [p.detach().clone() for p in params]
     perturb(0.25)
     diloco.outer_step_(outer)
     for p, a in zip(params, anchor):
         torch.testing.assert_close(p.detach(), a + 0.25 * 1.5, rtol=0, atol=1e-6)
-    nesterov = make_outer_optimizer(diloco, lr=0.7, momentum=0.9, nesterov=True)
+    nesterov = PAPER(diloco.anchors)
     anchor = [p.detach().clone() for p in params]
     perturb(0.1)
     diloco.outer_step_(nesterov)
@@ -701,7 +710,7 @@ def test_local_sgd_and_diloco_every_8_match_ddp_accuracy_at_an_eighth_of_the_byt
     for name, strategy in [
         ("ddp", DDPSyncStrategy(start_method="fork")),
         ("local_sgd", periodic(mode="local_sgd", sync_every=8)),
-        ("diloco", periodic(mode="diloco", sync_every=8, outer_momentum=0.9)),
+        ("diloco", periodic(mode="diloco", sync_every=8, outer_optimizer=PAPER)),
     ]:
         model, rec = fit(strategy, tmp_path, name, **common)
         rec["acc"] = accuracy_on_test_split(model, datamodule)
@@ -747,7 +756,7 @@ def test_diloco_sync_state_round_trips(tmp_path):
             assert strategy.sync_state_dict()["averager"]["steps"] == 8
 
     # the paper's outer Nesterov momentum (the default has none), so that there is a momentum to round-trip
-    strategy = periodic(mode="diloco", sync_every=4, outer_momentum=0.9)
+    strategy = periodic(mode="diloco", sync_every=4, outer_optimizer=PAPER)
     fit(strategy, tmp_path, "diloco", callbacks=(Check(),), limit_train_batches=8)
 
 
@@ -769,7 +778,7 @@ def test_diloco_resume_from_checkpoint_is_exact(tmp_path):
     common = dict(limit_train_batches=8)
     pl.seed_everything(0, verbose=False)
     straight, _ = fit(
-        periodic(mode="diloco", sync_every=4, outer_momentum=0.9),
+        periodic(mode="diloco", sync_every=4, outer_optimizer=PAPER),
         tmp_path,
         "straight",
         model=DigitsClassifier(momentum=0.0),
@@ -778,7 +787,7 @@ def test_diloco_resume_from_checkpoint_is_exact(tmp_path):
     )
     pl.seed_everything(0, verbose=False)
     fit(
-        periodic(mode="diloco", sync_every=4, outer_momentum=0.9),
+        periodic(mode="diloco", sync_every=4, outer_optimizer=PAPER),
         tmp_path,
         "first",
         model=DigitsClassifier(momentum=0.0),
@@ -788,7 +797,7 @@ def test_diloco_resume_from_checkpoint_is_exact(tmp_path):
     )
     pl.seed_everything(0, verbose=False)
     resumed, _ = fit(
-        periodic(mode="diloco", sync_every=4, outer_momentum=0.9),
+        periodic(mode="diloco", sync_every=4, outer_optimizer=PAPER),
         tmp_path,
         "resumed",
         model=DigitsClassifier(momentum=0.0),

@@ -35,6 +35,7 @@ from fake_clock import FakeClock  # noqa: E402
 from fault_utils import allowed_s  # noqa: E402
 
 import lightning_sync.ps as ps  # noqa: E402
+from lightning_sync.comm.compression import TopKCompression, resolve_codec  # noqa: E402
 from lightning_sync.ps._exchange import exchange  # noqa: E402
 from lightning_sync.ps._layout import ShardLayout  # noqa: E402
 from lightning_sync.ps._protocol import (  # noqa: E402
@@ -218,16 +219,14 @@ def test_shard_by_bytes_is_balanced_deterministic_and_whole():
 @pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_settings_are_validated_with_the_field_named():
-    with pytest.raises(ValueError, match=r"compression='powersgd' is not supported by ps .*choose one of none, fp16"):
-        ps.PSConfig(compression="powersgd")
+    with pytest.raises(ValueError, match=r"compression=PowerSGDCompression\(.* ride point_to_point.*: none, fp16"):
+        resolve_codec("powersgd", needs=("point_to_point",))
     with pytest.raises(ValueError, match=r"mode='ring'"):
         ps.PSConfig(mode="ring")
     with pytest.raises(ValueError, match=r"max_staleness=-1"):
         ps.PSConfig(mode="ssp", max_staleness=-1)
     with pytest.raises(ValueError, match=r"max_updates=0"):
         ps.PSConfig(max_updates=0)
-    with pytest.raises(ValueError, match=r"topk_density=1.5"):
-        ps.PSConfig(compression="topk", topk_density=1.5)
     with pytest.raises(ValueError, match=r"slowdown=0.5"):
         ps.Straggler(0, slow_worker=0, slowdown=0.5)
     clock = FakeClock()
@@ -393,28 +392,28 @@ def test_codec_sizes_and_topk_error_feedback():
     gen = torch.Generator().manual_seed(0)
     grads = [[torch.randn(30, 10, generator=gen), torch.randn(10, generator=gen)] for _ in range(3)]
     for name, nbytes in (("none", 310 * 4), ("fp16", 310 * 2), ("bf16", 310 * 2), ("topk", 31 * 8)):
-        codec = ps.GradientCodec(name, topk_density=0.1)
-        payload = codec.encode(0, layout, grads[0])
-        assert payload.dtype == torch.uint8 and payload.numel() == nbytes == codec.payload_nbytes(layout), name
-        decoded = codec.decode(payload, layout)
+        codec = TopKCompression(density=0.1) if name == "topk" else resolve_codec(name)()
+        payload = codec.pack(layout.flat_fp32(grads[0]), 0)
+        assert payload.dtype == torch.uint8 and payload.numel() == nbytes == codec.packed_nbytes(layout.numel), name
+        decoded = codec.unpack(payload, layout.numel)
         exact = layout.flat_fp32(grads[0])
         tolerance = {"none": 0.0, "fp16": 1e-3, "bf16": 1e-2}.get(name)
         if tolerance is not None:
             assert torch.allclose(decoded, exact, atol=tolerance, rtol=tolerance), name
-    codec = ps.GradientCodec("topk", topk_density=0.1)
+    codec = TopKCompression(density=0.1)
     sent = torch.zeros(310)
     for g in grads:
-        decoded = codec.decode(codec.encode(3, layout, g), layout)
+        decoded = codec.unpack(codec.pack(layout.flat_fp32(g), 3), layout.numel)
         assert (decoded != 0).sum() <= 31
         sent += decoded
     total = sum(layout.flat_fp32(g) for g in grads)
     # error feedback: what was sent plus what is kept adds up to every gradient pushed
     assert torch.allclose(sent + codec.residuals[3], total, atol=1e-5)
-    restored = ps.GradientCodec("topk", topk_density=0.1)
+    restored = TopKCompression(density=0.1)
     restored.load_state_dict(codec.state_dict())
     assert torch.equal(restored.residuals[3], codec.residuals[3])
-    without = ps.GradientCodec("topk", topk_density=0.1, error_feedback=False)
-    without.encode(0, layout, grads[0])
+    without = TopKCompression(density=0.1, error_feedback=False)
+    without.pack(layout.flat_fp32(grads[0]), 0)
     assert not without.residuals
 
 
@@ -517,7 +516,16 @@ def test_sync_skips_a_nonfinite_step_for_every_worker_on_every_server(procs, com
     skips it; ``topk``: finite, the NaN kept out of the error feedback)."""
     port, steps = _free_port(), 5
     for rank in range(2):
-        procs.start(f"worker{rank}", _sync_worker, rank, port, "two_groups", steps, {"compression": compression}, 2)
+        procs.start(
+            f"worker{rank}",
+            _sync_worker,
+            rank,
+            port,
+            "two_groups",
+            steps,
+            {"codec": resolve_codec(compression)().spec()},
+            2,
+        )
     out = procs.ok(["worker0", "worker1"], timeout=30)
     for rank in range(2):
         assert out[f"worker{rank}"]["skipped"] == [False, False, True, False, False], rank
@@ -535,7 +543,7 @@ def test_sync_ingress_per_step_is_workers_times_shard_bytes(procs):
     totals = {}
     for compression in ("none", "topk"):
         port = _free_port()
-        config = {"compression": compression, "topk_density": 0.1}
+        config = {"codec": (TopKCompression(0.1) if compression == "topk" else resolve_codec(compression)()).spec()}
         for rank in range(2):
             procs.start(f"{compression}{rank}", _sync_worker, rank, port, "sgd", 4, config)
         out = procs.ok([f"{compression}0", f"{compression}1"], timeout=30)[f"{compression}0"]
@@ -696,7 +704,7 @@ def _resuming_worker(rank: int, port: int, first: int, steps: int, states: dict 
     _, server, group = _join(rank, port, 2, 2, timeout_s=10)
     model = _model()
     opt = _optimizer(model, "two_groups")
-    client = _client(group, model, opt, mode="sync", compression="topk", topk_density=0.3)
+    client = _client(group, model, opt, mode="sync", codec=TopKCompression(density=0.3).spec())
     if states is not None:
         client.load_state_dict(states["clients"][rank])
     if rank == 0:

@@ -8,6 +8,7 @@ gloo ranks (asserting inside the ranks); one runs it inside a Lightning Trainer.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import re
@@ -22,17 +23,18 @@ from torch import nn
 
 from lightning_sync import ConfigError
 from lightning_sync.algorithms import build_parts
-from lightning_sync.comm.averaging import ModelAverager, make_outer_optimizer
+from lightning_sync.comm.averaging import ModelAverager
 from lightning_sync.comm.compression import FlatBucket, NoCompression
+from lightning_sync.comm.compression.quantized import BLOCK, Int4Compression, Int8Compression
 from lightning_sync.comm.fragments import block_fragments, layer_fragments, split_fragments
 from lightning_sync.comm.meter import CommMeter, PeerError
 from lightning_sync.comm.periodic import AdaptiveOptions, PeriodicAverager, StreamingOptions
-from lightning_sync.comm.quantized import BLOCK, Int4Compression, Int8Compression
 from lightning_sync.comm.streaming import stagger_offsets
 from lightning_sync.config import PeriodicConfig
 from lightning_sync.strategies._checkpoint import sync_state_path
 
 WIDTH = 64
+PAPER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)  # DiLoCo's outer optimizer
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
@@ -335,7 +337,7 @@ def _reference_diloco(rank: int, outer: bool, steps: int, period: int) -> torch.
     """Today's DiLoCo / local SGD written out with ModelAverager: one group, a sync every ``period`` steps."""
     loop = Loop(rank, PeriodicAverager(sync_every=10**6, outer=outer))  # only for its inner loop and data
     averager = ModelAverager(list(loop.model.parameters()), NoCompression(), loop.meter)
-    outer_opt = make_outer_optimizer(averager, 0.7, 0.9, True) if outer else None
+    outer_opt = PAPER(averager.anchors) if outer else None
     for step in range(1, steps + 1):
         loop.inner_step()
         if step % period == 0:
@@ -349,7 +351,7 @@ def _exactness_ranks(rank: int, world: int) -> None:
     for outer in (True, False):
         reference = _reference_diloco(rank, outer, steps=21, period=4)
         streaming = StreamingOptions(fragments=1, sync_delay=0, fragment_alpha=0.0, outer_compression="none")
-        loop = Loop(rank, PeriodicAverager(sync_every=4, outer=outer, streaming=streaming))
+        loop = Loop(rank, PeriodicAverager(sync_every=4, outer=outer, outer_optimizer=PAPER, streaming=streaming))
         synced = loop.run(21)
         loop.averager.finish([loop.opt])
         assert [i + 1 for i, s in enumerate(synced) if s] == [4, 8, 12, 16, 20]

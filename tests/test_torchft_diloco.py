@@ -12,6 +12,7 @@ is also how ours rounds the mix).
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -161,8 +162,8 @@ def _our_ranks(rank: int, world: int, k: int, delay: int, alpha: float, out: str
     model = BlockNet()
     inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
     streaming = StreamingOptions(fragments=k, sync_delay=delay, fragment_alpha=alpha)
-    outer_knobs = dict(outer_lr=OUTER["lr"], outer_momentum=OUTER["momentum"], outer_nesterov=OUTER["nesterov"])
-    averager = PeriodicAverager(sync_every=SYNC_EVERY, outer=True, streaming=streaming, **outer_knobs)
+    outer = functools.partial(torch.optim.SGD, **OUTER)  # torchft's outer optimizers, one per fragment
+    averager = PeriodicAverager(sync_every=SYNC_EVERY, outer=True, outer_optimizer=outer, streaming=streaming)
     averager.setup(model.named_parameters(), model.named_buffers(), CommMeter())
     expected = [[id(p) for m in modules for p in m.parameters()] for modules in paper_fragments(model, k)]
     formed = [[id(p) for p in group.params] for group in averager.groups]

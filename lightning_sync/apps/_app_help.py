@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from lightning_sync.apps.conf_store import MODES
+from lightning_sync.apps.conf_store import MODES, SCHEMA_DEFAULTS
 from lightning_sync.config import knob_docs
 
 _WIDTH = 110
@@ -37,7 +37,7 @@ def _knobs_text(mode: str) -> str:
     if mode not in MODES:
         return f"  (strategy={mode} is not one of lightning_sync's: {', '.join(MODES)})"
     config_class = MODES[mode][1]
-    defaults = {f.name: f.default for f in fields(config_class) if f.default is not MISSING}
+    defaults = {f.name: SCHEMA_DEFAULTS.get(f.name, f.default) for f in fields(config_class) if f.default is not MISSING}
     lines = []
     for name, doc in knob_docs(config_class).items():
         lines.append(f"  strategy.{name}={_as_override(defaults.get(name, '???'))}")
@@ -56,6 +56,8 @@ def _as_override(value: object) -> str:
     """A default as one writes it on the command line (``true``, ``null``), not as Python prints it."""
     if value is None:
         return "null"
+    if isinstance(value, dict):  # a node: {_target_:torch.optim.SGD,_partial_:true,lr:0.7}
+        return "{" + ",".join(f"{key}:{_as_override(item)}" for key, item in value.items()) + "}"
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 

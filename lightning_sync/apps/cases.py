@@ -4,8 +4,8 @@ A :class:`Case` is a strategy (its Hydra option, ``conf/strategy/<group>.yaml``)
 :data:`CATALOGUE`. ``python -m lightning_sync.compare`` and the notebooks run it as Hydra overrides
 (:meth:`Case.overrides`, :func:`hydra_cases`); ``python -m lightning_sync.bench`` builds the strategy from the same
 knobs (:meth:`Case.arguments`). Each harness selects its cases by name (:func:`select`): a case both run has the
-main job's name and the benchmark's as its ``alias``. Where the two deliberately run different settings (the
-benchmark's DiLoCo variants on an outer SGD without momentum), they are two cases.
+main job's name and the benchmark's as its ``alias``. Where the two name the same settings differently (the
+benchmark's ``streaming_diloco_8`` is the main job's ``periodic:streaming_diloco/8``), they are two cases.
 
 A leaf: it imports nothing of torch, Lightning or Hydra.
 """
@@ -46,11 +46,11 @@ class Case:
         return {**self.knobs, **({"sync_every": getattr(knobs, self.period_knob)} if self.period_knob else {})}
 
 
-def _streaming(name: str, every: int, fragments: int, delay: int, about: str, sgd: bool = False, **more: Any) -> Case:
+def _streaming(name: str, every: int, fragments: int, delay: int, about: str, **more: Any) -> Case:
     """Streaming DiLoCo: ``fragments`` fragments synced ``delay`` steps late, fragment_alpha 0.5, int4 outer
-    payloads; ``sgd``: an outer SGD without momentum."""
+    payloads, the strategy's default outer optimizer."""
     knobs = {"mode": "diloco", "sync_every": every, "fragments": fragments, "sync_delay": delay}
-    knobs |= {"fragment_alpha": 0.5, "outer_compression": "int4", **({"outer_momentum": 0.0} if sgd else {})}
+    knobs |= {"fragment_alpha": 0.5, "outer_compression": "int4"}
     return Case(name, "periodic", knobs, about, **more)
 
 
@@ -63,15 +63,15 @@ _CASES = (
     Case("allreduce", "allreduce", {}, "our AllReduceStrategy, defaults (bucketing=auto)"),
     Case("allreduce+fp16", "allreduce", {"compression": "fp16"}, "gradients all-reduced in fp16"),
     Case("allreduce+bf16", "allreduce", {"compression": "bf16"}, "gradients all-reduced in bf16"),
-    Case("allreduce+topk1%", "allreduce", {"compression": "topk", "topk_density": 0.01},
-         "our AllReduceStrategy(compression='topk', topk_density=0.01)", alias="topk"),
-    Case("allreduce+powersgd4", "allreduce", {"compression": "powersgd", "powersgd_rank": 4},
-         "our AllReduceStrategy(compression='powersgd', powersgd_rank=4)", alias="powersgd"),
+    Case("allreduce+topk1%", "allreduce", {"compression": "topk"},
+         "our AllReduceStrategy(compression='topk'): TopKCompression(density=0.01)", alias="topk"),
+    Case("allreduce+powersgd4", "allreduce", {"compression": "powersgd"},
+         "our AllReduceStrategy(compression='powersgd'): PowerSGDCompression(rank=4)", alias="powersgd"),
     Case("periodic:local_sgd/8", "periodic", {"mode": "local_sgd", "sync_every": 8},
          "our PeriodicSyncStrategy(mode='local_sgd', sync_every=sync_every)", alias="periodic",
          period_knob="sync_every"),
     Case("periodic:diloco/8", "periodic", {"mode": "diloco", "sync_every": 8},
-         "DiLoCo every 8 steps, the strategy's default outer optimizer (lightning_sync.config.outer)"),
+         "DiLoCo every 8 steps, the strategy's default outer optimizer (lightning_sync.OUTER_OPTIMIZER)"),
     Case("periodic:diloco/16", "periodic", {"mode": "diloco", "sync_every": 16},
          "DiLoCo every 16 steps (the README's example), the strategy's default outer optimizer"),
     # one dedicated server process; in async and ssp the same samples as the other rows, one update per push
@@ -98,20 +98,20 @@ _CASES = (
          "sync_every=diloco_sync_every) with the strategy's default outer optimizer at the run's commit: outer SGD "
          "without momentum, lr 0.7 (since c224b12; lr 0.5 from 320bfaf); the paper's Nesterov SGD, lr 0.7, "
          "momentum 0.9 before 320bfaf (the char_lm/* benchmark runs of 2026-11-24)", period_knob="diloco_sync_every"),
-    Case("diloco_8", "periodic", {"mode": "diloco", "sync_every": 8, "outer_momentum": 0.0}, "diloco every "
+    Case("diloco_8", "periodic", {"mode": "diloco", "sync_every": 8}, "diloco every "
          f"sync_every steps with {_SGD}: streaming_diloco_8 without fragments, delay or int4",
          period_knob="sync_every"),
     _streaming("streaming_diloco_8_k2", 8, 2, 3, "streaming_diloco_8 with 2 fragments and sync_delay=3: the same "
-               "bytes per step, each transfer twice as large with 3 inner steps to hide behind", True,
+               "bytes per step, each transfer twice as large with 3 inner steps to hide behind",
                period_knob="sync_every"),
-    Case("diloco_12", "periodic", {"mode": "diloco", "sync_every": 12, "outer_momentum": 0.0},
+    Case("diloco_12", "periodic", {"mode": "diloco", "sync_every": 12},
          f"diloco every 12 steps with {_SGD}: streaming_diloco_12 without fragments, delay or int4"),
     _streaming("streaming_diloco_12", 12, 4, 2, "diloco every 12 steps with fragments=4, sync_delay=2, "
                f"fragment_alpha=0.5, int4 and {_SGD} (a fragment syncs every 3 steps, so each transfer has 2 steps "
-               "to hide behind)", True),
+               "to hide behind)"),
     _streaming("streaming_diloco_8", 8, 4, 1, "diloco every sync_every steps with fragments=4, sync_delay=1, "
                f"fragment_alpha=0.5, int4 and {_SGD} (the setting that matches DDP's loss on char_lm in 300 steps)",
-               True, period_knob="sync_every"),
+               period_knob="sync_every"),
 )
 # fmt: on
 CATALOGUE: dict[str, Case] = {key: case for case in _CASES for key in (case.name, case.alias) if key}

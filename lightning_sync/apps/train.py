@@ -84,6 +84,7 @@ def build(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> tuple[Any, Any, Any
     import lightning_sync.strategies  # noqa: F401  (registers the strategies with Lightning)
 
     _validate_trainer(cfg)
+    check_strategy_knobs(OmegaConf.to_container(cfg.strategy, resolve=True))
     try:
         strategy = hydra.utils.instantiate(cfg.strategy, **fault_tolerance_arguments(cfg))
         datamodule = hydra.utils.instantiate(cfg.data)

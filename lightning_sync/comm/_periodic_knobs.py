@@ -11,11 +11,9 @@ from lightning_sync.comm.streaming import StreamingOptions, check_streaming_opti
 from lightning_sync.errors import ConfigError, check_range
 
 
-def check_periodic_ranges(
-    sync_every: int | str, warmup_steps: int, outer_lr: float, outer_momentum: float, bucket_cap_mb: float
-) -> None:
+def check_periodic_ranges(sync_every: int | str, warmup_steps: int, bucket_cap_mb: float) -> None:
     """Checks each knob's own range: ``sync_every`` an integer ``>= 1`` or ``"auto"``, ``warmup_steps >= 0``,
-    ``outer_lr > 0``, ``outer_momentum`` in ``[0, 1)``, ``bucket_cap_mb > 0``.
+    ``bucket_cap_mb > 0``.
 
     Raises:
         ConfigError: the first knob out of range, named.
@@ -25,8 +23,6 @@ def check_periodic_ranges(
             raise ConfigError(f"sync_every={sync_every!r} is not allowed; it must be an integer >= 1 or 'auto'")
         check_range("sync_every", sync_every, low=1, integer=True)
     check_range("warmup_steps", warmup_steps, low=0, integer=True)
-    check_range("outer_lr", outer_lr, low=0, low_open=True)
-    check_range("outer_momentum", outer_momentum, low=0, high=1, high_open=True)
     check_range("bucket_cap_mb", bucket_cap_mb, low=0, low_open=True)
 
 

@@ -14,8 +14,8 @@ delta from the anchor, and the deltas (not the parameters) are averaged through 
     feedback) sees small deltas instead of whole weights, which is what sparsifying or low-rank compression needs.
 ``outer_step_`` (DiLoCo)
     the pseudo-gradient ``mean_r(anchor - local_r)`` becomes ``anchor.grad`` and an outer optimizer (by default
-    Nesterov SGD) steps the anchor, which every replica then loads. With ``lr=1`` and no momentum it equals
-    ``average_``.
+    :data:`OUTER_OPTIMIZER`, SGD at lr 0.7) steps the anchor, which every replica then loads. With SGD at ``lr=1``
+    and no momentum it equals ``average_``.
 
 Both return this rank's squared divergence ``||local_r - mean_r(local_r)||^2`` (the mean as the compressor
 estimated it), measured at sync time before the replicas are overwritten.
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -44,6 +45,7 @@ from lightning_sync.comm.compression import Compressor, FlatBucket, NoCompressio
 from lightning_sync.comm.meter import CommMeter, PeerError, wait_future
 from lightning_sync.comm.nonfinite import all_finite, probe
 from lightning_sync.comm.tuning import MIB
+from lightning_sync.errors import ConfigError
 
 
 class JobRunner(Protocol):
@@ -243,7 +245,7 @@ class ModelAverager:
         """DiLoCo: ``anchor.grad = mean(anchor - local)``, one outer optimizer step, every replica loads the anchor.
 
         Args:
-            outer_optimizer: an optimizer over :attr:`anchors` (see :func:`make_outer_optimizer`).
+            outer_optimizer: an optimizer over :attr:`anchors` (e.g. :data:`OUTER_OPTIMIZER` called on them).
 
         Returns:
             This rank's squared divergence from the average, ``||local - average||^2``.
@@ -267,13 +269,13 @@ class ModelAverager:
         mine: list[torch.Tensor] = []
         flight = InFlight(launched_at=step, mine=mine, futures=[] if worker is None else None)
         buckets = []
-        for index, (anchor, delta, bucket_params) in enumerate(zip(self.anchors, self._deltas, self._bucket_params)):
+        for anchor, bucket, bucket_params in zip(self.anchors, self.delta_buckets(), self._bucket_params):
+            delta = bucket.buffer
             _pack(bucket_params, delta)
             delta.sub_(anchor)
             if sign < 0:
                 delta.neg_()
             mine.append(delta.clone())
-            bucket = FlatBucket(index=index, buffer=delta, shapes=[p.shape for p in bucket_params])
             if flight.futures is not None:
                 flight.futures.append(self.compressor.average(bucket, self.meter, self.group))
             else:
@@ -367,6 +369,13 @@ class ModelAverager:
         further, e.g. across replica groups, before :meth:`apply_`)."""
         return self._deltas
 
+    def delta_buckets(self) -> list[FlatBucket]:
+        """:attr:`deltas` as buckets, with their index and their parameters' shapes (what a codec takes)."""
+        return [
+            FlatBucket(index=i, buffer=delta, shapes=[p.shape for p in params])
+            for i, (delta, params) in enumerate(zip(self._deltas, self._bucket_params))
+        ]
+
     def restore_(self) -> None:
         """Drops a sync: every parameter loads the global copy, which stays as it was."""
         for anchor, bucket_params in zip(self.anchors, self._bucket_params):
@@ -385,9 +394,41 @@ class ModelAverager:
         self.compressor.load_state_dict(state["compressor"])
 
 
-def make_outer_optimizer(
-    averager: ModelAverager, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True
-) -> torch.optim.SGD:
-    """DiLoCo's outer optimizer over an averager's global copy (Nesterov only when ``momentum > 0``)."""
-    params = averager.anchors or [torch.zeros(0)]  # SGD refuses an empty list; a 0-size tensor never changes
-    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=bool(nesterov and momentum > 0))
+OptimizerCallable = Callable[[Iterable[Any]], torch.optim.Optimizer]
+"""A callable from an iterable of parameters to an optimizer over them: Lightning's ``OptimizerCallable``, as
+``functools.partial(torch.optim.SGD, lr=0.7)``, Hydra's ``_partial_: true`` node or LightningCLI's ``class_path``."""
+
+OUTER_OPTIMIZER: OptimizerCallable = functools.partial(torch.optim.SGD, lr=0.7)
+"""The outer optimizer that ``outer_optimizer=None`` stands for, everywhere (``periodic``'s DiLoCo and streaming
+DiLoCo, the fault-tolerant averager, ``ps`` with ``local_steps > 1``): SGD at lr 0.7 without momentum."""
+
+
+def check_optimizer_callable(factory: OptimizerCallable | None, name: str = "outer_optimizer") -> torch.optim.Optimizer:
+    """Builds ``factory`` (``None``: :data:`OUTER_OPTIMIZER`) once over a placeholder parameter, so that a value it
+    refuses fails where it is given, before any process starts; torch's optimizers check their own arguments.
+
+    Example::
+
+        >>> import functools, torch
+        >>> check_optimizer_callable(functools.partial(torch.optim.Adam, lr=1e-3)).defaults["lr"]
+        0.001
+
+    Returns:
+        The optimizer it built (over the placeholder).
+
+    Raises:
+        ConfigError: ``factory`` is not callable, raises ``TypeError``/``ValueError``, or returns no optimizer.
+    """
+    factory = OUTER_OPTIMIZER if factory is None else factory
+    allowed = (
+        "it must be a callable from parameters to a torch.optim.Optimizer, as functools.partial(torch.optim.SGD, lr=0.7)"
+    )
+    if not callable(factory):
+        raise ConfigError(f"{name}={factory!r} is not allowed; {allowed}")
+    try:
+        built = factory([torch.nn.Parameter(torch.zeros(1))])
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{name}={factory!r} is not allowed: {error}") from None
+    if not isinstance(built, torch.optim.Optimizer):
+        raise ConfigError(f"{name}={factory!r} is not allowed: it returned a {type(built).__name__}; {allowed}")
+    return built

@@ -44,15 +44,16 @@ from torch.distributed import ProcessGroup
 from lightning_sync.comm._periodic_knobs import check_periodic_ranges, check_streaming_periods
 from lightning_sync.comm.adaptive import AdaptiveOptions, AdaptivePeriod, ComputeTimer, agree_max
 from lightning_sync.comm.averaging import (
+    OUTER_OPTIMIZER,
+    OptimizerCallable,
     average_buffers,
     average_optimizer_state,
-    make_outer_optimizer,
+    check_optimizer_callable,
     optimizer_state_tensors,
 )
-from lightning_sync.comm.compression import Compressor, NoCompression
+from lightning_sync.comm.compression import Compressor, NoCompression, resolve_codec
 from lightning_sync.comm.meter import CommMeter
 from lightning_sync.comm.module_policy import assign_patterns, normalize_module_policy
-from lightning_sync.comm.quantized import outer_compressor_factory
 from lightning_sync.comm.streaming import (
     OuterSyncWorker,
     StreamingAverager,
@@ -75,11 +76,11 @@ class PeriodicAverager:
     Args:
         sync_every: optimizer steps per sync, an integer ``>= 1``, or ``"auto"`` to adapt it (see ``adaptive``).
         warmup_steps: optimizer steps whose gradients the owner all-reduces (as DDP) before the local phase.
-        outer: DiLoCo: the averaged pseudo-gradient ``global - local`` goes through an outer SGD on the global copy
-            (``outer_lr``, ``outer_momentum``, ``outer_nesterov``); otherwise local SGD's plain average.
-        outer_lr: the outer SGD's learning rate (> 0).
-        outer_momentum: the outer SGD's momentum, in [0, 1).
-        outer_nesterov: Nesterov momentum for the outer SGD (ignored when ``outer_momentum`` is 0).
+        outer: DiLoCo: the averaged pseudo-gradient ``global - local`` goes through ``outer_optimizer`` on the global
+            copy; otherwise local SGD's plain average.
+        outer_optimizer: ``outer=True``: a callable from parameters to a ``torch.optim.Optimizer`` (Lightning's
+            ``OptimizerCallable``), called once per fragment on its global copy; ``None``:
+            :data:`~lightning_sync.comm.averaging.OUTER_OPTIMIZER` (SGD at lr 0.7 without momentum).
         module_sync_every: per-module periods, ``{glob pattern: period}`` (see the module docstring).
         average_optimizer_state: also average the floating optimizer state (momentum, Adam moments) at each sync.
         new_compressor: makes each group's compressor (each keeps its own memory); default: exact averages.
@@ -101,9 +102,7 @@ class PeriodicAverager:
         sync_every: int | str = 8,
         warmup_steps: int = 0,
         outer: bool = False,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        outer_nesterov: bool = True,
+        outer_optimizer: OptimizerCallable | None = None,
         module_sync_every: Any = None,
         average_optimizer_state: bool = False,
         new_compressor: Callable[[], Compressor] = NoCompression,
@@ -114,7 +113,8 @@ class PeriodicAverager:
         timeout_s: float | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        check_periodic_ranges(sync_every, warmup_steps, outer_lr, outer_momentum, bucket_cap_mb)
+        check_periodic_ranges(sync_every, warmup_steps, bucket_cap_mb)
+        check_optimizer_callable(outer_optimizer)
         self.adaptive = (
             AdaptivePeriod(adaptive.target_comm_fraction, adaptive.min_sync_every, adaptive.max_sync_every)
             if sync_every == "auto"
@@ -126,8 +126,7 @@ class PeriodicAverager:
         self.sync_every = sync_every
         self.warmup_steps = int(warmup_steps)
         self.outer = bool(outer)
-        self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
-        self.outer_nesterov = bool(outer_nesterov)
+        self.outer_optimizer: OptimizerCallable = OUTER_OPTIMIZER if outer_optimizer is None else outer_optimizer
         self.average_optimizer_state = bool(average_optimizer_state)
         self.new_compressor = new_compressor
         self.bucket_cap_mb = float(bucket_cap_mb)
@@ -136,7 +135,7 @@ class PeriodicAverager:
         self.fragment_modules = streaming.fragment_modules
         self.outer_compression = streaming.outer_compression
         if self.outer_compression != "none":
-            self.new_compressor = outer_compressor_factory(self.outer_compression)
+            self.new_compressor = resolve_codec(self.outer_compression, "outer_compression")
         self.skip_nonfinite = bool(skip_nonfinite)
         self.timeout_s = timeout_s
         self.clock = clock
@@ -213,7 +212,7 @@ class PeriodicAverager:
         averager = StreamingAverager(params, self.new_compressor(), meter, self.bucket_cap_mb, sync_group)
         outer = None
         if self.outer and averager.anchors:
-            outer = make_outer_optimizer(averager, self.outer_lr, self.outer_momentum, self.outer_nesterov)
+            outer = self.outer_optimizer(averager.anchors)
         return averager, outer
 
     def start_step(self) -> None:

@@ -29,9 +29,8 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_sync.comm.averaging import InFlight, ModelAverager
-from lightning_sync.comm.compression import Compressor
+from lightning_sync.comm.compression import Compressor, resolve_codec
 from lightning_sync.comm.fragments import normalize_fragment_modules
-from lightning_sync.comm.quantized import outer_compressor_factory
 from lightning_sync.errors import ConfigError, check_range
 
 
@@ -47,8 +46,8 @@ class StreamingOptions:
             period // fragments`` for every period).
         fragment_alpha: on apply, the parameters become ``global.lerp(local, alpha)``, in [0, 1] (1: they keep
             the local weights, and only the global copy takes the outer step).
-        outer_compression: codec of the pseudo-gradients: ``none`` (the averager's ``new_compressor``'s),
-            ``bf16``, ``fp16``, ``int8``, ``int4``.
+        outer_compression: codec of the pseudo-gradients, an object or a registry name (``"none"``: the
+            averager's ``new_compressor``'s).
         fragment_modules: explicit fragments in sync order, each a module-name pattern or a list of them
             (:mod:`lightning_sync.comm.fragments`); ``None``: by block. Their number is the number of fragments.
 
@@ -63,7 +62,7 @@ class StreamingOptions:
     fragments: int = 1
     sync_delay: int = 0
     fragment_alpha: float = 0.0
-    outer_compression: str = "none"
+    outer_compression: str | Compressor = "none"
     fragment_modules: tuple[tuple[str, ...], ...] | None = None
 
     def __post_init__(self) -> None:
@@ -101,7 +100,7 @@ def check_streaming_options(
     check_range("fragments", fragments, low=1, integer=True)
     check_range("sync_delay", sync_delay, low=0, integer=True)
     check_range("fragment_alpha", fragment_alpha, low=0, high=1)
-    outer_compressor_factory(outer_compression)
+    resolve_codec(outer_compression, "outer_compression")
     base = new_compressor().name
     if outer_compression != "none" and base != "none":
         raise ConfigError(

@@ -22,7 +22,6 @@ what is allowed (``strategy.<knob>`` once a strategy or the Hydra app reports it
 from lightning_sync.config.common import (
     ON_MISMATCH,
     START_METHODS,
-    CompressionKnobs,
     GradientSyncKnobs,
     StrategyConfig,
 )
@@ -38,7 +37,6 @@ __all__ = [
     "PS_PLACEMENTS",
     "START_METHODS",
     "AllReduceConfig",
-    "CompressionKnobs",
     "DDPConfig",
     "GradientSyncKnobs",
     "ParameterServerConfig",

@@ -1,5 +1,5 @@
-"""What every strategy's config has (:class:`StrategyConfig`), and the knob sets several share: the compressors'
-(:class:`CompressionKnobs`) and the bucketed gradient all-reduce's (:class:`GradientSyncKnobs`)."""
+"""What every strategy's config has (:class:`StrategyConfig`), and the knobs of the bucketed gradient all-reduce
+(:class:`GradientSyncKnobs`)."""
 
 from __future__ import annotations
 
@@ -89,40 +89,15 @@ class StrategyConfig:
 
 
 @dataclass
-class CompressionKnobs:
-    """Settings of the gradient compressors (:mod:`lightning_sync.comm.compression`)."""
-
-    topk_density: float = knob(
-        0.01,
-        "``topk``: share of entries sent each step, in (0, 1]; the rest waits in the error-feedback residual.",
-    )
-    error_feedback: bool = knob(
-        True,
-        "``topk``/``powersgd``: add what compression left out last time to this step's gradient.",
-    )
-    powersgd_rank: int = knob(
-        4,
-        "``powersgd``: rank r of the low-rank factors; an n x m matrix sends r(n + m) values.",
-    )
-    powersgd_start_iter: int = knob(
-        10,
-        "``powersgd``: optimizer steps sent uncompressed before compression starts (let training settle first).",
-    )
-    powersgd_warm_start: bool = knob(
-        True,
-        "``powersgd``: reuse last step's Q factor as the starting point of the power iteration.",
-    )
-
-    def compressor_options(self) -> dict[str, Any]:
-        """These settings as keyword arguments of :func:`lightning_sync.comm.compression.build_compressor`."""
-        return {f.name: getattr(self, f.name) for f in fields(CompressionKnobs)}
-
-
-@dataclass
-class GradientSyncKnobs(CompressionKnobs):
+class GradientSyncKnobs:
     """Settings of the hand-written gradient all-reduce (:class:`lightning_sync.comm.bucketing.GradientSynchronizer`)."""
 
-    compression: str = knob("none", """Gradient compressor: ``none``, ``fp16``, ``bf16``, ``topk`` or ``powersgd``.""")
+    compression: Any = knob(
+        "none",
+        """Gradient codec: a codec object (``lightning_sync.TopKCompression(density=0.01)``,
+        ``lightning_sync.PowerSGDCompression(rank=4)``, ...) or a registry name for its defaults: ``none``, ``fp16``,
+        ``bf16``, ``topk``, ``powersgd``, ``int8``, ``int4``, ``sparseloco``.""",
+    )
     bucketing: str = knob(
         "auto",
         """``auto``: the ``overlap`` buckets, launched during backward or right after it, whichever the first sync

@@ -5,19 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_sync.config.common import CompressionKnobs, GradientSyncKnobs, StrategyConfig
+from lightning_sync.config.common import GradientSyncKnobs, StrategyConfig
 from lightning_sync.config.knobs import knob
 from lightning_sync.errors import check_range
 
 
 @dataclass
-class DDPConfig(CompressionKnobs, StrategyConfig):
+class DDPConfig(StrategyConfig):
     """The ``ddp`` strategy: torch DistributedDataParallel, with comm hooks that also run on CPU/gloo."""
 
-    comm_hook: str = knob(
+    comm_hook: Any = knob(
         "none",
-        """DDP communication hook: ``none`` (plain all-reduce), ``fp16``, ``bf16``, ``powersgd`` or ``topk``; all are
-        registered on gloo as well as NCCL, and all go through the communication meter.""",
+        """DDP communication hook: the codec each bucket is averaged with, an object or a registry name (``none``: a
+        plain all-reduce, ``fp16``, ``bf16``, ``powersgd``, ``topk``, ...); registered on gloo as well as NCCL, and
+        metered.""",
     )
     bucket_cap_mb: float = knob(25.0, """DDP gradient bucket size in MiB.""")
     find_unused_parameters: bool = knob(

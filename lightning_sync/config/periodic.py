@@ -7,7 +7,6 @@ from typing import Any
 
 from lightning_sync.config.common import GradientSyncKnobs, StrategyConfig
 from lightning_sync.config.knobs import knob
-from lightning_sync.config.outer import OUTER_LR, OUTER_LR_HELP, OUTER_MOMENTUM_HELP
 from lightning_sync.errors import ConfigError, check_choice, check_range
 
 PERIODIC_MODES = ("gradient", "local_sgd", "diloco")
@@ -43,11 +42,14 @@ class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
         False,
         "``local_sgd``/``diloco``: also average the floating optimizer state (momentum, Adam moments) at each sync.",
     )
-    outer_lr: float = knob(OUTER_LR, f"``diloco``: {OUTER_LR_HELP}")
-    outer_momentum: float = knob(0.0, f"``diloco``: {OUTER_MOMENTUM_HELP}")
-    outer_nesterov: bool = knob(
-        True,
-        "``diloco``: Nesterov momentum for the outer SGD (ignored when ``outer_momentum`` is 0).",
+    outer_optimizer: Any = knob(
+        None,
+        """``diloco``: the outer optimizer, a callable from parameters to a ``torch.optim.Optimizer`` (Lightning's
+        ``OptimizerCallable``), called on each fragment's global copy and stepped on the averaged pseudo-gradient:
+        ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)`` is the DiLoCo paper's, SGD at
+        ``lr=1`` without momentum local SGD's plain average. Hydra: a ``_target_`` node with ``_partial_: true``;
+        LightningCLI: ``class_path`` and ``init_args``. ``None``: ``lightning_sync.OUTER_OPTIMIZER``, SGD at lr 0.7
+        without momentum.""",
     )
     target_comm_fraction: float = knob(
         0.1,
@@ -94,12 +96,11 @@ class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
         global copy; 1: keep the local weights, only the global copy steps); in [0, 1]. The streaming DiLoCo paper
         found 0.5 robust for sync_delay < 5.""",
     )
-    outer_compression: str = knob(
+    outer_compression: Any = knob(
         "none",
-        """``local_sgd``/``diloco``: codec of the outer all-reduce of the pseudo-gradients: ``none`` (as
-        ``compression``), ``bf16``, ``fp16``, ``int8`` or ``int4`` (block-wise fp32 scales per 256 entries,
-        round-to-nearest, summed in fp32: an all-to-all reduce-scatter of the codes, then an all-gather of the
-        requantized sums). Not together with a ``compression`` other than ``none``.""",
+        """``local_sgd``/``diloco``: codec of the outer sync's pseudo-gradients, an object or a registry name
+        (``none``: as ``compression``; ``int8``, ``int4``: block-scaled codes summed in fp32; ``sparseloco``: top-k
+        per chunk in 2 bits with error feedback). Not together with a ``compression`` other than ``none``.""",
     )
     fault_tolerance: Any = knob(
         None,

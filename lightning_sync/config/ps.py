@@ -7,7 +7,6 @@ from typing import Any
 
 from lightning_sync.config.common import StrategyConfig
 from lightning_sync.config.knobs import knob
-from lightning_sync.config.outer import OUTER_LR, OUTER_LR_HELP, OUTER_MOMENTUM_HELP
 from lightning_sync.errors import ConfigError, check_choice, check_range
 
 PS_MODES = ("sync", "async", "ssp")
@@ -34,13 +33,11 @@ class ParameterServerConfig(StrategyConfig):
         """``dedicated``: the strategy starts ``num_servers`` server processes on node 0, watches them and stops them;
         ``colocated``: each of the first ``num_servers`` worker ranks also runs one server, in a thread.""",
     )
-    compression: str = knob(
+    compression: Any = knob(
         "none",
-        """How pushed gradients travel: ``none``, ``fp16``, ``bf16`` or ``topk`` (with ``topk_density`` and
-        ``error_feedback``). Parameters come back uncompressed.""",
+        """How pushed gradients travel: a codec that can ride point_to_point, as an object or a registry name
+        (``none``, ``fp16``, ``bf16``, ``topk``). Parameters come back uncompressed.""",
     )
-    topk_density: float = knob(0.01, """``topk``: share of each shard's gradient entries sent per push, in (0, 1].""")
-    error_feedback: bool = knob(True, """``topk``: keep what was not sent on the worker and add it to the next push.""")
     slow_worker: int = knob(-1, """For experiments: the worker rank to slow down (-1: none).""")
     slowdown: float = knob(
         1.0,
@@ -56,17 +53,21 @@ class ParameterServerConfig(StrategyConfig):
     local_steps: Any = knob(
         1,
         """Async local SGD: each worker steps its own optimizer this many times, then pushes its pseudo-gradient (its
-        change since its last pull) and the servers apply an outer SGD (``outer_lr``, ``outer_momentum``,
-        ``outer_nesterov``; in async and ssp its momentum once per W pushes, delayed Nesterov). 1: push gradients.
+        change since its last pull) and the servers step ``outer_optimizer`` on it. 1: push gradients.
         ``auto``: each worker its own count from its measured speed, ``max_local_steps`` for the fastest.""",
     )
     max_local_steps: int = knob(
         8,
         "``local_steps: auto``: the fastest worker's local steps; a worker k times slower takes about 1/k of them.",
     )
-    outer_lr: float = knob(OUTER_LR, f"``local_steps > 1``: the servers' outer SGD's {OUTER_LR_HELP}")
-    outer_momentum: float = knob(0.0, f"``local_steps > 1``: {OUTER_MOMENTUM_HELP}")
-    outer_nesterov: bool = knob(True, """``local_steps > 1``: Nesterov momentum for the outer SGD.""")
+    outer_optimizer: Any = knob(
+        None,
+        """``local_steps > 1``: the servers' outer optimizer, as ``periodic``'s: a callable from parameters to a
+        ``torch.optim.Optimizer``, which each server rebuilds over its shard (its class must be importable there). In
+        async and ssp, momentum belongs in ``lightning_sync.DelayedNesterov`` with ``delay`` the number of workers
+        (applied once per round of pushes). ``None``: ``lightning_sync.OUTER_OPTIMIZER``, SGD at lr 0.7 without
+        momentum.""",
+    )
     elastic: bool = knob(
         False,
         """``sync``: a lost worker (killed, crashed, or silent for ``timeout_s``) is dropped and each step averages the

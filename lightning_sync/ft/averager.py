@@ -12,10 +12,11 @@ outer step). Streaming DiLoCo works: each fragment's sync is a quorum of its own
 is joined when the fragment's sync is launched (a group behind heals there, while nothing is in flight), the worker
 thread averages inside the group and then across groups while the inner steps go on, and torchft votes when the
 result is applied (with ``fragment_alpha``), as torchft's own ``DiLoCo`` does. ``sync_every="auto"``,
-``warmup_steps > 0``, ``average_optimizer_state`` and an fp16/bf16 ``outer_compression`` are refused
-(:func:`check_fault_tolerant_knobs`); int8/int4 pseudo-gradients cross the groups as codes
-(:meth:`~lightning_sync.ft.replica.ReplicaGroupLink.average_quantized_`), in the same two phases as among ordinary
-ranks.
+``warmup_steps > 0``, ``average_optimizer_state`` and an ``outer_compression`` that cannot ride ``across_groups`` are
+refused (:func:`check_fault_tolerant_knobs`). With an ``outer_compression`` codec, the pseudo-gradients are averaged
+exactly inside a group and cross the groups as that codec sends them
+(:meth:`~lightning_sync.ft.replica.ReplicaGroupLink.average_coded_`); each sync group keeps its own codec, whose memory
+is part of the averager's state, so a healing group takes its source's.
 """
 
 from __future__ import annotations
@@ -31,15 +32,12 @@ from torch.distributed import ProcessGroup
 
 from lightning_sync.comm.averaging import WAIT_GRACE_S as GRACE_S
 from lightning_sync.comm.averaging import average_buffers
+from lightning_sync.comm.compression import Compressor, NoCompression, resolve_codec
 from lightning_sync.comm.meter import CommMeter
 from lightning_sync.comm.periodic import PeriodicAverager
-from lightning_sync.comm.quantized import BlockQuantizedCompression
 from lightning_sync.comm.sync_groups import SyncGroup
 from lightning_sync.errors import ConfigError
 from lightning_sync.ft.replica import ReplicaGroupLink
-
-_ACROSS_GROUPS = ("none", "int8", "int4")
-"""The ``outer_compression`` values the sync across groups carries (int8/int4 ride on torchft's process group)."""
 
 
 def check_fault_tolerant_knobs(averager: PeriodicAverager) -> None:
@@ -47,18 +45,14 @@ def check_fault_tolerant_knobs(averager: PeriodicAverager) -> None:
 
     Raises:
         ConfigError: ``sync_every="auto"``, ``warmup_steps > 0``, ``average_optimizer_state`` or an
-            ``outer_compression`` of fp16 or bf16.
+            ``outer_compression`` that cannot ride ``across_groups``.
     """
+    if averager.outer_compression != "none":
+        resolve_codec(averager.outer_compression, "outer_compression", needs=("across_groups",))
     for name, bad, allowed, why in (
         ("sync_every", averager.adaptive is not None, "an integer", "'auto' lets groups pick different periods"),
         ("warmup_steps", averager.warmup_steps != 0, "0", "warmup all-reduces gradients inside a group only"),
         ("average_optimizer_state", averager.average_optimizer_state, "False", "averaged inside a group only"),
-        (
-            "outer_compression",
-            averager.outer_compression not in _ACROSS_GROUPS,
-            "one of " + ", ".join(map(repr, _ACROSS_GROUPS)),
-            "the fp16/bf16 casts are not carried across groups",
-        ),
     ):
         if bad:
             value = getattr(averager, name)
@@ -83,16 +77,31 @@ class FaultTolerantAverager(PeriodicAverager):
         self.committed_syncs = 0
         self.failed_syncs = 0
         self._cross: dict[int, concurrent.futures.Future] = {}
-        # int8/int4 (the only codecs the check lets through): the pseudo-gradients cross the groups as codes too
-        codec = self.new_compressor() if self.outer_compression != "none" else None
-        self._codec = codec if isinstance(codec, BlockQuantizedCompression) else None
+        # an outer codec rides across the groups (one per sync group, for its memory); inside a group: exact
+        self._new_across = self.new_compressor if self.outer_compression != "none" else None
+        self._across: dict[int, Compressor] = {}
+        if self._new_across is not None:
+            self.new_compressor = NoCompression
 
-    def _average_across(self, deltas: Sequence[torch.Tensor]) -> None:
-        """The mean of ``deltas`` over the quorum's groups, in place (as ``outer_compression``'s codes, if any)."""
-        if self._codec is None:
-            self.link.average_(deltas)
+    def _average_across(self, group: SyncGroup) -> None:
+        """The mean of ``group``'s deltas over the quorum's groups, in place (as ``outer_compression`` sends it)."""
+        if self._new_across is None:
+            self.link.average_(group.averager.deltas)
         else:
-            self.link.average_quantized_(deltas, self._codec)
+            codec = self._across.setdefault(self.groups.index(group), self._new_across())
+            self.link.average_coded_(group.averager.delta_buckets(), codec)
+            codec.advance()
+
+    def state_dict(self) -> dict[str, Any]:
+        """As :meth:`PeriodicAverager.state_dict`, with the memory of the codecs across groups."""
+        return {**super().state_dict(), "across": {i: c.state_dict() for i, c in self._across.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        assert self._new_across is not None or not state.get("across")
+        for i, codec_state in state.get("across", {}).items():
+            codec = self._across.setdefault(int(i), self._new_across())  # type: ignore[misc]
+            codec.load_state_dict(codec_state)
 
     def setup(
         self,
@@ -119,7 +128,7 @@ class FaultTolerantAverager(PeriodicAverager):
         for group in groups:
             group.in_flight = group.averager.launch_(self._sign, self.steps)
             squared += group.averager.complete_(group.in_flight, self.timeout_s)
-            self._average_across(group.averager.deltas)
+            self._average_across(group)
         return self._commit(groups, squared, alpha=0.0)
 
     def _launch(self, group: SyncGroup) -> None:
@@ -134,9 +143,8 @@ class FaultTolerantAverager(PeriodicAverager):
             due = [g for g in self.groups if self._launch_due(g)]
             group = due[0] if due else group
         super()._launch(group)
-        deltas = group.averager.deltas
         assert self._worker is not None
-        self._cross[id(group)] = self._worker.submit(lambda: self._average_across(deltas))
+        self._cross[id(group)] = self._worker.submit(lambda: self._average_across(group))
 
     def _apply(self, groups: Sequence[SyncGroup], optimizers: Sequence[torch.optim.Optimizer]) -> float:
         """Streaming: waits for the in-flight averages (inside and across groups), then torchft's vote and the

@@ -21,31 +21,51 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_sync.comm.quantized import BlockQuantizedCompression
+from lightning_sync.comm.compression import Compressor, FlatBucket
 from lightning_sync.ft.config import FaultTolerance, check_lighthouse, lighthouse_url, require_torchft
 
 log = logging.getLogger("lightning_sync.ft")
 
 
-def _average_quantized(
-    pg: Any, codec: BlockQuantizedCompression, tensor: torch.Tensor, participants: int, taking_part: bool
-) -> None:
-    """Replaces ``tensor`` by its mean over ``pg``'s ranks, sent as ``codec``'s codes: the phases of
-    :meth:`~lightning_sync.comm.quantized.BlockQuantizedCompression.average` on torchft's process group (see
-    :meth:`ReplicaGroupLink.average_quantized_`); every rank decodes the same mean, bit for bit."""
-    from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
+class _QuorumCollectives:
+    """The collectives a codec issues (as on a :class:`~lightning_sync.comm.meter.CommMeter`), on torchft's process
+    group, so that any codec that can ride ``across_groups`` averages over the quorum's groups. Each call waits for
+    its work (torchft bounds it by its timeout and reports a failure to the vote)."""
 
-    world, numel = pg.size(), tensor.numel()
-    padded, chunk = codec.padded_chunks(tensor.reshape(-1), world)
-    if not taking_part:
-        padded.zero_()
-    sent = codec.encode_chunks(padded, world)
-    received = torch.empty_like(sent)
-    pg.alltoall_base(received, sent, [], [], AllToAllOptions()).wait()
-    reduced = codec.reduce_chunks(received, world, chunk, 1.0 / participants)
-    gathered = torch.empty(world * codec.chunk_bytes(chunk), dtype=torch.uint8, device=tensor.device)
-    pg.allgather([list(gathered.view(world, -1))], [codec.encode(reduced)], AllgatherOptions()).wait()
-    tensor.copy_(codec.decode_chunks(gathered, world, chunk)[:numel].view_as(tensor))
+    def __init__(self, pg: Any) -> None:
+        self.pg = pg
+
+    def world_size(self, group: Any = None) -> int:
+        return int(self.pg.size())
+
+    def all_to_all_single(
+        self, output: torch.Tensor, tensor: torch.Tensor, group: Any = None, async_op: bool = False
+    ) -> Any:
+        from torch.distributed.distributed_c10d import AllToAllOptions
+
+        return _Done(self.pg.alltoall_base(output, tensor, [], [], AllToAllOptions()))
+
+    def all_gather_into_tensor(
+        self, output: torch.Tensor, tensor: torch.Tensor, group: Any = None, async_op: bool = False
+    ) -> Any:
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        return _Done(self.pg.allgather([list(output.view(self.world_size(), -1))], [tensor], AllgatherOptions()))
+
+
+class _Done:
+    """A finished piece of work, with the ``wait``/``get_future`` of c10d's ``Work``."""
+
+    def __init__(self, work: Any) -> None:
+        work.wait()
+
+    def wait(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(None)
+        return future
 
 
 class QuorumError(RuntimeError):
@@ -209,21 +229,23 @@ class ReplicaGroupLink:
         for work in works:
             work.wait()
 
-    def average_quantized_(self, tensors: Sequence[torch.Tensor], codec: BlockQuantizedCompression) -> None:
-        """As :meth:`average_`, with the tensors on the wire as ``codec``'s block-scaled integer codes: the same two
-        phases as :meth:`~lightning_sync.comm.quantized.BlockQuantizedCompression.average` among ordinary ranks
-        (an all-to-all of each group's encoded chunks, summed in fp32 by the chunk's owner, then an all-gather of the
-        requantized means), over torchft's process group. A group that does not take part in this sync sends zeros,
+    def average_coded_(self, buckets: Sequence[FlatBucket], codec: Compressor) -> None:
+        """As :meth:`average_`, with each bucket on the wire as ``codec`` sends it (a codec that can ride
+        ``across_groups``), over torchft's process group. A group that does not take part in this sync sends zeros,
         and the mean is over the participants, as torchft's ``allreduce`` does. A failed collective is reported to
-        the Manager, so :meth:`commit` says ``False``; the tensors then hold garbage."""
+        the Manager, so :meth:`commit` says ``False``; the buckets then hold garbage."""
         if self.manager.errored() is not None:
             return
         self.manager.wait_quorum()
         participants, taking_part = self.manager.num_participants(), self.manager.is_participating()
+        collectives: Any = _QuorumCollectives(self._pg)
         try:
-            for tensor in tensors:
-                if tensor.numel():
-                    _average_quantized(self._pg, codec, tensor, participants, taking_part)
+            for bucket in buckets:
+                if bucket.buffer.numel():
+                    if not taking_part:
+                        bucket.buffer.zero_()
+                    bucket.participants = participants
+                    codec.average(bucket, collectives).wait()
         except Exception as error:  # noqa: BLE001 - torchft's vote carries it (commit() is False)
             self.manager.report_error(error)
 

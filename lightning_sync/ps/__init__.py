@@ -6,7 +6,6 @@ Parts, one module per concern:
   store, metered, every wait bounded by ``timeout_s``;
 * :mod:`~lightning_sync.ps.sharding`: which server holds which parameter (balanced by bytes);
 * :mod:`~lightning_sync.ps.optim_spec`: the worker's optimizer as a picklable recipe, rebuilt per shard;
-* :mod:`~lightning_sync.ps.codec`: pushed-gradient encodings (``none``, ``fp16``, ``bf16``, ``topk``);
 * :mod:`~lightning_sync.ps.shard`: one server's shard state and the arithmetic of a step (no communication);
 * :mod:`~lightning_sync.ps.server`: the server loop (``sync``, ``async``, ``ssp``; stop, checkpoint, stats);
 * :mod:`~lightning_sync.ps.liveness`: when the server declares a silent worker lost;
@@ -20,7 +19,6 @@ Parts, one module per concern:
 
 from lightning_sync.ps._protocol import CLIP_ALGORITHMS, Clip
 from lightning_sync.ps.client import PSClient, PSReply, ServerStepOptimizer
-from lightning_sync.ps.codec import GradientCodec
 from lightning_sync.ps.elastic import lost_workers_at_end, servers_at_end
 from lightning_sync.ps.errors import PSError, PSPeerLostError, PSServerError, PSTimeoutError
 from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, claim_spare_slot, connect_store, describe, server_ps_rank
@@ -39,7 +37,7 @@ from lightning_sync.ps.placement import (
     start_servers,
 )
 from lightning_sync.ps.server import ParameterServer, run_server
-from lightning_sync.ps.settings import COMPRESSIONS, MODES, PSConfig
+from lightning_sync.ps.settings import MODES, PSConfig
 from lightning_sync.ps.shard import ServerShard
 from lightning_sync.ps.sharding import shard_by_bytes, shard_indices
 from lightning_sync.ps.straggler import Straggler
@@ -47,10 +45,8 @@ from lightning_sync.ps.straggler import Straggler
 __all__ = [
     "CLIP_ALGORITHMS",
     "Clip",
-    "COMPRESSIONS",
     "ColocatedServer",
     "DEFAULT_PREFIX",
-    "GradientCodec",
     "MODES",
     "OptimizerSpec",
     "PSClient",

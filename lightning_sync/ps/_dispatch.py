@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from lightning_sync.comm.compression import Compressor
 from lightning_sync.ps._channels import WorkerChannels
 from lightning_sync.ps._layout import ShardLayout
 from lightning_sync.ps._protocol import (
@@ -30,7 +31,6 @@ from lightning_sync.ps._protocol import (
     stop_reason,
     to_blob,
 )
-from lightning_sync.ps.codec import GradientCodec
 from lightning_sync.ps.group import PSGroup
 from lightning_sync.ps.liveness import WorkerLiveness
 from lightning_sync.ps.optim_spec import OptimizerSpec
@@ -71,7 +71,7 @@ class RequestDispatch:
         self.initial_workers = group.num_workers - spare_workers  # the workers the run starts with
         self.shard: ServerShard | None = None
         self.config: PSConfig | None = None
-        self.codec: GradientCodec | None = None
+        self.codec: Compressor | None = None
         self.checksum = 0
         self.num_groups = 0
         self.push_scales = [1.0]  # async and ssp: factor of a push's step, per worker optimizer (from the INIT)
@@ -229,11 +229,7 @@ class RequestDispatch:
             init = from_blob(payload)
             config = PSConfig(**init["config"])
             spec = OptimizerSpec.from_dict(init["optimizer"])
-            outer = None
-            if config.local_steps > 1:
-                delay = 1 if config.mode == "sync" else self.initial_workers
-                outer = {"lr": config.outer_lr, "momentum": config.outer_momentum}
-                outer.update(nesterov=config.outer_nesterov, delay=delay)
+            outer = config.new_outer_optimizer if config.local_steps > 1 else None
             shard = ServerShard(init["params"], init["indices"], spec, self.num_workers, outer)
             if shard.layout.signature() != ShardLayout.from_dict(init["layout"]).signature():
                 raise ValueError("the parameters do not match their announced layout")
@@ -246,7 +242,7 @@ class RequestDispatch:
                 f"{len(self.vacant)} spare worker slot(s) in mode={config.mode!r}, which does not take a worker in "
                 "during the run; use async or ssp (or sync with elastic)"
             )
-        self.config, self.codec, self.shard = config, GradientCodec.from_config(config), shard
+        self.config, self.codec, self.shard = config, config.new_codec(), shard
         self.max_updates = config.max_updates
         scale = 1.0 / self.initial_workers if config.push_scale is None else float(config.push_scale)  # auto: 1/W
         self.push_scales = [scale] * (1 if config.local_steps > 1 else spec.num_optimizers)  # > 1: the outer SGD
@@ -277,7 +273,7 @@ class RequestDispatch:
         grad = None  # a NaN or Inf gradient stays on its worker: the update is skipped
         if not request.flags & FLAG_NONFINITE:
             try:
-                grad = self.codec.decode(payload[lr_bytes:], self.shard.layout)
+                grad = self.codec.unpack(payload[lr_bytes:], self.shard.layout.numel)
             except ValueError as exc:
                 raise _Refused(str(exc)) from exc
         if self.config.mode == "sync":

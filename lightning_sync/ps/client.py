@@ -48,7 +48,6 @@ from lightning_sync.ps._protocol import (
     stop_reason,
     to_blob,
 )
-from lightning_sync.ps.codec import GradientCodec
 from lightning_sync.ps.errors import PSError, PSServerError
 from lightning_sync.ps.group import PSGroup
 from lightning_sync.ps.optim_spec import OptimizerSpec
@@ -121,7 +120,7 @@ class PSClient:
         self.owner = shard_by_bytes([p.numel() * p.element_size() for p in params], self.num_servers)
         self.indices = [shard_indices(self.owner, i) for i in range(self.num_servers)]
         self.layouts = [ShardLayout.of([params[j] for j in idx]) for idx in self.indices]
-        self.codec = GradientCodec.from_config(config)
+        self.codec = config.new_codec()
         # What every worker must agree on; the run's end is worker 0's alone (its INIT sets it on the servers), so a
         # worker added to the run, with another share of the data and so another count of updates, still matches.
         agreed = sorted((k, v) for k, v in config.as_dict().items() if k not in _SET_BY_THE_INIT)
@@ -150,7 +149,7 @@ class PSClient:
 
     def push_nbytes(self, server: int) -> int:
         """Exact bytes one push puts on the wire to ``server``: header, learning rates and encoded gradient."""
-        return HEADER_BYTES + 8 * self.spec.num_groups + self.codec.payload_nbytes(self.layouts[server])
+        return HEADER_BYTES + 8 * self.spec.num_groups + self.codec.packed_nbytes(self.layouts[server].numel)
 
     # ---------------------------------------------------------------- requests
     def init_servers(self, states: Sequence[dict[str, Any]] | None = None) -> None:
@@ -237,7 +236,7 @@ class PSClient:
         payloads = []
         for i in range(self.num_servers):
             grads = [self.params[j].grad for j in self.indices[i]]
-            payloads.append(torch.cat([lr_bytes, self.codec.encode(i, self.layouts[i], grads)]))
+            payloads.append(torch.cat([lr_bytes, self.codec.pack(self.layouts[i].flat_fp32(grads), i)]))
         return self._to_reply(self._exchange(Kind.PUSH, payloads, optimizer=optimizer, clip=clip), push=True)
 
     def _stepped_params(self, optimizer: int) -> list[torch.Tensor]:

@@ -1,14 +1,15 @@
 """Async local SGD on the parameter server (as in Liu et al. 2024, "Asynchronous Local-SGD Training for Language
 Modeling"): each worker takes ``local_steps`` steps with its own (inner) optimizer, then pushes its pseudo-gradient,
-the change of its parameters since its last pull; the servers apply an outer SGD to it and reply with fresh
-parameters.
+the change of its parameters since its last pull; the servers step their outer optimizer (``outer_optimizer``, any
+callable from parameters to a ``torch.optim.Optimizer``) on it and reply with fresh parameters.
 
-* :class:`DelayedNesterov` is the servers' outer optimizer. In ``sync`` (``delay=1``) it is torch's SGD with
-  momentum (Nesterov or not) on the average of the workers' pseudo-gradients: DiLoCo. In ``async``/``ssp``
-  (``delay=W``) each push applies its own (scaled) pseudo-gradient at once, and the momentum is updated and applied
-  once per ``W`` pushes, from their sum: over a round in which every worker pushes once, the parameters move exactly
-  as one sync Nesterov step on the average (each push scaled by ``1/W``). Momentum applied at every push would count
-  every worker's stale pseudo-gradient into it ``W`` times per round, which the paper found unstable.
+* :class:`DelayedNesterov` is the outer optimizer for momentum in ``async``/``ssp``. With ``delay=1`` it is torch's
+  SGD with momentum (Nesterov or not): in ``sync``, on the average of the workers' pseudo-gradients, DiLoCo. With
+  ``delay=W`` (``W`` workers) each push applies its own (scaled) pseudo-gradient at once, and the momentum is updated
+  and applied once per ``W`` pushes, from their sum: over a round in which every worker pushes once, the parameters
+  move exactly as one sync Nesterov step on the average (each push scaled by ``1/W``). Momentum applied at every push
+  (torch's SGD) would count every worker's stale pseudo-gradient into it ``W`` times per round, which the paper found
+  unstable.
 * :class:`LocalSteps` is the worker's side: it counts the worker's own optimizer steps and, every ``local_steps``,
   pushes the pseudo-gradient and starts the next interval from the reply. With ``adaptive=True`` (``local_steps:
   auto``, the paper's dynamic local updates) ``local_steps`` is the fastest worker's count: each worker posts its
@@ -34,6 +35,14 @@ class DelayedNesterov(torch.optim.Optimizer):
     the momentum ``m`` takes the sum, ``m = momentum * m + a``, and the parameters get the momentum part: ``p -= lr *
     momentum * m`` (Nesterov), or ``p -= lr * momentum * m_before`` (heavy ball). With ``delay=1`` this is
     ``torch.optim.SGD(lr, momentum, nesterov)`` without dampening or weight decay.
+
+    Example::
+
+        >>> import functools
+        >>> from lightning_sync import ParameterServerStrategy
+        >>> W = 4  # workers: momentum once per round of W pushes
+        >>> outer = functools.partial(DelayedNesterov, lr=0.7, momentum=0.9, delay=W)
+        >>> strategy = ParameterServerStrategy(mode="async", local_steps=8, outer_optimizer=outer)
 
     Args:
         params: the parameters (or param groups).

@@ -8,15 +8,18 @@ with a message instead of corrupting the run.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
+from lightning_sync.comm.averaging import OUTER_OPTIMIZER, check_optimizer_callable
+from lightning_sync.comm.compression import Compressor, NoCompression
+from lightning_sync.ps.optim_spec import OptimizerSpec, build_shard_optimizer, optimizer_spec
+
 #: Sync modes of the server loop.
 MODES = ("sync", "async", "ssp")
-
-#: Gradient encodings a worker may push with. PowerSGD is not among them: its factors are averaged by an
-#: all-reduce across workers, which a point-to-point push to a server does not have.
-COMPRESSIONS = ("none", "fp16", "bf16", "topk")
 
 
 @dataclass(frozen=True)
@@ -31,9 +34,8 @@ class PSConfig:
         max_staleness: the ssp bound ``s >= 0`` (``0`` is lockstep). Ignored by the other modes.
         max_updates: the server version (optimizer steps applied) at which training ends, or ``None`` for no limit.
             In async and ssp every push is one update, so ``W`` workers doing ``n`` steps each make ``W * n``.
-        compression: how pushed gradients travel, one of :data:`COMPRESSIONS`.
-        topk_density: fraction of each shard's gradient entries ``topk`` sends, in ``(0, 1]``.
-        error_feedback: with ``topk``, keep what was not sent on the worker and add it to the next push.
+        codec: how pushed gradients travel: a ``point_to_point`` codec's
+            :meth:`~lightning_sync.comm.compression.Compressor.spec` (``None``: uncompressed fp32).
         skip_nonfinite: a worker whose gradient holds a NaN or Inf pushes none (its codec's memory untouched) and
             the servers skip: in sync the whole step, for every worker; in async and ssp that push.
         push_scale: async and ssp: the factor of each push's step, a number > 0, or ``None`` for ``1/W``; it
@@ -42,12 +44,13 @@ class PSConfig:
             ``W`` gradients.
         local_steps: ``1``: workers push gradients and the servers step the workers' optimizer. ``H > 1`` (async
             local SGD, :mod:`~lightning_sync.ps.outer`): each worker steps its own optimizer ``H`` times, then pushes
-            its pseudo-gradient, and the servers step an outer SGD (:class:`~lightning_sync.ps.outer.
-            DelayedNesterov`) with ``outer_lr``, ``outer_momentum`` and ``outer_nesterov``; its momentum is applied
-            once per ``W`` pushes in async and ssp, at every step in sync.
-        outer_lr: ``local_steps > 1``: learning rate of the outer SGD (> 0).
-        outer_momentum: ``local_steps > 1``: its momentum, in [0, 1).
-        outer_nesterov: ``local_steps > 1``: Nesterov momentum.
+            its pseudo-gradient, and the servers step ``outer_optimizer`` on it.
+        outer_optimizer: ``local_steps > 1``: the servers' outer optimizer, a callable from parameters to a
+            ``torch.optim.Optimizer`` (Lightning's ``OptimizerCallable``; in async and ssp e.g.
+            :class:`~lightning_sync.ps.outer.DelayedNesterov` with ``delay=W``, momentum once per ``W`` pushes), kept
+            as the :class:`~lightning_sync.ps.optim_spec.OptimizerSpec` of what it builds (plain values: that travels
+            to the servers, whose processes rebuild it over their shards; its class must be importable there), or
+            such a spec's dict; ``None``: :data:`~lightning_sync.comm.averaging.OUTER_OPTIMIZER`.
         elastic: ``sync`` only: a lost worker is dropped and the step averages the live workers' pushes, rather than
             ending the run. ``async`` and ``ssp`` are always elastic (see :mod:`lightning_sync.ps.server`).
         withdraw_lost_share: when a worker is lost, its unused share of ``max_updates`` (``max_updates / W`` minus the
@@ -61,15 +64,11 @@ class PSConfig:
     mode: str = "sync"
     max_staleness: int = 0
     max_updates: int | None = None
-    compression: str = "none"
-    topk_density: float = 0.01
-    error_feedback: bool = True
+    codec: dict[str, Any] | None = None
     skip_nonfinite: bool = True
     push_scale: float | None = None
     local_steps: int = 1
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    outer_nesterov: bool = True
+    outer_optimizer: Any = None
     elastic: bool = False
     withdraw_lost_share: bool = False
 
@@ -82,22 +81,6 @@ class PSConfig:
             isinstance(self.max_updates, bool) or not isinstance(self.max_updates, int) or self.max_updates < 1
         ):
             raise ValueError(f"max_updates={self.max_updates!r} must be an integer >= 1, or None for no limit")
-        if self.compression == "powersgd":
-            raise ValueError(
-                "compression='powersgd' is not supported by ps (its factors need an all-reduce across workers, "
-                f"a push to a server is point-to-point); choose one of {', '.join(COMPRESSIONS)}"
-            )
-        if self.compression not in COMPRESSIONS:
-            raise ValueError(
-                f"compression={self.compression!r} is not supported by ps; choose one of {', '.join(COMPRESSIONS)}"
-            )
-        density = self.topk_density
-        if (
-            isinstance(density, bool)
-            or not isinstance(density, (int, float))
-            or not (math.isfinite(density) and 0.0 < density <= 1.0)
-        ):
-            raise ValueError(f"topk_density={density!r} must be a number in (0, 1]")
         scale = self.push_scale
         if scale is not None and (
             isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0)
@@ -105,12 +88,11 @@ class PSConfig:
             raise ValueError(f"push_scale={scale!r} must be a number > 0, or 'auto' for the optimizer's default")
         if isinstance(self.local_steps, bool) or not isinstance(self.local_steps, int) or self.local_steps < 1:
             raise ValueError(f"local_steps={self.local_steps!r} must be an integer >= 1 (1: no local steps)")
-        lr, momentum = self.outer_lr, self.outer_momentum
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
-            raise ValueError(f"outer_lr={lr!r} must be a number > 0")
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
-            raise ValueError(f"outer_momentum={momentum!r} must be a number in [0, 1)")
-        for name in ("error_feedback", "skip_nonfinite", "outer_nesterov", "elastic", "withdraw_lost_share"):
+        if self.outer_optimizer is not None and not isinstance(self.outer_optimizer, dict):
+            built = check_optimizer_callable(self.outer_optimizer)
+            params = [p for group in built.param_groups for p in group["params"]]
+            object.__setattr__(self, "outer_optimizer", optimizer_spec(built, params).as_dict())
+        for name in ("skip_nonfinite", "elastic", "withdraw_lost_share"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
 
@@ -118,6 +100,19 @@ class PSConfig:
     def drops_lost_workers(self) -> bool:
         """Whether the servers drop a lost worker and go on with the others (``async``, ``ssp``, elastic ``sync``)."""
         return self.mode != "sync" or self.elastic
+
+    def new_codec(self) -> Compressor:
+        """A fresh codec of :attr:`codec` (uncompressed fp32 without one)."""
+        return NoCompression() if self.codec is None else Compressor.from_spec(self.codec)
+
+    def new_outer_optimizer(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+        """A fresh outer optimizer of :attr:`outer_optimizer` over ``params`` (a server's shard)."""
+        if self.outer_optimizer is None:
+            return OUTER_OPTIMIZER(params)
+        spec = OptimizerSpec.from_dict(self.outer_optimizer)
+        built, _ = build_shard_optimizer(spec, params, [0] * len(params))
+        assert built is not None  # every parameter is in the spec's one group
+        return built
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a plain dict (what travels to the servers)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -14,7 +14,6 @@ import torch
 from lightning_sync.ps._layout import ShardLayout
 from lightning_sync.ps._protocol import CLIP_NORM, CLIP_VALUE, Clip
 from lightning_sync.ps.optim_spec import OptimizerSpec, build_shard_optimizer, scales_learning_rate
-from lightning_sync.ps.outer import DelayedNesterov
 
 #: Staleness values from this one up are counted together under it (a histogram of bounded size, whatever the run).
 STALENESS_CAP = 1024
@@ -28,6 +27,8 @@ class ServerShard:
         indices: for each, its index in the workers' ordered parameter list.
         spec: the workers' optimizer (:func:`~lightning_sync.ps.optim_spec.optimizer_spec`).
         num_workers: number of workers (size of the clocks).
+        outer: async local SGD (``local_steps > 1``): builds the outer optimizer over the whole shard, which then
+            steps every push instead of ``spec``'s (``None``: the workers' optimizer).
 
     Raises:
         ValueError: ``params`` and ``indices`` differ in length, or ``num_workers < 1``.
@@ -39,7 +40,7 @@ class ServerShard:
         indices: Sequence[int],
         spec: OptimizerSpec,
         num_workers: int,
-        outer: dict[str, Any] | None = None,
+        outer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers!r} must be >= 1")
@@ -47,7 +48,7 @@ class ServerShard:
         self.params = [torch.nn.Parameter(p.detach().to("cpu").clone()) for p in params]
         self.layout = ShardLayout.of(self.params)
         if outer is not None:  # async local SGD: one outer optimizer over the whole shard, its own learning rate
-            self.optimizers: list[torch.optim.Optimizer | None] = [DelayedNesterov(self.params, **outer)]
+            self.optimizers: list[torch.optim.Optimizer | None] = [outer(self.params)]
             self.group_maps: list[list[int]] = [[]]
             self.owner = [0] * len(self.params)
             self.scale_lr = [False]

@@ -43,17 +43,12 @@ class DDPSyncStrategy(SyncStrategyBase):
     def __init__(
         self,
         *,
-        comm_hook: str = DDPConfig.comm_hook,
+        comm_hook: str | Compressor = DDPConfig.comm_hook,
         bucket_cap_mb: float = DDPConfig.bucket_cap_mb,
         find_unused_parameters: bool = DDPConfig.find_unused_parameters,
         gradient_as_bucket_view: bool = DDPConfig.gradient_as_bucket_view,
         static_graph: bool = DDPConfig.static_graph,
         broadcast_buffers: bool = DDPConfig.broadcast_buffers,
-        topk_density: float = DDPConfig.topk_density,
-        error_feedback: bool = DDPConfig.error_feedback,
-        powersgd_rank: int = DDPConfig.powersgd_rank,
-        powersgd_start_iter: int = DDPConfig.powersgd_start_iter,
-        powersgd_warm_start: bool = DDPConfig.powersgd_warm_start,
         start_method: str = DDPConfig.start_method,
         timeout_s: float = DDPConfig.timeout_s,
         check_consistency_every: int = DDPConfig.check_consistency_every,
@@ -100,7 +95,7 @@ class DDPSyncStrategy(SyncStrategyBase):
 
     @override
     def on_sync_step_end(self) -> None:
-        """Advances the compressor's step count (PowerSGD switches on at ``powersgd_start_iter``)."""
+        """Advances the compressor's step count (PowerSGD switches on at its ``start_iter``)."""
         if self.hook_state is not None:
             self.hook_state.compressor.advance()
 

@@ -13,7 +13,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
-from lightning_sync.comm.averaging import average_buffers
+from lightning_sync.comm.averaging import OptimizerCallable, average_buffers
+from lightning_sync.comm.compression import Compressor
 from lightning_sync.comm.consistency import named_replicated_state
 from lightning_sync.comm.fragments import explicit_fragments, normalize_fragment_modules
 from lightning_sync.comm.module_policy import validate_module_policy
@@ -66,9 +67,7 @@ class PeriodicSyncStrategy(AllReduceStrategy):
         sync_every: int | str = PeriodicConfig.sync_every,
         warmup_steps: int = PeriodicConfig.warmup_steps,
         average_optimizer_state: bool = PeriodicConfig.average_optimizer_state,
-        outer_lr: float = PeriodicConfig.outer_lr,
-        outer_momentum: float = PeriodicConfig.outer_momentum,
-        outer_nesterov: bool = PeriodicConfig.outer_nesterov,
+        outer_optimizer: OptimizerCallable | None = PeriodicConfig.outer_optimizer,
         target_comm_fraction: float = PeriodicConfig.target_comm_fraction,
         min_sync_every: int = PeriodicConfig.min_sync_every,
         max_sync_every: int = PeriodicConfig.max_sync_every,
@@ -77,19 +76,14 @@ class PeriodicSyncStrategy(AllReduceStrategy):
         fragment_modules: list[Any] | None = PeriodicConfig.fragment_modules,
         sync_delay: int = PeriodicConfig.sync_delay,
         fragment_alpha: float = PeriodicConfig.fragment_alpha,
-        outer_compression: str = PeriodicConfig.outer_compression,
+        outer_compression: str | Compressor = PeriodicConfig.outer_compression,
         fault_tolerance: Any = PeriodicConfig.fault_tolerance,
-        compression: str = PeriodicConfig.compression,
+        compression: str | Compressor = PeriodicConfig.compression,
         bucketing: str = PeriodicConfig.bucketing,
         bucket_cap_mb: float = PeriodicConfig.bucket_cap_mb,
         first_bucket_mb: float = PeriodicConfig.first_bucket_mb,
         find_unused_parameters: bool = PeriodicConfig.find_unused_parameters,
         gradient_as_bucket_view: bool = PeriodicConfig.gradient_as_bucket_view,
-        topk_density: float = PeriodicConfig.topk_density,
-        error_feedback: bool = PeriodicConfig.error_feedback,
-        powersgd_rank: int = PeriodicConfig.powersgd_rank,
-        powersgd_start_iter: int = PeriodicConfig.powersgd_start_iter,
-        powersgd_warm_start: bool = PeriodicConfig.powersgd_warm_start,
         start_method: str = PeriodicConfig.start_method,
         timeout_s: float = PeriodicConfig.timeout_s,
         check_consistency_every: int = PeriodicConfig.check_consistency_every,

@@ -18,6 +18,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sync.algorithms import build_parts, ps_settings
+from lightning_sync.comm.averaging import OptimizerCallable
+from lightning_sync.comm.compression import Compressor
 from lightning_sync.comm.peer_errors import PeerError, names_a_silent_peer
 from lightning_sync.config import ParameterServerConfig
 from lightning_sync.errors import ConfigError
@@ -70,17 +72,13 @@ class ParameterServerStrategy(ElasticWorkers):
         max_staleness: int = ParameterServerConfig.max_staleness,
         num_servers: int = ParameterServerConfig.num_servers,
         placement: str = ParameterServerConfig.placement,
-        compression: str = ParameterServerConfig.compression,
-        topk_density: float = ParameterServerConfig.topk_density,
-        error_feedback: bool = ParameterServerConfig.error_feedback,
+        compression: str | Compressor = ParameterServerConfig.compression,
         slow_worker: int = ParameterServerConfig.slow_worker,
         slowdown: float = ParameterServerConfig.slowdown,
         push_scale: float | str = ParameterServerConfig.push_scale,
         local_steps: int | str = ParameterServerConfig.local_steps,
         max_local_steps: int = ParameterServerConfig.max_local_steps,
-        outer_lr: float = ParameterServerConfig.outer_lr,
-        outer_momentum: float = ParameterServerConfig.outer_momentum,
-        outer_nesterov: bool = ParameterServerConfig.outer_nesterov,
+        outer_optimizer: OptimizerCallable | None = ParameterServerConfig.outer_optimizer,
         elastic: bool = ParameterServerConfig.elastic,
         max_restarts: int = ParameterServerConfig.max_restarts,
         spare_workers: int = ParameterServerConfig.spare_workers,

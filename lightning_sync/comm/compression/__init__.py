@@ -1,89 +1,96 @@
-"""Gradient compression shared by every sync mode.
+"""Codecs: how a payload is averaged over a process group, shared by every sync mode. One registry.
 
-A :class:`Compressor` averages one :class:`FlatBucket` over a process group. It owns the encoding, the collectives
-(issued through a :class:`~lightning_sync.comm.meter.CommMeter`, so the meter sees the compressed payload) and the
-decoding, and writes the mean back into the bucket's buffer in place. The same objects serve the DDP comm hook,
-the bucketed all-reduce and periodic averaging.
+A codec (a :class:`Compressor`) is one class with its own arguments: ``TopKCompression(density=0.01)``,
+``PowerSGDCompression(rank=4)``, the block-quantized ``Int8Compression``/``Int4Compression``, the
+``FP16Compression``/``BF16Compression`` casts, :class:`SparseLoCo`. It averages one :class:`FlatBucket` over a
+process group: it owns the encoding, the collectives (issued through a
+:class:`~lightning_sync.comm.meter.CommMeter`, so the meter sees the compressed payload) and the decoding, and writes
+the mean back into the bucket's buffer in place. Codecs with memory (error feedback, PowerSGD's factors) keep it per
+bucket index, in :meth:`Compressor.state_dict`, so it goes into checkpoints.
 
-Compressors with memory (error-feedback residuals, PowerSGD's warm-start factors) keep it per bucket index; it is
-part of :meth:`Compressor.state_dict`, so it goes into checkpoints.
-
-One module per concern: :mod:`~lightning_sync.comm.compression.base` (the contract),
-:mod:`~lightning_sync.comm.compression.cast` (none, fp16, bf16), :mod:`~lightning_sync.comm.compression.topk` and
-:mod:`~lightning_sync.comm.compression.powersgd`; this package adds the factory by name.
+Every consumer takes its codec through :func:`resolve_codec`: the bucketed all-reduce, the DDP comm hook, periodic's
+outer sync and streaming fragments, the sync across torchft groups and the parameter server's pushes. A codec is
+given as an object or by its registry name (:data:`CODECS`; the name gives the class's defaults). A consumer that
+needs a capability the codec lacks (:attr:`Compressor.capabilities`) refuses it there, before any process starts.
 
 Nothing here knows of Lightning.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any
+import copy
+from collections.abc import Callable, Iterable
 
 from lightning_sync.comm.compression.base import Compressor, FlatBucket, _completed
 from lightning_sync.comm.compression.cast import BF16Compression, CastCompression, FP16Compression, NoCompression
 from lightning_sync.comm.compression.powersgd import PowerSGDCompression, _PowerSGDMemory
+from lightning_sync.comm.compression.quantized import BlockQuantizedCompression, Int4Compression, Int8Compression
+from lightning_sync.comm.compression.sparseloco import SparseLoCo
 from lightning_sync.comm.compression.topk import TopKCompression
-from lightning_sync.errors import check_choice
+from lightning_sync.errors import ConfigError, check_choice
 
 __all__ = [
+    "CODECS",
     "BF16Compression",
-    "COMPRESSORS",
+    "BlockQuantizedCompression",
     "CastCompression",
     "Compressor",
     "FP16Compression",
     "FlatBucket",
+    "Int4Compression",
+    "Int8Compression",
     "NoCompression",
     "PowerSGDCompression",
+    "SparseLoCo",
     "TopKCompression",
     "_PowerSGDMemory",
     "_completed",
-    "build_compressor",
-    "compressor_factory",
+    "resolve_codec",
 ]
 
+CODECS: dict[str, type[Compressor]] = {
+    codec.name: codec
+    for codec in (
+        NoCompression,
+        FP16Compression,
+        BF16Compression,
+        TopKCompression,
+        PowerSGDCompression,
+        Int8Compression,
+        Int4Compression,
+        SparseLoCo,
+    )
+}
+"""Every codec by its registry name; a name builds the class with its defaults."""
 
-COMPRESSORS = ("none", "fp16", "bf16", "topk", "powersgd")
 
-
-def build_compressor(
-    name: str,
-    *,
-    topk_density: float = 0.01,
-    error_feedback: bool = True,
-    powersgd_rank: int = 4,
-    powersgd_start_iter: int = 0,
-    powersgd_warm_start: bool = True,
-    field: str = "compression",
-) -> Compressor:
-    """A fresh compressor by name (one of :data:`COMPRESSORS`); options not used by that compressor are ignored.
+def resolve_codec(
+    value: str | Compressor, field: str = "compression", needs: Iterable[str] = ()
+) -> Callable[[], Compressor]:
+    """A function that builds fresh, identical copies of the codec ``value`` (a name of :data:`CODECS` or a
+    :class:`Compressor`), checked now: consumers that keep one codec per bucket group call it once per group.
 
     Args:
-        field: the knob that chose ``name``, for the error message.
+        field: the knob that chose ``value``, for the error message.
+        needs: the capabilities the consumer needs (see :attr:`Compressor.capabilities`).
 
     Raises:
-        ConfigError: ``name`` is not one of :data:`COMPRESSORS`, or an option of the chosen compressor is out of
-            range.
+        ConfigError: ``value`` is neither a codec nor a registry name, or lacks one of ``needs``.
     """
-    check_choice(field, name, COMPRESSORS)
-    if name == "topk":
-        return TopKCompression(topk_density, error_feedback=error_feedback)
-    if name == "powersgd":
-        return PowerSGDCompression(
-            powersgd_rank,
-            start_iter=powersgd_start_iter,
-            error_feedback=error_feedback,
-            warm_start=powersgd_warm_start,
+    if isinstance(value, str):
+        check_choice(field, value, CODECS)
+        prototype = CODECS[value]()
+    elif isinstance(value, Compressor):
+        prototype = value
+    else:
+        raise ConfigError(
+            f"{field}={value!r} is not allowed; it must be a codec object (a Compressor) or one of: {', '.join(CODECS)}"
         )
-    return {"none": NoCompression, "fp16": FP16Compression, "bf16": BF16Compression}[name]()
-
-
-def compressor_factory(name: str, **options: Any) -> Callable[[], Compressor]:
-    """A function that builds fresh, identically configured compressors; checks ``name`` and ``options`` now.
-
-    Use it where a component needs one compressor per bucket group but the knobs should fail early (for example in
-    a strategy's constructor, before any process starts).
-    """
-    build_compressor(name, **options)
-    return functools.partial(build_compressor, name, **options)
+    for capability in needs:
+        if capability not in prototype.capabilities:
+            able = [name for name, codec in CODECS.items() if capability in codec.capabilities]
+            raise ConfigError(
+                f"{field}={prototype!r} is not allowed here: this consumer needs a codec that can ride "
+                f"{capability}, which {type(prototype).__name__} cannot; codecs that can: {', '.join(able)}"
+            )
+    return lambda: copy.deepcopy(prototype)

@@ -8,6 +8,8 @@ index; it is part of :meth:`Compressor.state_dict`, so it goes into checkpoints.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -30,16 +32,19 @@ class FlatBucket:
         shapes: the shapes of the tensors laid out in ``buffer``, in order, with no gaps.
         divided: the owner already divided ``buffer`` by the world size (fused into its copy into the bucket), so
             a sum over ranks is the mean and the compressor must not divide again.
+        participants: the mean is over this many ranks, not the whole group (a torchft quorum, where a group
+            that does not take part sends zeros); ``None``: every rank of the group.
     """
 
     index: int
     buffer: torch.Tensor
     shapes: list[torch.Size]
     divided: bool = False
+    participants: int | None = None
 
     def scale(self, n: int) -> float:
         """The factor that turns a sum over ``n`` ranks of this bucket's payload into a mean (1 if ``divided``)."""
-        return 1.0 if self.divided else 1.0 / n
+        return 1.0 if self.divided else 1.0 / (self.participants or n)
 
     def views(self) -> list[torch.Tensor]:
         """The tensors of the bucket, as views into ``buffer`` with their own shapes."""
@@ -62,9 +67,16 @@ class Compressor(ABC):
 
     Subclasses implement :meth:`average`. ``steps`` counts completed optimizer steps (syncs); the owner calls
     :meth:`advance` once after each, which lets a compressor switch on late (PowerSGD's ``start_iter``).
+
+    A codec says what it can ride beyond :meth:`average` over a process group (which every codec does) in
+    :attr:`capabilities`; a consumer that needs one the codec lacks refuses it before any process starts
+    (:func:`~lightning_sync.comm.compression.resolve_codec`).
     """
 
     name: ClassVar[str]
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+    """Beyond averaging over a process group: ``point_to_point`` (:meth:`encode` and :meth:`decode` of a flat
+    payload, for a parameter-server push) and ``across_groups`` (:meth:`average` over torchft's process group)."""
 
     def __init__(self) -> None:
         self.steps = 0
@@ -77,6 +89,50 @@ class Compressor(ABC):
             A future that resolves to ``bucket.buffer`` once it holds the mean over the group's ranks (or the
             decompressed estimate of it).
         """
+
+    def __repr__(self) -> str:
+        """The class and the constructor arguments it keeps under the same names, e.g. ``TopKCompression(density=0.01,
+        error_feedback=True)``."""
+        names = [n for n in inspect.signature(type(self)).parameters if hasattr(self, n)]
+        return f"{type(self).__name__}({', '.join(f'{n}={getattr(self, n)!r}' for n in names)})"
+
+    def spec(self) -> dict[str, Any]:
+        """The codec as plain values (its class's import path and :meth:`__repr__`'s arguments), to send to a process
+        that rebuilds it with :meth:`from_spec` (a parameter server loads only plain values)."""
+        names = [n for n in inspect.signature(type(self)).parameters if hasattr(self, n)]
+        cls = type(self)
+        return {"target": f"{cls.__module__}.{cls.__qualname__}", "args": {n: getattr(self, n) for n in names}}
+
+    @staticmethod
+    def from_spec(spec: dict[str, Any]) -> Compressor:
+        """The codec :meth:`spec` describes (a fresh one, without memory)."""
+        module, _, name = spec["target"].rpartition(".")
+        codec = getattr(importlib.import_module(module), name)(**spec["args"])
+        assert isinstance(codec, Compressor)
+        return codec
+
+    # point_to_point: a flat payload encoded for one receiver (a parameter server), memory keyed by ``key``
+    def packed_nbytes(self, numel: int) -> int:
+        """Exact bytes of :meth:`pack`'s output for ``numel`` values (``point_to_point`` codecs)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot ride point_to_point")
+
+    def pack(self, flat: torch.Tensor, key: int) -> torch.Tensor:
+        """``flat`` (fp32, 1-D; the codec may change it) as :meth:`packed_nbytes` bytes of uint8 for receiver
+        ``key``; memory (error feedback) is kept per ``key``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot ride point_to_point")
+
+    def unpack(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        """The fp32 values (1-D, ``numel``) of a :meth:`pack` payload.
+
+        Raises:
+            ValueError: ``payload`` does not have :meth:`packed_nbytes` bytes.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot ride point_to_point")
+
+    def _check_packed(self, payload: torch.Tensor, numel: int) -> None:
+        expected = self.packed_nbytes(numel)
+        if payload.numel() != expected:
+            raise ValueError(f"a {self.name} payload of {numel} values has {expected} bytes, got {payload.numel()}")
 
     def advance(self) -> None:
         """Marks the end of one optimizer step."""

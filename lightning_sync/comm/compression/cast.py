@@ -27,6 +27,7 @@ class CastCompression(Compressor):
     """
 
     wire_dtype: ClassVar[torch.dtype | None] = None
+    capabilities = frozenset({"point_to_point"})
 
     def __init__(self, parallel_chunks: int = PARALLEL_CHUNKS, min_chunk_mb: float = MIN_CHUNK_MB) -> None:
         super().__init__()
@@ -58,6 +59,16 @@ class CastCompression(Compressor):
             return buffer
 
         return done.then(_decode)
+
+    def packed_nbytes(self, numel: int) -> int:
+        return numel * (self.wire_dtype or torch.float32).itemsize
+
+    def pack(self, flat: torch.Tensor, key: int) -> torch.Tensor:
+        return flat.to(self.wire_dtype or torch.float32).view(torch.uint8)
+
+    def unpack(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        self._check_packed(payload, numel)
+        return payload.view(self.wire_dtype or torch.float32).to(torch.float32)
 
 
 class NoCompression(CastCompression):

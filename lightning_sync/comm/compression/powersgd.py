@@ -76,15 +76,15 @@ class PowerSGDCompression(Compressor):
 
     def __init__(
         self,
-        rank: int,
-        start_iter: int = 0,
+        rank: int = 4,
+        start_iter: int = 10,
         error_feedback: bool = True,
         warm_start: bool = True,
         seed: int = 0,
     ) -> None:
         super().__init__()
-        check_range("powersgd_rank", rank, low=1, integer=True)
-        check_range("powersgd_start_iter", start_iter, low=0, integer=True)
+        check_range("rank", rank, low=1, integer=True)
+        check_range("start_iter", start_iter, low=0, integer=True)
         self.rank = int(rank)
         self.start_iter = int(start_iter)
         self.error_feedback = bool(error_feedback)

@@ -38,10 +38,11 @@ class TopKCompression(Compressor):
     """
 
     name = "topk"
+    capabilities = frozenset({"point_to_point"})
 
-    def __init__(self, density: float, error_feedback: bool = True) -> None:
+    def __init__(self, density: float = 0.01, error_feedback: bool = True) -> None:
         super().__init__()
-        check_range("topk_density", density, low=0, high=1, low_open=True)
+        check_range("density", density, low=0, high=1, low_open=True)
         self.density = float(density)
         self.error_feedback = bool(error_feedback)
         self.residuals: dict[int, torch.Tensor] = {}
@@ -58,24 +59,8 @@ class TopKCompression(Compressor):
             return _completed(buffer)
         assert numel < 2**31, "TopKCompression: int32 indices need buckets of fewer than 2**31 entries"
 
-        acc = buffer.detach().reshape(-1).to(torch.float32, copy=True)
-        if self.error_feedback:
-            residual = self.residuals.get(bucket.index)
-            if residual is not None:
-                if residual.numel() != numel:
-                    raise ValueError(
-                        f"TopKCompression: bucket {bucket.index} has {numel} entries but its residual has "
-                        f"{residual.numel()}; bucket indices must keep their layout"
-                    )
-                acc.add_(residual.to(acc.device))
-
-        k = self.num_selected(numel)
-        _, indices = torch.topk(acc.abs(), k, sorted=False)
-        values = acc[indices]
-        if self.error_feedback:
-            acc[indices] = 0.0  # what stays behind is exactly (grad + old residual) - sent
-            self.residuals[bucket.index] = acc
-
+        values, indices = self._select(buffer.detach().reshape(-1).to(torch.float32, copy=True), bucket.index)
+        k = values.numel()
         payload = torch.cat([values.view(torch.int32), indices.to(torch.int32)])
         gathered = torch.empty(n * 2 * k, dtype=torch.int32, device=payload.device)
         work = meter.all_gather_into_tensor(gathered, payload, group=group, async_op=True)
@@ -93,6 +78,46 @@ class TopKCompression(Compressor):
             return buffer
 
         return work.get_future().then(_decode)
+
+    def _select(self, acc: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The values and indices of the ``k`` largest entries of ``acc`` (fp32, 1-D, owned) plus ``key``'s residual;
+        with error feedback, ``key``'s residual becomes what stays behind."""
+        if self.error_feedback:
+            residual = self.residuals.get(key)
+            if residual is not None:
+                if residual.numel() != acc.numel():
+                    raise ValueError(
+                        f"TopKCompression: payload {key} has {acc.numel()} entries but its residual has "
+                        f"{residual.numel()}; keys must keep their layout"
+                    )
+                acc.add_(residual.to(acc.device))
+        _, indices = torch.topk(acc.abs(), self.num_selected(acc.numel()), sorted=False)
+        values = acc[indices]
+        if self.error_feedback:
+            acc[indices] = 0.0  # what stays behind is exactly (grad + old residual) - sent
+            self.residuals[key] = acc
+        return values, indices
+
+    def _index_dtype(self, numel: int) -> torch.dtype:
+        return torch.int32 if numel < 2**31 else torch.int64
+
+    def packed_nbytes(self, numel: int) -> int:
+        """``k`` indices (int32; int64 past 2**31 entries), then ``k`` fp32 values."""
+        return self.num_selected(numel) * (self._index_dtype(numel).itemsize + 4) if numel else 0
+
+    def pack(self, flat: torch.Tensor, key: int) -> torch.Tensor:
+        if not flat.numel():
+            return torch.empty(0, dtype=torch.uint8)
+        values, indices = self._select(flat, key)
+        return torch.cat([indices.to(self._index_dtype(flat.numel())).view(torch.uint8), values.view(torch.uint8)])
+
+    def unpack(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        self._check_packed(payload, numel)
+        split = self.num_selected(numel) * self._index_dtype(numel).itemsize if numel else 0
+        indices = payload[:split].view(self._index_dtype(numel)).to(torch.int64)
+        dense = torch.zeros(numel, dtype=torch.float32)
+        dense.index_put_((indices,), payload[split:].view(torch.float32))
+        return dense
 
     def state_dict(self) -> dict[str, Any]:
         """Step count and the per-bucket residuals (cloned)."""
