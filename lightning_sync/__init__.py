@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_sync._server_process import is_server_process
+from lightning_sync.comm.averaging import OUTER_OPTIMIZER
 from lightning_sync.comm.compression import (
     CODECS,
     BF16Compression,
@@ -27,7 +28,6 @@ from lightning_sync.comm.compression import (
     SparseLoCo,
     TopKCompression,
 )
-from lightning_sync.comm.averaging import OUTER_OPTIMIZER
 from lightning_sync.comm.meter import CommMeter, CommStats
 from lightning_sync.errors import CheckpointError, ConfigError
 from lightning_sync.ps.outer import DelayedNesterov

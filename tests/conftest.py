@@ -22,7 +22,6 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
-os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning,ignore::FutureWarning")
 
 TIERS = ("unit", "dist", "e2e", "netns")
 HEAVIER_THAN_UNIT = ("dist", "e2e", "netns")
@@ -45,15 +44,13 @@ TIMED_FILES = frozenset(
         "test_streaming_diloco.py",
     }
 )
-# Files that time nothing but need the normal CPU priority too, each file a unit of its own (not queued behind the
-# timed files): the accuracy of async ps depends on how evenly its workers get the CPU, and at the lower priority
-# beside the timed tests one async worker starved (async median 0.936 against sync 0.958, over the 2 points it may
-# lose).
-NORMAL_PRIORITY_FILES = frozenset({"test_ps_async.py"})
-# Files of a few long tests that do not depend on one another (a notebook each, the 9-run accuracy test). Under
-# pytest-xdist each of their tests is a unit of its own, handed out right after the timed files, so that they spread
-# over the other workers instead of one worker taking a whole file of them.
-SPLIT_FILES = frozenset({"test_notebooks.py", "test_ps_async.py"})
+# Files that time nothing but need the normal CPU priority too: none (test_ps_async.py's accuracy test, which
+# depended on how evenly the async workers got the CPU, now fixes the order of the pushes itself).
+NORMAL_PRIORITY_FILES: frozenset[str] = frozenset()
+# Files of a few long tests that do not depend on one another (a notebook each). Under pytest-xdist each of their
+# tests is a unit of its own, handed out right after the timed files, so that they spread over the other workers
+# instead of one worker taking a whole file of them.
+SPLIT_FILES = frozenset({"test_notebooks.py"})
 OTHER_TESTS_NICE = 10
 # A test's rough cost in seconds by its markers (the highest counts), for the order the files are handed out in: a
 # ``slow`` one tens of seconds, a Trainer or a subprocess (``e2e``, ``netns``) seconds to tens of seconds, a process

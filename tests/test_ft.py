@@ -97,7 +97,7 @@ def test_mode_that_cannot_be_fault_tolerant_is_refused():
     bf16 = StreamingOptions(outer_compression="bf16")
     with pytest.raises(
         ConfigError,
-        match=r"outer_compression='bf16' is not allowed with fault tolerance; it must be one of 'none', 'int8', 'int4'",
+        match=r"outer_compression=BF16Compression\(.*\) is not allowed here: .* ride across_groups.*: int8, int4, sparseloco",
     ):
         check_fault_tolerant_knobs(PeriodicAverager(sync_every=8, outer=True, streaming=bf16))
     with pytest.raises(ConfigError, match=r"sync_every='auto' is not allowed with fault tolerance"):
@@ -187,12 +187,20 @@ def _wait(procs: list[multiprocessing.process.BaseProcess], limit_s: float) -> N
 @pytest.mark.parametrize("lighthouse", [3], indirect=True)
 @pytest.mark.parametrize(
     "spec",
-    ["", "2,1,0.0", "2,1,0.5", "1,0,0.0,int8", "2,1,0.5,int4"],
-    ids=["diloco", "streaming_k2_tau1", "k2_tau1_alpha", "int8", "k2_tau1_alpha_int4"],
+    ["", "2,1,0.0", "2,1,0.5", "1,0,0.0,int8", "2,1,0.5,int4", "1,0,0.0,sparseloco", "2,1,0.0,sparseloco"],
+    ids=[
+        "diloco",
+        "streaming_k2_tau1",
+        "k2_tau1_alpha",
+        "int8",
+        "k2_tau1_alpha_int4",
+        "sparseloco",
+        "k2_tau1_sparseloco",
+    ],
 )
 def test_three_groups_compute_what_three_ordinary_ranks_do(lighthouse, spec, tmp_path):
     """DiLoCo every 8 steps for 40 steps (and streaming DiLoCo: 2 fragments, sync_delay 1, alpha 0 or 0.5; with
-    int8/int4 pseudo-gradients): 3 groups of 1 rank through torchft against 3 ordinary gloo ranks."""
+    int8/int4 or SparseLoCo pseudo-gradients): 3 groups of 1 rank through torchft against 3 ordinary gloo ranks."""
     from dist_utils import run_ranks
     from ft_group_worker import flat as flatten
     from ft_group_worker import make_model, ordinary_rank

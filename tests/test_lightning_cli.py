@@ -82,6 +82,58 @@ def test_lightning_cli_sets_a_knob_as_a_strategy_argument(tmp_path):
     assert result == [["RESULT", "PeriodicSyncStrategy", "8", "8", "3"]], proc.stdout[-2000:]
 
 
+OUTER_SCRIPT = """
+import torch
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+cli = LightningCLI(BoringModel, BoringDataModule, save_config_callback=None)
+strategy = cli.trainer.strategy
+groups = strategy.averager.groups
+outer = strategy.averager.outer_optimizer([torch.nn.Parameter(torch.zeros(1))])
+print("RESULT", type(outer).__name__, outer.defaults["lr"], [type(g.outer).__name__ for g in groups], cli.trainer.global_step)
+"""
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ([], ["SGD", "0.7"]),  # the default, lightning_sync.OUTER_OPTIMIZER
+        (
+            ["--trainer.strategy.outer_optimizer=torch.optim.Adam", "--trainer.strategy.outer_optimizer.lr=0.01"],
+            ["Adam", "0.01"],
+        ),
+        (
+            [
+                '--trainer.strategy.outer_optimizer={"class_path": "lightning_sync.DelayedNesterov", "init_args": {"lr": 0.5}}'
+            ],
+            ["DelayedNesterov", "0.5"],
+        ),
+    ],
+    ids=["default", "class_and_argument", "class_path_init_args"],
+)
+def test_lightning_cli_sets_the_outer_optimizer_as_a_class_and_its_arguments(tmp_path, given, expected):
+    """``outer_optimizer`` is an ``OptimizerCallable``: LightningCLI fills it with ``class_path``/``init_args``."""
+    script = tmp_path / "cli.py"
+    script.write_text(OUTER_SCRIPT)
+    proc = _run(
+        [
+            str(script),
+            "fit",
+            "--trainer.strategy=lightning_sync.PeriodicSyncStrategy",
+            "--trainer.strategy.mode=diloco",
+            "--trainer.strategy.sync_every=2",
+            *given,
+            "--trainer.max_steps=3",
+            *QUIET,
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = [line.split(maxsplit=3) for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert result == [["RESULT", *expected, f"['{expected[0]}'] 3"]], proc.stdout[-2000:]
+
+
 def test_lightning_cli_help_documents_each_knob_and_rejects_a_bad_value(tmp_path):
     from lightning_sync.config import PeriodicConfig, knob_docs
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -12,6 +13,7 @@ from dist_utils import run_ranks
 from lightning_sync.comm.compression import FlatBucket
 from lightning_sync.comm.compression.sparseloco import SparseLoCo, clip_to_median_, pack_bits, unpack_bits
 from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.periodic import PeriodicAverager, StreamingOptions
 from lightning_sync.errors import ConfigError
 
 SHAPES = [torch.Size([30, 20]), torch.Size([5]), torch.Size([1000])]  # full chunks, tails and a tensor < chunk
@@ -240,3 +242,161 @@ def _clipped(rank: int, world_size: int) -> None:
 @pytest.mark.timeout(60)
 def test_clip_to_median_on_three_ranks() -> None:
     run_ranks(_clipped, world_size=3)
+
+
+# ---------------------------------------------------------------------------------------------------------- periodic
+# DiLoCo (one fragment, no delay) and streaming DiLoCo (2 fragments, delay 1) with SparseLoCo as ``outer_compression``,
+# driven through PeriodicAverager from a plain loop of inner SGD steps on 2 gloo ranks.
+WIDTH = 64
+PERIODIC = {
+    "diloco": dict(fragments=1, sync_delay=0),
+    "streaming": dict(fragments=2, sync_delay=1),
+}
+
+
+def _mlp() -> torch.nn.Module:
+    """4 x Linear(64, 64) (16,640 parameters), identical on every rank."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(4)])
+
+
+def _flat(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def _all_ranks(tensor: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, tensor.contiguous())
+    return out
+
+
+class _Loop:
+    """Inner SGD on rank-specific random batches, each step reported to the averager; bytes sent per step."""
+
+    def __init__(self, rank: int, averager: PeriodicAverager, seed: int = 100) -> None:
+        self.model, self.averager, self.meter = _mlp(), averager, CommMeter()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        self.gen = torch.Generator().manual_seed(seed + rank)
+        averager.setup(self.model.named_parameters(), self.model.named_buffers(), self.meter)
+
+    def run(self, steps: int) -> list[tuple[list[str], int]]:
+        """Per step: the labels applied and the bytes sent."""
+        out = []
+        for _ in range(steps):
+            before = self.meter.total.bytes_sent
+            self.averager.start_step()
+            x = torch.randn(16, WIDTH, generator=self.gen)
+            loss = (self.model(x) - x).pow(2).mean()
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+            labels = [group.label for group in self.averager.step([self.opt])]
+            out.append((labels, self.meter.total.bytes_sent - before))
+        return out
+
+    def finish(self) -> None:
+        self.averager.finish([self.opt])
+        self.averager.close()
+
+
+def _averager(kind: str, codec: SparseLoCo | str, sync_every: int = 8) -> PeriodicAverager:
+    streaming = StreamingOptions(**PERIODIC[kind], outer_compression=codec)
+    return PeriodicAverager(sync_every=sync_every, outer=True, streaming=streaming)
+
+
+def _periodic_ranks(rank: int, world: int, kind: str) -> None:
+    """Replicas end identical; each outer sync sends ``(n-1) * payload_nbytes`` of its fragment, far below fp32."""
+    sparse = _Loop(rank, _averager(kind, SparseLoCo(topk=4, chunk=256)))
+    steps = sparse.run(24)
+    sparse.finish()
+    rows = _all_ranks(_flat(sparse.model))
+    assert all(torch.equal(row, rows[0]) for row in rows), "SparseLoCo leaves the replicas different"
+    assert _flat(sparse.model).isfinite().all()
+    groups = {group.label: group for group in sparse.averager.groups}
+    assert len(groups) == PERIODIC[kind]["fragments"]
+    codec = SparseLoCo(topk=4, chunk=256)
+    payload = {
+        label: (world - 1)
+        * sum(codec.payload_nbytes([p.shape for p in params]) for params in group.averager._bucket_params)
+        for label, group in groups.items()
+    }
+    launched = [b for _, b in steps if b]
+    assert len(launched) == 3 * len(groups), steps  # 24 steps, period 8: three syncs of each fragment
+    assert sorted(set(launched)) == sorted(set(payload.values())), (launched, payload)
+
+    dense = _Loop(rank, _averager(kind, "none"))
+    fp32 = [b for _, b in dense.run(24) if b]
+    dense.finish()
+    assert len(fp32) == len(launched)
+    ratio = sum(launched) / sum(fp32)
+    assert ratio < 1 / 10, ratio
+    if rank == 0:
+        print(f"{kind}: SparseLoCo(topk=4, chunk=256) sends {ratio:.4f} of fp32's bytes per outer sync")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", list(PERIODIC))
+def test_periodic_replicas_agree_and_bytes_are_the_payload(kind: str) -> None:
+    run_ranks(_periodic_ranks, kind, timeout=110)
+
+
+def _lossless_ranks(rank: int, world: int, kind: str) -> None:
+    """``bits=None, topk=chunk, error_decay=0`` sends everything exactly: the uncompressed averager's result."""
+    exact = _Loop(rank, _averager(kind, SparseLoCo(topk=256, chunk=256, bits=None, error_decay=0.0)))
+    exact.run(20)
+    exact.finish()
+    plain = _Loop(rank, _averager(kind, "none"))
+    plain.run(20)
+    plain.finish()
+    torch.testing.assert_close(_flat(exact.model), _flat(plain.model), rtol=0, atol=1e-6)
+    for group in exact.averager.groups:
+        for error in group.averager.compressor.errors.values():
+            assert not error.any(), "keeping every entry leaves no error"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", list(PERIODIC))
+def test_periodic_lossless_sparseloco_equals_uncompressed(kind: str) -> None:
+    run_ranks(_lossless_ranks, kind, timeout=110)
+
+
+def _resume_periodic_ranks(rank: int, world: int, kind: str) -> None:
+    """A state_dict taken mid-run (error buffers, global copies, a fragment in flight) resumes bit for bit."""
+
+    def codec() -> SparseLoCo:
+        return SparseLoCo(topk=4, chunk=256, error_decay=0.9)
+
+    straight = _Loop(rank, _averager(kind, codec(), sync_every=4))
+    straight.run(14)
+    straight.finish()
+
+    first = _Loop(rank, _averager(kind, codec(), sync_every=4))
+    first.run(7)  # streaming: fragment 1 launched at step 7, in flight; both kinds: error buffers non-zero
+    state = first.averager.state_dict()
+    errors = [group["averager"]["compressor"]["errors"] for group in state["groups"]]
+    assert errors and all(errors), "the averager's state holds no codec memory"
+    saved = copy.deepcopy((state, first.model.state_dict(), first.opt.state_dict(), first.gen.get_state()))
+    first.averager.close()
+
+    resumed = _Loop(rank, _averager(kind, codec(), sync_every=4))
+    resumed.model.load_state_dict(saved[1])
+    resumed.opt.load_state_dict(saved[2])
+    resumed.gen.set_state(saved[3])
+    resumed.averager.load_state_dict(saved[0])
+    for group in resumed.averager.groups:
+        assert group.averager.compressor.errors, "the error buffers were not restored"
+    resumed.run(7)
+    resumed.finish()
+    assert torch.equal(_flat(resumed.model), _flat(straight.model)), "resume with SparseLoCo is not bit-identical"
+    for a, b in zip(straight.averager.groups, resumed.averager.groups):
+        for index, error in a.averager.compressor.errors.items():
+            assert torch.equal(error, b.averager.compressor.errors[index])
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", list(PERIODIC))
+def test_periodic_state_dict_resumes_bit_identically(kind: str) -> None:
+    run_ranks(_resume_periodic_ranks, kind, timeout=110)

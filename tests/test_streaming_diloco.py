@@ -633,7 +633,8 @@ def test_fragments_compose_with_module_groups_warmup_and_auto():
 # ---------------------------------------------------------------------------------------------------------- faults
 def _nonfinite_ranks(rank: int, world: int, delay: int, codec: str) -> None:
     streaming = StreamingOptions(fragments=2, sync_delay=delay, outer_compression=codec)
-    averager = PeriodicAverager(sync_every=4, outer=True, streaming=streaming)
+    # with momentum, so that the outer optimizer's state shows whether it stepped
+    averager = PeriodicAverager(sync_every=4, outer=True, outer_optimizer=PAPER, streaming=streaming)
     loop = Loop(rank, averager)
     first, second = averager.groups
     start = _fragment_flat(first).clone()

@@ -37,7 +37,9 @@ def _knobs_text(mode: str) -> str:
     if mode not in MODES:
         return f"  (strategy={mode} is not one of lightning_sync's: {', '.join(MODES)})"
     config_class = MODES[mode][1]
-    defaults = {f.name: SCHEMA_DEFAULTS.get(f.name, f.default) for f in fields(config_class) if f.default is not MISSING}
+    defaults = {
+        f.name: SCHEMA_DEFAULTS.get(f.name, f.default) for f in fields(config_class) if f.default is not MISSING
+    }
     lines = []
     for name, doc in knob_docs(config_class).items():
         lines.append(f"  strategy.{name}={_as_override(defaults.get(name, '???'))}")

@@ -398,7 +398,7 @@ OptimizerCallable = Callable[[Iterable[Any]], torch.optim.Optimizer]
 """A callable from an iterable of parameters to an optimizer over them: Lightning's ``OptimizerCallable``, as
 ``functools.partial(torch.optim.SGD, lr=0.7)``, Hydra's ``_partial_: true`` node or LightningCLI's ``class_path``."""
 
-OUTER_OPTIMIZER: OptimizerCallable = functools.partial(torch.optim.SGD, lr=0.7)
+OUTER_OPTIMIZER: functools.partial[torch.optim.SGD] = functools.partial(torch.optim.SGD, lr=0.7)
 """The outer optimizer that ``outer_optimizer=None`` stands for, everywhere (``periodic``'s DiLoCo and streaming
 DiLoCo, the fault-tolerant averager, ``ps`` with ``local_steps > 1``): SGD at lr 0.7 without momentum."""
 
@@ -420,11 +420,11 @@ def check_optimizer_callable(factory: OptimizerCallable | None, name: str = "out
         ConfigError: ``factory`` is not callable, raises ``TypeError``/``ValueError``, or returns no optimizer.
     """
     factory = OUTER_OPTIMIZER if factory is None else factory
-    allowed = (
-        "it must be a callable from parameters to a torch.optim.Optimizer, as functools.partial(torch.optim.SGD, lr=0.7)"
-    )
+    allowed = "it must be a callable from parameters to a torch.optim.Optimizer"
     if not callable(factory):
-        raise ConfigError(f"{name}={factory!r} is not allowed; {allowed}")
+        raise ConfigError(
+            f"{name}={factory!r} is not allowed; {allowed}, as functools.partial(torch.optim.SGD, lr=0.7)"
+        )
     try:
         built = factory([torch.nn.Parameter(torch.zeros(1))])
     except (TypeError, ValueError) as error:
