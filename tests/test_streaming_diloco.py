@@ -95,7 +95,7 @@ class Loop:
         (dict(fragments=1.5), "fragments=1.5 is not allowed; it must be an integer"),
         (dict(sync_delay=-1), "sync_delay=-1 is not allowed; it must be >= 0"),
         (dict(fragment_alpha=1.5), "fragment_alpha=1.5 is not allowed; it must be in [0, 1]"),
-        (dict(outer_compression="int2"), "outer_compression='int2' is not allowed; choose one of: none, bf16"),
+        (dict(outer_compression="int2"), "outer_compression='int2' is not allowed; choose one of: none, fp16, bf16"),
         (dict(fragments=9, sync_every=8), "fragments=9 is not allowed with sync_every=8; it must be <= sync_every"),
         (
             dict(fragments=4, sync_every=8, sync_delay=2),
