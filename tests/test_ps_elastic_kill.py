@@ -16,6 +16,8 @@ import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -129,27 +131,33 @@ def test_a_worker_added_with_join_trains_in_the_spare_slot(tmp_path):
     """A 2-worker async job started with ``strategy.spare_workers=1`` and a known ``MASTER_PORT``; once it trains,
     the same command with ``strategy.join=true`` adds a third worker: it takes the spare slot, pulls the current
     parameters, and pushes until the servers stop. Both exit 0; the job's summary names the added worker and no lost
-    one, and its pushes were applied (the servers' clocks in rank 0's checkpoint)."""
+    one, and its pushes were applied (the servers' clocks in rank 0's checkpoint).
+
+    The job's ranks hold at step 10 (``gate.FileGate``) until the added worker has trained a few steps, so the test
+    does not race the added worker's start (an interpreter importing Lightning) against the job's end."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    address = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    tests_dir = str(Path(__file__).resolve().parent)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": tests_dir}
     overrides = [
         "strategy=ps",
         "strategy.mode=async",
         "strategy.spare_workers=1",
-        f"strategy.timeout_s={TIMEOUT_S}",
+        "strategy.timeout_s=120",  # the job's ranks send nothing while they wait at the gate
         "trainer.devices=2",
-        "trainer.max_epochs=20",
-        "callbacks=[default,pacer]",  # 0.05 s a batch: the job trains for about 20 s, which the added worker's
-        "callbacks.pacer.step_s=0.05",  # start (an interpreter importing Lightning) takes a part of, at little CPU
+        "trainer.max_epochs=8",
+        "callbacks=[default,pacer]",
+        "callbacks.pacer.step_s=0.05",
         "+logger.csv.flush_logs_every_n_steps=5",
         "test=false",
     ]
-    run_dir, joined_dir = tmp_path / "run", tmp_path / "joined"
-    job = _start_training(overrides, run_dir, after_s=0.0, env=address)
+    run_dir, joined_dir, gate = tmp_path / "run", tmp_path / "joined", tmp_path / "gate"
+    joiner_log = tmp_path / "joiner.stderr"
+    gated = ["+callbacks.gate._target_=gate.FileGate", f"+callbacks.gate.path={gate}", "+callbacks.gate.at_step=10"]
+    job = _start_training([*overrides, *gated], run_dir, after_s=0.0, env=env)
     try:
-        joiner = subprocess.run(
+        joiner = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -158,17 +166,24 @@ def test_a_worker_added_with_join_trains_in_the_spare_slot(tmp_path):
                 "strategy.join=true",
                 f"hydra.run.dir={joined_dir}",
             ],
-            env=dict(os.environ, OMP_NUM_THREADS="1", **address),
-            capture_output=True,
-            text=True,
-            timeout=allowed_s(150, 60.0),
+            env=dict(os.environ, OMP_NUM_THREADS="1", **env),
+            stdout=subprocess.DEVNULL,
+            stderr=joiner_log.open("w"),  # a file: a full pipe would stall the joiner while the test polls
         )
+        deadline = time.monotonic() + 100
+        while not (joined_dir / "metrics.csv").is_file() and joiner.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # the added worker has trained 5 steps once its metrics.csv exists
+        gate.touch()
+        joiner.wait(timeout=allowed_s(150, 60.0))
         _, stderr = job.communicate(timeout=allowed_s(150, 60.0))
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
-    assert joiner.returncode == 0, joiner.stderr[-4000:]
+        if "joiner" in locals() and joiner.poll() is None:
+            joiner.kill()
+            joiner.wait()
+    assert joiner.returncode == 0, joiner_log.read_text()[-4000:]
     assert job.returncode == 0, stderr[-4000:]
     assert "worker 2 (ps rank 2) joined (a spare slot" in stderr, stderr[-4000:]
     summary = _summary(run_dir)
