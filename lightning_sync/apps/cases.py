@@ -55,6 +55,21 @@ def _streaming(name: str, every: int, fragments: int, delay: int, about: str, **
 
 
 _SGD = "an outer SGD without momentum"
+_SPARSELOCO_SGD = "{_target_:torch.optim.SGD,_partial_:true,lr:1.0}"
+
+
+def _sparseloco(every: int, bits: int | None) -> Case:
+    """DiLoCo every ``every`` steps with the SparseLoCo outer codec (``bits=None``: its top-k values in fp32) and its
+    recipe, a plain outer SGD at lr 1.0 (the codec's error feedback in momentum's place)."""
+    codec = "sparseloco" if bits == 2 else f"{{_target_:lightning_sync.SparseLoCo,bits:{bits or 'null'}}}"
+    name = f"periodic:sparseloco{'' if bits == 2 else '_fp32' if bits is None else bits}/{every}"
+    knobs = {"mode": "diloco", "sync_every": every, "outer_compression": codec, "outer_optimizer": _SPARSELOCO_SGD}
+    values = "fp32 values" if bits is None else f"{bits}-bit values"
+    return Case(
+        name, "periodic", knobs, f"DiLoCo every {every} steps, SparseLoCo outer codec ({values}), outer SGD lr 1"
+    )
+
+
 # fmt: off
 _CASES = (
     Case("ddp", "ddp", {}, "our DDPSyncStrategy (torch DDP through the meter)", alias="sync_ddp"),
@@ -74,6 +89,10 @@ _CASES = (
          "DiLoCo every 8 steps, the strategy's default outer optimizer (lightning_sync.OUTER_OPTIMIZER)"),
     Case("periodic:diloco/16", "periodic", {"mode": "diloco", "sync_every": 16},
          "DiLoCo every 16 steps (the README's example), the strategy's default outer optimizer"),
+    Case("periodic:diloco/30", "periodic", {"mode": "diloco", "sync_every": 30},
+         "DiLoCo every 30 steps, the strategy's default outer optimizer"),
+    *(_sparseloco(every, bits) for every in (8, 16, 30) for bits in (2, None)),
+    _streaming("periodic:streaming_diloco/30", 30, 4, 2, "streaming DiLoCo every 30 steps"),
     # one dedicated server process; in async and ssp the same samples as the other rows, one update per push
     Case("ps:sync", "ps", {"mode": "sync"}, "parameter server, synchronous"),
     Case("ps:async", "ps", {"mode": "async"},
