@@ -58,15 +58,20 @@ _SGD = "an outer SGD without momentum"
 _SPARSELOCO_SGD = "{_target_:torch.optim.SGD,_partial_:true,lr:1.0}"
 
 
-def _sparseloco(every: int, bits: int | None) -> Case:
-    """DiLoCo every ``every`` steps with the SparseLoCo outer codec (``bits=None``: its top-k values in fp32) and its
-    recipe, a plain outer SGD at lr 1.0 (the codec's error feedback in momentum's place)."""
-    codec = "sparseloco" if bits == 2 else f"{{_target_:lightning_sync.SparseLoCo,bits:{bits or 'null'}}}"
-    name = f"periodic:sparseloco{'' if bits == 2 else '_fp32' if bits is None else bits}/{every}"
+def _sparseloco(every: int, bits: int | None = 2, topk: int = 64) -> Case:
+    """DiLoCo every ``every`` steps with the SparseLoCo outer codec (``bits=None``: its top-k values in fp32; ``topk``
+    of every 4,096 values) and its recipe, a plain outer SGD at lr 1.0 (the codec's error feedback in momentum's
+    place)."""
+    codec = f"{{_target_:lightning_sync.SparseLoCo,bits:{'null' if bits is None else bits},topk:{topk}}}"
+    variant = "" if bits == 2 else "_fp32" if bits is None else str(bits)
+    name = f"periodic:sparseloco{variant}{'' if topk == 64 else f'_k{topk}'}/{every}"
     knobs = {"mode": "diloco", "sync_every": every, "outer_compression": codec, "outer_optimizer": _SPARSELOCO_SGD}
     values = "fp32 values" if bits is None else f"{bits}-bit values"
     return Case(
-        name, "periodic", knobs, f"DiLoCo every {every} steps, SparseLoCo outer codec ({values}), outer SGD lr 1"
+        name,
+        "periodic",
+        knobs,
+        f"DiLoCo every {every} steps, SparseLoCo outer codec (top {topk} of 4096, {values}), outer SGD lr 1",
     )
 
 
@@ -91,7 +96,7 @@ _CASES = (
          "DiLoCo every 16 steps (the README's example), the strategy's default outer optimizer"),
     Case("periodic:diloco/30", "periodic", {"mode": "diloco", "sync_every": 30},
          "DiLoCo every 30 steps, the strategy's default outer optimizer"),
-    *(_sparseloco(every, bits) for every in (8, 16, 30) for bits in (2, None)),
+    *(_sparseloco(every, *v) for every in (8, 16, 30) for v in ((2,), (None,), (2, 256))),
     _streaming("periodic:streaming_diloco/30", 30, 4, 2, "streaming DiLoCo every 30 steps"),
     # one dedicated server process; in async and ssp the same samples as the other rows, one update per push
     Case("ps:sync", "ps", {"mode": "sync"}, "parameter server, synchronous"),

@@ -69,7 +69,10 @@ LM_OPT_IN_CASES = hydra_cases(
         *("periodic:streaming_diloco/16", "periodic:streaming_diloco/8", "periodic:streaming_diloco/8/k2"),
         *("periodic:streaming_diloco/16/tau1", "periodic:streaming_diloco/12", "ps:async", "ps:async/push_scale_1"),
         *("ps:async_local/8", "ps:async_local/auto", "periodic:diloco/16", "periodic:diloco/30"),
-        *("periodic:streaming_diloco/30", *(f"periodic:sparseloco{v}/{h}" for h in (8, 16, 30) for v in ("", "_fp32"))),
+        *(
+            "periodic:streaming_diloco/30",
+            *(f"periodic:sparseloco{v}/{h}" for h in (8, 16, 30) for v in ("", "_fp32", "_k256")),
+        ),
     ]
 )
 REFERENCE = "ddp"
