@@ -23,6 +23,7 @@ from lightning_sync.config import (
     StrategyConfig,
 )
 from lightning_sync.errors import ConfigError
+from lightning_sync.ft.averager import FaultTolerantAverager
 from lightning_sync.ps.settings import PSConfig
 
 
@@ -34,12 +35,13 @@ class AlgorithmParts:
         new_compressor: builds a fresh gradient compressor (one per bucket group); ``None`` for ``ps``, whose
             codec is built by the servers from :func:`ps_settings`.
         averager: the ``periodic`` averager of ``local_sgd``/``diloco``; ``None`` otherwise.
-        averager_arguments: the arguments it was built with (a fault-tolerant averager takes the same).
+        fault_tolerant_averager: ``averager`` itself where it also syncs across replica groups
+            (``fault_tolerance``); the strategy connects it to the other groups once its process group exists.
     """
 
     new_compressor: Callable[[], Compressor] | None = None
     averager: PeriodicAverager | None = None
-    averager_arguments: dict[str, Any] | None = None
+    fault_tolerant_averager: FaultTolerantAverager | None = None
 
 
 def ps_settings(cfg: ParameterServerConfig, max_updates: int | None = None) -> PSConfig:
@@ -81,12 +83,15 @@ def build_parts(cfg: StrategyConfig) -> AlgorithmParts:
     GradientSynchronizer.check_settings(cfg.bucketing, cfg.bucket_cap_mb, cfg.first_bucket_mb)
     parts = AlgorithmParts(resolve_codec(cfg.compression))
     if isinstance(cfg, PeriodicConfig) and cfg.mode != "gradient":
-        parts.averager_arguments = dict(
+        arguments: dict[str, Any] = dict(
             outer=cfg.mode == "diloco",
             new_compressor=parts.new_compressor,
             streaming=StreamingOptions(**cfg.arguments_for(StreamingOptions)),
             adaptive=AdaptiveOptions(**cfg.arguments_for(AdaptiveOptions)),
             **cfg.arguments_for(PeriodicAverager),
         )
-        parts.averager = PeriodicAverager(**parts.averager_arguments)
+        if cfg.fault_tolerance is None:
+            parts.averager = PeriodicAverager(**arguments)
+        else:  # its constructor refuses the knobs that cannot be made fault tolerant
+            parts.averager = parts.fault_tolerant_averager = FaultTolerantAverager(**arguments)
     return parts

@@ -13,7 +13,16 @@ from typing import Any
 
 
 class ConfigError(ValueError):
-    """A user's configuration mistake: one line naming the field, the value and what is allowed."""
+    """A user's configuration mistake: one line naming the field, the value and what is allowed.
+
+    Example::
+
+        >>> from lightning_sync import AllReduceStrategy
+        >>> AllReduceStrategy(bucket_cap_mb=-1)
+        Traceback (most recent call last):
+            ...
+        lightning_sync.errors.ConfigError: strategy.bucket_cap_mb=-1 is not allowed; it must be > 0
+    """
 
     def under(self, group: str) -> ConfigError:
         """The same error with the field named inside ``group`` (``group.field=...``)."""
@@ -61,4 +70,12 @@ class CheckpointError(ValueError):
     """A checkpoint that this run cannot resume from: unreadable, or saved by another strategy or world size.
 
     The message names the file and both sides (what the checkpoint holds, what this run is).
+
+    Example::
+
+        >>> from lightning_sync import AllReduceStrategy
+        >>> AllReduceStrategy().load_checkpoint("missing.ckpt")
+        Traceback (most recent call last):
+            ...
+        lightning_sync.errors.CheckpointError: checkpoint 'missing.ckpt' does not exist (or is not a file)
     """

@@ -143,8 +143,8 @@ def test_hydra_modes_match_the_registered_strategies():
             "strategy.max_staleness=3 is not allowed with mode='async'; it is for ssp",
         ),
         (
-            {"_target_": "lightning_sync.ParameterServerStrategy", "mode": "sync", "max_restarts": 1},
-            "strategy.max_restarts=1 is not allowed with mode='sync' and start_method='popen'",
+            {"_target_": "lightning_sync.ParameterServerStrategy", "mode": "hogwild"},
+            "strategy.mode='hogwild' is not allowed; choose one of: sync, async, ssp",
         ),
         (
             {"_target_": "lightning_sync.ParameterServerStrategy", "mode": "sync", "spare_workers": 1},
@@ -155,7 +155,7 @@ def test_hydra_modes_match_the_registered_strategies():
             "strategy.join=True is not allowed with spare_workers=0; a worker joins a job started with spare_workers",
         ),
     ],
-    ids=["strategy-knob", "compressor-knob", "averager-knob", "ps-knob", "ps-restarts", "ps-spare", "ps-join"],
+    ids=["strategy-knob", "compressor-knob", "averager-knob", "ps-knob", "ps-mode", "ps-spare", "ps-join"],
 )
 def test_the_apps_knob_check_names_strategy_knob_value_and_what_is_allowed(knobs, message):
     """The Hydra app checks a composed ``strategy`` node before it starts any process: the config's own knobs, how

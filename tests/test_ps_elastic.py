@@ -68,33 +68,6 @@ def test_the_observer_ends_the_job_on_a_lost_rank_only_where_it_is_not_tolerated
         assert over and ended == [True] and "rank 2 (local) was lost (killed by SIGKILL): ending the job" in err
 
 
-@pytest.mark.unit
-@pytest.mark.timeout(10)
-def test_the_observer_starts_a_lost_rank_again_up_to_max_restarts(capsys):
-    """With ``max_restarts=1`` a lost rank's process is replaced by a new one (in the launcher's own list, which the
-    end of the job waits on); lost again, it stays lost; once the job is ending, nothing is restarted."""
-    from lightning_sync.strategies._observer import ChildObserver
-
-    children = [_Child(None), _Child(-signal.SIGKILL)]
-    started: list[int] = []
-
-    def restart(local_rank: int) -> _Child:
-        started.append(local_rank)
-        return _Child(None)
-
-    observer = ChildObserver(children, lambda: True, restart=restart, max_restarts=1)  # type: ignore[arg-type]
-    assert not observer.look()
-    assert started == [2] and children[1].code is None and observer.lost == {} and observer.restarts == {2: 1}
-    assert "rank 2 (local) was lost (killed by SIGKILL); starting it again (restart 1 of 1)" in capsys.readouterr().err
-    children[1].code = 1  # the restarted process fails too: no restart left
-    assert not observer.look()
-    assert started == [2] and observer.lost == {2: 1}
-    children[0].code = -signal.SIGKILL
-    observer.restarting = False  # the job is ending
-    observer.look()
-    assert started == [2] and observer.lost == {2: 1, 1: -signal.SIGKILL}
-
-
 # ---------------------------------------------------------------------------------------------------------- plain torch
 def _worker(rank: int, port: int, mode: str, how: int, timeout_s: float, pushes: int, hit_at: Any) -> dict:
     """Worker ``rank`` of 3 pushes ``pushes`` times (worker 2 hits itself with ``how`` at push ``FREEZE_AT``), then

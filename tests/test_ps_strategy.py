@@ -169,7 +169,10 @@ def test_sync_resume_from_checkpoint_is_exact(tmp_path):
         ({"mode": "ssp", "max_staleness": -1}, r"strategy\.max_staleness=-1 is not allowed; it must be >= 0"),
         ({"mode": "hogwild"}, r"strategy\.mode='hogwild' is not allowed; choose one of: sync, async, ssp"),
         ({"placement": "cloud"}, r"strategy\.placement='cloud' is not allowed; choose one of: dedicated, colocated"),
-        ({"compression": "powersgd"}, r"strategy\.compression='powersgd' is not supported by ps"),
+        (
+            {"compression": "powersgd"},
+            r"strategy\.compression=PowerSGDCompression\(rank=4.* can ride point_to_point, which PowerSGDCompression cannot",
+        ),
         ({"max_staleness": 3}, r"strategy\.max_staleness=3 is not allowed with mode='sync'"),
         ({"slowdown": 0.5}, r"strategy\.slowdown=0\.5 is not allowed"),
     ],

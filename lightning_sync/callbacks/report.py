@@ -81,15 +81,12 @@ class SyncReport(pl.Callback):
         if synchronizer is not None:
             self.summary["launch_point"] = synchronizer.launch_point
         lost = getattr(trainer.strategy, "lost_workers", None)
-        rejoined = getattr(trainer.strategy, "rejoined_workers", None)
         if lost:  # the elastic ps modes: the ranks the servers dropped, and why (each survivor is now alone)
             self.summary["lost_workers"] = {str(worker): why for worker, why in lost.items()}
-        if rejoined:  # the lost ranks started again (max_restarts), and how many times each
-            self.summary["rejoined_workers"] = {str(worker): joins for worker, joins in rejoined.items()}
         added = getattr(trainer.strategy, "added_workers", None)
         if added:  # the workers added to the run in a spare slot (join), by their worker rank
             self.summary["added_workers"] = list(added)
-        if lost or rejoined:
+        if lost:
             self.summary["world_size"] = trainer.num_nodes * trainer.num_devices
         meter = getattr(trainer.strategy, "meter", None)
         if meter is not None and self._comm_at_start is not None:

@@ -207,7 +207,7 @@ class ModelAverager:
         params: Sequence[torch.Tensor],
         compressor: Compressor,
         meter: CommMeter,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float = 4.0,
         group: ProcessGroup | None = None,
     ) -> None:
         self.params = list(params)

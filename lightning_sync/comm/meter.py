@@ -76,7 +76,13 @@ def control_device(group: ProcessGroup | None = None) -> torch.device:
 
 @dataclass
 class CommStats:
-    """Communication counted over some interval, for one rank."""
+    """Communication counted over some interval, for one rank.
+
+    Example::
+
+        >>> CommStats(bytes_sent=1000.0, calls=2).as_metrics()["comm/bytes_sent"]
+        1000.0
+    """
 
     bytes_sent: float = 0.0
     bytes_recv: float = 0.0
@@ -105,6 +111,12 @@ class CommMeter:
     Args:
         group: the process group to use when a call names none (``None``: the default group).
         timeout_s: the process groups' timeout, named in a :class:`PeerError` (``None``: as the backend says).
+
+    Example::
+
+        >>> meter = CommMeter(timeout_s=60)  # in a process that has joined a process group
+        >>> meter.step()  # what was counted since the last step: nothing yet
+        CommStats(bytes_sent=0.0, bytes_recv=0.0, calls=0, seconds=0.0)
     """
 
     def __init__(self, group: ProcessGroup | None = None, timeout_s: float | None = None) -> None:

@@ -106,11 +106,11 @@ class PeriodicAverager:
         module_sync_every: Any = None,
         average_optimizer_state: bool = False,
         new_compressor: Callable[[], Compressor] = NoCompression,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float = 4.0,
         streaming: StreamingOptions = StreamingOptions(),  # noqa: B008 - frozen, so one shared default is safe
         adaptive: AdaptiveOptions = AdaptiveOptions(),  # noqa: B008 - frozen, so one shared default is safe
         skip_nonfinite: bool = True,
-        timeout_s: float | None = None,
+        timeout_s: float = 600.0,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         check_periodic_ranges(sync_every, warmup_steps, bucket_cap_mb)

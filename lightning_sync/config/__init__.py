@@ -11,12 +11,14 @@ from these configs). The dataclasses are the one schema behind every way of sett
   knob's default lives here only and ``conf/strategy/*.yaml`` holds just what differs, and its ``--help`` prints
   :func:`knob_docs`.
 
-Validation is split by ownership, and each check runs once, in the launching process, before any rank starts:
-``__post_init__`` checks the knobs that belong to the strategy (start method, timeouts, modes and how they
-combine); the knobs that belong to an algorithm (a compressor's density or rank, the bucketing, the averager's
-period, warmup and adaptive bounds) are checked by that algorithm's constructor, which the strategy's constructor
-calls. Either way a bad value raises :class:`~lightning_sync.errors.ConfigError` naming the field, the value and
-what is allowed (``strategy.<knob>`` once a strategy or the Hydra app reports it).
+Validation is split by ownership, and each check is made in one place, in the launching process, before any rank
+starts: ``__post_init__`` checks the knobs that belong to the strategy (start method, timeouts, placement, how the
+knobs combine with the mode); the knobs that belong to an algorithm (a codec's density or rank, the bucketing, the
+averager's period, warmup, streaming and adaptive bounds, the ``ps`` mode, staleness bound, push scale and local
+steps) are checked by that algorithm's constructor, which the strategy's constructor calls. The algorithm classes are
+usable alone, and default each knob as the dataclass does (``tests/test_schema_defaults.py``). Either way a bad value
+raises :class:`~lightning_sync.errors.ConfigError` naming the field, the value and what is allowed
+(``strategy.<knob>`` once a strategy or the Hydra app reports it).
 """
 
 from lightning_sync.config.common import (
@@ -28,12 +30,11 @@ from lightning_sync.config.common import (
 from lightning_sync.config.gradient import AllReduceConfig, DDPConfig
 from lightning_sync.config.knobs import knob, knob_docs
 from lightning_sync.config.periodic import PERIODIC_MODES, PeriodicConfig
-from lightning_sync.config.ps import PS_MODES, PS_PLACEMENTS, ParameterServerConfig
+from lightning_sync.config.ps import PS_PLACEMENTS, ParameterServerConfig
 
 __all__ = [
     "ON_MISMATCH",
     "PERIODIC_MODES",
-    "PS_MODES",
     "PS_PLACEMENTS",
     "START_METHODS",
     "AllReduceConfig",

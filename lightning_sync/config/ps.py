@@ -9,7 +9,6 @@ from lightning_sync.config.common import StrategyConfig
 from lightning_sync.config.knobs import knob
 from lightning_sync.errors import ConfigError, check_choice, check_range
 
-PS_MODES = ("sync", "async", "ssp")
 PS_PLACEMENTS = ("dedicated", "colocated")
 
 
@@ -73,13 +72,6 @@ class ParameterServerConfig(StrategyConfig):
         """``sync``: a lost worker (killed, crashed, or silent for ``timeout_s``) is dropped and each step averages the
         live workers' pushes, instead of ending the job. ``async`` and ``ssp`` always drop a lost worker.""",
     )
-    max_restarts: int = knob(
-        0,
-        """``async``/``ssp`` with ``start_method: popen``: how many times the launcher starts a worker rank again after
-        its process exited with an error (killed, crashed). The new process rejoins the servers: it pulls the current
-        parameters and its step count, then trains on the lost rank's data shard. Rank 0, and a rank that runs a
-        colocated server, are not restarted: losing either ends the job. 0: a lost worker stays lost.""",
-    )
     spare_workers: int = knob(
         0,
         """``async``/``ssp``: worker slots the servers keep free, beyond the ``trainer.devices x trainer.num_nodes``
@@ -95,20 +87,11 @@ class ParameterServerConfig(StrategyConfig):
     )
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        check_choice("mode", self.mode, PS_MODES)
+        super().__post_init__()  # mode, max_staleness, push_scale and local_steps as numbers: PSConfig's checks
         if self.elastic is not False and (self.elastic is not True or self.mode != "sync"):
             raise ConfigError(
                 f"elastic={self.elastic!r} is not allowed with mode={self.mode!r}; it is true or false, for sync "
                 "(async and ssp always drop a lost worker)"
-            )
-        check_range("max_staleness", self.max_staleness, low=0, integer=True)
-        check_range("max_restarts", self.max_restarts, low=0, integer=True)
-        if self.max_restarts and (self.mode == "sync" or self.start_method != "popen"):
-            raise ConfigError(
-                f"max_restarts={self.max_restarts} is not allowed with mode={self.mode!r} and "
-                f"start_method={self.start_method!r}; a restarted worker rejoins in async or ssp, started by the "
-                "popen launcher"
             )
         check_range("spare_workers", self.spare_workers, low=0, integer=True)
         if (self.spare_workers or self.join) and self.mode == "sync":

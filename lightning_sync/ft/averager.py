@@ -63,17 +63,18 @@ class FaultTolerantAverager(PeriodicAverager):
     """A :class:`PeriodicAverager` whose syncs also average across replica groups, through ``link``.
 
     Args:
-        link: this rank's link to the other groups.
+        link: this rank's link to the other groups (``None``: given later to :meth:`connect`, once the replica
+            group's process group exists, before :meth:`setup`).
         **knobs: :class:`PeriodicAverager`'s arguments (checked by :func:`check_fault_tolerant_knobs`).
 
     Raises:
         ConfigError: a knob that cannot be made fault tolerant, or one out of range.
     """
 
-    def __init__(self, link: ReplicaGroupLink, **knobs: Any) -> None:
+    def __init__(self, link: ReplicaGroupLink | None = None, **knobs: Any) -> None:
         super().__init__(**knobs)
         check_fault_tolerant_knobs(self)
-        self.link = link
+        self._link = link
         self.committed_syncs = 0
         self.failed_syncs = 0
         self._cross: dict[int, concurrent.futures.Future] = {}
@@ -82,6 +83,16 @@ class FaultTolerantAverager(PeriodicAverager):
         self._across: dict[int, Compressor] = {}
         if self._new_across is not None:
             self.new_compressor = NoCompression
+
+    def connect(self, link: ReplicaGroupLink) -> None:
+        """Makes ``link`` this rank's link to the other groups (before :meth:`setup`)."""
+        self._link = link
+
+    @property
+    def link(self) -> ReplicaGroupLink:
+        """This rank's link to the other groups (given to the constructor or to :meth:`connect`)."""
+        assert self._link is not None, "FaultTolerantAverager has no link: give one to connect() before setup()"
+        return self._link
 
     def _average_across(self, group: SyncGroup) -> None:
         """The mean of ``group``'s deltas over the quorum's groups, in place (as ``outer_compression`` sends it)."""
@@ -192,4 +203,5 @@ class FaultTolerantAverager(PeriodicAverager):
     def close(self) -> None:
         """Stops the outer-sync worker (none here) and the link's Manager."""
         super().close()
-        self.link.close()
+        if self._link is not None:
+            self._link.close()

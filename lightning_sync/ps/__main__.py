@@ -4,6 +4,7 @@ as a process of its own, with its command line."""
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import sys
@@ -31,12 +32,33 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, required=True, help="bound of every wait after the rendezvous")
     parser.add_argument("--connect-timeout-s", type=float, default=None, help="bound of the rendezvous")
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="store prefix of the PS group")
+    parser.add_argument("--parent-pid", type=int, default=None, help="die with this process (the one starting it)")
     return parser.parse_args(argv)
+
+
+def die_with_parent(parent: int) -> bool:
+    """Has the kernel SIGKILL this process when the thread of ``parent`` that started it ends (Linux:
+    ``prctl(PR_SET_PDEATHSIG)``); whether ``parent`` is still its parent.
+
+    The failure it handles: the worker that started this server is killed while the server is frozen (SIGSTOP, or a
+    debugger). A running server sees its parent's connections close and exits; a frozen one cannot, and would stay
+    stopped, holding the job's stderr open, for ever; SIGKILL ends a stopped process too
+    (``tests/test_ps_core.py::test_dedicated_server_processes_die_with_their_parent[frozen]`` fails without it). Set
+    here, after ``exec``: in a ``preexec_fn`` it would run between ``fork`` and ``exec`` of a parent with threads,
+    which is unsafe.
+    """
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    return os.getppid() == parent  # a parent that died before the signal was set
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m lightning_sync.ps``: exit code 0 after a clean end, 1 after an error."""
     args = _parse_args(argv)
+    if args.parent_pid is not None and not die_with_parent(args.parent_pid):
+        print(f"lightning_sync.ps server {args.server}: the process that started it is gone", file=sys.stderr)
+        return 1
+
     # The loop waits inside gloo, where Python cannot run a KeyboardInterrupt: let Ctrl-C and SIGTERM end the
     # process at once instead.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -66,17 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def exit_after(argv: Sequence[str] | None = None) -> None:
-    """Runs :func:`main` and ends the process with its exit code at once.
-
-    A dedicated server has nothing to clean up once the loop returned; skipping the interpreter's teardown (seconds
-    once torch.optim has loaded torch._dynamo) lets it leave as soon as the last worker said goodbye.
-    """
-    code = main(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    exit_after()
+    code = main()
+    sys.stderr.flush()  # os._exit: a server has nothing to clean up, and the interpreter's teardown with torch
+    os._exit(code)  # loaded takes about 0.7 s of CPU, which every job's end would wait for

@@ -6,13 +6,13 @@ Dedicated (:func:`start_server_processes`, called on worker 0 after it hosts the
     servers = start_server_processes(host, port, num_workers=W, num_servers=k, timeout_s=60)
     ...                          # PSGroup / PSClient as usual; servers.raise_if_failed() between steps if wanted
     client.close()               # every worker: the servers exit by themselves after the last goodbye
-    servers.wait(timeout_s=30)   # exit codes, 0 each; servers.stop() kills them if they do not
+    servers.wait(timeout_s=30)   # exit codes, 0 each; servers.stop() ends them if they do not
 
 Each server is a fresh interpreter, ``python -m lightning_sync.ps`` (:mod:`lightning_sync.ps.__main__`; nothing of
 the worker is inherited). It exits when its parent's connection closes (a killed parent included), when the thread
-that started it ends (the kernel's parent-death signal, SIGKILL: a frozen server included), on Ctrl-C and
-SIGTERM at once, and by itself when no worker talks to it for ``timeout_s``. An ``atexit`` hook of the parent stops
-the ones still running.
+that started it ends (the kernel's parent-death signal, SIGKILL, which the server sets itself: a frozen server
+included, see :func:`lightning_sync.ps.__main__.die_with_parent`), on Ctrl-C and SIGTERM at once, and by itself
+when no worker talks to it for ``timeout_s``. An ``atexit`` hook of the parent stops the ones still running.
 
 Colocated (:func:`start_colocated_server`, on worker ``r < k``): server ``r`` runs in a daemon thread of worker
 ``r``'s process with its own member of the group (PS rank ``W + r``), so it ends with that process; it also returns
@@ -22,7 +22,6 @@ after the last goodbye and raises (kept in :attr:`ColocatedServer.error`) after 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import signal
 import subprocess
@@ -37,30 +36,6 @@ from lightning_sync._server_process import SERVER_PROCESS_ENV
 from lightning_sync.ps.errors import PSError, PSTimeoutError
 from lightning_sync.ps.group import DEFAULT_PREFIX
 from lightning_sync.ps.server import run_server
-
-
-def _death_with_parent() -> Any:
-    """What a server process runs before ``exec`` so that it dies with the thread that started it, or ``None`` where
-    the kernel has no parent-death signal (only Linux has ``prctl(PR_SET_PDEATHSIG)``).
-
-    Handles a frozen server (SIGSTOP, or a debugger) whose parent is killed: it cannot see the closed connection that
-    ends a running server, and would stay stopped, holding the job's stderr open, for ever. SIGKILL ends a stopped
-    process too. A parent that died before the child set the signal is caught by comparing the parent's pid.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def set_signal() -> None:  # in the child, between fork and exec: async-signal-safe calls only
-        prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return set_signal
 
 
 def _check_counts(num_workers: int, num_servers: int) -> None:
@@ -87,19 +62,11 @@ class ServerProcesses:
         """Each server's exit code, ``None`` while it runs (negative: killed by that signal)."""
         return [p.poll() for p in self.processes]
 
-    def alive(self) -> list[int]:
-        """Indices of the servers still running."""
-        return [i for i, code in enumerate(self.exit_codes()) if code is None]
-
-    def failed(self) -> list[int]:
-        """Indices of the servers that exited with a non-zero code."""
-        return [i for i, code in enumerate(self.exit_codes()) if code not in (None, 0)]
-
     def raise_if_failed(self) -> None:
         """Raises :class:`PSError` naming every server that exited with an error."""
-        failed = self.failed()
+        codes = self.exit_codes()
+        failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
         if failed:
-            codes = self.exit_codes()
             raise PSError(
                 "parameter server process(es) failed: "
                 + ", ".join(f"server {i} (pid {self.processes[i].pid}) exit code {codes[i]}" for i in failed)
@@ -117,7 +84,7 @@ class ServerProcesses:
                 p.wait(timeout=max(deadline - time.monotonic(), 0.0))
             except subprocess.TimeoutExpired:
                 pass
-        alive = self.alive()
+        alive = [i for i, code in enumerate(self.exit_codes()) if code is None]
         if alive:
             raise PSTimeoutError(f"server process(es) {alive} still running after {timeout_s:.1f} s")
         return [int(c) for c in self.exit_codes()]  # type: ignore[arg-type]
@@ -144,10 +111,6 @@ class ServerProcesses:
                 p.wait()
         return [int(p.returncode) for p in self.processes]
 
-    def kill(self) -> list[int]:
-        """SIGKILL every server still running; returns the exit codes."""
-        return self.stop(grace_s=0.0)
-
     def finish(self, timeout_s: float) -> None:
         """After the workers' goodbyes: waits up to ``timeout_s`` for a clean exit, stops what still runs, and
         raises for a server that failed (or had to be stopped)."""
@@ -156,12 +119,6 @@ class ServerProcesses:
         finally:
             self.stop()
         self.raise_if_failed()
-
-    def __enter__(self) -> ServerProcesses:
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        self.stop()
 
 
 def start_server_processes(
@@ -215,16 +172,17 @@ def start_server_processes(
             "--host", host, "--port", str(port), "--server", str(server),
             "--num-workers", str(num_workers), "--num-servers", str(num_servers),
             "--timeout-s", repr(float(timeout_s)), "--prefix", prefix, "--spare-workers", str(spare_workers),
+            "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
         if connect_timeout_s is not None:
             command += ["--connect-timeout-s", repr(float(connect_timeout_s))]
-        processes.append(subprocess.Popen(command, env=environ, preexec_fn=_death_with_parent()))  # noqa: PLW1509
+        processes.append(subprocess.Popen(command, env=environ))
     handle = ServerProcesses(processes)
     reference = weakref.ref(handle)
 
     def _stop_at_exit() -> None:
         live = reference()
-        if live is not None and live.alive():
+        if live is not None and None in live.exit_codes():
             live.stop(grace_s=2.0)
 
     atexit.register(_stop_at_exit)

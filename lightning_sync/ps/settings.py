@@ -7,7 +7,6 @@ with a message instead of corrupting the run.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -16,6 +15,7 @@ import torch
 
 from lightning_sync.comm.averaging import OUTER_OPTIMIZER, check_optimizer_callable
 from lightning_sync.comm.compression import Compressor, NoCompression
+from lightning_sync.errors import ConfigError, check_choice, check_range
 from lightning_sync.ps.optim_spec import OptimizerSpec, build_shard_optimizer, optimizer_spec
 
 #: Sync modes of the server loop.
@@ -58,11 +58,11 @@ class PSConfig:
             epochs); without it the live workers make the lost one's updates too (an end given in steps).
 
     Raises:
-        ValueError: a field is out of range; the message names the field, the value and what is allowed.
+        ConfigError: a field is out of range; the message names the field, the value and what is allowed.
     """
 
     mode: str = "sync"
-    max_staleness: int = 0
+    max_staleness: int = 2
     max_updates: int | None = None
     codec: dict[str, Any] | None = None
     skip_nonfinite: bool = True
@@ -73,28 +73,20 @@ class PSConfig:
     withdraw_lost_share: bool = False
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode={self.mode!r} is not a parameter-server mode; choose one of {', '.join(MODES)}")
-        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
-            raise ValueError(f"max_staleness={self.max_staleness!r} must be an integer >= 0 (0 is lockstep)")
-        if self.max_updates is not None and (
-            isinstance(self.max_updates, bool) or not isinstance(self.max_updates, int) or self.max_updates < 1
-        ):
-            raise ValueError(f"max_updates={self.max_updates!r} must be an integer >= 1, or None for no limit")
-        scale = self.push_scale
-        if scale is not None and (
-            isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0)
-        ):
-            raise ValueError(f"push_scale={scale!r} must be a number > 0, or 'auto' for the optimizer's default")
-        if isinstance(self.local_steps, bool) or not isinstance(self.local_steps, int) or self.local_steps < 1:
-            raise ValueError(f"local_steps={self.local_steps!r} must be an integer >= 1 (1: no local steps)")
+        check_choice("mode", self.mode, MODES)
+        check_range("max_staleness", self.max_staleness, low=0, integer=True)
+        if self.max_updates is not None:
+            check_range("max_updates", self.max_updates, low=1, integer=True)
+        if self.push_scale is not None:
+            check_range("push_scale", self.push_scale, low=0, low_open=True)
+        check_range("local_steps", self.local_steps, low=1, integer=True)
         if self.outer_optimizer is not None and not isinstance(self.outer_optimizer, dict):
             built = check_optimizer_callable(self.outer_optimizer)
             params = [p for group in built.param_groups for p in group["params"]]
             object.__setattr__(self, "outer_optimizer", optimizer_spec(built, params).as_dict())
         for name in ("skip_nonfinite", "elastic", "withdraw_lost_share"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not allowed; it must be True or False")
 
     @property
     def drops_lost_workers(self) -> bool:

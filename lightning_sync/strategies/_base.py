@@ -12,30 +12,32 @@ from __future__ import annotations
 import inspect
 import textwrap
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import Self, override
 
 from lightning_sync.comm.compression import Compressor
-from lightning_sync.comm.consistency import check_same_structure
-from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.consistency import TensorMismatch, check_replicas, check_same_structure, named_replicated_state
+from lightning_sync.comm.meter import CommMeter, CommStats
 from lightning_sync.comm.nonfinite import NonFiniteStepWarning, drop_grads, grads_are_finite, skipped_step_message
+from lightning_sync.comm.peer_errors import PeerError, naming_peer
 from lightning_sync.config import StrategyConfig, knob_docs
 from lightning_sync.errors import ConfigError
-from lightning_sync.strategies._checkpoint import SyncStateCheckpointing
-from lightning_sync.strategies._collectives import NamedPeerCollectives
+from lightning_sync.strategies import _checkpoint
 from lightning_sync.strategies._gc import freeze_startup_heap, release_startup_heap
+from lightning_sync.strategies._gradients import GradientAllReduce
 from lightning_sync.strategies._launcher import configure_launcher
-from lightning_sync.strategies._lightning import insert_callback_first
+from lightning_sync.strategies._lightning import LightningDDPHooks, insert_callback_first
 from lightning_sync.strategies._metrics import SyncMetricsLogger
-from lightning_sync.strategies._replicas import ReplicaChecking
 from lightning_sync.strategies._torchelastic import join_restarted_torchelastic_group
 
 LIGHTNING_ARGUMENTS: dict[str, str] = {
@@ -63,7 +65,7 @@ def _args_section(strategy: type) -> str:
     return "\n".join(lines)
 
 
-class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, NamedPeerCollectives):
+class SyncStrategyBase(LightningDDPHooks):
     """Base of the lightning_sync strategies.
 
     A mode's constructor lists the fields of its config dataclass (``config_class``) as keyword arguments, each
@@ -74,6 +76,11 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, NamedPeerCollect
     help when the class is defined (:meth:`__init_subclass__`), so a knob is documented once, in
     :mod:`lightning_sync.config`. ``tests/test_config.py`` checks that every constructor's parameters are its
     config's fields plus Lightning's arguments, with the same defaults, each documented.
+
+    A mode holds its algorithm objects and this class forwards Lightning's hooks to them: a mode that all-reduces
+    gradients by hand sets :attr:`gradients`, which then takes every backward and step hook. Besides, every mode
+    gets here the replica checks (:meth:`check_replicas`), Lightning's collectives with a lost peer named, and
+    checkpoints that hold every rank's sync state (:mod:`~lightning_sync.strategies._checkpoint`).
 
     Args:
         arguments: the mode's constructor arguments, by name: one per field of ``config_class`` and one per
@@ -86,6 +93,8 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, NamedPeerCollect
     Attributes:
         config: the validated config.
         meter: the communication meter (made in :meth:`setup_environment`, once the process group exists).
+        gradients: the hand-made gradient all-reduce, where the mode has one (``None``: torch DDP, or none).
+        skipped_steps: optimizer steps skipped because the gradients held a NaN or Inf (``skip_nonfinite``).
     """
 
     config_class: ClassVar[type[StrategyConfig]] = StrategyConfig
@@ -93,8 +102,14 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, NamedPeerCollect
     """Whether ``skip_nonfinite`` applies to this mode (see :mod:`lightning_sync.comm.nonfinite`)."""
     strategy_name: ClassVar[str] = ""
     """The name registered with Lightning's ``StrategyRegistry`` (the first docstring line is its description)."""
+    config: Any  # a config_class instance: each mode reads its own knobs
+    if TYPE_CHECKING:  # Lightning's is Optional; the hooks here run once the Trainer connected the module
+
+        @property
+        def lightning_module(self) -> Any: ...
 
     def __init__(self, arguments: Mapping[str, Any]) -> None:
+        self.gradients: GradientAllReduce | None = None  # a mode's _check_algorithm_knobs may build it
         try:
             self.config = self.config_class.from_arguments(arguments)
             self._check_algorithm_knobs()
@@ -106,11 +121,14 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, NamedPeerCollect
             **self._torch_ddp_kwargs(),
         )  # fmt: skip
         self.meter: CommMeter | None = None
+        self.skipped_steps = 0
         self._sync_steps = 0
         self._steps_unlogged = 0
-        self.skipped_steps = 0
-        """Optimizer steps skipped because the gradients held a NaN or Inf (``skip_nonfinite``)."""
         self._heap_frozen = False
+        self._pending_sync_state: dict[str, Any] | None = None
+        self._pending_optimizer_states: list[dict[str, Any]] | None = None
+        self._comm_resumed = CommStats()
+        self._comm_before_training: CommStats | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Appends the ``Args:`` of a mode that defines its constructor to its docstring (unless it has one): each
@@ -161,8 +179,8 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, NamedPeerCollect
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         """Sets up the model and optimizers, restores sync state from a checkpoint being resumed, and adds the
-        :class:`~lightning_sync.strategies._metrics.SyncMetricsLogger` callback (first, so that the other callbacks' batch-end
-        hooks see this step's ``comm/*`` and ``sync/*``).
+        :class:`~lightning_sync.strategies._metrics.SyncMetricsLogger` callback (first, so that the other callbacks'
+        batch-end hooks see this step's ``comm/*`` and ``sync/*``).
 
         Raises:
             ReplicaMismatchError: the ranks' models have different parameters or buffers (names, shapes, dtypes);
@@ -177,12 +195,27 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, NamedPeerCollect
         if not any(isinstance(cb, SyncMetricsLogger) for cb in trainer.callbacks):  # type: ignore[attr-defined]
             insert_callback_first(trainer, SyncMetricsLogger())  # other callbacks see this step's metrics
 
+    def _broadcast_from_rank0(self, tensors: Any) -> None:
+        """Every rank takes rank 0's values of ``tensors`` (parameters, buffers), through the meter."""
+        assert self.meter is not None
+        with torch.no_grad():
+            for tensor in tensors:
+                self.meter.broadcast(tensor.data, src=0)
+
+    def _setup_gradients(self) -> None:
+        """For a mode that keeps the module unwrapped (from ``configure_ddp``): every rank takes rank 0's parameters
+        and buffers (ranks seeded differently start identical), then :attr:`gradients`, if any, is set up."""
+        assert self.model is not None and self.meter is not None
+        self._broadcast_from_rank0([*self.model.parameters(), *self.model.buffers()])
+        if self.gradients is not None:
+            self.gradients.setup(self, self.meter)
+
     @override
     def on_train_start(self) -> None:
         """Starts the per-step meter count at the first step (setup traffic is not a step's), and freezes the
         start-up heap if ``freeze_gc`` (see :mod:`~lightning_sync.strategies._gc`)."""
         super().on_train_start()
-        self._start_counting_training_comm()
+        self._comm_before_training = None if self.meter is None else self.meter.total
         if self.meter is not None:
             self.meter.step()
             self._steps_unlogged = 0
@@ -192,11 +225,31 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, NamedPeerCollect
 
     @override
     def teardown(self) -> None:
-        """Lightning's teardown, and the heap frozen at train start is returned to the garbage collector."""
+        """Removes the gradient hooks, returns the heap frozen at train start to the garbage collector, then tears
+        down as Lightning's DDP does."""
+        if self.gradients is not None:
+            self.gradients.close()
         if self._heap_frozen:
             release_startup_heap()
             self._heap_frozen = False
         super().teardown()
+
+    # ------------------------------------------------------------------ backward (with :attr:`gradients`)
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Opens a gradient sync round before each backward that is not inside :meth:`block_backward_sync` (and
+        whose step syncs gradients)."""
+        if self.gradients is None:
+            super().pre_backward(closure_loss)
+        elif self._syncs_gradients:
+            self.gradients.start_round()
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-final micro-batches of gradient accumulation: backward only accumulates locally."""
+        with super().block_backward_sync() if self.gradients is None else self.gradients.no_sync():
+            yield
 
     # ------------------------------------------------------------------ optimizer step
     @override
@@ -226,8 +279,20 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, NamedPeerCollect
         return optimizer
 
     def _closure_with_sync(self, closure: Callable[[], Any]) -> Callable[[], Any]:
-        """The closure to step with (forward, backward); a mode that syncs gradients finishes the sync in it."""
-        return closure
+        """The closure to step with (forward, backward); with :attr:`gradients`, the sync is finished right after the
+        closure's backward, so ``on_before_optimizer_step``, clipping, the grad scaler's unscale and the optimizer
+        all see the averaged gradients."""
+        gradients = self.gradients
+        if gradients is None:
+            return closure
+
+        def closure_then_sync() -> Any:
+            result = closure()
+            assert self.model is not None
+            gradients.finish(list(self.model.parameters()))
+            return result
+
+        return closure_then_sync
 
     def _skipping_nonfinite(self, closure: Callable[[], Any], optimizer: Optimizer) -> Callable[[], Any]:
         """``closure``, then, if the (synced) gradients hold a NaN or Inf, the step is skipped and counted (see
@@ -268,30 +333,209 @@ class SyncStrategyBase(SyncStateCheckpointing, ReplicaChecking, NamedPeerCollect
             rank_zero_warn(skipped_step_message(mode, step), category=NonFiniteStepWarning)
 
     def _synced_grads_finite(self, params: list[nn.Parameter]) -> bool:
-        """Whether the (synced) gradients of ``params`` hold no NaN or Inf; a mode whose sync already checked them
-        answers from that."""
-        return grads_are_finite(params)
+        """Whether the (synced) gradients of ``params`` hold no NaN or Inf: :attr:`gradients`' verdict on this
+        round, taken once (it checked each bucket as it arrived), or else the gradients' own."""
+        verdict = None if self.gradients is None else self.gradients.take_finite_verdict()
+        return grads_are_finite(params) if verdict is None else verdict
 
     def on_sync_step_end(self) -> None:
-        """Called after every optimizer step that the strategy took; subclasses advance their compressors here."""
+        """Called after every optimizer step that the strategy took: advances the compressors' step counts."""
+        if self.gradients is not None:
+            self.gradients.end_step()
 
     # ------------------------------------------------------------------ metrics
     def step_metrics(self, write: bool) -> dict[str, float]:
-        """The metrics to log after a training batch (called by :class:`~lightning_sync.strategies._metrics.SyncMetricsLogger`).
+        """The metrics to log after a training batch (called by
+        :class:`~lightning_sync.strategies._metrics.SyncMetricsLogger`): ``ft/*`` with fault tolerance, and
+        ``comm/*``.
 
         Args:
             write: whether the logger writes this step. Only then are ``comm/*`` returned, as the mean per
                 optimizer step since the last write (each logged key costs Lightning about a millisecond).
         """
+        metrics = {} if self.gradients is None else self.gradients.pop_metrics()
         if not write or self.meter is None or self._steps_unlogged == 0:
-            return {}
+            return metrics
         steps, self._steps_unlogged = self._steps_unlogged, 0
-        metrics = {key: value / steps for key, value in self.meter.step().as_metrics().items()}
+        metrics.update({key: value / steps for key, value in self.meter.step().as_metrics().items()})
         if self.config.skip_nonfinite and self.skips_nonfinite_steps:
             metrics["sync/skipped_steps"] = float(self.skipped_steps)
         return metrics
 
+    # ------------------------------------------------------------------ Lightning's collectives, a lost peer named
+    def _reported_cause(self, error: PeerError) -> str | None:
+        """What another process reported as its failure, where the mode keeps such reports (none here).
+
+        Args:
+            error: this rank's failure, naming the silent or lost peer.
+        """
+        return None
+
+    @contextmanager
+    def _naming_lost_peer(self, op: str) -> Iterator[None]:
+        """Lightning's collective ``op``: a failure that a silent or lost peer caused (the Trainer's collectives run
+        between the mode's own, so a killed rank often surfaces here first, as gloo's bare "Connection closed by
+        peer") is raised as a :class:`~lightning_sync.comm.peer_errors.PeerError` naming it, plus the cause that
+        peer reported, if any; other failures are left as they are."""
+        try:
+            with naming_peer(op, None, self.config.timeout_s):
+                yield
+        except PeerError as error:
+            cause = self._reported_cause(error)
+            if cause is None:
+                raise
+            raise PeerError(f"{error}; {cause}") from error.__cause__
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's barrier; a silent or lost rank is named."""
+        with self._naming_lost_peer("barrier"):
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Lightning's broadcast; a silent or lost rank is named."""
+        with self._naming_lost_peer("broadcast"):
+            return super().broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's reduce (``self.log(sync_dist=True)``, ``reduce_boolean_decision``); a silent or lost rank is
+        named."""
+        with self._naming_lost_peer("reduce"):
+            return super().reduce(tensor, *args, **kwargs)
+
+    @override
+    def all_gather(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's all_gather; a silent or lost rank is named."""
+        with self._naming_lost_peer("all_gather"):
+            return super().all_gather(tensor, *args, **kwargs)
+
+    # ------------------------------------------------------------------ replica consistency
+    def tensors_to_check(self) -> dict[str, torch.Tensor]:
+        """What must be identical on every rank after the current step, by name: the floating parameters, buffers
+        and optimizer state (every rank steps on the same gradients; ``ps``'s local optimizer never steps)."""
+        return named_replicated_state(self.lightning_module, self.optimizers)
+
+    def check_replicas(self, atol: float = 0.0) -> list[TensorMismatch]:
+        """Checks that every rank holds the same :meth:`tensors_to_check`, and acts as ``on_mismatch`` says (see
+        :func:`~lightning_sync.comm.consistency.check_replicas`).
+
+        Returns:
+            The tensors that differ (empty: none, or one rank).
+        """
+        if self.world_size == 1:
+            return []
+        return check_replicas(
+            self.tensors_to_check(), self._sync_steps, self.config.on_mismatch, atol=atol, pull=self._authority_pull()
+        )
+
+    def _authority_pull(self) -> Callable[[], Any] | None:
+        """How ``on_mismatch="resync"`` fetches the authoritative parameters before rank 0's (``None``: rank 0 is
+        the authority)."""
+        return None
+
     # ------------------------------------------------------------------ checkpoint (see _checkpoint)
     def _active_compressor(self) -> Compressor | None:
         """The compressor whose memory belongs in checkpoints (``None``: none yet, or the mode has none)."""
-        return None
+        return None if self.gradients is None else self.gradients.compressor
+
+    @property
+    def keeps_replicas_identical(self) -> bool:
+        """Whether every rank's model and optimizer state are the same after each step (then Lightning's copy of
+        rank 0's is all a resume needs)."""
+        return True
+
+    @property
+    def comm_totals(self) -> CommStats:
+        """This training's communication so far, summed over the runs it was resumed through (each run's setup
+        traffic, the broadcast of rank 0's model, is not counted)."""
+        if self.meter is None or self._comm_before_training is None:
+            return self._comm_resumed
+        return self._comm_resumed + (self.meter.total - self._comm_before_training)
+
+    def sync_state_dict(self) -> dict[str, Any]:
+        """This rank's sync state: counters, compressor memory, communication totals, :attr:`gradients`' state and
+        (when replicas may differ) its own model and optimizer state; modes add their own."""
+        state: dict[str, Any] = {
+            "sync_steps": self._sync_steps,
+            "skipped_steps": self.skipped_steps,
+            "comm": vars(self.comm_totals).copy(),
+        }
+        compressor = self._active_compressor()
+        if compressor is not None:
+            state["compressor"] = compressor.state_dict()
+        if self.gradients is not None:
+            state["synchronizer"] = self.gradients.state_dict()
+        if not self.keeps_replicas_identical:
+            assert self.lightning_module is not None
+            state["module_state"] = self.lightning_module.state_dict()
+            state["optimizer_states"] = [opt.state_dict() for opt in self.optimizers]
+        return state
+
+    def load_sync_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what :meth:`sync_state_dict` returned on this rank, once the strategy is set up (the optimizer
+        states come later, in :meth:`load_optimizer_state_dict`, after Lightning's own)."""
+        self._sync_steps = int(state["sync_steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        if "module_state" in state:
+            assert self.lightning_module is not None
+            self.lightning_module.load_state_dict(state["module_state"])
+        self._comm_resumed = CommStats(**state.get("comm", {}))
+        compressor = self._active_compressor()
+        if compressor is not None and "compressor" in state:
+            compressor.load_state_dict(state["compressor"])
+        if self.gradients is not None and "synchronizer" in state:
+            self.gradients.load_state_dict(state["synchronizer"])
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        """Rank 0 writes Lightning's checkpoint, marked with the strategy and the number of ranks; every rank writes
+        its own sync state next to it (:func:`~lightning_sync.strategies._checkpoint.sync_state_path`). Called on
+        every rank (Lightning's ``Trainer.save_checkpoint`` waits at a barrier afterwards); no rank sends its state
+        to another."""
+        # not world_size, which a detached fit (ps) reports as 1
+        _checkpoint.mark(checkpoint, self.strategy_name, self.num_nodes * self.num_processes)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        own = _checkpoint.sync_state_path(filepath, self.global_rank)
+        self.checkpoint_io.save_checkpoint(self.sync_state_dict(), own)
+
+    @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        """Rank 0 removes Lightning's file, every rank its own sync-state file (``ModelCheckpoint`` calls this on
+        every rank)."""
+        super().remove_checkpoint(filepath)
+        self.checkpoint_io.remove_checkpoint(_checkpoint.sync_state_path(filepath, self.global_rank))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Loads the checkpoint (Lightning's file, as ``weights_only`` says) and this rank's sync-state file (with
+        ``weights_only=True`` unless ``weights_only`` is ``False``), and keeps that state to restore once the
+        strategy is set up.
+
+        Raises:
+            CheckpointError: a file is missing or unreadable, or the checkpoint has no lightning_sync state, or was
+                saved by another strategy or another number of ranks.
+        """
+        path = Path(checkpoint_path)
+        checkpoint = _checkpoint.read(path, lambda: super(SyncStrategyBase, self).load_checkpoint(path, weights_only))
+        _checkpoint.check_resumable(checkpoint, path, self.strategy_name, self.world_size)
+        own = _checkpoint.sync_state_path(path, self.global_rank)
+        _checkpoint.check_own_file(path, own, self.global_rank)
+        self._pending_sync_state = _checkpoint.read(
+            own, lambda: self.checkpoint_io.load_checkpoint(own, weights_only=weights_only is not False)
+        )
+        self._pending_optimizer_states = self._pending_sync_state.get("optimizer_states")
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Lightning's restore (rank 0's optimizer state on every rank), then, where the mode lets ranks' states
+        differ, this rank's own state from the checkpoint."""
+        super().load_optimizer_state_dict(checkpoint)
+        if self._pending_optimizer_states is not None:
+            for optimizer, state in zip(self.optimizers, self._pending_optimizer_states):
+                optimizer.load_state_dict(state)  # moves the state to each parameter's device
+            self._pending_optimizer_states = None

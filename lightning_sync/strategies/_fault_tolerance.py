@@ -2,9 +2,9 @@
 ``allreduce``.
 
 The strategy's Lightning world is one replica group. These helpers resolve the ``fault_tolerance`` knob before any
-rank starts (torchft present, the averager's knobs fault tolerant), build the
-:class:`~lightning_sync.ft.averager.FaultTolerantAverager` once the group's process group exists (its torchft
-``Manager`` heals the LightningModule and the optimizers, as well as the averager), and shard the data by group.
+rank starts (torchft present), build the link to the other groups once the group's process group exists (its torchft
+``Manager`` heals the LightningModule and the optimizers, as well as the
+:class:`~lightning_sync.ft.averager.FaultTolerantAverager` connected to it), and shard the data by group.
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ from lightning.pytorch.strategies import ParallelStrategy
 
 from lightning_sync.comm.periodic import PeriodicAverager
 from lightning_sync.errors import ConfigError
-from lightning_sync.ft.averager import FaultTolerantAverager, check_fault_tolerant_knobs
 from lightning_sync.ft.config import FaultTolerance, as_fault_tolerance, require_torchft
 from lightning_sync.ft.gradients import average_gradients_across
 from lightning_sync.ft.replica import ReplicaGroupLink
 
 __all__ = [
-    "FaultTolerantAverager",
     "FaultTolerance",
     "ReplicaGroupLink",
     "average_gradients_across",
@@ -29,18 +27,18 @@ __all__ = [
     "replica_group_link",
     "require_torchft",
     "fault_tolerance_of",
-    "fault_tolerant_averager",
     "replica_group_shard",
     "stop_at_healed_max_steps",
 ]
 
 
 def fault_tolerance_of(value: Any, averager: PeriodicAverager | None) -> FaultTolerance | None:
-    """The ``fault_tolerance`` knob, checked in the launching process: its fields, torchft's presence (a one-line
-    error naming the ``lightning-sync[ft]`` extra), and the averager's knobs.
+    """The ``fault_tolerance`` knob, checked in the launching process: its fields and torchft's presence (a one-line
+    error naming the ``lightning-sync[ft]`` extra); the averager's knobs were checked when it was built
+    (:class:`~lightning_sync.ft.averager.FaultTolerantAverager`).
 
     Raises:
-        ConfigError: a bad field, or a knob that cannot be made fault tolerant.
+        ConfigError: a bad field, or no averager.
         FaultToleranceUnavailable: torchft is not installed.
     """
     config = as_fault_tolerance(value)
@@ -49,18 +47,7 @@ def fault_tolerance_of(value: Any, averager: PeriodicAverager | None) -> FaultTo
     if averager is None:  # PeriodicConfig refuses mode='gradient' first; kept for other callers
         raise ConfigError("fault_tolerance is not allowed without an averager; use mode local_sgd or diloco")
     require_torchft()
-    check_fault_tolerant_knobs(averager)
     return config
-
-
-def fault_tolerant_averager(
-    strategy: ParallelStrategy, config: FaultTolerance, arguments: dict[str, Any] | None
-) -> FaultTolerantAverager:
-    """The averager of this rank of this replica group, with its torchft link (joins the lighthouse; rank 0 of
-    the group first checks that one answers within ``timeout_s``). A healing group pulls the LightningModule's
-    state and the optimizers' state as well as the averager's."""
-    assert arguments is not None, "fault_tolerance needs the local_sgd/diloco averager"
-    return FaultTolerantAverager(replica_group_link(strategy, config), **arguments)
 
 
 def replica_group_link(strategy: ParallelStrategy, config: FaultTolerance) -> ReplicaGroupLink:

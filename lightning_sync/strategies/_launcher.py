@@ -96,23 +96,13 @@ class HydraJobSubprocessLauncher(PopenLauncher):
     method, and only under Hydra, where :meth:`start_children` starts each child on :func:`hydra_job_command`;
     otherwise Lightning's own runs. The child observer is Lightning's, unless the strategy tolerates lost ranks
     (:attr:`tolerates_lost_ranks`, see :mod:`~lightning_sync.strategies._observer`). Lightning's ``kill`` is used as
-    it is.
+    it is. :meth:`exited_children` and :meth:`wait_children` serve the app's end of job: a child that outlives a
+    job (frozen, or still running when the job failed) is killed, so none holds the next job's ports and cores.
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        tolerates_lost_ranks: Callable[[], bool] | None = None,
-        max_restarts: int = 0,
-        restart_env: dict[str, str] | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *args: Any, tolerates_lost_ranks: Callable[[], bool] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tolerates_lost_ranks = tolerates_lost_ranks  # whether a lost child leaves the job running (asked then)
-        self.max_restarts = max_restarts  # how many times a lost child is started again (where tolerated)
-        self.restart_env = dict(restart_env or {})  # added to a restarted child's environment
-        self.observer: ChildObserver | None = None
-        self._child_cwd: str | None = None  # where the children run (None: this process's working directory)
 
     @override
     def watches_children(self) -> bool:
@@ -121,26 +111,7 @@ class HydraJobSubprocessLauncher(PopenLauncher):
     @override
     def observe_children(self) -> None:
         assert self.tolerates_lost_ranks is not None  # (watches_children)
-        self.observer = ChildObserver(
-            self.children, self.tolerates_lost_ranks, restart=self.restart_child, max_restarts=self.max_restarts
-        )
-        self.observer.start()
-
-    def restart_child(self, local_rank: int) -> subprocess.Popen:
-        """Starts local rank ``local_rank`` again: its first process's command, in the environment the children got
-        (this process's, which the launch completed, with its ``LOCAL_RANK``) plus :attr:`restart_env`."""
-        previous = self.children[local_rank - 1]
-        env = dict(os.environ, LOCAL_RANK=str(local_rank), **self.restart_env)
-        return subprocess.Popen(previous.args, env=env, cwd=self._child_cwd)
-
-    def stop_restarts(self) -> None:
-        """From now on a lost child stays lost (the job is ending: there is no run left to rejoin)."""
-        if self.observer is not None:
-            self.observer.restarting = False
-
-    def lost_children(self) -> dict[int, int]:
-        """``{local_rank: exit_code}`` of the children lost while the job went on (a strategy that tolerates it)."""
-        return dict(self.observer.lost) if self.observer is not None else {}
+        ChildObserver(self.children, self.tolerates_lost_ranks).start()
 
     @override
     def start_children(self) -> None:
@@ -162,7 +133,6 @@ class HydraJobSubprocessLauncher(PopenLauncher):
             if os.environ.get("PL_GLOBAL_SEED") is None:
                 child_env.pop("PL_GLOBAL_SEED", None)
             command, cwd = hydra_job_command(local_rank)
-            self._child_cwd = cwd
             self.children.append(subprocess.Popen(command, env=child_env, cwd=cwd))
 
     def exited_children(self) -> dict[int, int]:
@@ -180,7 +150,6 @@ class HydraJobSubprocessLauncher(PopenLauncher):
         Returns:
             ``{local_rank: exit_code}`` of the children that failed (empty when all exited with 0).
         """
-        self.stop_restarts()
         deadline = None if timeout is None else time.monotonic() + timeout
         codes = {}
         for local_rank, proc in enumerate(self.children, start=1):
@@ -208,12 +177,7 @@ def configure_launcher(strategy: Any, lightning_default: Callable[[], None]) -> 
         tolerates = lambda: bool(strategy.tolerates_lost_ranks)  # noqa: E731
     env = strategy.cluster_environment
     launcher = HydraJobSubprocessLauncher(
-        env,
-        strategy.num_processes,
-        strategy.num_nodes,
-        tolerates_lost_ranks=tolerates,
-        max_restarts=int(getattr(strategy, "restarts_lost_ranks", 0)),
-        restart_env=getattr(strategy, "restart_environment", None),
+        env, strategy.num_processes, strategy.num_nodes, tolerates_lost_ranks=tolerates
     )
     set_launcher(strategy, launcher)
     _frozen.end_frozen_ranks_on_failure(launcher, strategy, popen=True)  # a failing rank kills the frozen ones

@@ -1,13 +1,12 @@
 """The ``popen`` main process's watch over its child ranks, where a lost rank may leave the job running (private
 helper of :mod:`lightning_sync.strategies._launcher`).
 
-Lightning's child observer ends the whole job (SIGKILL to every child and to the main process) as soon as one child
-exits with an error. That is right for a job whose ranks depend on each other, and it stays the observer of every
-strategy that does not say otherwise. A strategy whose ``tolerates_lost_ranks`` is true (the parameter server in
-``async`` and ``ssp``: the servers drop a lost worker and the others go on) gets :class:`ChildObserver` instead: a
-child that exits with an error is named on stderr as lost, and the job goes on; where the strategy asks for it
-(``max_restarts``), the observer starts the lost rank again, up to that many times per rank. The decision is this one place; the
-app's end of job (``lightning_sync.apps.train``) only reports what it finds.
+The failure it handles: a child rank of a ``ps`` job in ``async``, ``ssp`` or elastic ``sync`` exits with an error
+(killed, crashed). Lightning's own observer would SIGKILL every rank then, yet the servers drop a lost worker and
+the others go on (``tests/test_ps_elastic_kill.py``, ``tests/test_ps_faults.py``). :class:`ChildObserver` names the
+lost rank on stderr and lets the job go on where the strategy's ``tolerates_lost_ranks`` says so, and otherwise ends
+the job as Lightning's does. A lost worker comes back the way a new one joins: its supervisor (torchrun, SLURM
+``--requeue``, Kubernetes) runs the ``strategy.join=true`` command again.
 """
 
 from __future__ import annotations
@@ -32,30 +31,15 @@ class ChildObserver(threading.Thread):
     when it does not.
 
     Args:
-        children: the child ranks, local ranks ``1..n-1`` in order (a restarted rank's process replaces its entry).
+        children: the child ranks, local ranks ``1..n-1`` in order.
         tolerated: whether a lost rank leaves the job running (asked when one is lost).
         period_s: seconds between two looks.
-        restart: starts local rank ``r`` again and returns its process (where lost ranks are restarted).
-        max_restarts: how many times each rank is started again (with ``restart``) before it counts as lost.
     """
 
-    def __init__(
-        self,
-        children: list[subprocess.Popen],
-        tolerated: Callable[[], bool],
-        period_s: float = 0.5,
-        restart: Callable[[int], subprocess.Popen] | None = None,
-        max_restarts: int = 0,
-    ) -> None:
+    def __init__(self, children: list[subprocess.Popen], tolerated: Callable[[], bool], period_s: float = 0.5) -> None:
         super().__init__(daemon=True, name="lightning_sync-child-observer")
-        self.children = children
-        self.tolerated = tolerated
-        self.period_s = period_s
-        self.restart = restart
-        self.max_restarts = max_restarts if restart is not None else 0
-        self.restarting = True  # cleared at the end of the job: a rank lost then is not started again
+        self.children, self.tolerated, self.period_s = children, tolerated, period_s
         self.lost: dict[int, int] = {}  # local rank -> exit code of the children lost while the job went on
-        self.restarts: dict[int, int] = {}  # local rank -> how many times it was started again
 
     def run(self) -> None:
         while True:
@@ -77,18 +61,6 @@ class ChildObserver(threading.Thread):
                 )
                 self.end_job()
                 return True
-            done = self.restarts.get(local_rank, 0)
-            if self.restarting and self.restart is not None and done < self.max_restarts:
-                self.restarts[local_rank] = done + 1
-                print(
-                    f"warning: rank {local_rank} (local) was lost ({describe_exit(code)}); starting it again "
-                    f"(restart {done + 1} of {self.max_restarts}): it rejoins the running job",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                self.children[local_rank - 1] = self.restart(local_rank)
-                codes[local_rank - 1] = None
-                continue
             self.lost[local_rank] = code
             print(
                 f"warning: rank {local_rank} (local) was lost ({describe_exit(code)}); the job goes on with the "

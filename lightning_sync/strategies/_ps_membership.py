@@ -1,11 +1,11 @@
 """Who takes part in a ``ps`` fit besides the ranks it started with: the strategy's elastic side.
 
-The elastic modes (``async``, ``ssp``, ``sync`` with ``elastic``) let workers go (lost), come back (rejoined: a rank
-the launcher started again, ``max_restarts``) and come in (added: a spare slot taken with ``join``).
-:class:`ElasticWorkers` holds what the strategy does about them: a late worker is a world of its own for Lightning's
-collectives and finds the running fit's PS group in the run's store, where rank 0 published it (:func:`publish_fit`,
-:func:`running_fit`); at the end :meth:`Membership.at_end` reads from the servers who was lost, rejoined or added,
-and rank 0 names each in a warning and ``summary.json``.
+The elastic modes (``async``, ``ssp``, ``sync`` with ``elastic``) let workers go (lost) and come in (added: a spare
+slot taken with ``join``; a lost worker comes back the same way, its supervisor running the ``join`` command again).
+:class:`ElasticWorkers` holds what the strategy does about them: an added worker is a world of its own for
+Lightning's collectives and finds the running fit's PS group in the run's store, where rank 0 published it
+(:func:`publish_fit`, :func:`running_fit`); at the end :meth:`Membership.at_end` reads from the servers who was lost
+or added, and rank 0 names each in a warning and ``summary.json``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ from lightning_sync.config import ParameterServerConfig
 from lightning_sync.errors import ConfigError
 from lightning_sync.ps.elastic import servers_at_end
 from lightning_sync.strategies._detached import DetachableCollectives
-
-# Set by the launcher in the environment of a worker rank it starts again (``max_restarts``): that process rejoins.
-REJOIN_ENV = "LIGHTNING_SYNC_PS_REJOIN"
 
 _PREFIX_KEY = "lightning_sync/ps/fit_prefix"  # the fit's PS group prefix
 _LAYOUT_KEY = "lightning_sync/ps/fit_layout"  # "<worker ranks> <spare slots> <servers>"
@@ -46,56 +43,39 @@ def running_fit(store: Any) -> tuple[str, int, int, int]:
 
 @dataclass
 class Membership:
-    """The workers the servers dropped (and why), took back after a loss (how many times), and took in a spare
-    slot, by worker rank."""
+    """The workers the servers dropped (and why) and took in a spare slot, by worker rank."""
 
     lost: dict[int, str] = field(default_factory=dict)
-    rejoined: dict[int, int] = field(default_factory=dict)
     added: list[int] = field(default_factory=list)
 
     @classmethod
     def at_end(cls, client: Any, first_workers: int, grace_s: float) -> Membership:
         """After the stop, before the goodbye: who was lost once every worker is accounted for
-        (:func:`~lightning_sync.ps.elastic.servers_at_end`), and the servers' joins. A join in a spare slot (a
-        rank of ``first_workers`` or more) is an added worker; its later joins, and the others', are rejoins."""
+        (:func:`~lightning_sync.ps.elastic.servers_at_end`), and the servers' joins: a join in a spare slot (a
+        rank of ``first_workers`` or more) is an added worker."""
         lost, stats = servers_at_end(client, grace_s)
-        out = cls(lost=lost)
-        added: set[int] = set()
-        for server in stats:
-            for worker, joins in server.get("joins", {}).items():
-                worker, joins = int(worker), int(joins)
-                if worker >= first_workers:
-                    added.add(worker)
-                    joins -= 1
-                if joins > 0:
-                    out.rejoined[worker] = max(out.rejoined.get(worker, 0), joins)
-        out.added = sorted(added)
-        return out
+        joined = {int(worker) for server in stats for worker in server.get("joins", {})}
+        return cls(lost=lost, added=sorted(w for w in joined if w >= first_workers))
 
     def warn(self) -> None:
         """(Rank 0) One warning for each kind of change, naming the workers."""
         if self.lost:
             names = "; ".join(f"worker {w} (rank {w}): {why}" for w, why in self.lost.items())
             warnings.warn(f"the ps run ended on the live workers; lost: {names}", stacklevel=3)
-        if self.rejoined:
-            names = "; ".join(f"worker {w} (rank {w}) {n} time(s)" for w, n in self.rejoined.items())
-            warnings.warn(f"the ps run took back lost workers: {names}", stacklevel=3)
         if self.added:
             names = ", ".join(f"worker {w}" for w in self.added)
             warnings.warn(f"the ps run took in workers added to it: {names}", stacklevel=3)
 
 
 class ElasticWorkers(DetachableCollectives):
-    """The ps strategy's elastic side: whether a lost rank leaves the job running, whether it is started again, and
-    how a late worker (restarted, or added with ``join``) takes part in the running fit."""
+    """The ps strategy's elastic side: whether a lost rank leaves the job running, and how a worker added with
+    ``join`` takes part in the running fit."""
 
     config: ParameterServerConfig
 
     def _init_membership(self) -> None:
         self.lost_workers: dict[int, str] = {}  # elastic modes: the workers the servers dropped, and why
-        self.rejoined_workers: dict[int, int] = {}  # the workers that rejoined after a loss, and how many times
         self.added_workers: list[int] = []  # the workers added to the run in a spare slot (their ranks)
-        self._rejoining = False  # this process is a worker rank started again by the launcher (max_restarts)
         self._ps_rank = -1  # this worker's rank in the PS group: its global rank, or (join) the spare slot it took
         self._first_workers = 0  # the workers the fit started with (the PS group's worker ranks before the spare slots)
 
@@ -107,17 +87,6 @@ class ElasticWorkers(DetachableCollectives):
         return self.config.mode != "sync" or self.config.elastic
 
     @property
-    def restarts_lost_ranks(self) -> int:
-        """How many times the ``popen`` launcher starts a lost worker rank again (``max_restarts``), with
-        :attr:`restart_environment` added to its environment."""
-        return self.config.max_restarts if self.tolerates_lost_ranks else 0
-
-    @property
-    def restart_environment(self) -> dict[str, str]:
-        """What a restarted worker finds in its environment: it then rejoins (see :meth:`setup_distributed`)."""
-        return {REJOIN_ENV: "1"}
-
-    @property
     def _runs_apart(self) -> bool:
         """Whether the workers run apart from each other during the fit (no Lightning collective among them): in
         async and ssp, and in elastic sync, where a lost rank must not hang a collective of the others."""
@@ -125,8 +94,8 @@ class ElasticWorkers(DetachableCollectives):
 
     @property
     def _late(self) -> bool:
-        """Whether this process takes part in a running fit: a restarted worker rank, or a worker added (``join``)."""
-        return self._rejoining or self.config.join
+        """Whether this process takes part in a running fit: a worker added with ``join``."""
+        return bool(self.config.join)
 
     def _check_join_address(self) -> None:
         """(``join``) The running job's rank 0 address must be in the environment, checked before anything starts."""
@@ -139,32 +108,26 @@ class ElasticWorkers(DetachableCollectives):
 
     @override
     def setup_distributed(self) -> None:
-        """Joins the process group as the base does. A late worker (a rank the launcher started again after it was
-        lost, or a worker added with ``join``) is a world of its own instead: Lightning's default process group
-        needs every rank at once, so its collectives act on itself. A restarted rank keeps its rank and the world
-        size for its data shard; an added worker samples the whole training set."""
-        self._rejoining = os.environ.get(REJOIN_ENV) == "1"
+        """Joins the process group as the base does. A worker added with ``join`` is a world of its own instead:
+        Lightning's default process group needs every rank at once, so its collectives act on itself; it samples
+        the whole training set."""
         if self._late and not dist.is_initialized():
-            if not self.tolerates_lost_ranks:
-                raise ConfigError(f"{REJOIN_ENV}=1 is set, but mode={self.config.mode!r} does not take a worker back")
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         self._alone = self.config.join
         super().setup_distributed()
 
     def _take_membership(self, client: Any) -> None:
-        """At the end of the fit: who was lost, rejoined or added (elastic modes; rank 0 names them)."""
+        """At the end of the fit: who was lost or added (elastic modes; rank 0 names them)."""
         membership = Membership()
         if self.tolerates_lost_ranks:
             grace = self.config.timeout_s + min(self.config.timeout_s / 4, 5.0) + 5.0
             membership = Membership.at_end(client, self._first_workers, grace)
-        self.lost_workers, self.rejoined_workers = membership.lost, membership.rejoined
-        self.added_workers = membership.added
+        self.lost_workers, self.added_workers = membership.lost, membership.added
         if self._ps_rank == 0:
             membership.warn()
 
     @override
     def _can_attach(self) -> bool:
-        """After a lost worker the survivors stay apart: a collective would wait for the lost rank, or, when it
-        rejoined, for its first process, which the default process group still holds. A worker added in a spare slot
-        is in no one's default process group: it stays apart, and the others attach as usual."""
-        return not (self.lost_workers or self.rejoined_workers or self._late)
+        """After a lost worker the survivors stay apart: a collective would wait for the lost rank. A worker added in
+        a spare slot is in no one's default process group: it stays apart, and the others attach as usual."""
+        return not (self.lost_workers or self._late)

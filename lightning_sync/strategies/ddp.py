@@ -35,6 +35,13 @@ class DDPSyncStrategy(SyncStrategyBase):
     Takes the fields of :class:`~lightning_sync.config.DDPConfig` and Lightning's own strategy arguments, as keyword
     arguments (``Args:`` below is filled in from the fields' help; see
     :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
+
+    Example::
+
+        >>> import lightning.pytorch as pl
+        >>> trainer = pl.Trainer(strategy=DDPSyncStrategy(comm_hook="bf16"), accelerator="cpu", devices=2, logger=False)
+        >>> pl.Trainer(strategy="sync_ddp", accelerator="cpu", devices=2, logger=False).strategy.config.comm_hook
+        'none'
     """
 
     config_class = DDPConfig

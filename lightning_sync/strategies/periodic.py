@@ -13,6 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
+from lightning_sync.algorithms import build_parts
 from lightning_sync.comm.averaging import OptimizerCallable, average_buffers
 from lightning_sync.comm.compression import Compressor
 from lightning_sync.comm.consistency import named_replicated_state
@@ -23,19 +24,20 @@ from lightning_sync.config import PeriodicConfig
 from lightning_sync.errors import CheckpointError, ConfigError
 from lightning_sync.strategies._base import SyncStrategyBase
 from lightning_sync.strategies._fault_tolerance import (
-    FaultTolerantAverager,
     fault_tolerance_of,
-    fault_tolerant_averager,
+    replica_group_link,
+    replica_group_shard,
     stop_at_healed_max_steps,
 )
+from lightning_sync.strategies._gradients import GradientAllReduce
 from lightning_sync.strategies._lightning import set_accumulate_grad_batches
-from lightning_sync.strategies.allreduce import AllReduceStrategy
 
 
-class PeriodicSyncStrategy(AllReduceStrategy):
+class PeriodicSyncStrategy(SyncStrategyBase):
     """Data parallel that communicates every ``sync_every`` steps, in one of three ``mode`` s.
 
-    ``gradient`` is the all-reduce path of :class:`AllReduceStrategy` with an accumulation multiplier: for the
+    ``gradient`` is the all-reduce path of :class:`~lightning_sync.strategies.allreduce.AllReduceStrategy` (the same
+    :class:`~lightning_sync.strategies._gradients.GradientAllReduce`) with an accumulation multiplier: for the
     duration of ``fit`` the Trainer's ``accumulate_grad_batches`` is multiplied by ``sync_every``, so the run is
     Lightning DDP with that accumulation (same loss scaling, steps, schedulers) while sending ``1/sync_every`` of
     its bytes. Buffers are averaged at each sync instead of broadcast at each forward.
@@ -55,9 +57,20 @@ class PeriodicSyncStrategy(AllReduceStrategy):
     Takes the fields of :class:`~lightning_sync.config.PeriodicConfig` and Lightning's own strategy arguments, as
     keyword arguments (``Args:`` below is filled in from the fields' help; see
     :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
+
+    Example::
+
+        >>> import functools
+        >>> import lightning.pytorch as pl
+        >>> import torch
+        >>> outer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)  # DiLoCo's outer step
+        >>> strategy = PeriodicSyncStrategy(mode="diloco", sync_every=16, outer_optimizer=outer)
+        >>> trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+        >>> pl.Trainer(strategy="sync_periodic", accelerator="cpu", devices=2, logger=False).strategy.period
+        8
     """
 
-    config_class = PeriodicConfig  # type: ignore[assignment]  # a sibling of AllReduceConfig (same gradient knobs)
+    config_class = PeriodicConfig
     strategy_name = "sync_periodic"
 
     def __init__(
@@ -97,7 +110,7 @@ class PeriodicSyncStrategy(AllReduceStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
     ) -> None:
-        SyncStrategyBase.__init__(self, locals())  # not AllReduceStrategy.__init__, which takes its own knobs
+        super().__init__(locals())
         self._accumulating: tuple[pl.Trainer, int] | None = None
         self._logged_period: int | None = None
         self._logged_skips = 0
@@ -107,11 +120,14 @@ class PeriodicSyncStrategy(AllReduceStrategy):
     @override
     def _check_algorithm_knobs(self) -> None:
         """Checks the bucketing and compression knobs, and builds the averager (``local_sgd``/``diloco``), whose
-        constructor checks the schedule."""
-        super()._check_algorithm_knobs()
+        constructor checks the schedule, and the gradient path (``gradient`` mode, the averager's warmup)."""
+        self._parts = build_parts(self.config)
         self.averager: PeriodicAverager | None = self._parts.averager
         self.fault_tolerance = fault_tolerance_of(self.config.fault_tolerance, self.averager)
-        self._gradient_link = None  # the averager carries the sync across groups, not each step's gradients
+        if self.averager is None or self.averager.warmup_steps > 0:
+            assert self._parts.new_compressor is not None  # set for every gradient-syncing mode
+            check_finite = self.config.skip_nonfinite and self.skips_nonfinite_steps
+            self.gradients = GradientAllReduce(self.config, self._parts.new_compressor, check_finite)
 
     @property
     @override
@@ -121,9 +137,9 @@ class PeriodicSyncStrategy(AllReduceStrategy):
 
     @property
     @override
-    def _broadcasts_buffers(self) -> bool:
-        """Never: buffers are averaged at each sync instead."""
-        return False
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """With fault tolerance, this group's ranks read shard ``replica_group`` of ``num_replica_groups``."""
+        return replica_group_shard(super().distributed_sampler_kwargs, self.fault_tolerance)
 
     @property
     def period(self) -> int:
@@ -187,12 +203,11 @@ class PeriodicSyncStrategy(AllReduceStrategy):
             ConfigError: ``module_sync_every`` has a pattern that matches no parameter, or a parameter matched by
                 two patterns.
         """
+        self._setup_gradients()
         assert self.model is not None and self.meter is not None
-        self._broadcast_rank0_state()
-        if self.averager is None or self.averager.warmup_steps > 0:
-            self.synchronizer = self._build_synchronizer()
-        if self.fault_tolerance is not None:
-            self.averager = fault_tolerant_averager(self, self.fault_tolerance, self._parts.averager_arguments)
+        if self._parts.fault_tolerant_averager is not None:
+            assert self.fault_tolerance is not None
+            self._parts.fault_tolerant_averager.connect(replica_group_link(self, self.fault_tolerance))
         if self.averager is not None:
             try:
                 self.averager.setup(self.model.named_parameters(), self.model.named_buffers(), self.meter)
@@ -210,8 +225,7 @@ class PeriodicSyncStrategy(AllReduceStrategy):
     @override
     def on_sync_step_end(self) -> None:
         """After every optimizer step: the averager's work, or (``gradient`` mode) the buffers after a sync."""
-        grad_synced = self._synced
-        super().on_sync_step_end()
+        grad_synced = self.gradients is not None and self.gradients.end_step()
         if self.averager is not None:
             self.averager.step(self.optimizers)
         elif grad_synced:
@@ -223,11 +237,12 @@ class PeriodicSyncStrategy(AllReduceStrategy):
             self._logged_period = period
         if divergence is not None:
             self._sync_metrics["sync/divergence"] = divergence
-        if isinstance(self.averager, FaultTolerantAverager):
-            stop_at_healed_max_steps(self.lightning_module.trainer, self.averager.steps)
-        if isinstance(self.averager, FaultTolerantAverager) and self.averager.link.stats.quorums != self._quorums:
-            self._quorums = self.averager.link.stats.quorums
-            self._sync_metrics.update(self.averager.link.stats.metrics())
+        fault_tolerant = self._parts.fault_tolerant_averager
+        if fault_tolerant is not None:
+            stop_at_healed_max_steps(self.lightning_module.trainer, fault_tolerant.steps)
+            if fault_tolerant.link.stats.quorums != self._quorums:
+                self._quorums = fault_tolerant.link.stats.quorums
+                self._sync_metrics.update(fault_tolerant.link.stats.metrics())
         skips = 0 if self.averager is None else self.averager.skipped_outer_steps
         if skips != self._logged_skips:
             self._sync_metrics["sync/skipped_outer_steps"] = float(skips)

@@ -59,6 +59,14 @@ class ParameterServerStrategy(ElasticWorkers):
     Takes the fields of :class:`~lightning_sync.config.ParameterServerConfig` and Lightning's own strategy
     arguments, as keyword arguments (``Args:`` below is filled in from the fields' help; see
     :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
+
+    Example::
+
+        >>> import lightning.pytorch as pl
+        >>> strategy = ParameterServerStrategy(mode="ssp", max_staleness=2, num_servers=1)
+        >>> trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+        >>> pl.Trainer(strategy="sync_ps", accelerator="cpu", devices=2, logger=False).strategy.config.mode
+        'sync'
     """
 
     config_class = ParameterServerConfig
@@ -80,7 +88,6 @@ class ParameterServerStrategy(ElasticWorkers):
         max_local_steps: int = ParameterServerConfig.max_local_steps,
         outer_optimizer: OptimizerCallable | None = ParameterServerConfig.outer_optimizer,
         elastic: bool = ParameterServerConfig.elastic,
-        max_restarts: int = ParameterServerConfig.max_restarts,
         spare_workers: int = ParameterServerConfig.spare_workers,
         join: bool = ParameterServerConfig.join,
         start_method: str = ParameterServerConfig.start_method,
@@ -169,11 +176,8 @@ class ParameterServerStrategy(ElasticWorkers):
         workers, spares, servers = self.world_size + cfg.spare_workers, cfg.spare_workers, cfg.num_servers
         self._ps_rank = self.global_rank
         if self._late:  # the fit's group is running: its prefix and layout are in the store, its servers are up
-            if self._rejoining and cfg.placement == "colocated" and self.global_rank < cfg.num_servers:
-                raise ConfigError(f"rank {self.global_rank} ran colocated server {self.global_rank}; it cannot rejoin")
             prefix, workers, spares, servers = running_fit(store)
-            if cfg.join:
-                self._ps_rank = claim_spare_slot(store, workers, spares, prefix)
+            self._ps_rank = claim_spare_slot(store, workers, spares, prefix)
         else:
             prefix = f"lightning_sync/ps/{self.broadcast(uuid.uuid4().hex)}"
             self.servers = start_servers(
@@ -344,9 +348,6 @@ class ParameterServerStrategy(ElasticWorkers):
         """After the run: each pulls the final parameters, worker 0 keeps the servers' state, all say goodbye."""
         if self.client is None or self.final_server_states is not None:
             return
-        stop_restarts = getattr(self.launcher, "stop_restarts", None)
-        if stop_restarts is not None:  # (rank 0's launcher) a rank lost from now on has no run left to rejoin
-            stop_restarts()
         if not self.client.stopped:
             self.client.request_stop()
         self.last_reply = self.client.pull()

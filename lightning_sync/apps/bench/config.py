@@ -14,6 +14,7 @@ from typing import Any, get_type_hints
 
 # CASE_HELP, OUR_CASES and sync_period: re-exported for callers that import them from here
 from lightning_sync.apps.bench.workloads import CASE_HELP, DEFAULT_CASES, OUR_CASES, WORKLOADS, sync_period
+from lightning_sync.config import knob
 from lightning_sync.errors import ConfigError, check_choice, check_range
 
 RATES = ("loopback", "1mbit", "10mbit", "100mbit", "1gbit")
@@ -40,11 +41,14 @@ __all__ = [
 class NetworkConfig:
     """Where the two nodes run."""
 
-    rate: list[str] = field(default_factory=lambda: ["loopback"])
-    """``loopback``, or the rate of the emulated links between two network namespaces (``1mbit``, ``10mbit``,
-    ``100mbit``, ``1gbit``; needs root, tbf on both ends of each link); a comma list runs each in turn."""
-    prefix: str = ""
-    """Name prefix of the namespaces (empty: ``lb`` and 4 digits of the process id); at most 6 characters."""
+    rate: list[str] = knob(
+        ["loopback"],
+        """``loopback``, or the rate of the emulated links between two network namespaces (``1mbit``, ``10mbit``,
+        ``100mbit``, ``1gbit``; needs root, tbf on both ends of each link); a comma list runs each in turn.""",
+    )
+    prefix: str = knob(
+        "", """Name prefix of the namespaces (empty: ``lb`` and 4 digits of the process id); at most 6 characters."""
+    )
 
     def validate(self) -> None:
         if not self.rate:
@@ -59,67 +63,80 @@ class NetworkConfig:
 class BenchConfig:
     """Every knob of ``python -m lightning_sync.bench``; set any with ``key=value`` (lists comma-separated)."""
 
-    workloads: list[str] = field(default_factory=lambda: ["latency_bound"])
-    """Which workloads: ``latency_bound``, ``compute_bound``, ``bandwidth_bound`` (step time), ``digits`` (time to
-    accuracy), ``char_lm`` (time to a validation loss), ``payload`` (bus bandwidth of one all-reduce)."""
-    cases: list[str] = field(default_factory=list)
-    """Which cases, run in this order in every repeat (A B A B); a workload runs those that apply to it. Empty:
-    lightning_ddp, lightning_ddp_view, torch_ddp, (payload:) gloo_allreduce, allreduce, periodic, torch_local_sgd,
-    powersgd, topk, floor, single; char_lm: lightning_ddp (always first: its final loss is the target), torch_ddp,
-    torch_local_sgd, allreduce, powersgd, topk, periodic, diloco, ps_async, floor, single."""
-    repeats: int = 3
-    """Rounds over all cases; the report gives the median over them."""
-    steps: int = 60
-    """Step-time workloads: optimizer steps per run."""
-    warmup_steps: int = 20
-    """Step-time workloads: steps left out of the median (``bucketing=auto`` tunes on its first 19)."""
-    target_accuracy: float = 0.95
-    """Digits: the test accuracy that ends a run."""
-    eval_every: int = 8
-    """Digits: test accuracy is measured every this many optimizer steps, with the clock stopped."""
-    max_epochs: int = 40
-    """Digits: a run that has not reached the target by then reports ``null``."""
-    sync_every: int = 8
-    """``periodic`` and ``torch_local_sgd``: optimizer steps per model average."""
-    diloco_sync_every: int = 16
-    """``diloco``: inner optimizer steps per outer step."""
-    budget_steps: int = 96
-    """char_lm: Lightning DDP's optimizer steps; the validation loss it ends with is every case's target, and the
-    bounds (floor, single) run as many."""
-    max_steps_factor: float = 3.0
-    """char_lm: a case that has not reached the target stops after this many times budget_steps."""
-    give_up_factor: float = 2.0
-    """char_lm: a case that has not reached the target stops once its training time passes this many times
-    Lightning DDP's at the same rate (it is then reported as not reaching the target)."""
-    payload_mb: float = 25.0
-    """Payload workload: MiB of float32 gradient all-reduced."""
-    payload_iters: int = 5
-    """Payload workload: timed all-reduces per run (after one untimed)."""
-    timeout_s: float = 900.0
-    """Seconds one run may take, start-up included; it bounds every collective as well."""
-    seed: int = 0
-    """Seed of the model's initial weights and of the data order (of the first repeat; see ``seed_per_repeat``)."""
-    seed_per_repeat: bool = True
-    """Repeat r runs with seed ``seed + r``, so the median and spread cover seeds as well as timing noise (char_lm:
-    each seed's target is the loss its own lightning_ddp run ends with); False: every repeat uses ``seed``."""
-    ddp_from: str = ""
-    """char_lm: a ``results.json`` of an earlier benchmark whose ``lightning_ddp`` runs set this one's targets and
-    DDP times, for the rates and seeds it has them; ``lightning_ddp`` is then not run again there (at 10 Mbit it
-    takes most of the benchmark's time). Its ``budget_steps``, ``eval_every``, ``warmup_steps`` and
-    ``flush_denormal`` must equal this run's; its records are copied into this run's, marked ``reused_from``."""
-    window: int = 0
-    """char_lm: 0 runs every case to the target. ``N > 0`` measures step times instead, with no target: each case
-    is scored every ``lcm(eval_every, its sync period)`` steps, and reports its training ms per step over ``N`` such
-    intervals (whole sync periods, sync steps included) after the first interval that ends at or past
-    ``warmup_steps`` (PowerSGD's uncompressed start, ``bucketing=auto``'s trials), as ``window_step_ms``.
-    ``benchmarks/time_to_target.py`` multiplies them by a trajectory's steps to the target."""
-    flush_denormal: bool = True
-    """Every rank treats subnormal floats as zero (``torch.set_flush_denormal``), in every case alike: on this CPU
-    a backward pass full of them (a confident softmax's underflowing probabilities, as plain DiLoCo's char_lm
-    model reaches) runs up to 3x slower, which would count as that case's communication cost. False: torch's
-    default."""
-    plots: bool = True
-    """Write PNG plots (needs matplotlib, the ``test`` extra)."""
+    workloads: list[str] = knob(
+        ["latency_bound"],
+        """Which workloads: ``latency_bound``, ``compute_bound``, ``bandwidth_bound`` (step time), ``digits`` (time to
+        accuracy), ``char_lm`` (time to a validation loss), ``payload`` (bus bandwidth of one all-reduce).""",
+    )
+    cases: list[str] = knob(
+        [],
+        """Which cases, run in this order in every repeat (A B A B); a workload runs those that apply to it. Empty:
+        lightning_ddp, lightning_ddp_view, torch_ddp, (payload:) gloo_allreduce, allreduce, periodic, torch_local_sgd,
+        powersgd, topk, floor, single; char_lm: lightning_ddp (always first: its final loss is the target), torch_ddp,
+        torch_local_sgd, allreduce, powersgd, topk, periodic, diloco, ps_async, floor, single.""",
+    )
+    repeats: int = knob(3, """Rounds over all cases; the report gives the median over them.""")
+    steps: int = knob(60, """Step-time workloads: optimizer steps per run.""")
+    warmup_steps: int = knob(
+        20, """Step-time workloads: steps left out of the median (``bucketing=auto`` tunes on its first 19)."""
+    )
+    target_accuracy: float = knob(0.95, """Digits: the test accuracy that ends a run.""")
+    eval_every: int = knob(
+        8, """Digits: test accuracy is measured every this many optimizer steps, with the clock stopped."""
+    )
+    max_epochs: int = knob(40, """Digits: a run that has not reached the target by then reports ``null``.""")
+    sync_every: int = knob(8, """``periodic`` and ``torch_local_sgd``: optimizer steps per model average.""")
+    diloco_sync_every: int = knob(16, """``diloco``: inner optimizer steps per outer step.""")
+    budget_steps: int = knob(
+        96,
+        """char_lm: Lightning DDP's optimizer steps; the validation loss it ends with is every case's target, and the
+        bounds (floor, single) run as many.""",
+    )
+    max_steps_factor: float = knob(
+        3.0, """char_lm: a case that has not reached the target stops after this many times budget_steps."""
+    )
+    give_up_factor: float = knob(
+        2.0,
+        """char_lm: a case that has not reached the target stops once its training time passes this many times
+        Lightning DDP's at the same rate (it is then reported as not reaching the target).""",
+    )
+    payload_mb: float = knob(25.0, """Payload workload: MiB of float32 gradient all-reduced.""")
+    payload_iters: int = knob(5, """Payload workload: timed all-reduces per run (after one untimed).""")
+    timeout_s: float = knob(
+        900.0, """Seconds one run may take, start-up included; it bounds every collective as well."""
+    )
+    seed: int = knob(
+        0,
+        """Seed of the model's initial weights and of the data order (of the first repeat; see ``seed_per_repeat``).""",
+    )
+    seed_per_repeat: bool = knob(
+        True,
+        """Repeat r runs with seed ``seed + r``, so the median and spread cover seeds as well as timing noise (char_lm:
+        each seed's target is the loss its own lightning_ddp run ends with); False: every repeat uses ``seed``.""",
+    )
+    ddp_from: str = knob(
+        "",
+        """char_lm: a ``results.json`` of an earlier benchmark whose ``lightning_ddp`` runs set this one's targets and
+        DDP times, for the rates and seeds it has them; ``lightning_ddp`` is then not run again there (at 10 Mbit it
+        takes most of the benchmark's time). Its ``budget_steps``, ``eval_every``, ``warmup_steps`` and
+        ``flush_denormal`` must equal this run's; its records are copied into this run's, marked ``reused_from``.""",
+    )
+    window: int = knob(
+        0,
+        """char_lm: 0 runs every case to the target. ``N > 0`` measures step times instead, with no target: each case
+        is scored every ``lcm(eval_every, its sync period)`` steps, and reports its training ms per step over ``N`` such
+        intervals (whole sync periods, sync steps included) after the first interval that ends at or past
+        ``warmup_steps`` (PowerSGD's uncompressed start, ``bucketing=auto``'s trials), as ``window_step_ms``.
+        ``benchmarks/time_to_target.py`` multiplies them by a trajectory's steps to the target.""",
+    )
+    flush_denormal: bool = knob(
+        True,
+        """Every rank treats subnormal floats as zero (``torch.set_flush_denormal``), in every case alike: on this CPU
+        a backward pass full of them (a confident softmax's underflowing probabilities, as plain DiLoCo's char_lm
+        model reaches) runs up to 3x slower, which would count as that case's communication cost. False: torch's
+        default.""",
+    )
+    plots: bool = knob(True, """Write PNG plots (needs matplotlib, the ``test`` extra).""")
     network: NetworkConfig = field(default_factory=NetworkConfig)
 
     def validate(self) -> None:

@@ -21,9 +21,9 @@ class NoSyncStrategy(AllReduceStrategy):
     @override
     def configure_ddp(self) -> None:
         super().configure_ddp()
-        assert self.synchronizer is not None
-        self.synchronizer.remove_hooks()
-        self.synchronizer = None
+        assert self.gradients is not None and self.gradients.synchronizer is not None
+        self.gradients.synchronizer.remove_hooks()
+        self.gradients.synchronizer = None
 
 
 class TimeToTarget(pl.Callback):

@@ -70,6 +70,14 @@ class PowerSGDCompression(Compressor):
         error_feedback: keep ``M - approximation`` and add it to the next call's matrix.
         warm_start: reuse the previous ``Q`` instead of drawing a fresh one each call.
         seed: seed of the per-bucket generator (``seed + bucket.index``).
+
+    Example::
+
+        >>> from lightning_sync import AllReduceStrategy, DDPSyncStrategy
+        >>> strategy = AllReduceStrategy(compression=PowerSGDCompression(rank=2, start_iter=0))
+        >>> strategy.config.compression
+        PowerSGDCompression(rank=2, start_iter=0, error_feedback=True, warm_start=True, seed=0)
+        >>> hooked = DDPSyncStrategy(comm_hook="powersgd")  # torch DDP with this codec as its communication hook
     """
 
     name = "powersgd"

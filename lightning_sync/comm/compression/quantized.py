@@ -144,7 +144,13 @@ class BlockQuantizedCompression(Compressor):
 
 
 class Int8Compression(BlockQuantizedCompression):
-    """int8 codes with an fp32 scale per :data:`BLOCK` entries."""
+    """int8 codes with an fp32 scale per :data:`BLOCK` entries.
+
+    Example::
+
+        >>> from lightning_sync import PeriodicSyncStrategy
+        >>> strategy = PeriodicSyncStrategy(mode="diloco", sync_every=16, outer_compression=Int8Compression())
+    """
 
     name = "int8"
 
@@ -153,7 +159,13 @@ class Int8Compression(BlockQuantizedCompression):
 
 
 class Int4Compression(BlockQuantizedCompression):
-    """int4 codes (two per byte) with an fp32 scale per :data:`BLOCK` entries."""
+    """int4 codes (two per byte) with an fp32 scale per :data:`BLOCK` entries.
+
+    Example::
+
+        >>> from lightning_sync import PeriodicSyncStrategy
+        >>> strategy = PeriodicSyncStrategy(mode="diloco", sync_every=16, fragments=4, outer_compression=Int4Compression())
+    """
 
     name = "int4"
 

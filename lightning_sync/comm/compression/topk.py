@@ -35,6 +35,14 @@ class TopKCompression(Compressor):
     Args:
         density: fraction of the entries sent, in ``(0, 1]``.
         error_feedback: keep what was not sent and add it to the next call's gradient.
+
+    Example::
+
+        >>> codec = TopKCompression(density=0.25)  # 1 of these 4 values
+        >>> codec.unpack(codec.pack(torch.tensor([0.1, -3.0, 0.2, 2.0]), key=0), 4)
+        tensor([ 0., -3.,  0.,  0.])
+        >>> codec.residuals[0]  # added to the next push of key 0
+        tensor([0.1000, 0.0000, 0.2000, 2.0000])
     """
 
     name = "topk"
