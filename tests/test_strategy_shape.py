@@ -10,9 +10,8 @@ from lightning_sync.strategies._gradients import GradientAllReduce
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
-# the most lightning_sync classes each strategy's MRO may hold (the strategy, SyncStrategyBase, LightningDDPHooks;
-# ps adds its detachable collectives and elastic membership)
-MAX_OWN_CLASSES = {"sync_ddp": 3, "sync_allreduce": 3, "sync_periodic": 3, "sync_ps": 5}
+# the most lightning_sync classes each strategy's MRO may hold (the strategy, SyncStrategyBase, LightningDDPHooks)
+MAX_OWN_CLASSES = {"sync_ddp": 3, "sync_allreduce": 3, "sync_periodic": 3, "sync_ps": 3}
 
 
 def _own(cls: type) -> list[type]:
@@ -42,6 +41,14 @@ def test_allreduce_and_periodic_hold_the_same_gradient_path():
     assert isinstance(periodic.gradients, GradientAllReduce)
     assert local_sgd.gradients is None  # no warmup: local steps only
     assert STRATEGIES["sync_ddp"]().gradients is None  # torch DDP's own buckets
+
+
+def test_ps_holds_its_detachment_and_membership():
+    """ps keeps what its workers running apart and its elastic membership need in objects of its own."""
+    a, b = STRATEGIES["sync_ps"](mode="async"), STRATEGIES["sync_ps"](mode="async")
+    assert a._detachment is not b._detachment and a.membership is not b.membership
+    assert a.tolerates_lost_ranks and not STRATEGIES["sync_ps"]().tolerates_lost_ranks
+    assert a.lost_workers == {} and a.added_workers == [] and not a._detached
 
 
 def test_state_lives_on_instances():

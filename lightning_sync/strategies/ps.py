@@ -10,6 +10,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -35,13 +36,15 @@ from lightning_sync.ps import (
     start_servers,
 )
 from lightning_sync.ps.outer import LocalSteps
+from lightning_sync.strategies._base import SyncStrategyBase
+from lightning_sync.strategies._detached import Detachment
 from lightning_sync.strategies._lightning import restore_clip_gradients, route_clip_gradients, set_global_step
 from lightning_sync.strategies._ps_clip import ServerClips
-from lightning_sync.strategies._ps_membership import ElasticWorkers, publish_fit, running_fit
+from lightning_sync.strategies._ps_membership import Membership, check_join_address, publish_fit, running_fit
 from lightning_sync.strategies._ps_metrics import ReplyMetrics
 
 
-class ParameterServerStrategy(ElasticWorkers):
+class ParameterServerStrategy(SyncStrategyBase):
     """Parameter server over torch.distributed point-to-point: workers push gradients, servers step and reply.
 
     The Lightning ranks are the workers. The strategy starts the servers, each holding a byte-balanced shard of the
@@ -52,7 +55,8 @@ class ParameterServerStrategy(ElasticWorkers):
 
     ``sync`` keeps the workers in lockstep. In ``async`` and ``ssp`` the servers' version counts the steps
     (``max_steps=N``: N pushes; ``max_epochs=E``: E epochs' worth of samples) and the workers never wait for each
-    other (:class:`~lightning_sync.strategies._detached.DetachableCollectives`); see the README's "Parameter server".
+    other (Lightning's collectives act on each worker alone, see
+    :class:`~lightning_sync.strategies._detached.Detachment`); see the README's "Parameter server".
     Logged: ``ps/version``, ``ps/staleness`` (async, ssp), ``ps/server<i>_ingress_per_update``, and in the elastic
     modes ``ps/server<i>_live_workers`` and ``ps/server<i>_lost_workers``.
 
@@ -113,12 +117,36 @@ class ParameterServerStrategy(ElasticWorkers):
         self._straggler: Straggler | None = None
         self._clips = ServerClips()  # the clipping each optimizer's next push asks the servers for
         self._local: LocalSteps | None = None  # local_steps > 1: the worker's side of async local SGD
-        self._init_membership()
+        self._detachment = Detachment()  # async/ssp: the collectives act on this rank alone during the fit
+        self.membership = Membership(elastic=self.tolerates_lost_ranks, late=self.config.join)
         self._reply_metrics = ReplyMetrics(staleness=self.config.mode != "sync", elastic=self.tolerates_lost_ranks)
 
     @override
     def _check_algorithm_knobs(self) -> None:
         build_parts(self.config)
+
+    @property
+    def tolerates_lost_ranks(self) -> bool:
+        """Whether losing a worker rank other than 0 leaves the job running (``async`` and ``ssp``, and ``sync`` with
+        ``elastic``: the servers drop it and the others go on); then the workers run apart during the fit, with no
+        Lightning collective among them. The launcher's child observer and the app's end of job ask this. Rank 0
+        hosts the store and the dedicated servers: losing it always ends the job, as losing a server does."""
+        return self.config.mode != "sync" or self.config.elastic
+
+    @property
+    def lost_workers(self) -> dict[int, str]:
+        """Elastic modes, after the fit: the workers the servers dropped, and why."""
+        return self.membership.lost
+
+    @property
+    def added_workers(self) -> list[int]:
+        """After the fit: the workers added to it in a spare slot (their ranks)."""
+        return self.membership.added
+
+    @property
+    def _detached(self) -> bool:
+        """Whether Lightning's collectives act on this rank alone now (read by the benchmark's timer)."""
+        return self._detachment.detached
 
     # ------------------------------------------------------------------ launch and setup
     @override
@@ -127,7 +155,7 @@ class ParameterServerStrategy(ElasticWorkers):
         added to a running job (``join``) launches nothing: it is one process, which needs the job's address."""
         world, cfg = self.num_processes * self.num_nodes, self.config
         if cfg.join:
-            self._check_join_address()
+            check_join_address()
             return
         if cfg.placement == "colocated" and cfg.num_servers > world:
             raise ConfigError(
@@ -139,14 +167,24 @@ class ParameterServerStrategy(ElasticWorkers):
         super().configure_launcher()
 
     @override
+    def setup_distributed(self) -> None:
+        """Joins the process group as the base does. A worker added with ``join`` is a world of its own instead:
+        Lightning's default process group needs every rank at once, so its collectives act on itself; it samples
+        the whole training set."""
+        if self.config.join and not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        self._detachment.alone = self.config.join
+        super().setup_distributed()
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         """For ``fit``: checks what a server can run, starts the servers and joins their group; in async/ssp,
         lets the servers' version end the run and keeps validation metrics local to each worker."""
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._check_module(trainer)
-            if self._runs_apart:
-                self._hand_the_end_to_the_mode(trainer)
+            if self.tolerates_lost_ranks:  # the workers run apart: no Lightning collective among them
+                self._detachment.hand_the_end_to_the_mode(trainer)
         super().setup(trainer)
         if fitting:
             self._join_servers()
@@ -174,10 +212,11 @@ class ParameterServerStrategy(ElasticWorkers):
         host, port = env.main_address, env.main_port
         store = connect_store(host, port, is_host=False, timeout_s=cfg.timeout_s)
         workers, spares, servers = self.world_size + cfg.spare_workers, cfg.spare_workers, cfg.num_servers
-        self._ps_rank = self.global_rank
-        if self._late:  # the fit's group is running: its prefix and layout are in the store, its servers are up
+        members = self.membership
+        members.ps_rank = self.global_rank
+        if cfg.join:  # the fit's group is running: its prefix and layout are in the store, its servers are up
             prefix, workers, spares, servers = running_fit(store)
-            self._ps_rank = claim_spare_slot(store, workers, spares, prefix)
+            members.ps_rank = claim_spare_slot(store, workers, spares, prefix)
         else:
             prefix = f"lightning_sync/ps/{self.broadcast(uuid.uuid4().hex)}"
             self.servers = start_servers(
@@ -186,11 +225,11 @@ class ParameterServerStrategy(ElasticWorkers):
             )  # fmt: skip
             if self.global_rank == 0:
                 publish_fit(store, prefix, workers, spares, servers)
-        self._first_workers = workers - spares
+        members.first_workers = workers - spares
         self._group = PSGroup(
-            store, self._ps_rank, workers, servers, cfg.timeout_s, prefix=prefix, meter=self.meter, rejoin=self._late
+            store, members.ps_rank, workers, servers, cfg.timeout_s, prefix=prefix, meter=self.meter, rejoin=cfg.join
         )
-        self._straggler = Straggler(self._ps_rank, cfg.slow_worker if cfg.slow_worker >= 0 else None, cfg.slowdown)
+        self._straggler = Straggler(members.ps_rank, cfg.slow_worker if cfg.slow_worker >= 0 else None, cfg.slowdown)
 
     @property
     def _local_steps(self) -> int:
@@ -211,7 +250,7 @@ class ParameterServerStrategy(ElasticWorkers):
         max_updates = trainer.max_steps  # Lightning counts every optimizer's steps, as the servers do
         by_epochs = max_updates is None or max_updates < 0
         if by_epochs:  # E epochs' worth of samples
-            epochs = trainer.max_epochs if self._loop_limits is None else self._loop_limits[2]
+            epochs = trainer.max_epochs if self._detachment.max_epochs is None else self._detachment.max_epochs
             assert epochs is not None  # Lightning sets max_epochs when max_steps is unset
             per_batch = 1 if self.config.mode == "sync" else self.world_size  # async/ssp: an update per worker batch
             max_updates = int(epochs) * int(trainer.num_training_batches) * per_batch * len(self.optimizers)
@@ -227,26 +266,26 @@ class ParameterServerStrategy(ElasticWorkers):
         settings = ps_settings(self.config, max_updates)
         settings = dataclasses.replace(settings, elastic=self.config.elastic, withdraw_lost_share=withdraw)
         self.client = PSClient(self._group, params, spec, settings)
-        if self._ps_rank == 0:
+        if self.membership.ps_rank == 0:
             self.client.init_servers(self._resume_state.get("servers"))
         if "client" in self._resume_state:
             self.client.load_state_dict(self._resume_state["client"])
         self.last_reply = self.client.pull()
-        if self._late:  # the step count the servers keep for this worker: its pushes applied, raised to the
+        if self.config.join:  # the step count the servers keep for this worker: its pushes applied, raised to the
             set_global_step(trainer, max(self.last_reply.clocks) * self._local_steps)  # slowest live worker's
         if self._local_steps > 1:
             adaptive = self.config.local_steps == "auto"
             lrs = lambda: current_lrs(self.optimizers)  # noqa: E731
             self._local = LocalSteps(self.client, self._local_steps, lrs, adaptive=adaptive)
             self._local.start()
-        self._detached = self._runs_apart
+        self._detachment.detached = self.tolerates_lost_ranks
 
     @override
     def on_validation_start(self) -> None:
         """In async/ssp during fit, each worker validates the parameters it pulls now (no worker waits for
         another): the servers' latest, not the reply to its last push."""
         super().on_validation_start()
-        if self._detached and self._local is None and self.client is not None and not self.client.stopped:
+        if self._detachment.detached and self._local is None and self.client is not None and not self.client.stopped:
             self.last_reply = self.client.pull()  # (with local steps, the worker validates its own replica)
 
     # ------------------------------------------------------------------ the step
@@ -336,6 +375,48 @@ class ParameterServerStrategy(ElasticWorkers):
             time.sleep(0.2)
         return None if reported is None else f"{group.name(reported[0])} reported: {reported[1]}"
 
+    # ------------------------------------------------------------------ Lightning's collectives, while detached
+    @property
+    @override
+    def world_size(self) -> int:
+        """1 while detached."""
+        return 1 if self._detachment.detached else super().world_size
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The whole dataset for a rank that is a world of its own (added with ``join``, or a survivor of a lost
+        rank, see :meth:`end_detached_run`)."""
+        if self._detachment.alone:
+            return {"num_replicas": 1, "rank": 0}
+        return super().distributed_sampler_kwargs
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """No wait while detached."""
+        if not self._detachment.detached:
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """This rank's own object while detached."""
+        return obj if self._detachment.detached else super().broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        """This rank's own value while detached."""
+        return tensor if self._detachment.detached else super().reduce(tensor, *args, **kwargs)
+
+    @override
+    def all_gather(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        """This rank's own tensor, as the only row, while detached."""
+        return tensor.unsqueeze(0) if self._detachment.detached else super().all_gather(tensor, *args, **kwargs)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """This rank's own decision while detached."""
+        return decision if self._detachment.detached else super().reduce_boolean_decision(decision, all=all)
+
     # ------------------------------------------------------------------ the end, and checkpoints
     @override
     def on_train_end(self) -> None:
@@ -343,7 +424,20 @@ class ParameterServerStrategy(ElasticWorkers):
         super().on_train_end()
         self.end_detached_run()
 
-    @override
+    def end_detached_run(self) -> None:
+        """Ends the servers' run, then the ranks meet and attach again (every rank, once its own loop ended). Called
+        first thing in ``on_train_end`` (by :class:`~lightning_sync.callbacks.SyncMetricsLogger`, before the other
+        callbacks, which may use collectives there), and by :meth:`on_train_end` (then a no-op). Until then each rank
+        ran its own batch and epoch ends, whose collectives would not pair across ranks. After a lost rank, or on a
+        worker added with ``join``, the rank stays a world of its own instead (see
+        :attr:`~lightning_sync.strategies._ps_membership.Membership.can_attach`)."""
+        self._end_mode_run()
+        if self._detachment.detached and self.membership.can_attach:
+            self._detachment.detached = False
+            self.barrier("lightning_sync.attach")
+        elif self._detachment.detached:
+            self._detachment.go_alone()
+
     def _end_mode_run(self) -> None:
         """After the run: each pulls the final parameters, worker 0 keeps the servers' state, all say goodbye."""
         if self.client is None or self.final_server_states is not None:
@@ -351,8 +445,8 @@ class ParameterServerStrategy(ElasticWorkers):
         if not self.client.stopped:
             self.client.request_stop()
         self.last_reply = self.client.pull()
-        self._take_membership(self.client)
-        self.final_server_states = self.client.server_states() if self._ps_rank == 0 else []
+        self.membership.take_at_end(self.client, self.config.timeout_s)
+        self.final_server_states = self.client.server_states() if self.membership.ps_rank == 0 else []
         self.client.close()
 
     @override
@@ -361,7 +455,7 @@ class ParameterServerStrategy(ElasticWorkers):
         state = super().sync_state_dict()
         if self.client is not None:
             state["client"] = self.client.state_dict()
-            if self._ps_rank == 0:
+            if self.membership.ps_rank == 0:
                 final = self.final_server_states
                 state["servers"] = self.client.server_states() if final is None else final
         return state
@@ -384,9 +478,10 @@ class ParameterServerStrategy(ElasticWorkers):
 
     @override
     def check_replicas(self, atol: float = 0.0) -> list[Any]:
-        """With local steps the replicas differ between pushes: they are compared right after a push only (every
-        sync worker pushes at the same step)."""
-        if self._local is not None and self._local.steps != 0:
+        """Nothing to compare in a fit whose ranks run apart: the replicas differ between pulls, and the ranks reach a
+        step count at different times, so a check would pair collectives wrongly. With local steps the replicas differ
+        between pushes: they are compared right after a push only (every sync worker pushes at the same step)."""
+        if self._detachment.in_fit or (self._local is not None and self._local.steps != 0):
             return []
         return super().check_replicas(atol)
 
@@ -406,7 +501,7 @@ class ParameterServerStrategy(ElasticWorkers):
     @override
     def teardown(self) -> None:
         """Ends this rank's servers (awaited after a clean run, stopped after a failure), then tears down."""
-        self._restore_loop_limits()
+        self._detachment.restore()
         restore_clip_gradients(self.precision_plugin)
         servers, self.servers, self.client = self.servers, None, None
         if servers is not None and self.final_server_states is None:
