@@ -13,17 +13,14 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 LOCK := requirements.lock
 PYTEST_ARGS ?=
-# pytest-xdist workers for `make test` and `make test-fast` (0: all in this one process). Each worker takes a whole
-# test file at a time (the notebooks one test at a time); the files that time a failure (a frozen or killed peer) all
-# go to one worker, one after another, at a higher CPU priority than the other workers' tests (TIMED_FILES in
-# tests/conftest.py). Three workers on 2 cores: the timed files spend much of their time waiting out a frozen peer's
-# timeout, which the others fill.
+# pytest-xdist workers for `make test` and `make test-fast` (0: all in this one process), each taking a whole test
+# file at a time (`--dist loadfile`), the files with the most tests first. Three workers on 2 cores: the tests that
+# time a failure spend much of their time waiting out a frozen peer's timeout, which the others fill. (Not
+# `--dist loadgroup`: with pytest 9.2 and pytest-xdist 3.8 it ignores the groups, pytest-dev/pytest-xdist#1386.)
 TEST_WORKERS ?= 3
 COMPARE_ARGS ?=
 BENCH_ARGS ?=
 # The quick tier: no process group, or 2-rank collectives that take seconds; no Trainer fits, no root, nothing slow.
-# Its timed files (tests/conftest.py) go to the workers file by file: with no Trainer or app beside them, their waits
-# for a frozen or killed peer may overlap.
 FAST_MARKERS := (unit or dist) and not (e2e or netns or slow)
 
 .PHONY: setup test test-fast check lint typecheck imports docs docs-gen lock compare bench gpu-check notebook clean-venv
@@ -48,10 +45,10 @@ lock: $(PY)
 
 # Any non-zero pytest exit, 5 ("no tests ran") included, fails the target and so `make` and .ci/run (nothing masks it).
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 -n $(TEST_WORKERS) -m "$(FAST_MARKERS)" --timed-files-apart \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 -n $(TEST_WORKERS) --dist loadfile -m "$(FAST_MARKERS)" \
 		$(PYTEST_ARGS)
 
 # The checks CI runs before the tests.

@@ -1,4 +1,5 @@
-"""Test-wide setup: one OpenMP thread per process, set before torch is imported; and the tiers kept honest.
+"""Test-wide setup: one OpenMP thread per process, set before torch is imported; deprecations stay errors in the
+Python interpreters a test starts; the tiers kept honest.
 
 With the ``fork`` start method, a child deadlocks in libgomp if the parent ran a multi-threaded torch op first.
 
@@ -14,7 +15,6 @@ import multiprocessing.process
 import os
 import subprocess
 import sys
-from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,17 +22,32 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
-os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning,ignore::FutureWarning")
 
 TIERS = ("unit", "dist", "e2e", "netns")
 HEAVIER_THAN_UNIT = ("dist", "e2e", "netns")
 
+# The warning filters of the Python interpreters that tests start (a popen rank, a ps server, an app), as
+# PYTHONWARNINGS entries ``action:message:category:module`` (message: a literal prefix; module: exact; the last
+# matching entry wins). As pyproject.toml's filterwarnings in this process: a DeprecationWarning or FutureWarning is
+# an error, except these, raised by third-party code on a path we use (the first pair is pyproject's too).
+CHILD_WARNINGS = ",".join(
+    [
+        "error::DeprecationWarning",
+        "error::FutureWarning",
+        # Lightning's batch-size inference builds a LeafSpec, which torch 2.13 deprecates
+        "ignore:`isinstance(treespec:FutureWarning:lightning.pytorch.utilities._pytree",
+        "ignore:`isinstance(treespec:DeprecationWarning:lightning.pytorch.utilities._pytree",
+        # Lightning's all_gather with sync_grads (self.all_gather, torchmetrics' sync under the ps strategy)
+        "ignore:torch.distributed.nn.functional.all_gather is deprecated:FutureWarning:lightning.fabric.utilities.distributed",
+        # torchft's Manager logs through Logger.warn
+        "ignore:The 'warn' method is deprecated:DeprecationWarning:torchft.manager",
+    ]
+)
 
 # The files whose tests time a failure: a frozen or killed rank, server or replica group must be noticed, named and
-# ended within a timeout, and a survivor must go on at its pace. Each of their tests is marked ``timed``. With several
-# pytest-xdist workers (``make test``) these files run one after another on one worker (:func:`_scope`) at the
-# normal CPU priority, while the other workers' tests run at a lower one (:func:`_timed_tests_first`): the time a
-# failure takes is then the code's, not that of another test's processes sharing the 2 cores.
+# ended within a timeout (a fixed margin after it, tests/fault_utils.py), and a survivor must go on. Each of their
+# tests is marked ``timed`` (``-m timed`` selects them). They are scheduled as any other file: ``make test`` runs
+# ``--dist loadfile``, a whole file to a worker at a time.
 TIMED_FILES = frozenset(
     {
         "test_faults.py",
@@ -45,37 +60,10 @@ TIMED_FILES = frozenset(
         "test_streaming_diloco.py",
     }
 )
-# Files that time nothing but need the normal CPU priority too, each file a unit of its own (not queued behind the
-# timed files): the accuracy of async ps depends on how evenly its workers get the CPU, and at the lower priority
-# beside the timed tests one async worker starved (async median 0.936 against sync 0.958, over the 2 points it may
-# lose).
-NORMAL_PRIORITY_FILES = frozenset({"test_ps_async.py"})
-# Files of a few long tests that do not depend on one another (a notebook each, the 9-run accuracy test). Under
-# pytest-xdist each of their tests is a unit of its own, handed out right after the timed files, so that they spread
-# over the other workers instead of one worker taking a whole file of them.
-SPLIT_FILES = frozenset({"test_notebooks.py", "test_ps_async.py"})
-OTHER_TESTS_NICE = 10
-# A test's rough cost in seconds by its markers (the highest counts), for the order the files are handed out in: a
-# ``slow`` one tens of seconds, a Trainer or a subprocess (``e2e``, ``netns``) seconds to tens of seconds, a process
-# group about a second, a unit test next to nothing.
-MARKER_COST = {"slow": 30.0, "e2e": 10.0, "netns": 10.0, "dist": 1.0, "unit": 0.05}
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--timed-files-apart",
-        action="store_true",
-        help="hand each timed file to the xdist workers as a unit of its own instead of all of them as one (`make "
-        "test-fast`: the fast tier starts no Trainer and no app, so the timed files' waits may overlap)",
-    )
 
 
 def _file(nodeid: str) -> str:
     return os.path.basename(nodeid.split("::", 1)[0])
-
-
-def _is_timed(nodeid: str) -> bool:
-    return _file(nodeid) in TIMED_FILES
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -83,41 +71,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if untiered:
         raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}): {untiered}")
     for item in items:
-        if _is_timed(item.nodeid):
+        if _file(item.nodeid) in TIMED_FILES:
             item.add_marker(pytest.mark.timed)
-    # The order pytest-xdist hands the units out in (:func:`pytest_xdist_make_scheduler` keeps it): the timed files,
-    # the tests of SPLIT_FILES, then the other files, the costliest first by their markers (:data:`MARKER_COST`), so that
-    # the last units handed out are short ones.
-    cost: Counter[str] = Counter()
-    for item in items:
-        cost[_file(item.nodeid)] += max(c for m, c in MARKER_COST.items() if item.get_closest_marker(m))
-    items.sort(
-        key=lambda item: (
-            0 if _is_timed(item.nodeid) else 1 if _file(item.nodeid) in SPLIT_FILES else 2,
-            -cost[_file(item.nodeid)],
-            _file(item.nodeid),
-        )
-    )
 
 
-@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without xdist the tests run in this one process
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Whole files to a worker at a time (as ``--dist loadfile``), the timed files all as one unit (see
-    :data:`TIMED_FILES`; each file a unit of its own with ``--timed-files-apart``) and each test of
-    :data:`SPLIT_FILES` as one; the units in the collection's order (:func:`pytest_collection_modifyitems`)."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    config.option.loadscopereorder = False
-
-    together = not config.getoption("timed_files_apart")
-
-    class _TimedFilesTogether(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            if together and _is_timed(nodeid):
-                return "timed-files"
-            return nodeid if _file(nodeid) in SPLIT_FILES else nodeid.split("::", 1)[0]
-
-    return _TimedFilesTogether(config, log)
+@pytest.fixture(scope="session", autouse=True)
+def _children_keep_deprecations_as_errors() -> None:
+    """The interpreters that tests start warn as :data:`CHILD_WARNINGS` says. Set here, in the process that runs
+    tests, and not at import: pytest-xdist's workers would start with it, and pytest leaves a process's own
+    deprecation filters to PYTHONWARNINGS when it is set."""
+    os.environ.setdefault("PYTHONWARNINGS", CHILD_WARNINGS)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -128,21 +91,6 @@ def _exit_without_final_collection() -> None:
     from lightning_sync._exit import skip_final_collection
 
     skip_final_collection()
-
-
-@pytest.fixture(autouse=True)
-def _timed_tests_first(request: pytest.FixtureRequest) -> None:
-    """Under pytest-xdist, a ``timed`` test or one of :data:`NORMAL_PRIORITY_FILES` (and the processes it starts) runs
-    at the normal CPU priority and any other test at nice :data:`OTHER_TESTS_NICE`. Raising the priority again needs root (``make test`` as a user leaves
-    the priority as it is)."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    normal = request.node.get_closest_marker("timed") or _file(request.node.nodeid) in NORMAL_PRIORITY_FILES
-    nice = 0 if normal else OTHER_TESTS_NICE
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, nice)
-    except OSError:
-        pass
 
 
 def _refuse(what: str) -> Callable[..., Any]:

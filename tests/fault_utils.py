@@ -19,24 +19,16 @@ from lightning_sync._proc import stat_fields
 HAS_PROC = Path("/proc/self/cmdline").exists()
 
 
-def load_factor() -> float:
-    """How many times slower than an idle machine a process runs now: runnable processes (the 1-minute load
-    average) per core, at least 1.
-
-    A timeout is a wall-clock timer and fires on time under any load; what follows it (a process noticing, printing,
-    killing its peers, interpreters exiting) is CPU work that a loaded machine stretches by about this factor.
-    """
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        return 1.0
-    return max(1.0, load / (os.cpu_count() or 1))
-
-
-def allowed_s(timeout_s: float, margin_s: float) -> float:
-    """The longest a failure may take to end a job: the ``timeout_s`` that detects it, then ``margin_s`` (measured
-    on an idle machine) stretched by :func:`load_factor`. On an idle machine, ``timeout_s + margin_s``."""
-    return timeout_s + margin_s * load_factor()
+# A timeout is a wall-clock timer and fires on time under any load; what follows it (a process noticing, printing,
+# killing its peers, interpreters exiting) is CPU work, which a busy machine stretches. The margins after it are fixed
+# and generous, so that no test depends on how the OS shares the CPU: they catch a job that hangs or waits out a long
+# timeout, not one a few seconds slow. A job hit by a fault ends within its ``timeout_s`` (the detection) plus
+# ENDED_WITHIN_S; a test waits ``timeout_s + WAIT_S`` for that end before killing the job (so the assertion on the
+# time, not the wait, reports a slow end), and its ``@pytest.mark.timeout`` is above both. A process of plain
+# torch.distributed (no interpreter to start or end) notices a lost peer within ``timeout_s + NOTICED_WITHIN_S``.
+ENDED_WITHIN_S = 60.0
+WAIT_S = 90.0
+NOTICED_WITHIN_S = 15.0
 
 
 def _cmdlines() -> dict[int, str]:
@@ -84,9 +76,10 @@ def _start_training(
 ) -> subprocess.Popen:
     """Starts the job (``env``: added to its environment) and returns once it has trained for ``after_s`` seconds.
 
-    The rendezvous has ``timeout_s`` too, and rank 1 starts (imports torch and Lightning) only after rank 0 is up: on
-    a loaded machine a short ``timeout_s`` can expire there, before anything a fault test is about. Such a job is
-    started again (at most 3 times in all); any other early exit fails the test.
+    The rendezvous is bounded by the job's ``timeout_s`` too, and rank 1 starts (imports torch and Lightning) only
+    after rank 0 is up: a startup race, not the fault under test, that a short ``timeout_s`` (the one a fault test
+    times) can lose on a busy machine ("1/2 clients joined"). Such a job is started again (at most 3 times in all);
+    any other early exit fails the test.
     """
     command = [sys.executable, "-m", "lightning_sync.train", *overrides, f"hydra.run.dir={run_dir}"]
     job = subprocess.Popen(

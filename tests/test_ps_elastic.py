@@ -19,7 +19,7 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from fault_utils import HAS_PROC, allowed_s, load_factor, run_and_hit  # noqa: E402
+from fault_utils import HAS_PROC, run_and_hit  # noqa: E402
 from test_ps_core import (  # noqa: E402
     _backward,
     _free_port,
@@ -124,7 +124,7 @@ def test_the_server_drops_a_lost_worker_and_serves_the_others(procs, mode, how):
     # worker 0 went on: its pushes after the drop are as frequent as before the hit (ssp, frozen: after timeout_s)
     times = torch.tensor(out["worker0"]["times"], dtype=torch.float64)
     held = mode == "ssp" and how == signal.SIGSTOP  # ssp waits for a frozen worker until the server drops it
-    resumed = hit_at.value + (timeout_s if held else 0.0) + 0.5 * load_factor()  # the drop is a timer: on time
+    resumed = hit_at.value + (timeout_s if held else 0.0) + 0.5  # the drop is a timer: on time
     after = times[times > resumed]
     assert len(after) >= 10, (len(after), float(times[-1] - hit_at.value))
     before = times[times < hit_at.value]
@@ -291,7 +291,7 @@ def test_a_frozen_ssp_worker_is_dropped_and_the_job_ends_on_the_others(tmp_path)
         "+logger.csv.flush_logs_every_n_steps=5",
         "test=false",
     ]
-    outcome = run_and_hit(overrides, run_dir, "rank1", signal.SIGSTOP, wait_s=allowed_s(120, 60.0))
+    outcome = run_and_hit(overrides, run_dir, "rank1", signal.SIGSTOP, wait_s=180.0)
     print(f"ssp worker 1 SIGSTOP: exit code {outcome.returncode} after {outcome.seconds:.1f} s")
     assert outcome.returncode == 0, outcome.stderr[-4000:]
     summary = _summary(run_dir)

@@ -1,7 +1,7 @@
 """A parameter-server job whose worker or server dies (SIGKILL) or freezes (SIGSTOP) mid-run: it fails within
-``timeout_s`` plus a few seconds (stretched by the machine's load, see ``fault_utils.allowed_s``), names the lost
-process, and leaves no process behind; except a lost worker of ``async`` or ``ssp``, which the server drops while
-the job ends normally on the others.
+``timeout_s`` plus a fixed margin (``fault_utils.ENDED_WITHIN_S``), names the lost process, and leaves no process
+behind; except a lost worker of ``async`` or ``ssp``, which the server drops while the job ends normally on the
+others.
 
 The job is the Hydra app with the ``popen`` launcher (as a user runs it): rank 0 is the command, rank 1 its child,
 the server a process started by rank 0 (see :mod:`fault_utils`).
@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 
 import pytest
-from fault_utils import HAS_PROC, allowed_s, load_factor, run_and_hit
+from fault_utils import ENDED_WITHIN_S, HAS_PROC, WAIT_S, run_and_hit
 
 TIMEOUT_S = 15.0  # also the rendezvous timeout: rank 1 must import torch and Lightning within it (~12 s when loaded)
 pytestmark = pytest.mark.skipif(not HAS_PROC, reason="needs /proc")
@@ -29,10 +29,10 @@ pytestmark = pytest.mark.skipif(not HAS_PROC, reason="needs /proc")
 def test_lost_process_fails_the_job_in_time_and_leaves_no_orphan(tmp_path, target, how):
     overrides = ["strategy=ps", f"strategy.timeout_s={TIMEOUT_S}", "trainer.max_epochs=1000", "test=false"]
     process = {"worker1": "rank1", "server0": "server0"}[target]
-    outcome = run_and_hit(overrides, tmp_path / "run", process, how, wait_s=allowed_s(TIMEOUT_S, 30.0))
+    outcome = run_and_hit(overrides, tmp_path / "run", process, how, wait_s=TIMEOUT_S + WAIT_S)
     print(f"{target} {how.name}: exit code {outcome.returncode} after {outcome.seconds:.1f} s")
     assert outcome.returncode != 0
-    assert outcome.seconds < allowed_s(TIMEOUT_S, 15.0), outcome.seconds
+    assert outcome.seconds < TIMEOUT_S + ENDED_WITHIN_S, outcome.seconds
     names = {"worker1": ("worker 1", "rank 1", "[rank: 1] Child process"), "server0": ("server 0",)}[target]
     assert any(name in outcome.stderr for name in names), outcome.stderr[-3000:]
     assert not outcome.left, f"orphans: {outcome.left}"
@@ -49,10 +49,10 @@ def test_a_lost_worker_of_an_async_job_is_dropped_and_rank_0_finishes(tmp_path, 
     (the frozen one is killed at the end). ``tests/test_ps_elastic.py`` has the other two cases, with 3 workers."""
     overrides = ["strategy=ps", f"strategy.mode={mode}", f"strategy.timeout_s={TIMEOUT_S}", "trainer.max_epochs=12"]
     overrides += ["+logger.csv.flush_logs_every_n_steps=5", "test=false"]  # metrics.csv early: the hit is mid-run
-    outcome = run_and_hit(overrides, tmp_path / "run", "rank1", how, wait_s=allowed_s(TIMEOUT_S, 60.0))
+    outcome = run_and_hit(overrides, tmp_path / "run", "rank1", how, wait_s=TIMEOUT_S + WAIT_S)
     print(f"{mode} worker1 {how.name}: exit code {outcome.returncode} after {outcome.seconds:.1f} s")
     assert outcome.returncode == 0, outcome.stderr[-3000:]
-    assert outcome.seconds < allowed_s(TIMEOUT_S, 40.0), outcome.seconds
+    assert outcome.seconds < TIMEOUT_S + ENDED_WITHIN_S, outcome.seconds
     assert "lost: worker 1 (rank 1)" in outcome.stderr, outcome.stderr[-3000:]
     assert not outcome.left, f"orphans: {outcome.left}"
 
@@ -68,7 +68,7 @@ def test_a_lost_worker_ends_the_job_in_seconds_not_after_timeout_s(tmp_path):
     print(f"worker1 SIGKILL, timeout_s=120: exit code {outcome.returncode} after {outcome.seconds:.1f} s")
     assert outcome.returncode != 0
     # about a second on an idle machine; never as long as the timeout it must not wait for
-    assert outcome.seconds < min(120 / 4 * load_factor(), 120 / 2), outcome.seconds
+    assert outcome.seconds < 120 / 2, outcome.seconds
     # named by whichever reports first: this job's end, Lightning's child observer (which may end the job before
     # that), or the server that saw the worker's connection close
     names = ("rank 1 (local) was lost", "[rank: 1] Child process", "worker 1 (ps rank 1)")

@@ -1,6 +1,5 @@
 """Workers added to a running parameter server in spare slots (``spare_workers``, ``ps.claim_spare_slot``), in plain
-torch. Nothing here times a failure, so the file runs beside the others rather than in the timed files' chain
-(``tests/conftest.py``); the app's ``strategy.join`` is ``test_ps_elastic_kill.py``'s.
+torch (nothing here times a failure); the app's ``strategy.join`` is ``test_ps_elastic_kill.py``'s.
 """
 
 from __future__ import annotations
