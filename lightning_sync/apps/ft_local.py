@@ -114,8 +114,11 @@ def group_command(
 
 def start_process(command: list[str], log: str | Path, cwd: str | Path | None = None) -> subprocess.Popen[bytes]:
     """Starts ``command`` in a session of its own (so :func:`stop_process` ends everything it starts), with
-    ``OMP_NUM_THREADS=1`` unless set, stdout and stderr to ``log``."""
-    env = dict(os.environ)
+    ``OMP_NUM_THREADS=1`` unless set, stdout and stderr to ``log``.
+
+    The process is a job of its own (a replica group is its own world), so it does not inherit ``MASTER_PORT``:
+    replica groups started from one environment that holds it would all bind that port (EADDRINUSE)."""
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
     env.setdefault("OMP_NUM_THREADS", "1")
     path = Path(log)
     path.parent.mkdir(parents=True, exist_ok=True)
