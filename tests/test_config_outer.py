@@ -18,6 +18,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from dist_utils import run_ranks  # noqa: E402
 from test_ps_core import _backward, _client, _free_port, _join, _model, procs  # noqa: E402, F401
+from test_ps_outer import _diloco_reference  # noqa: E402
 from torch import nn  # noqa: E402
 
 import lightning_sync.ps as ps  # noqa: E402
@@ -204,27 +205,6 @@ def _ps_worker(rank: int, port: int, factory: Callable[..., torch.optim.Optimize
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _reference(factory: Callable[..., torch.optim.Optimizer], local_steps: int, rounds: int) -> list[torch.Tensor]:
-    """DiLoCo in one process: each worker ``local_steps`` inner SGD steps from the global copy, ``factory``'s
-    optimizer on the mean pseudo-gradient."""
-    global_model = _model()
-    outer = factory(global_model.parameters())
-    workers = [_model() for _ in range(2)]
-    inners = [torch.optim.SGD(w.parameters(), lr=0.1) for w in workers]
-    for r in range(rounds):
-        deltas = []
-        for rank, (worker, inner) in enumerate(zip(workers, inners)):
-            worker.load_state_dict(global_model.state_dict())
-            for step in range(r * local_steps, (r + 1) * local_steps):
-                _backward(worker, rank, step)
-                inner.step()
-            deltas.append([g.detach() - w.detach() for g, w in zip(global_model.parameters(), worker.parameters())])
-        for i, p in enumerate(global_model.parameters()):
-            p.grad = (deltas[0][i] + deltas[1][i]) / 2
-        outer.step()
-    return [p.detach().clone() for p in global_model.parameters()]
-
-
 @pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_an_outer_optimizer_of_this_file_runs_through_ps(procs):  # noqa: F811
@@ -233,8 +213,8 @@ def test_an_outer_optimizer_of_this_file_runs_through_ps(procs):  # noqa: F811
     for rank in range(2):
         procs.start(f"worker{rank}", _ps_worker, rank, port, factory, 3 * rounds)
     out = procs.ok(["worker0", "worker1"], timeout=40)
-    expected = _reference(factory, 3, rounds)
-    plain = _reference(functools.partial(torch.optim.SGD, lr=0.9), 3, rounds)
+    expected = _diloco_reference(3, rounds, factory)
+    plain = _diloco_reference(3, rounds, functools.partial(torch.optim.SGD, lr=0.9))
     got = out["worker0"]
     assert all(torch.allclose(g, e, atol=1e-6, rtol=0) for g, e in zip(got, expected)), (got, expected)
     assert not all(torch.allclose(g, e, atol=1e-3, rtol=0) for g, e in zip(got, plain))  # the toy's steps, not SGD's

@@ -9,6 +9,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 
 import functools  # noqa: E402
 import json  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -83,11 +84,16 @@ def _local_worker(rank: int, port: int, mode: str, local_steps: int, steps: int)
     return {"params": [p.detach().clone() for p in model.parameters()], "sent_per_step": sent / steps}
 
 
-def _diloco_reference(local_steps: int, rounds: int) -> list[torch.Tensor]:
-    """DiLoCo in one process: each worker H inner SGD steps from the global copy, outer Nesterov SGD on the mean
-    pseudo-gradient."""
+def _diloco_reference(
+    local_steps: int,
+    rounds: int,
+    outer_optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+) -> list[torch.Tensor]:
+    """DiLoCo in one process: each worker H inner SGD steps from the global copy, ``outer_optimizer`` (default:
+    Nesterov SGD) on the mean pseudo-gradient."""
     global_model = _model()
-    outer = torch.optim.SGD(global_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    nesterov = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+    outer = (outer_optimizer or nesterov)(global_model.parameters())
     workers = [_model() for _ in range(2)]
     inners = [torch.optim.SGD(w.parameters(), lr=0.1) for w in workers]
     for r in range(rounds):
