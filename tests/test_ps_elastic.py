@@ -265,7 +265,7 @@ def test_a_killed_worker_restarted_with_rejoin_is_served_again(procs):  # noqa: 
 
 
 # ---------------------------------------------------------------------------------------------------------- the app
-TIMEOUT_S = 15.0  # also the rendezvous timeout: a rank must import torch and Lightning within it when loaded
+TIMEOUT_S = 15.0
 
 
 def _summary(run_dir) -> dict:

@@ -18,6 +18,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+RENDEZVOUS_AT_LEAST_S = 60.0
+
+
+def rendezvous_timeout_s(timeout_s: float) -> float:
+    """How long ranks (or a ps group's members) have to meet: ``timeout_s``, and at least 60 s.
+
+    Ranks started together reach the rendezvous seconds apart, as each first imports torch and Lightning: on a busy
+    machine three of them took over 16 s. A short ``timeout_s``, chosen to notice a lost peer quickly, would fail
+    such a start; the bound here keeps the start bounded without tying it to that choice.
+    """
+    return max(float(timeout_s), RENDEZVOUS_AT_LEAST_S)
+
 
 class PeerError(RuntimeError):
     """A collective failed because another rank of its group did not answer within the group's timeout (a frozen

@@ -29,7 +29,8 @@ class StrategyConfig:
     )
     timeout_s: float = knob(
         600.0,
-        "Seconds any collective may wait before the process group gives up (no wait is unbounded).",
+        """Seconds any collective may wait before the process group gives up (no wait is unbounded). The ranks' first
+        meeting, where a peer may still be importing torch, waits this long and at least 60 s.""",
     )
     check_consistency_every: int = knob(
         0,

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.peer_errors import rendezvous_timeout_s
 from lightning_sync.ps.errors import PSError, PSPeerLostError, PSTimeoutError
 
 #: Default store prefix of the PS group (a second group on the same store needs another prefix).
@@ -118,8 +119,8 @@ class PSGroup:
         num_workers: number of worker clients ``W >= 1``.
         num_servers: number of servers ``k >= 1``.
         timeout_s: bound of every send/receive wait after the rendezvous.
-        connect_timeout_s: bound of the rendezvous (members may start seconds apart); ``None``: ``max(timeout_s,
-            60)``.
+        connect_timeout_s: bound of the rendezvous (members may start seconds apart); ``None``:
+            :func:`~lightning_sync.comm.peer_errors.rendezvous_timeout_s`.
         prefix: store prefix of the group; distinct groups on one store need distinct prefixes.
         meter: meter of this member's traffic; a new one if ``None``.
         rejoin: (a worker) this member takes the place of a lost worker of the same rank in a running group: its
@@ -152,7 +153,7 @@ class PSGroup:
             raise ValueError(f"ps_rank={ps_rank!r} must be an integer in [0, {size - 1}] (num_workers + num_servers)")
         self.timeout_s = _check_timeout("timeout_s", timeout_s)
         if connect_timeout_s is None:
-            connect_timeout_s = max(self.timeout_s, 60.0)
+            connect_timeout_s = rendezvous_timeout_s(self.timeout_s)
         self.connect_timeout_s = _check_timeout("connect_timeout_s", connect_timeout_s)
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"prefix={prefix!r} must be a non-empty string")

@@ -38,7 +38,7 @@ from lightning_sync.strategies._gradients import GradientAllReduce
 from lightning_sync.strategies._launcher import configure_launcher
 from lightning_sync.strategies._lightning import LightningDDPHooks, insert_callback_first
 from lightning_sync.strategies._metrics import SyncMetricsLogger
-from lightning_sync.strategies._torchelastic import join_restarted_torchelastic_group
+from lightning_sync.strategies._rendezvous import join_default_group
 
 LIGHTNING_ARGUMENTS: dict[str, str] = {
     "accelerator": "Lightning's accelerator (``None``: the Trainer's).",
@@ -158,10 +158,10 @@ class SyncStrategyBase(LightningDDPHooks):
 
     @override
     def setup_distributed(self) -> None:
-        """Joins the process group as Lightning does; after a torchrun restart, through a store of the attempt's
-        own (see :func:`~lightning_sync.strategies._torchelastic.join_restarted_torchelastic_group`)."""
+        """Joins the process group (:func:`~lightning_sync.strategies._rendezvous.join_default_group`: the ranks
+        meet within ``rendezvous_timeout_s(timeout_s)``), then sets up as Lightning does."""
         self.set_world_ranks()
-        join_restarted_torchelastic_group(self)
+        join_default_group(self)
         super().setup_distributed()
 
     @override

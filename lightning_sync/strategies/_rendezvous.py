@@ -1,0 +1,53 @@
+"""How a strategy's ranks join the default process group: they meet within :func:`rendezvous_timeout_s`, and every
+wait after that is bounded by ``timeout_s``."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _init_dist_connection
+
+from lightning_sync.comm.peer_errors import rendezvous_timeout_s
+
+
+def join_default_group(strategy: Any) -> None:
+    """Joins the default process group through a ``TCPStore`` that waits :func:`rendezvous_timeout_s` for the ranks
+    and then ``timeout_s`` for any key; the group's collectives wait ``timeout_s``. Lightning's own
+    ``init_process_group`` then sees the group initialised and leaves it.
+
+    Under torchrun the store is the agent's (``TORCHELASTIC_USE_AGENT_STORE``), which outlives a restart under the
+    same keys: a restarted rank would read a peer's address from the failed attempt and gloo fail connecting to it
+    ("Gloo connectFullMesh failed ... Connection refused"), torch's issue #135712. Each attempt's keys are therefore
+    prefixed by its restart count; ``tests/test_restart.py`` fails without that.
+
+    Args:
+        strategy: a lightning_sync strategy whose world ranks are set (``set_world_ranks``).
+    """
+    if dist.is_initialized():
+        return
+    env, timeout_s = strategy.cluster_environment, strategy.config.timeout_s
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        env.main_address,
+        env.main_port,
+        strategy.world_size,
+        is_master=strategy.global_rank == 0 and not agent_store,
+        timeout=timedelta(seconds=rendezvous_timeout_s(timeout_s)),
+        wait_for_workers=True,
+        multi_tenant=True,  # as torch's env:// rendezvous: other stores of this process may share the port
+    )
+    store.set_timeout(timedelta(seconds=timeout_s))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    device = strategy.root_device
+    _init_dist_connection(
+        env,
+        strategy._get_process_group_backend(),
+        strategy.global_rank,
+        strategy.world_size,
+        store=dist.PrefixStore(f"lightning_sync/attempt_{attempt}", store),
+        timeout=timedelta(seconds=timeout_s),
+        device_id=None if device.type == "cpu" else device,
+    )
