@@ -36,7 +36,7 @@ def _rank(rank: int, port: int, errors: mp.SimpleQueue) -> None:
             world_size=2,
             global_rank=rank,
             root_device=torch.device("cpu"),
-            _get_process_group_backend=lambda: "gloo",
+            process_group_backend="gloo",
         )
         if rank == 1:
             time.sleep(LATE_S)  # the injected lateness: a rank still importing

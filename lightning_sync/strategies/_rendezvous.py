@@ -3,20 +3,20 @@ wait after that is bounded by ``timeout_s``."""
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _init_dist_connection
 
 from lightning_sync.comm.peer_errors import rendezvous_timeout_s
 
 
 def join_default_group(strategy: Any) -> None:
     """Joins the default process group through a ``TCPStore`` that waits :func:`rendezvous_timeout_s` for the ranks
-    and then ``timeout_s`` for any key; the group's collectives wait ``timeout_s``. Lightning's own
-    ``init_process_group`` then sees the group initialised and leaves it.
+    and then ``timeout_s`` for any key; the group's collectives wait ``timeout_s``. Lightning then sees the group
+    initialised and leaves it.
 
     Under torchrun the store is the agent's (``TORCHELASTIC_USE_AGENT_STORE``), which outlives a restart under the
     same keys: a restarted rank would read a peer's address from the failed attempt and gloo fail connecting to it
@@ -41,13 +41,16 @@ def join_default_group(strategy: Any) -> None:
     )
     store.set_timeout(timedelta(seconds=timeout_s))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = env.main_address, str(env.main_port)  # as Lightning does
     device = strategy.root_device
-    _init_dist_connection(
-        env,
-        strategy._get_process_group_backend(),
-        strategy.global_rank,
-        strategy.world_size,
+    backend = strategy.process_group_backend or dist.get_default_backend_for_device(device)
+    dist.init_process_group(
+        backend,
         store=dist.PrefixStore(f"lightning_sync/attempt_{attempt}", store),
+        rank=strategy.global_rank,
+        world_size=strategy.world_size,
         timeout=timedelta(seconds=timeout_s),
         device_id=None if device.type == "cpu" else device,
     )
+    if backend == "nccl":  # as Lightning does: torch warns at exit about an NCCL group left alive
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
