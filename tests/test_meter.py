@@ -20,7 +20,7 @@ def _all_reduce_bytes(rank: int, world: int) -> None:
     for numel, dtype in ((1000, torch.float32), (7, torch.float64), (333, torch.float16)):
         before = meter.total
         t = torch.full((numel,), float(rank + 1), dtype=dtype)
-        assert meter.all_reduce(t) is None  # blocking call returns nothing
+        assert meter.all_reduce(t).wait()  # a blocking call returns a handle whose work is done
         assert torch.all(t == sum(r + 1 for r in range(world))), t  # really reduced
         size = numel * t.element_size()
         delta = meter.total - before

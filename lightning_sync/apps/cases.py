@@ -42,8 +42,17 @@ class Case:
         return [f"strategy={self.group}", *(f"strategy.{k}={v}" for k, v in self.knobs.items())]
 
     def arguments(self, knobs: Any) -> dict[str, Any]:
-        """The strategy's keyword arguments, ``sync_every`` read from ``knobs.<period_knob>`` when it has one."""
-        return {**self.knobs, **({"sync_every": getattr(knobs, self.period_knob)} if self.period_knob else {})}
+        """The strategy's keyword arguments, ``sync_every`` read from ``knobs.<period_knob>`` when it has one; a
+        knob given as a Hydra object (``{_target_:...}``, e.g. a codec) is instantiated as Hydra would."""
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from hydra.utils import instantiate
+
+        parse = OverridesParser.create().parse_override
+        built = {
+            k: instantiate(parse(f"{k}={v}").value()) if isinstance(v, str) and v.startswith("{_target_") else v
+            for k, v in self.knobs.items()
+        }
+        return {**built, **({"sync_every": getattr(knobs, self.period_knob)} if self.period_knob else {})}
 
 
 def _streaming(name: str, every: int, fragments: int, delay: int, about: str, **more: Any) -> Case:
@@ -58,7 +67,7 @@ _SGD = "an outer SGD without momentum"
 _SPARSELOCO_SGD = "{_target_:torch.optim.SGD,_partial_:true,lr:1.0}"
 
 
-def _sparseloco(every: int, bits: int | None = 2, topk: int = 64) -> Case:
+def _sparseloco(every: int, bits: int | None = 2, topk: int = 64, **more: Any) -> Case:
     """DiLoCo every ``every`` steps with the SparseLoCo outer codec (``bits=None``: its top-k values in fp32; ``topk``
     of every 4,096 values) and its recipe, a plain outer SGD at lr 1.0 (the codec's error feedback in momentum's
     place)."""
@@ -72,6 +81,7 @@ def _sparseloco(every: int, bits: int | None = 2, topk: int = 64) -> Case:
         "periodic",
         knobs,
         f"DiLoCo every {every} steps, SparseLoCo outer codec (top {topk} of 4096, {values}), outer SGD lr 1",
+        **more,
     )
 
 
@@ -96,7 +106,10 @@ _CASES = (
          "DiLoCo every 16 steps (the README's example), the strategy's default outer optimizer"),
     Case("periodic:diloco/30", "periodic", {"mode": "diloco", "sync_every": 30},
          "DiLoCo every 30 steps, the strategy's default outer optimizer"),
-    *(_sparseloco(every, *v) for every in (8, 16, 30) for v in ((2,), (None,), (2, 256))),
+    *(_sparseloco(every, *v) for every in (8, 30) for v in ((2,), (None,), (2, 256))),
+    _sparseloco(16, alias="sparseloco", period_knob="diloco_sync_every"),
+    _sparseloco(16, None),
+    _sparseloco(16, 2, 256, alias="sparseloco_k256", period_knob="diloco_sync_every"),
     _streaming("periodic:streaming_diloco/30", 30, 4, 2, "streaming DiLoCo every 30 steps"),
     # one dedicated server process; in async and ssp the same samples as the other rows, one update per push
     Case("ps:sync", "ps", {"mode": "sync"}, "parameter server, synchronous"),

@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -164,210 +165,65 @@ class CommMeter:
 
     def _run(
         self, sent: float, recv: float, async_op: bool, launch: Any, op: str | None = None, group: Any = None
-    ) -> Any:
+    ) -> TimedWork:
+        """Launches the work (``launch``: asynchronous), waits for it unless ``async_op``, and returns its handle."""
         started = time.perf_counter()
         with naming_peer(op, group, self.timeout_s):
             work = launch()
+            if not async_op:
+                work.wait()
         self.record(sent, recv, calls=1)
-        if async_op:
-            return TimedWork(work, self._book_seconds, started, op, group, self.timeout_s)
-        self.record(0.0, 0.0, seconds=time.perf_counter() - started, calls=0)
-        return None
+        return TimedWork(work, self._book_seconds, started, op, group, self.timeout_s)
+
+    def _collective(
+        self, name: str, tensor: torch.Tensor, group: ProcessGroup | None, per_byte: Callable[[int], float],
+        async_op: bool, launch: Callable[[ProcessGroup | None], Any],
+    ) -> TimedWork:  # fmt: skip
+        """Runs ``launch(group)``, counted as ``per_byte(n)`` wire bytes sent and received per byte of ``tensor``."""
+        group = group if group is not None else self.group
+        wire = per_byte(self.world_size(group)) * tensor.numel() * tensor.element_size()
+        return self._run(wire, wire, async_op, lambda: launch(group), name, group)
 
     # ------------------------------------------------------------------ collectives
-    @overload
+    # Each returns the work's handle (:class:`TimedWork`); with ``async_op=False`` the work is done on return.
     def all_reduce(
-        self,
-        tensor: torch.Tensor,
-        op: ReduceOp.RedOpType = ...,
-        group: ProcessGroup | None = ...,
-        *,
-        async_op: Literal[True],
-    ) -> TimedWork: ...
-
-    @overload
-    def all_reduce(
-        self,
-        tensor: torch.Tensor,
-        op: ReduceOp.RedOpType = ...,
-        group: ProcessGroup | None = ...,
-        async_op: Literal[False] = ...,
-    ) -> None: ...
-
-    @overload
-    def all_reduce(
-        self,
-        tensor: torch.Tensor,
-        op: ReduceOp.RedOpType = ...,
-        group: ProcessGroup | None = ...,
-        async_op: bool = ...,
-    ) -> TimedWork | None: ...
-
-    def all_reduce(
-        self,
-        tensor: torch.Tensor,
-        op: ReduceOp.RedOpType = ReduceOp.SUM,
-        group: ProcessGroup | None = None,
+        self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM, group: ProcessGroup | None = None,
         async_op: bool = False,
-    ) -> TimedWork | None:
+    ) -> TimedWork:  # fmt: skip
         """``dist.all_reduce`` in place, counted as a ring all-reduce."""
-        group = group if group is not None else self.group
-        n = self.world_size(group)
-        wire = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), n)
-        return self._run(
-            wire,
-            wire,
-            async_op,
-            lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
-            "all_reduce",
-            group,
-        )
-
-    @overload
-    def all_gather_into_tensor(
-        self,
-        output: torch.Tensor,
-        tensor: torch.Tensor,
-        group: ProcessGroup | None = ...,
-        *,
-        async_op: Literal[True],
-    ) -> TimedWork: ...
-
-    @overload
-    def all_gather_into_tensor(
-        self,
-        output: torch.Tensor,
-        tensor: torch.Tensor,
-        group: ProcessGroup | None = ...,
-        async_op: Literal[False] = ...,
-    ) -> None: ...
-
-    @overload
-    def all_gather_into_tensor(
-        self,
-        output: torch.Tensor,
-        tensor: torch.Tensor,
-        group: ProcessGroup | None = ...,
-        async_op: bool = ...,
-    ) -> TimedWork | None: ...
+        return self._collective(
+            "all_reduce", tensor, group, lambda n: ring_all_reduce_bytes(1, n), async_op,
+            lambda g: dist.all_reduce(tensor, op=op, group=g, async_op=True),
+        )  # fmt: skip
 
     def all_gather_into_tensor(
-        self,
-        output: torch.Tensor,
-        tensor: torch.Tensor,
-        group: ProcessGroup | None = None,
-        async_op: bool = False,
-    ) -> TimedWork | None:
+        self, output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False
+    ) -> TimedWork:
         """``dist.all_gather_into_tensor``: each rank's ``tensor`` is concatenated, rank order, into ``output``."""
-        group = group if group is not None else self.group
-        n = self.world_size(group)
-        wire = float((n - 1) * tensor.numel() * tensor.element_size())
-        return self._run(
-            wire,
-            wire,
-            async_op,
-            lambda: _all_gather_single(output, tensor, group=group, async_op=async_op),
-            "all_gather",
-            group,
-        )
-
-    @overload
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        tensor: torch.Tensor,
-        group: ProcessGroup | None = ...,
-        *,
-        async_op: Literal[True],
-    ) -> TimedWork: ...
-
-    @overload
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        tensor: torch.Tensor,
-        group: ProcessGroup | None = ...,
-        async_op: Literal[False] = ...,
-    ) -> None: ...
-
-    @overload
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        tensor: torch.Tensor,
-        group: ProcessGroup | None = ...,
-        async_op: bool = ...,
-    ) -> TimedWork | None: ...
+        return self._collective(
+            "all_gather", tensor, group, lambda n: n - 1.0, async_op,
+            lambda g: _all_gather_single(output, tensor, group=g, async_op=True),
+        )  # fmt: skip
 
     def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        tensor: torch.Tensor,
-        group: ProcessGroup | None = None,
-        async_op: bool = False,
-    ) -> TimedWork | None:
+        self, output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False
+    ) -> TimedWork:
         """``dist.all_to_all_single`` with equal splits: block ``j`` of ``tensor`` goes to rank ``j``, and block
         ``j`` of ``output`` comes from rank ``j``; counted as ``(n-1)/n * S`` sent and received (a rank keeps its
         own block)."""
-        group = group if group is not None else self.group
-        n = self.world_size(group)
-        wire = (n - 1) / n * tensor.numel() * tensor.element_size()
-        return self._run(
-            wire,
-            wire,
-            async_op,
-            lambda: dist.all_to_all_single(output, tensor, group=group, async_op=async_op),
-            "all_to_all",
-            group,
-        )
-
-    @overload
-    def broadcast(
-        self,
-        tensor: torch.Tensor,
-        src: int = ...,
-        group: ProcessGroup | None = ...,
-        *,
-        async_op: Literal[True],
-    ) -> TimedWork: ...
-
-    @overload
-    def broadcast(
-        self,
-        tensor: torch.Tensor,
-        src: int = ...,
-        group: ProcessGroup | None = ...,
-        async_op: Literal[False] = ...,
-    ) -> None: ...
-
-    @overload
-    def broadcast(
-        self,
-        tensor: torch.Tensor,
-        src: int = ...,
-        group: ProcessGroup | None = ...,
-        async_op: bool = ...,
-    ) -> TimedWork | None: ...
+        return self._collective(
+            "all_to_all", tensor, group, lambda n: (n - 1) / n, async_op,
+            lambda g: dist.all_to_all_single(output, tensor, group=g, async_op=True),
+        )  # fmt: skip
 
     def broadcast(
-        self,
-        tensor: torch.Tensor,
-        src: int = 0,
-        group: ProcessGroup | None = None,
-        async_op: bool = False,
-    ) -> TimedWork | None:
+        self, tensor: torch.Tensor, src: int = 0, group: ProcessGroup | None = None, async_op: bool = False
+    ) -> TimedWork:
         """``dist.broadcast`` from global rank ``src``, counted at the per-rank mean of ``(n-1)/n * S``."""
-        group = group if group is not None else self.group
-        n = self.world_size(group)
-        wire = (n - 1) / n * tensor.numel() * tensor.element_size()
-        return self._run(
-            wire,
-            wire,
-            async_op,
-            lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
-            "broadcast",
-            group,
-        )
+        return self._collective(
+            "broadcast", tensor, group, lambda n: (n - 1) / n, async_op,
+            lambda g: dist.broadcast(tensor, src=src, group=g, async_op=True),
+        )  # fmt: skip
 
     # Point-to-point takes a group object called directly, with ranks of that group: c10d's ``isend``/``irecv``
     # go through its group registry, which rejects a group built outside it (``ProcessGroupGloo(store, rank,
