@@ -31,6 +31,7 @@ seconds per step and the seconds that sync took (both timed on the averager's ``
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 import time
@@ -45,6 +46,7 @@ from lightning_sync.comm._periodic_knobs import check_periodic_ranges, check_str
 from lightning_sync.comm.adaptive import AdaptiveOptions, AdaptivePeriod, ComputeTimer, agree_max
 from lightning_sync.comm.averaging import (
     OUTER_OPTIMIZER,
+    WAIT_GRACE_S,
     OptimizerCallable,
     average_buffers,
     average_optimizer_state,
@@ -62,7 +64,6 @@ from lightning_sync.comm.streaming import (
 )
 from lightning_sync.comm.sync_groups import (
     SyncGroup,
-    apply_flight,
     build_sync_groups,
     global_copies,
     groups_state,
@@ -140,6 +141,7 @@ class PeriodicAverager:
         self.timeout_s = timeout_s
         self.clock = clock
         self._worker: OuterSyncWorker | None = None
+        self._across_jobs: dict[int, concurrent.futures.Future] = {}
         self.groups: list[SyncGroup] = []
         self.steps = 0
         self.last_synced: list[SyncGroup] = []
@@ -253,7 +255,7 @@ class PeriodicAverager:
             if group.in_flight is not None and self.steps - group.in_flight.launched_at >= self.sync_delay
         ]
         if ready:
-            self._apply(ready, optimizers)
+            self._apply_in_flight(ready, optimizers)
         if self.sync_delay == 0:
             due = [group for group in self.groups if self._sync_due(group)]
             if due:
@@ -274,8 +276,19 @@ class PeriodicAverager:
         return group.in_flight is None and group.since_sync >= self._period_of(group) - self.sync_delay
 
     def _launch(self, group: SyncGroup) -> None:
-        """Starts ``group``'s outer sync on the worker thread (``sync_delay > 0``)."""
+        """Starts ``group``'s outer sync on the worker thread (``sync_delay > 0``), then its average across replica
+        groups.
+
+        A group that heals at this quorum takes the live groups' schedule with their state, so it launches the
+        fragment they launch now: the one its own step count chose (``group``) may be another, whose average would
+        meet theirs in one collective (gloo: "Received data size doesn't match expected size").
+        """
+        if self._quorum():
+            due = [g for g in self.groups if self._launch_due(g)]
+            group = due[0] if due else group
         group.in_flight = group.averager.launch_(self._sign, self.steps, self._worker)
+        assert self._worker is not None
+        self._across_jobs[id(group)] = self._worker.submit(lambda: self._across(group))
 
     def finish(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[SyncGroup]:
         """Applies the outer syncs in flight, then syncs every group with unsynced local steps (or mixed
@@ -284,7 +297,7 @@ class PeriodicAverager:
             return []
         ready = [group for group in self.groups if group.in_flight is not None]
         if ready:
-            self._apply(ready, optimizers)
+            self._apply_in_flight(ready, optimizers)
         pending = [group for group in self.groups if group.since_sync > 0 or group.mixed]
         if pending:
             self.sync_groups(pending, optimizers)
@@ -298,40 +311,87 @@ class PeriodicAverager:
             This rank's divergence ``||params - average||`` over the groups' parameters, at sync time.
         """
         started = self.clock()
+        if self._quorum():  # healed: sync what the live groups sync now, not what this group's own count chose
+            groups = [g for g in self.groups if self._sync_due(g)] or groups
         squared = 0.0
         for group in groups:
             group.in_flight = group.averager.launch_(self._sign, self.steps)
-            squared += apply_flight(group, 0.0, self.skip_nonfinite, self.timeout_s)
-        return self._after_apply(groups, optimizers, squared, lambda: self.clock() - started)
+            squared += group.averager.complete_(group.in_flight, self.timeout_s)
+            self._across(group)
+        return self._complete(groups, optimizers, squared, 0.0, started)
 
-    def _apply(self, groups: Sequence[SyncGroup], optimizers: Sequence[torch.optim.Optimizer]) -> float:
-        """Applies the outer syncs in flight of ``groups`` (with ``fragment_alpha``); ``sync_every="auto"`` counts
-        the seconds this waited, not the transfer hidden behind the inner steps."""
+    def _apply_in_flight(self, groups: Sequence[SyncGroup], optimizers: Sequence[torch.optim.Optimizer]) -> float:
+        """Applies the outer syncs in flight of ``groups`` (with ``fragment_alpha``) once they and their averages
+        across replica groups are done; ``sync_every="auto"`` counts the seconds this waited, not the transfer hidden
+        behind the inner steps."""
         started = self.clock()
-        squared = sum(apply_flight(group, self.fragment_alpha, self.skip_nonfinite, self.timeout_s) for group in groups)
-        return self._after_apply(groups, optimizers, squared, lambda: self.clock() - started)
+        squared = 0.0
+        for group in groups:
+            assert group.in_flight is not None
+            squared += group.averager.complete_(group.in_flight, self.timeout_s)
+            across = self._across_jobs.pop(id(group), None)  # none for a sync in flight loaded from a checkpoint
+            if across is not None:
+                across.result(timeout=self.timeout_s + WAIT_GRACE_S)
+        return self._complete(groups, optimizers, squared, self.fragment_alpha, started)
 
-    def _after_apply(
+    def _complete(
         self,
         groups: Sequence[SyncGroup],
         optimizers: Sequence[torch.optim.Optimizer],
         squared: float,
-        comm_seconds: Callable[[], float],
+        alpha: float,
+        started: float,
     ) -> float:
-        """Averages the groups' buffers (and optimizer state), records the sync, adapts the period."""
+        """Averages the groups' buffers; then, if the sync is committed (:meth:`_commit`), applies each group's sync
+        in flight (mixing by ``alpha``) and the buffers' averages, and otherwise returns every parameter to its
+        global copy; averages the optimizer state, records the sync and adapts the period."""
         meter = self._require_meter()
         buffers = [b for group in groups for b in group.buffers]
-        if buffers:
-            average_buffers(buffers, meter, self.group)
+        averaged = [b.detach().clone() for b in buffers]
+        if averaged:
+            average_buffers(averaged, meter, self.group)
+            self._across_buffers(averaged)
+        committed = self._commit()
+        for group in groups:
+            flight, group.in_flight = group.in_flight, None
+            assert flight is not None
+            applied = committed and group.averager.apply_(
+                flight, group.outer, alpha, self.skip_nonfinite, self.timeout_s
+            )
+            if not committed:
+                group.averager.restore_()
+            group.skipped += int(committed and not applied)
+            group.since_sync, group.syncs, group.mixed = 0, group.syncs + 1, applied and alpha > 0
+        if committed:
+            with torch.no_grad():
+                for buffer, mean in zip(buffers, averaged):
+                    buffer.copy_(mean)
         if self.average_optimizer_state:
             average_optimizer_state(optimizers, [p for group in groups for p in group.params], meter, self.group)
-        self.last_synced = list(groups)
+        self.last_synced = list(groups) if committed else []
         self.last_divergence = math.sqrt(squared)
         default = [group for group in groups if group.period is None]
         if self.adaptive is not None and default:
             # one fragment's comm every period/k steps: as much per step as k fragments' every period
-            self._adapt(comm_seconds() * default[0].fragments)
+            self._adapt((self.clock() - started) * default[0].fragments)
         return self.last_divergence
+
+    # ------------------------------------------------------------------ across replica groups
+    # A sync across torchft replica groups (:class:`~lightning_sync.ft.averager.FaultTolerantAverager`) adds these
+    # steps to the one above; without fault tolerance each does nothing.
+    def _quorum(self) -> bool:
+        """Before a sync is launched: joins the quorum; ``True`` when this rank's replica group has just healed."""
+        return False
+
+    def _across(self, group: SyncGroup) -> None:
+        """Averages ``group``'s deltas (averaged inside this process group) across the replica groups, in place."""
+
+    def _across_buffers(self, buffers: list[torch.Tensor]) -> None:
+        """Averages ``buffers`` (averaged inside this process group) across the replica groups, in place."""
+
+    def _commit(self) -> bool:
+        """Whether the syncs completing now are applied (``False``: every parameter returns to its global copy)."""
+        return True
 
     @property
     def _sign(self) -> float:

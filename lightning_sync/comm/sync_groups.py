@@ -122,24 +122,6 @@ def build_sync_groups(
     return groups
 
 
-def apply_flight(group: SyncGroup, alpha: float, skip_nonfinite: bool, timeout_s: float | None) -> float:
-    """Waits for ``group``'s outer sync in flight (at most ``timeout_s``), applies it (mixing by ``alpha``; a
-    non-finite average is skipped with ``skip_nonfinite``) and counts the sync.
-
-    Returns:
-        This rank's squared divergence from the average, at launch.
-    """
-    flight, group.in_flight = group.in_flight, None
-    assert flight is not None
-    squared = group.averager.complete_(flight, timeout_s)
-    applied = group.averager.apply_(flight, group.outer, alpha, skip_nonfinite, timeout_s)
-    group.since_sync = 0
-    group.syncs += 1
-    group.skipped += int(not applied)
-    group.mixed = applied and alpha > 0
-    return squared
-
-
 def global_copies(groups: Sequence[SyncGroup]) -> dict[str, torch.Tensor]:
     """The global copies of ``groups``, by group label and bucket (``global_copy[*#0][0]``)."""
     return {

@@ -21,17 +21,14 @@ is part of the averager's state, so a healing group takes its source's.
 
 from __future__ import annotations
 
-import concurrent.futures
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from typing_extensions import override
 
-from lightning_sync.comm.averaging import WAIT_GRACE_S as GRACE_S
-from lightning_sync.comm.averaging import average_buffers
 from lightning_sync.comm.compression import Compressor, NoCompression, resolve_codec
 from lightning_sync.comm.meter import CommMeter
 from lightning_sync.comm.periodic import PeriodicAverager
@@ -77,10 +74,9 @@ class FaultTolerantAverager(PeriodicAverager):
         self._link = link
         self.committed_syncs = 0
         self.failed_syncs = 0
-        self._cross: dict[int, concurrent.futures.Future] = {}
         # an outer codec rides across the groups (one per sync group, for its memory); inside a group: exact
         self._new_across = self.new_compressor if self.outer_compression != "none" else None
-        self._across: dict[int, Compressor] = {}
+        self._across_codecs: dict[int, Compressor] = {}
         if self._new_across is not None:
             self.new_compressor = NoCompression
 
@@ -94,24 +90,41 @@ class FaultTolerantAverager(PeriodicAverager):
         assert self._link is not None, "FaultTolerantAverager has no link: give one to connect() before setup()"
         return self._link
 
-    def _average_across(self, group: SyncGroup) -> None:
+    @override
+    def _quorum(self) -> bool:
+        return self.link.start()
+
+    @override
+    def _across(self, group: SyncGroup) -> None:
         """The mean of ``group``'s deltas over the quorum's groups, in place (as ``outer_compression`` sends it)."""
         if self._new_across is None:
             self.link.average_(group.averager.deltas)
         else:
-            codec = self._across.setdefault(self.groups.index(group), self._new_across())
+            codec = self._across_codecs.setdefault(self.groups.index(group), self._new_across())
             self.link.average_coded_(group.averager.delta_buckets(), codec)
             codec.advance()
 
+    @override
+    def _across_buffers(self, buffers: list[torch.Tensor]) -> None:
+        self.link.average_([b for b in buffers if b.is_floating_point()])
+
+    @override
+    def _commit(self) -> bool:
+        """torchft's vote on the sync (a group lost inside it, too few groups: not committed)."""
+        committed = self.link.commit()
+        self.committed_syncs += int(committed)
+        self.failed_syncs += int(not committed)
+        return committed
+
     def state_dict(self) -> dict[str, Any]:
         """As :meth:`PeriodicAverager.state_dict`, with the memory of the codecs across groups."""
-        return {**super().state_dict(), "across": {i: c.state_dict() for i, c in self._across.items()}}
+        return {**super().state_dict(), "across": {i: c.state_dict() for i, c in self._across_codecs.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         assert self._new_across is not None or not state.get("across")
         for i, codec_state in state.get("across", {}).items():
-            codec = self._across.setdefault(int(i), self._new_across())  # type: ignore[misc]
+            codec = self._across_codecs.setdefault(int(i), self._new_across())  # type: ignore[misc]
             codec.load_state_dict(codec_state)
 
     def setup(
@@ -125,80 +138,6 @@ class FaultTolerantAverager(PeriodicAverager):
         to what a healing group pulls."""
         super().setup(named_parameters, named_buffers, meter, group)
         self.link.register_state("averager", self.state_dict, self.load_state_dict)
-
-    def sync_groups(self, groups: Sequence[SyncGroup], optimizers: Sequence[torch.optim.Optimizer] = ()) -> float:
-        """One quorum, then each group's average inside this replica group and across the quorum's groups, then
-        torchft's vote: committed, the outer steps are taken; not, every parameter returns to its global copy.
-
-        Returns:
-            This rank's divergence from its replica group's average (0 with one rank per group).
-        """
-        if self.link.start():  # healed: sync what the live groups sync now, not what this group's own count chose
-            groups = [g for g in self.groups if self._sync_due(g)] or groups
-        squared = 0.0
-        for group in groups:
-            group.in_flight = group.averager.launch_(self._sign, self.steps)
-            squared += group.averager.complete_(group.in_flight, self.timeout_s)
-            self._average_across(group)
-        return self._commit(groups, squared, alpha=0.0)
-
-    def _launch(self, group: SyncGroup) -> None:
-        """Streaming (``sync_delay > 0``): the quorum now (a group behind heals here, while no sync is in flight),
-        then the worker averages inside this replica group and, after that, across the quorum's groups.
-
-        A group that heals at this quorum takes the live groups' schedule with their state, so it launches the
-        fragment they launch now: the one its own step count chose (``group``) may be another, whose average would
-        meet theirs in one collective (gloo: "Received data size doesn't match expected size").
-        """
-        if self.link.start():
-            due = [g for g in self.groups if self._launch_due(g)]
-            group = due[0] if due else group
-        super()._launch(group)
-        assert self._worker is not None
-        self._cross[id(group)] = self._worker.submit(lambda: self._average_across(group))
-
-    def _apply(self, groups: Sequence[SyncGroup], optimizers: Sequence[torch.optim.Optimizer]) -> float:
-        """Streaming: waits for the in-flight averages (inside and across groups), then torchft's vote and the
-        apply with ``fragment_alpha`` (or, not committed, every parameter back to its global copy)."""
-        squared = 0.0
-        for group in groups:
-            assert group.in_flight is not None
-            squared += group.averager.complete_(group.in_flight, self.timeout_s)
-            # torchft bounds the collective by its timeout and reports a failure to the vote, not here
-            self._cross.pop(id(group)).result(timeout=self.link.config.timeouts().collective.total_seconds() + GRACE_S)
-        return self._commit(groups, squared, alpha=self.fragment_alpha)
-
-    def _commit(self, groups: Sequence[SyncGroup], squared: float, alpha: float) -> float:
-        """Averages the groups' floating buffers (inside and across groups), asks torchft whether to commit, and
-        applies each group's sync in flight (committed) or drops it (not)."""
-        meter = self._require_meter()
-        buffers = [b for group in groups for b in group.buffers if b.is_floating_point()]
-        averaged = [b.detach().clone() for b in buffers]
-        if averaged:
-            average_buffers(averaged, meter, self.group)
-            self.link.average_(averaged)
-        committed = self.link.commit()
-        for group in groups:
-            flight, group.in_flight = group.in_flight, None
-            assert flight is not None
-            mixed = False
-            if committed:
-                applied = group.averager.apply_(flight, group.outer, alpha, self.skip_nonfinite, self.timeout_s)
-                group.skipped += int(not applied)
-                mixed = applied and alpha > 0
-            else:
-                group.averager.restore_()
-            group.since_sync, group.mixed = 0, mixed
-            group.syncs += 1
-        if committed:
-            with torch.no_grad():
-                for buffer, mean in zip(buffers, averaged):
-                    buffer.copy_(mean)
-        self.committed_syncs += int(committed)
-        self.failed_syncs += int(not committed)
-        self.last_synced = list(groups) if committed else []
-        self.last_divergence = math.sqrt(squared)
-        return self.last_divergence
 
     def close(self) -> None:
         """Stops the outer-sync worker (none here) and the link's Manager."""
