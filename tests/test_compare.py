@@ -211,6 +211,23 @@ def test_provenance_names_the_checkout_even_when_a_stale_egg_info_hides_the_edit
     assert head and provenance.git_state()["commit"] == head
 
 
+@pytest.mark.unit
+def test_provenance_names_the_checkout_that_runs_not_the_one_an_editable_install_points_at(monkeypatch, tmp_path):
+    """A clone run with the original checkout's venv imports the clone's package: the record names the clone."""
+    import json
+    from importlib import metadata
+    from pathlib import Path
+
+    from lightning_sync.apps import provenance
+
+    class _EditableElsewhere:
+        def read_text(self, name: str) -> str:
+            return json.dumps({"url": f"file://{tmp_path}", "dir_info": {"editable": True}})
+
+    monkeypatch.setattr(metadata, "distribution", lambda name: _EditableElsewhere())
+    assert provenance.source_checkout() == str(Path(__file__).resolve().parents[1])
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_every_case_of_every_workload_builds_its_strategy_model_and_trainer(tmp_path):

@@ -36,10 +36,14 @@ def git_output(*args: str, cwd: str | Path | None = None) -> str | None:
 
 
 def source_checkout(distribution: str = "lightning-sync") -> str | None:
-    """The source folder of an editable install of ``distribution`` (its PEP 610 ``direct_url.json``); else the git
-    checkout that holds the imported package (run from a checkout, where a stale ``*.egg-info`` in the working
-    directory hides the editable install's metadata); ``None`` for an installed wheel, whose version alone says which
-    code ran."""
+    """The folder of the code that runs: the git checkout that holds the imported package (also when an editable
+    install points at another checkout, as when a clone runs with a venv made for the original, or when a stale
+    ``*.egg-info`` in the working directory hides the install's metadata); else the source folder of an editable
+    install of ``distribution`` (its PEP 610 ``direct_url.json``); ``None`` for an installed wheel, whose version
+    alone says which code ran."""
+    root = Path(__file__).resolve().parents[2]  # lightning_sync/apps/provenance.py -> the folder above the package
+    if (root / ".git").exists():
+        return str(root)
     try:
         info = json.loads(metadata.distribution(distribution).read_text("direct_url.json") or "{}")
     except metadata.PackageNotFoundError:
@@ -47,8 +51,7 @@ def source_checkout(distribution: str = "lightning-sync") -> str | None:
     url = str(info.get("url", ""))
     if info.get("dir_info", {}).get("editable") and url.startswith("file://"):
         return urllib.parse.unquote(urllib.parse.urlparse(url).path)
-    root = Path(__file__).resolve().parents[2]  # lightning_sync/apps/provenance.py -> the folder above the package
-    return str(root) if (root / ".git").exists() else None
+    return None
 
 
 def git_state() -> dict[str, Any]:
