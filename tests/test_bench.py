@@ -300,8 +300,9 @@ def test_targets_come_from_ddp_per_seed_and_time_is_read_off_trajectories():
 
 
 @pytest.mark.unit
-def test_a_window_measures_whole_sync_periods_after_the_warm_up():
+def test_a_window_measures_whole_sync_periods_after_the_warm_up(tmp_path):
     from lightning_sync.apps.bench.cli import Targets
+    from lightning_sync.apps.bench.plots import write_plots
     from lightning_sync.apps.bench.report import markdown, summarize
     from lightning_sync.apps.bench.worker import _clock_for
     from lightning_sync.apps.bench.workloads import WORKLOADS
@@ -329,6 +330,7 @@ def test_a_window_measures_whole_sync_periods_after_the_warm_up():
     assert rows[0]["utilization"] == pytest.approx(1 / 3)
     text = markdown(rows, cfg)
     assert "ms per step over 2 scoring intervals" in text and "past step 10" in text and "375.00" in text
+    assert write_plots(rows, [diloco, floor], tmp_path, 2.0)  # the windows' axis has its label
     with pytest.raises(ConfigError, match=r"window=-1"):
         parse_overrides(["workloads=char_lm", "window=-1"])
 

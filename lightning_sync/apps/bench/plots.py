@@ -16,6 +16,7 @@ from lightning_sync.apps.bench.workloads import WORKLOADS
 
 _AXIS_LABEL = {
     "step_time_ms": "ms per step",
+    "window_step_ms": "ms per step (a window of whole sync periods)",
     "seconds_to_target": "seconds to target",
     "seconds_at_budget": "seconds",
     "busbw_mbit": "bus bandwidth, Mbit/s",
