@@ -28,7 +28,8 @@
 # This notebook trains the language model (`experiment=char_lm`, CharGPT, 418k parameters) on 2 CPU ranks with DDP,
 # plain DiLoCo and streaming variants over 3 seeds, and plots validation loss against characters for each knob:
 # fp32/int8/int4, k=1/4 and τ=0/1/2. Then (c) reads the compute utilization measured by the benchmark on emulated
-# 10 Mbit, 100 Mbit and 1 Gbit links (the paper's Table 4).
+# 10 Mbit, 100 Mbit and 1 Gbit links (the paper's Table 4), and (d) the main job's bytes against loss for DiLoCo in
+# fp32, streaming DiLoCo in int4 and the SparseLoCo outer codec.
 #
 # Set the environment variable `SMOKE=1` to run every case for a few steps with one seed; `NOTEBOOK_OUT` names the
 # output folder.
@@ -199,6 +200,33 @@ else:
     print("no char_lm results of the benchmark under benchmarks/results (emulated links need root)")
 
 # %% [markdown]
+# ## (d) Bytes against loss: fp32, int4 and SparseLoCo
+# From the main job's SparseLoCo runs (`python -m lightning_sync.compare --workloads char_lm --steps 1000 --cases
+# ...`, the cases `periodic:sparseloco*/<H>` of `lightning_sync.apps.cases`, 3 seeds): each case's test loss after
+# 1000 steps (mean, bar: min to max over the seeds) against the bytes the meter books per rank per step, one panel per
+# sync period H. DiLoCo sends fp32 pseudo-gradients, streaming DiLoCo int4 ones in 4 fragments; SparseLoCo keeps the
+# top 64 (or 256) of every 4,096 entries of its error-feedback buffer, in 2 bits (or fp32 values), with an outer SGD
+# at lr 1. `ddp` is drawn as a reference where the run has it.
+
+# %%
+sparse_runs = {h: RESULTS / f"sparseloco_h{h}_1000_steps" / "results.json" for h in (8, 16, 30)}
+sparse_runs = {h: json.loads(path.read_text()) for h, path in sparse_runs.items() if path.exists()}
+if sparse_runs:
+    fig, axes = plt.subplots(1, len(sparse_runs), figsize=(6 * len(sparse_runs), 4.5), squeeze=False)
+    for ax, (h, run) in zip(axes[0], sparse_runs.items()):
+        for row in run["workloads"]["char_lm"]["rows"]:
+            x = row["meter_bytes_sent_per_step"]
+            ax.errorbar(x, row["mean"], yerr=[[row["mean"] - row["min"]], [row["max"] - row["mean"]]], fmt="o",
+                        capsize=3, label=f"{row['case']} ({x:,.0f} B)")  # fmt: skip
+        ax.set(xscale="log", xlabel="bytes per rank per step (meter)", ylabel="test loss (nats/char)",
+               title=f"H = {h}, {run['sizes']['steps']} steps, seeds {run['seeds']}")  # fmt: skip
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    plt.show()
+else:
+    print("no SparseLoCo compare results under benchmarks/results")
+
+# %% [markdown]
 # ## Saved data
 # Every run's summary and probe curve, with the provenance (commit, command, versions, CPU), in `<OUT>/results.json`.
 
@@ -213,6 +241,7 @@ saved = {
         for name, run in runs.items()
     },
     "utilization": table,
+    "sparseloco_runs": {h: run["workloads"]["char_lm"]["rows"] for h, run in sparse_runs.items()},
 }
 Path(OUT).mkdir(parents=True, exist_ok=True)
 Path(OUT, "results.json").write_text(json.dumps(saved, indent=1))

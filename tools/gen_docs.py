@@ -510,6 +510,19 @@ def _defaults_runs() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
     return found
 
 
+def _as_python(value: Any) -> str:
+    """A knob's value as a user writes it in Python: a Hydra object ``{_target_:a.B,x:1}`` as ``B(x=1)``, or
+    ``functools.partial(a.B, x=1)`` with ``_partial_:true``; anything else as its ``repr``."""
+    if not (isinstance(value, str) and value.startswith("{_target_")):
+        return repr(value)
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    spec = dict(OverridesParser.create().parse_override(f"knob={value}").value())
+    target, partial = spec.pop("_target_"), spec.pop("_partial_", False)
+    args = ", ".join(f"{k}={v!r}" for k, v in spec.items())
+    return f"functools.partial({target}, {args})" if partial else f"{target.rsplit('.', 1)[-1]}({args})"
+
+
 def _case_call(case: str) -> str:
     """A benchmark case as the strategy call a user writes (``lightning_ddp``: Lightning's own)."""
     from lightning_sync.apps.conf_store import MODES
@@ -517,7 +530,7 @@ def _case_call(case: str) -> str:
     if case not in OUR_CASES:
         return CASE_HELP.get(case, case)
     spec = OUR_CASES[case]
-    knobs = ", ".join(f"{k}={v!r}" for k, v in spec.knobs.items())
+    knobs = ", ".join(f"{k}={_as_python(v)}" for k, v in spec.knobs.items())
     return f"`{MODES[spec.group][0].rsplit('.', 1)[-1]}({knobs})`"
 
 
