@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -59,7 +60,22 @@ def network(rate: str, prefix: str) -> Iterator[list[EmulatedHost] | None]:
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A free port below the kernel's ephemeral range: the master binds it seconds after this check (once torch is
+    imported), and a port from the ephemeral range can be taken meanwhile as the local end of any outgoing
+    connection on the machine ("EADDRINUSE", seen in CI while other tests ran)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        port = random.randrange(max(1024, low // 2), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # every try taken: any free port
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
