@@ -513,11 +513,11 @@ def _defaults_runs() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
 def _as_python(value: Any) -> str:
     """A knob's value as a user writes it in Python: a Hydra object ``{_target_:a.B,x:1}`` as ``B(x=1)``, or
     ``functools.partial(a.B, x=1)`` with ``_partial_:true``; anything else as its ``repr``."""
-    if not (isinstance(value, str) and value.startswith("{_target_")):
-        return repr(value)
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from lightning_sync.apps.cases import hydra_object
 
-    spec = dict(OverridesParser.create().parse_override(f"knob={value}").value())
+    spec = hydra_object(value)
+    if spec is None:
+        return repr(value)
     target, partial = spec.pop("_target_"), spec.pop("_partial_", False)
     args = ", ".join(f"{k}={v!r}" for k, v in spec.items())
     return f"functools.partial({target}, {args})" if partial else f"{target.rsplit('.', 1)[-1]}({args})"

@@ -44,15 +44,22 @@ class Case:
     def arguments(self, knobs: Any) -> dict[str, Any]:
         """The strategy's keyword arguments, ``sync_every`` read from ``knobs.<period_knob>`` when it has one; a
         knob given as a Hydra object (``{_target_:...}``, e.g. a codec) is instantiated as Hydra would."""
-        from hydra.core.override_parser.overrides_parser import OverridesParser
         from hydra.utils import instantiate
 
-        parse = OverridesParser.create().parse_override
-        built = {
-            k: instantiate(parse(f"{k}={v}").value()) if isinstance(v, str) and v.startswith("{_target_") else v
-            for k, v in self.knobs.items()
-        }
+        built = {k: v if (spec := hydra_object(v)) is None else instantiate(spec) for k, v in self.knobs.items()}
         return {**built, **({"sync_every": getattr(knobs, self.period_knob)} if self.period_knob else {})}
+
+
+def hydra_object(value: Any) -> dict[str, Any] | None:
+    """The fields of a knob given as a Hydra object in override syntax (``{_target_:a.B,x:1}``); ``None`` for any
+    other value."""
+    if not (isinstance(value, str) and value.startswith("{_target_")):
+        return None
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_override(f"knob={value}").value()
+    assert isinstance(parsed, dict), value
+    return dict(parsed)
 
 
 def _streaming(name: str, every: int, fragments: int, delay: int, about: str, **more: Any) -> Case:
