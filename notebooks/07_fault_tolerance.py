@@ -152,13 +152,21 @@ print(markdown_table(("group", "exit code", "commits", "heal", "logged"), rows))
 # Every group ends at the same sync, so their parameters must be equal: the restarted group's too.
 
 # %%
+failed = {g: r[-1][0] for g, r in runs.items() if codes[g] != 0}
+for g, run_dir in failed.items():  # the end of a failed group's log says why, before its missing checkpoint would
+    log = run_dir / "stdout.log"
+    print(
+        f"group {g} exited {codes[g]}; the end of {log}:\n"
+        + (log.read_text(errors="replace")[-2000:] if log.exists() else "-")
+    )
+assert not failed, {g: codes[g] for g in failed}
 finals = [
     torch.load(r[-1][0] / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
     for r in runs.values()
 ]
 equal = all(torch.equal(finals[0][k], other[k]) for other in finals[1:] for k in finals[0])
 print(f"final parameters of the {GROUPS} groups equal: {equal}")
-assert equal and all(code == 0 for code in codes.values()), (codes, equal)
+assert equal, "the groups' final parameters differ"
 
 # %% [markdown]
 # ## Loss and quorum size against time
