@@ -41,7 +41,7 @@ from lightning_sync.apps.markdown import markdown_table
 from lightning_sync.apps.provenance import provenance
 
 CASES = ("lightning_ddp", "allreduce", "powersgd", "periodic", "diloco", "diloco_8", "streaming_diloco",
-         "streaming_diloco_8", "sparseloco", "sparseloco_k256", "ps_async")  # fmt: skip
+         "streaming_diloco_8", "sparseloco", "sparseloco_k256", "sparseloco_k256_8", "ps_async")  # fmt: skip
 """The cases: Lightning DDP (the reference), each of our modes at its defaults or the benchmark's settings."""
 TO_TARGET = ("workloads=char_lm", "budget_steps=1000", "eval_every=16", "max_steps_factor=1.6", "give_up_factor=3")
 """The trajectories' and the validation's knobs: DDP's loss after 1000 steps (scored every 16, at 992) is the
