@@ -45,7 +45,7 @@ class Workload:
 OUR_CASES: dict[str, Case] = select(
     *("sync_ddp", "allreduce", "allreduce_flat", "allreduce_overlap", "periodic", "diloco", "streaming_diloco"),
     *("diloco_8", "streaming_diloco_8_k2", "diloco_12", "streaming_diloco_12", "streaming_diloco_8"),
-    *("powersgd", "topk", "ps_async", "sparseloco", "sparseloco_k256"),
+    *("powersgd", "topk", "ps_async", "sparseloco", "sparseloco_k256", "sparseloco_k256_8"),
 )
 """The cases that run one of our strategies, from the catalogue (:mod:`lightning_sync.apps.cases`) by their
 benchmark names; a case's ``period_knob`` (``sync_every``, ``diloco_sync_every``) sets its period (a
