@@ -113,6 +113,9 @@ _CASES = (
          "DiLoCo every 16 steps (the README's example), the strategy's default outer optimizer"),
     Case("periodic:diloco/30", "periodic", {"mode": "diloco", "sync_every": 30},
          "DiLoCo every 30 steps, the strategy's default outer optimizer"),
+    *(Case(f"periodic:diloco_int8/{every}", "periodic", {"mode": "diloco", "sync_every": every,
+           "outer_compression": "int8"}, f"DiLoCo every {every} steps, int8 outer payloads (block-quantized), the "
+           "strategy's default outer optimizer") for every in (8, 16, 30)),
     *(_sparseloco(every, *v) for every in (8, 30) for v in ((2,), (None,))),
     _sparseloco(8, 2, 256, alias="sparseloco_k256_8", period_knob="sync_every"),
     _sparseloco(30, 2, 256),
