@@ -200,21 +200,25 @@ else:
     print("no char_lm results of the benchmark under benchmarks/results (emulated links need root)")
 
 # %% [markdown]
-# ## (d) Bytes against loss: fp32, int4 and SparseLoCo
+# ## (d) Bytes against loss: fp32, int8, int4 and SparseLoCo
 # From the main job's SparseLoCo runs (`python -m lightning_sync.compare --workloads char_lm --steps 1000 --cases
 # ...`, the cases `periodic:sparseloco*/<H>` of `lightning_sync.apps.cases`, 3 seeds): each case's test loss after
 # 1000 steps (mean, bar: min to max over the seeds) against the bytes the meter books per rank per step, one panel per
-# sync period H. DiLoCo sends fp32 pseudo-gradients, streaming DiLoCo int4 ones in 4 fragments; SparseLoCo keeps the
+# sync period H. DiLoCo sends fp32 pseudo-gradients (or int8 ones: `periodic:diloco_int8/<H>`, one run for every H in
+# `diloco_int8_1000_steps`), streaming DiLoCo int4 ones in 4 fragments; SparseLoCo keeps the
 # top 64 (or 256) of every 4,096 entries of its error-feedback buffer, in 2 bits (or fp32 values), with an outer SGD
 # at lr 1. `ddp` is drawn as a reference where the run has it.
 
 # %%
 sparse_runs = {h: RESULTS / f"sparseloco_h{h}_1000_steps" / "results.json" for h in (8, 16, 30)}
 sparse_runs = {h: json.loads(path.read_text()) for h, path in sparse_runs.items() if path.exists()}
+int8_run = RESULTS / "diloco_int8_1000_steps" / "results.json"  # DiLoCo with int8 payloads, every H in one run
+int8_rows = json.loads(int8_run.read_text())["workloads"]["char_lm"]["rows"] if int8_run.exists() else []
 if sparse_runs:
     fig, axes = plt.subplots(1, len(sparse_runs), figsize=(6 * len(sparse_runs), 4.5), squeeze=False)
     for ax, (h, run) in zip(axes[0], sparse_runs.items()):
-        for row in run["workloads"]["char_lm"]["rows"]:
+        same_h = [row for row in int8_rows if row["case"].endswith(f"/{h}")]
+        for row in run["workloads"]["char_lm"]["rows"] + same_h:
             x = row["meter_bytes_sent_per_step"]
             ax.errorbar(x, row["mean"], yerr=[[row["mean"] - row["min"]], [row["max"] - row["mean"]]], fmt="o",
                         capsize=3, label=f"{row['case']} ({x:,.0f} B)")  # fmt: skip

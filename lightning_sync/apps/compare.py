@@ -71,7 +71,11 @@ LM_OPT_IN_CASES = hydra_cases(
         *("ps:async_local/8", "ps:async_local/auto", "periodic:diloco/16", "periodic:diloco/30"),
         *(
             "periodic:streaming_diloco/30",
-            *(f"periodic:sparseloco{v}/{h}" for h in (8, 16, 30) for v in ("", "_fp32", "_k256")),
+            *(
+                f"periodic:{v}/{h}"
+                for h in (8, 16, 30)
+                for v in ("sparseloco", "sparseloco_fp32", "sparseloco_k256", "diloco_int8")
+            ),
         ),
     ]
 )
