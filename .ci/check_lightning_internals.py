@@ -9,6 +9,7 @@ Checked in every Python file under ``lightning_sync/`` (run from the repository 
 - the unstable public uses listed in ``_lightning.UNSTABLE_USES``: writes to ``limit_val_batches``,
   ``accumulate_grad_batches``, ``max_epochs`` or ``launch``, ``fit_loop``, ``.procs`` and ``callbacks.insert``;
 - a private name reached through a string: ``getattr(x, "_name")``, ``hasattr``, ``setattr``, ``delattr``;
+- in ``_lightning.py`` itself, a private Lightning name it uses but does not list in ``PRIVATE_NAMES``;
 - an attribute written or deleted on a Lightning object, i.e. one held as ``trainer``, ``precision_plugin``,
   ``fit_loop``, ``launcher``, ... (:data:`LIGHTNING_OBJECTS`; ``x.trainer.y = ...`` and ``setattr(trainer, ...)``
   included), other than the writes Lightning documents (:data:`DOCUMENTED_WRITES`): an instance patch.
@@ -220,6 +221,27 @@ def check_file(
     return found
 
 
+def unlisted_in_home(trees: dict[Path, ast.Module], private: set[str]) -> list[str]:
+    """The private Lightning names that the home module uses (reads, writes, overrides or imports) but does not
+    list in its ``PRIVATE_NAMES``, whose docstring inventory a reader of a new Lightning release checks first."""
+    home = next((f for f in trees if f.resolve().as_posix().endswith(HOME)), None)
+    if home is None:
+        return []
+    tree, used, listed = trees[home], set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in private:
+            used.add(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in private:
+            used.add(node.name)
+        elif isinstance(node, ast.ImportFrom) and node.module and _is_lightning(node.module):
+            used.update(alias.name for alias in node.names if _is_private(alias.name))
+        elif isinstance(node, ast.Assign) and any(ast.unparse(t) == "PRIVATE_NAMES" for t in node.targets):
+            listed.update(c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant))
+    return [
+        f"{home}: uses Lightning's private {name} without listing it in PRIVATE_NAMES" for name in sorted(used - listed)
+    ]
+
+
 def main(argv: list[str]) -> int:
     private = private_lightning_names()
     paths = [Path(p) for p in (argv or ["lightning_sync"])]
@@ -235,10 +257,11 @@ def main(argv: list[str]) -> int:
         if not f.resolve().as_posix().endswith(HOME)
         for msg in check_file(f, tree, private, own, derived, ours, allowed_writes)
     ]
+    problems += unlisted_in_home(trees, private)
     for msg in problems:
         print(msg)
     if problems:
-        print(f"{len(problems)} use(s) of Lightning internals outside {HOME}", file=sys.stderr)
+        print(f"{len(problems)} use(s) of Lightning internals outside {HOME} or unlisted in it", file=sys.stderr)
         return 1
     print(f"Lightning internals: only in {HOME} ({len(files)} files checked)")
     return 0

@@ -29,6 +29,8 @@ What is used, and where Lightning defines it:
 - ``Trainer.callbacks``: a callback inserted first by :func:`insert_callback_first`.
 - ``Precision.clip_gradients``: replaced on the strategy's plugin instance by :func:`route_clip_gradients` and put
   back by :func:`restore_clip_gradients`.
+- The fit loop's step counters (``fit_loop.epoch_loop``'s optimizer step progress, automatic and manual, and its
+  ``_batches_that_stepped``): written by :func:`set_global_step` before a joining rank's first batch.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ PRIVATE_NAMES = (
     "_call_children_scripts",
     "_check_can_spawn_children",
     "_set_num_threads_if_needed",
+    "_batches_that_stepped",
 )
 """The private Lightning names used in this module (and only here)."""
 
@@ -71,6 +74,7 @@ UNSTABLE_USES = (
     "Trainer.accumulate_grad_batches (written)",
     "Trainer.callbacks.insert",
     "Precision.clip_gradients (replaced on the instance)",
+    "Trainer.fit_loop.epoch_loop step progress (written)",
 )
 """Public-looking Lightning attributes used in ways Lightning does not document; also confined to this module."""
 
