@@ -233,6 +233,18 @@ def test_lightning_internals_check_flags_string_access_and_instance_patches(tmp_
     assert lines == [5, 6, 7, 8, 9], found
 
 
+def test_the_home_module_lists_every_private_name_it_uses(tmp_path):
+    """``_lightning.py`` itself may use Lightning's private names, each listed in its ``PRIVATE_NAMES``."""
+    checker = _internals_checker()
+    home = tmp_path / checker.HOME
+    source = "PRIVATE_NAMES = ({listed})\n\ndef set_steps(loop):\n    loop._batches_that_stepped = 3\n"
+    private = checker.private_lightning_names()
+    for listed, expected in (('"_launcher",', ["_batches_that_stepped"]), ('"_batches_that_stepped",', [])):
+        tree = ast.parse(source.format(listed=listed))
+        found = checker.unlisted_in_home({home: tree}, private)
+        assert [msg.split("private ")[1].split()[0] for msg in found] == expected, found
+
+
 def test_lightning_internals_only_in_their_module():
     package = Path(lightning_sync.__file__).parent
     assert _internals_checker().main([str(package)]) == 0
