@@ -23,7 +23,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import signal  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -32,15 +31,10 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 import lightning_sync.ps as ps  # noqa: E402
+from lightning_sync.apps.bench.launch import free_port  # noqa: E402
 
 HOST = "127.0.0.1"
 MAX_PUSHES = 200_000
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def _model() -> torch.nn.Module:
@@ -88,7 +82,7 @@ def _server(args: Any, port: int) -> None:
 
 def measure(args: Any) -> dict[str, Any]:
     ctx = mp.get_context("fork")
-    port = _free_port()
+    port = free_port()
     start = ctx.Value("d", 0.0)
     times = ctx.Array("d", args.workers * MAX_PUSHES, lock=False)
     counts = ctx.Array("i", args.workers, lock=False)

@@ -29,7 +29,7 @@
 # plain DiLoCo and streaming variants over 3 seeds, and plots validation loss against characters for each knob:
 # fp32/int8/int4, k=1/4 and τ=0/1/2. Then (c) reads the compute utilization measured by the benchmark on emulated
 # 10 Mbit, 100 Mbit and 1 Gbit links (the paper's Table 4), and (d) the main job's bytes against loss for DiLoCo in
-# fp32, streaming DiLoCo in int4 and the SparseLoCo outer codec.
+# fp32 and int8, streaming DiLoCo in int4 and the SparseLoCo outer codec.
 #
 # Set the environment variable `SMOKE=1` to run every case for a few steps with one seed; `NOTEBOOK_OUT` names the
 # output folder.
@@ -205,9 +205,9 @@ else:
 # ...`, the cases `periodic:sparseloco*/<H>` of `lightning_sync.apps.cases`, 3 seeds): each case's test loss after
 # 1000 steps (mean, bar: min to max over the seeds) against the bytes the meter books per rank per step, one panel per
 # sync period H. DiLoCo sends fp32 pseudo-gradients (or int8 ones: `periodic:diloco_int8/<H>`, one run for every H in
-# `diloco_int8_1000_steps`), streaming DiLoCo int4 ones in 4 fragments; SparseLoCo keeps the
-# top 64 (or 256) of every 4,096 entries of its error-feedback buffer, in 2 bits (or fp32 values), with an outer SGD
-# at lr 1. `ddp` is drawn as a reference where the run has it.
+# `diloco_int8_1000_steps`), streaming DiLoCo int4 ones in 4 fragments; SparseLoCo keeps the top 64 (or 256) of every
+# 4,096 entries of its error-feedback buffer, in 2 bits (or fp32 values), with an outer SGD at lr 1. `ddp` is drawn as
+# a reference where the run has it.
 
 # %%
 sparse_runs = {h: RESULTS / f"sparseloco_h{h}_1000_steps" / "results.json" for h in (8, 16, 30)}
@@ -246,6 +246,7 @@ saved = {
     },
     "utilization": table,
     "sparseloco_runs": {h: run["workloads"]["char_lm"]["rows"] for h, run in sparse_runs.items()},
+    "int8_runs": int8_rows,
 }
 Path(OUT).mkdir(parents=True, exist_ok=True)
 Path(OUT, "results.json").write_text(json.dumps(saved, indent=1))

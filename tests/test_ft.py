@@ -125,11 +125,9 @@ torchft_missing = pytest.mark.skipif(
 @pytest.mark.unit
 @pytest.mark.timeout(20)
 def test_no_lighthouse_at_the_address_names_it_within_timeout():
-    import socket
+    from lightning_sync.apps.bench.launch import free_port
 
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     started = time.monotonic()
     with pytest.raises(ConfigError, match=rf"lighthouse='127.0.0.1:{port}': no lighthouse answered there within"):
         check_lighthouse(_config(lighthouse=f"127.0.0.1:{port}", timeout_s=2.0))

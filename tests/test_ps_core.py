@@ -19,7 +19,6 @@ import multiprocessing as mp  # noqa: E402
 import pickle  # noqa: E402
 import queue  # noqa: E402
 import signal  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -35,6 +34,7 @@ from fake_clock import FakeClock  # noqa: E402
 from fault_utils import NOTICED_WITHIN_S  # noqa: E402
 
 import lightning_sync.ps as ps  # noqa: E402
+from lightning_sync.apps.bench.launch import free_port as _free_port  # noqa: E402
 from lightning_sync.comm.compression import TopKCompression, resolve_codec  # noqa: E402
 from lightning_sync.ps._exchange import exchange  # noqa: E402
 from lightning_sync.ps._layout import ShardLayout  # noqa: E402
@@ -54,12 +54,6 @@ HOST = "127.0.0.1"
 
 
 # ---------------------------------------------------------------------------------------------------------- harness
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 def _child(name: str, fn: Callable, args: tuple, results: Any) -> None:
     torch.set_num_threads(1)
     try:

@@ -13,7 +13,6 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import signal  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -23,6 +22,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from fault_utils import HAS_PROC, _start_training, job_processes, run_and_hit  # noqa: E402
 from test_ps_elastic import _summary  # noqa: E402
+
+from lightning_sync.apps.bench.launch import free_port  # noqa: E402
 
 # Nothing here waits out timeout_s: a killed worker's connection closes at once.
 TIMEOUT_S = 15.0
@@ -98,9 +99,7 @@ def _run_with_a_joiner(tmp_path: Path, devices: int, killed: str | None = None) 
 
     The job's ranks hold at step 10 (``gate.FileGate``) until the added worker has trained a few steps, so the test
     does not race the added worker's start (an interpreter importing Lightning) against the job's end."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     tests_dir = str(Path(__file__).resolve().parent)
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": tests_dir}
     overrides = [

@@ -16,7 +16,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from lightning.fabric.plugins.environments import LightningEnvironment  # noqa: E402
 
-from lightning_sync.apps.bench.launch import _free_port  # noqa: E402
+from lightning_sync.apps.bench.launch import free_port  # noqa: E402
 from lightning_sync.comm.peer_errors import rendezvous_timeout_s  # noqa: E402
 from lightning_sync.strategies._rendezvous import join_default_group  # noqa: E402
 
@@ -63,7 +63,7 @@ def test_a_rank_later_than_timeout_s_still_joins_and_later_waits_are_timeout_s()
     rendezvous bounded by ``timeout_s``, rank 0 fails after 1 s, "1/2 clients joined"); a store wait after it still
     ends after about ``timeout_s``."""
     assert rendezvous_timeout_s(TIMEOUT_S) > LATE_S * 5
-    port = _free_port()  # below the ephemeral range: another test's connection cannot take it meanwhile
+    port = free_port()  # below the ephemeral range: another test's connection cannot take it meanwhile
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     procs = [ctx.Process(target=_rank, args=(rank, port, errors)) for rank in range(2)]

@@ -59,7 +59,7 @@ def network(rate: str, prefix: str) -> Iterator[list[EmulatedHost] | None]:
         yield hosts
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A free port below the kernel's ephemeral range: the master binds it seconds after this check (once torch is
     imported), and a port from the ephemeral range can be taken meanwhile as the local end of any outgoing
     connection on the machine ("EADDRINUSE", seen in CI while other tests ran)."""
@@ -148,7 +148,7 @@ def run_nodes(
     package_root = str(Path(lightning_sync.__file__).resolve().parent.parent)
     pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
     master = "127.0.0.1" if hosts is None else hosts[0].address
-    port = _free_port()
+    port = free_port()
     procs: list[subprocess.Popen] = []
     try:
         nodes = int(spec.get("nodes", NODES))
