@@ -1,6 +1,6 @@
 """The ``python -m lightning_sync.<tool>`` entry points: each runs its app module as ``__main__``.
 
-The apps live in :mod:`lightning_sync.apps`, whose dependencies (Hydra, scikit-learn, matplotlib) are the ``apps``
+The apps live in :mod:`lightning_sync.apps`, whose dependencies (Hydra, matplotlib) are the ``apps``
 extra; the core never imports them. Without the extra, the entry point says which install gives it.
 """
 

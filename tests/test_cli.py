@@ -252,6 +252,7 @@ def test_conf_ships_inside_the_wheel(tmp_path):
         timeout=240,
     )
     assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
+    assert (site / "lightning_sync" / "examples" / "digits.csv.gz").is_file()  # the digits' data ships too
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     check = subprocess.run(

@@ -2,7 +2,7 @@
 
 - ``import lightning_sync`` registers all four ``sync_*`` names with Lightning, also in a user's own package run as
   ``python -m pkg.train`` whose ``__init__`` imports it before Lightning is imported.
-- The core (strategies, comm, ps) imports neither scikit-learn, Hydra nor matplotlib: those are the ``apps`` extra.
+- The core (strategies, comm, ps) imports neither Hydra nor matplotlib: those are the ``apps`` extra.
 - A dedicated parameter server process runs on torch alone: it never imports Lightning.
 - An unknown strategy knob added with ``+strategy.<knob>=`` is a one-line config error.
 """
@@ -113,13 +113,13 @@ def test_a_server_process_imports_the_server_and_not_lightning(tmp_path, monkeyp
 
 
 def test_core_works_without_the_apps_extra(tmp_path):
-    """As after ``pip install .`` with no extras: scikit-learn, Hydra and matplotlib cannot be imported at all, and
+    """As after ``pip install .`` with no extras: Hydra and matplotlib cannot be imported at all, and
     the core still imports, registers and trains under a plain ``lightning.Trainer``."""
     code = textwrap.dedent(
         """
         import importlib.abc, importlib.machinery, sys
 
-        BLOCKED = {"sklearn", "hydra", "omegaconf", "matplotlib"}
+        BLOCKED = {"hydra", "omegaconf", "matplotlib"}
 
         class Hide(importlib.abc.MetaPathFinder):
             # PathFinder, blind to the apps extra's packages: as if they were not installed

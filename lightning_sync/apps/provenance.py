@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-PACKAGES = ("torch", "lightning", "numpy", "scikit-learn", "lightning-sync")
+PACKAGES = ("torch", "lightning", "numpy", "lightning-sync")
 """The distributions whose versions a record holds, besides Python's."""
 
 

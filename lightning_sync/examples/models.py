@@ -30,7 +30,7 @@ def _make_optimizer(params: Any, name: str, lr: float, momentum: float, weight_d
 
 
 class DigitsClassifier(pl.LightningModule):
-    """An MLP on scikit-learn's 8x8 digits, with accuracy synced across ranks by torchmetrics.
+    """An MLP on the 8x8 handwritten digits, with accuracy synced across ranks by torchmetrics.
 
     Args:
         hidden: width of the hidden layers.
