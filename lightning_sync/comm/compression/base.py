@@ -1,10 +1,5 @@
-"""The contract every gradient compressor follows: :class:`FlatBucket` in, :class:`Compressor` averages it.
-
-A :class:`Compressor` averages one :class:`FlatBucket` over a process group. It owns the encoding, the collectives
-(issued through a :class:`~lightning_sync.comm.meter.CommMeter`, so the meter sees the compressed payload) and the
-decoding, and writes the mean back into the bucket's buffer in place. Compressors with memory keep it per bucket
-index; it is part of :meth:`Compressor.state_dict`, so it goes into checkpoints.
-"""
+"""The contract every codec follows (see :mod:`lightning_sync.comm.compression`): a :class:`Compressor` averages a
+:class:`FlatBucket` over a process group, in place."""
 
 from __future__ import annotations
 
@@ -100,18 +95,19 @@ class Compressor(ABC):
             decompressed estimate of it).
         """
 
+    def _args(self) -> dict[str, Any]:
+        """The constructor arguments it keeps under the same names."""
+        return {n: getattr(self, n) for n in inspect.signature(type(self)).parameters if hasattr(self, n)}
+
     def __repr__(self) -> str:
-        """The class and the constructor arguments it keeps under the same names, e.g. ``TopKCompression(density=0.01,
-        error_feedback=True)``."""
-        names = [n for n in inspect.signature(type(self)).parameters if hasattr(self, n)]
-        return f"{type(self).__name__}({', '.join(f'{n}={getattr(self, n)!r}' for n in names)})"
+        """The class and :meth:`_args`, e.g. ``TopKCompression(density=0.01, error_feedback=True)``."""
+        return f"{type(self).__name__}({', '.join(f'{n}={v!r}' for n, v in self._args().items())})"
 
     def spec(self) -> dict[str, Any]:
-        """The codec as plain values (its class's import path and :meth:`__repr__`'s arguments), to send to a process
-        that rebuilds it with :meth:`from_spec` (a parameter server loads only plain values)."""
-        names = [n for n in inspect.signature(type(self)).parameters if hasattr(self, n)]
+        """The codec as plain values (its class's import path and :meth:`_args`), to send to a process that rebuilds
+        it with :meth:`from_spec` (a parameter server loads only plain values)."""
         cls = type(self)
-        return {"target": f"{cls.__module__}.{cls.__qualname__}", "args": {n: getattr(self, n) for n in names}}
+        return {"target": f"{cls.__module__}.{cls.__qualname__}", "args": self._args()}
 
     @staticmethod
     def from_spec(spec: dict[str, Any]) -> Compressor:

@@ -27,16 +27,6 @@ class _PowerSGDMemory:
     residuals: list[torch.Tensor | None]  # one (n, m) error-feedback residual per compressed matrix
 
 
-def _orthonormalize(p: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns spanning the columns of ``p`` (``n x r``, ``r <= n``), via Householder QR.
-
-    Householder QR always returns orthonormal columns, also for rank-deficient or all-zero ``p`` (no division by a
-    vanishing norm, hence no NaN). It is deterministic, so ranks holding identical ``p`` get identical results.
-    """
-    q, _ = torch.linalg.qr(p, mode="reduced")
-    return q
-
-
 class PowerSGDCompression(Compressor):
     """Low-rank gradient compression by one step of power iteration (Vogels et al., 2019, "PowerSGD").
 
@@ -174,11 +164,12 @@ class PowerSGDCompression(Compressor):
             p_flat = torch.cat([(mat @ q).reshape(-1) for mat, q in zip(mats, qs)])
             meter.all_reduce(p_flat, group=group, async_op=True).wait()
 
-            # Orthonormalise each P (identical on all ranks); Q = M^T @ P, packed into one buffer.
+            # Orthonormalise each P by Householder QR: orthonormal columns also for a rank-deficient or all-zero P (no
+            # division by a vanishing norm, no NaN), and deterministic, so identical on all ranks. Q = M^T @ P, packed.
             offset = 0
             for mat in mats:
                 numel = mat.shape[0] * self.rank
-                ps.append(_orthonormalize(p_flat[offset : offset + numel].view(mat.shape[0], self.rank)))
+                ps.append(torch.linalg.qr(p_flat[offset : offset + numel].view(mat.shape[0], self.rank))[0])
                 offset += numel
             q_flat = torch.cat([(mat.t() @ p).reshape(-1) for mat, p in zip(mats, ps)])
             q_fut = meter.all_reduce(q_flat, group=group, async_op=True).get_future()

@@ -115,12 +115,6 @@ class SparseLoCo(Compressor):
         self.levels = 1 if bits is None else 1 << (bits - 1)
         self.errors: dict[int, torch.Tensor] = {}
 
-    def __repr__(self) -> str:
-        return (
-            f"SparseLoCo(topk={self.topk}, chunk={self.chunk}, bits={self.bits}, error_decay={self.error_decay}, "
-            f"clip_to_median={self.clip_to_median})"
-        )
-
     # ------------------------------------------------------------------ layout
     def segments(self, shapes: list[torch.Size]) -> list[Segment]:
         """The runs of equal chunks of a bucket with these ``shapes``, in payload order."""
