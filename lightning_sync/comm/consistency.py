@@ -85,20 +85,18 @@ def named_replicated_state(
 
 
 # ------------------------------------------------------------------------------------------------ fingerprints
-def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum, sum of squares and position-weighted sum of ``tensor``'s elements, in float64."""
-    flat = tensor.detach().reshape(-1).to(torch.float64)
-    # A cheap position-dependent weight in [1, 2): catches swapped or shifted entries that a sum would miss.
-    idx = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device)
-    weights = 1.0 + torch.frac(idx * 0.6180339887498949)
-    return torch.stack([flat.sum(), (flat * flat).sum(), (flat * weights).sum()])
-
-
-def tensor_fingerprints(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
-    """A ``(len(tensors), 4)`` float64 matrix on ``device`` (``None``: the CPU): each tensor's size, sum, sum of
-    squares and weighted sum (each computed where its tensor is)."""
-    device = torch.device("cpu") if device is None else device
-    rows = [torch.cat([torch.tensor([float(t.numel())], dtype=torch.float64), _fingerprint(t).cpu()]) for t in tensors]
+def tensor_fingerprints(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A ``(len(tensors), 4)`` float64 matrix on ``device``: each tensor's size, sum, sum of squares and
+    position-weighted sum (each computed where its tensor is)."""
+    rows = []
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1).to(torch.float64)
+        # A cheap position-dependent weight in [1, 2): catches swapped or shifted entries that a sum would miss.
+        weights = 1.0 + torch.frac(
+            torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) * 0.6180339887498949
+        )
+        sums = torch.stack([flat.sum(), (flat * flat).sum(), (flat * weights).sum()]).cpu()
+        rows.append(torch.cat([torch.tensor([float(flat.numel())], dtype=torch.float64), sums]))
     return (torch.stack(rows) if rows else torch.zeros(0, 4, dtype=torch.float64)).to(device)
 
 

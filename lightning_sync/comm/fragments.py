@@ -30,6 +30,7 @@ A parameter shared by two modules (a tied head) is named by its first name, as `
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -103,10 +104,7 @@ def find_blocks(named: NamedShapes) -> list[str]:
                 children.setdefault(container, {}).setdefault(child, []).append(
                     (".".join(parts[depth + 1 :]), tuple(shape))
                 )
-                size = 1
-                for dim in shape:
-                    size *= int(dim)
-                numel[child] = numel.get(child, 0) + size
+                numel[child] = numel.get(child, 0) + math.prod(shape)
     best: list[str] = []
     best_size = 0
     for members in children.values():
@@ -238,12 +236,7 @@ def describe_fragments(named: NamedShapes, fragments: int, patterns: Sequence[Se
     its share of the parameter entries."""
     split = split_fragments(named, fragments, patterns)
     blocks = set(find_blocks(named)) if patterns is None else set()
-    sizes = []
-    for _, shape in named:
-        size = 1
-        for dim in shape:
-            size *= int(dim)
-        sizes.append(size)
+    sizes = [math.prod(shape) for _, shape in named]
     total = max(1, sum(sizes))
     rows = ["| fragment | modules | parameters | share |", "|---|---|---|---|"]
     for f, indices in enumerate(split):
