@@ -35,8 +35,6 @@ from lightning_sync.errors import ConfigError, check_range
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 """The environment variable holding the default lighthouse address (torchft's own)."""
 
-EXTRA_HINT = "pip install 'lightning-sync[ft]'"
-
 
 class FaultToleranceUnavailable(ImportError):
     """Fault tolerance was asked for, and torchft (the ``lightning-sync[ft]`` extra) is not installed."""
@@ -52,13 +50,9 @@ def require_torchft() -> ModuleType:
         import torchft
     except ImportError as error:
         raise FaultToleranceUnavailable(
-            f"fault tolerance needs torchft, which is not installed ({error}); install the extra: {EXTRA_HINT}"
+            f"fault tolerance needs torchft, which is not installed ({error}); install the extra: pip install 'lightning-sync[ft]'"
         ) from None
     return torchft
-
-
-def _default_lighthouse() -> str:
-    return os.environ.get(LIGHTHOUSE_ENV, "")
 
 
 def lighthouse_url(address: str) -> str:
@@ -84,7 +78,7 @@ class FaultTolerance:
         quorum_timeout_s: how long a group waits for a quorum (default: the sum of the four above).
     """
 
-    lighthouse: str = field(default_factory=_default_lighthouse)
+    lighthouse: str = field(default_factory=lambda: os.environ.get(LIGHTHOUSE_ENV, ""))
     replica_group: int = 0
     num_replica_groups: int = 1
     min_replicas: int = 1
