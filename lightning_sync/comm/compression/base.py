@@ -14,6 +14,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.nonfinite import zero_nonfinite_
 
 
 @dataclass
@@ -82,6 +83,9 @@ class Compressor(ABC):
     capabilities: ClassVar[frozenset[str]] = frozenset()
     """Beyond averaging over a process group: ``point_to_point`` (:meth:`encode` and :meth:`decode` of a flat
     payload, for a parameter-server push) and ``across_groups`` (:meth:`average` over torchft's process group)."""
+    memory: ClassVar[str | None] = None
+    """The attribute holding the codec's error-feedback memory, ``{key: tensor}`` (``None``: none), which
+    :meth:`state_dict` saves and :meth:`forget_nonfinite` cleans."""
 
     def __init__(self) -> None:
         self.steps = 0
@@ -145,12 +149,20 @@ class Compressor(ABC):
         self.steps += 1
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume bit-exactly (step count, residuals, factors)."""
-        return {"steps": self.steps}
+        """Everything needed to resume bit-exactly: the step count and the :attr:`memory` (cloned)."""
+        state: dict[str, Any] = {"steps": self.steps}
+        if self.memory is not None:
+            state[self.memory] = {i: t.clone() for i, t in getattr(self, self.memory).items()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state["steps"])
+        if self.memory is not None:
+            setattr(self, self.memory, {int(i): t.clone() for i, t in state.get(self.memory, {}).items()})
 
     def forget_nonfinite(self) -> None:
         """After a step skipped for non-finite gradients: clears what the memory took from them, so that the
-        next steps are not poisoned (the same decision on every rank for memory that is identical on all)."""
+        next steps are not poisoned (the same decision on every rank for memory that is identical on all); here:
+        zeroes the NaN and Inf entries of the :attr:`memory` (each rank's own)."""
+        if self.memory is not None:
+            zero_nonfinite_(getattr(self, self.memory).values())

@@ -40,19 +40,15 @@ class PowerSGDCompression(Compressor):
       packed in one buffer and divided by the world size; the approximation ``P @ Q^T`` (= ``P P^T mean(M)``) is
       written back into the bucket and ``residual = M - approximation``.
 
-    So a compressed ``n x m`` matrix puts exactly ``rank * (n + m)`` fp32 values on the wire. ``Q`` starts from a
-    :class:`torch.Generator` seeded with ``seed + bucket.index`` (identical on all ranks); with ``warm_start`` the
-    previous step's (all-reduced, hence identical) ``Q`` is reused, otherwise a fresh one is drawn from that
-    generator every call. A warm-started column that became exactly zero (e.g. after an all-zero gradient) is
-    redrawn, so the factor cannot collapse. Results are bit-identical on all ranks.
+    So a compressed ``n x m`` matrix puts exactly ``rank * (n + m)`` fp32 values on the wire. ``Q`` is drawn from a
+    generator seeded with ``seed + bucket.index``, or with ``warm_start`` is the previous step's (all-reduced, hence
+    identical) ``Q``, a column that became exactly zero redrawn so the factor cannot collapse. Results are
+    bit-identical on all ranks; with one rank the buffer is returned untouched.
 
-    Every collective is issued from the calling thread, in program order: the ``P`` all-reduce (and the remainder's)
-    is launched asynchronously and waited for in :meth:`average`, then the ``Q`` all-reduce is launched
-    asynchronously and the returned future completes after it. Issuing the second collective from a completion
-    callback instead is unsafe on gloo with several buckets in flight: a blocking call there starves gloo's worker
-    threads (deadlock), an asynchronous one can reach the process group in a different order on different ranks.
-
-    With one rank the buffer already is the mean and is returned untouched.
+    Every collective is issued from the calling thread, in program order: the ``P`` all-reduce is waited for in
+    :meth:`average`, then the ``Q`` all-reduce is launched and the returned future completes after it. Issuing the
+    second from a completion callback is unsafe on gloo with several buckets in flight: a blocking call there starves
+    gloo's worker threads, an asynchronous one can reach the process group in a different order on different ranks.
 
     Args:
         rank: the rank of the approximation (``>= 1``).
@@ -103,10 +99,8 @@ class PowerSGDCompression(Compressor):
         shapes = [torch.Size(s) for s in bucket.shapes]
         mem = self._memory.get(bucket.index)
         if mem is None:
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(self.seed + bucket.index)
-            mem = _PowerSGDMemory(shapes=shapes, generator=generator, q=[], residuals=[])
-            self._memory[bucket.index] = mem
+            generator = torch.Generator(device="cpu").manual_seed(self.seed + bucket.index)
+            mem = self._memory[bucket.index] = _PowerSGDMemory(shapes=shapes, generator=generator, q=[], residuals=[])
         elif mem.shapes != shapes:
             raise ValueError(
                 f"PowerSGDCompression: bucket {bucket.index} changed layout from {mem.shapes} to {shapes}; "
