@@ -199,12 +199,14 @@ class ModelAverager:
         plans = plan_buckets(self.params, bucket_cap_mb * MIB, bucket_cap_mb * MIB) if self.params else []
         self._bucket_params = [[self.params[i] for i in plan] for plan in plans]
         self.anchors: list[torch.Tensor] = []
-        self._deltas: list[torch.Tensor] = []
+        # the delta buckets: after complete_, the average a sync will apply (a caller may average them further,
+        # e.g. across replica groups, before apply_)
+        self.deltas: list[torch.Tensor] = []
         for bucket_params in self._bucket_params:
             numel = sum(p.numel() for p in bucket_params)
             like = bucket_params[0]
             self.anchors.append(torch.zeros(numel, dtype=like.dtype, device=like.device))
-            self._deltas.append(torch.zeros(numel, dtype=like.dtype, device=like.device))
+            self.deltas.append(torch.zeros(numel, dtype=like.dtype, device=like.device))
         self.reset_anchor_()
 
     def reset_anchor_(self) -> None:
@@ -297,7 +299,7 @@ class ModelAverager:
         for future in flight.futures or []:
             wait_future(future, "outer sync", self.group)
         squared = 0.0
-        for mine, delta in zip(flight.mine or [], self._deltas):
+        for mine, delta in zip(flight.mine or [], self.deltas):
             squared += float(mine.sub_(delta).square_().sum(dtype=torch.float64))  # mine is dropped below
         self.compressor.advance()
         flight.mine, flight.futures, flight.job, flight.divergence_sq = None, None, None, squared
@@ -323,19 +325,19 @@ class ModelAverager:
             Whether the outer step was taken (``False``: skipped).
         """
         self.complete_(flight, timeout_s)
-        deltas = [d for d in self._deltas if d.numel()]
+        deltas = [d for d in self.deltas if d.numel()]
         if skip_nonfinite and not all_finite([probe(d) for d in deltas], deltas):
             self.compressor.forget_nonfinite()
             self.restore_()
             return False
         if outer is None:
-            for anchor, delta in zip(self.anchors, self._deltas):
+            for anchor, delta in zip(self.anchors, self.deltas):
                 anchor.add_(delta)
         else:
-            for anchor, delta in zip(self.anchors, self._deltas):
+            for anchor, delta in zip(self.anchors, self.deltas):
                 anchor.grad = delta
             outer.step()
-        for anchor, delta, bucket_params in zip(self.anchors, self._deltas, self._bucket_params):
+        for anchor, delta, bucket_params in zip(self.anchors, self.deltas, self._bucket_params):
             anchor.grad = None
             if alpha == 0.0:
                 _unpack(anchor, bucket_params)
@@ -344,17 +346,11 @@ class ModelAverager:
                 _unpack(torch.lerp(anchor, local, alpha, out=local), bucket_params)
         return True
 
-    @property
-    def deltas(self) -> list[torch.Tensor]:
-        """The delta buckets: after :meth:`complete_`, the average a sync will apply (a caller may average them
-        further, e.g. across replica groups, before :meth:`apply_`)."""
-        return self._deltas
-
     def delta_buckets(self) -> list[FlatBucket]:
         """:attr:`deltas` as buckets, with their index and their parameters' shapes (what a codec takes)."""
         return [
             FlatBucket(index=i, buffer=delta, shapes=[p.shape for p in params])
-            for i, (delta, params) in enumerate(zip(self._deltas, self._bucket_params))
+            for i, (delta, params) in enumerate(zip(self.deltas, self._bucket_params))
         ]
 
     def restore_(self) -> None:
@@ -369,12 +365,12 @@ class ModelAverager:
         return {
             "launched_at": flight.launched_at,
             "divergence_sq": squared,
-            "deltas": [d.clone() for d in self._deltas],
+            "deltas": [d.clone() for d in self.deltas],
         }
 
     def load_flight_state(self, state: dict[str, Any]) -> InFlight:
         """The completed :class:`InFlight` that :meth:`flight_state` saved (its average back in the delta buckets)."""
-        _load_buckets(self._deltas, state["deltas"], "outer sync")
+        _load_buckets(self.deltas, state["deltas"], "outer sync")
         return InFlight(launched_at=int(state["launched_at"]), divergence_sq=float(state["divergence_sq"]))
 
     def state_dict(self) -> dict[str, Any]:

@@ -106,19 +106,9 @@ def build_sync_groups(
             mine = [b for (_, b), at in zip(buffers, owner) if at == f]
             averager, outer = new_averager(params)
             name = label if len(split) == 1 else f"{label}#{f}"
-            groups.append(
-                SyncGroup(
-                    name,
-                    period,
-                    params,
-                    mine,
-                    averager,
-                    outer,
-                    since_sync=offset,
-                    offset=offset,
-                    fragments=len(split),
-                )
-            )
+            group = SyncGroup(name, period, params, mine, averager, outer, fragments=len(split))
+            group.since_sync = group.offset = offset
+            groups.append(group)
     return groups
 
 
