@@ -51,14 +51,6 @@ class TensorMismatch:
         return f"{self.name} (ranks {list(self.ranks)}, max |diff| {self.max_abs_diff:.1e})"
 
 
-def describe(mismatches: Sequence[TensorMismatch], steps: int, limit: int = 8) -> str:
-    """One line naming the tensors that differ (the first ``limit``), e.g. ``replicas differ after 12 sync steps:
-    net.2.weight (ranks [1], max |diff| 3.1e-02)``."""
-    shown = ", ".join(str(m) for m in mismatches[:limit])
-    more = f", and {len(mismatches) - limit} more tensors" if len(mismatches) > limit else ""
-    return f"replicas differ after {steps} sync steps: {shown}{more}"
-
-
 # ------------------------------------------------------------------------------------------------ names
 def named_replicated_state(
     module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (), only: Iterable[torch.Tensor] | None = None
@@ -162,7 +154,8 @@ def find_mismatches(
         per_rank = every[:, column]
         bad = (per_rank > atol) | per_rank.isnan()
         if bool(bad.any()):
-            mismatches.append(TensorMismatch(names[i], tuple(bad.nonzero().flatten().tolist()), _worst(per_rank[bad])))
+            ranks = tuple(bad.nonzero().flatten().tolist())
+            mismatches.append(TensorMismatch(names[i], ranks, float(per_rank[bad].max())))  # max is NaN if one is
             if resync:
                 with torch.no_grad():
                     tensors[i].copy_(reference[offset : offset + tensors[i].numel()].view_as(tensors[i]))  # any device
@@ -218,11 +211,6 @@ def check_same_structure(named: Iterable[tuple[str, torch.Tensor]], group: Proce
         )
 
 
-def _worst(values: torch.Tensor) -> float:
-    """The largest of ``values``, or NaN if any is NaN."""
-    return float("nan") if bool(values.isnan().any()) else float(values.max())
-
-
 def check_replicas(
     named: Mapping[str, torch.Tensor],
     steps: int,
@@ -257,7 +245,8 @@ def check_replicas(
     mismatches = find_mismatches(named, group, atol, resync=resync and pull is None)
     if not mismatches:
         return []
-    message = describe(mismatches, steps)
+    more = f", and {len(mismatches) - 8} more tensors" if len(mismatches) > 8 else ""
+    message = f"replicas differ after {steps} sync steps: {', '.join(str(m) for m in mismatches[:8])}{more}"
     if on_mismatch == "raise":
         raise ReplicaMismatchError(message)
     if resync and pull is not None:

@@ -16,10 +16,9 @@ The timeouts are derived from one number, ``timeout_s``, in an order that holds:
 * so a quorum call must wait longer than all of those, or a survivor gives up on a quorum that was about to form.
 
 ``heartbeat_timeout_s`` and ``join_timeout_s`` describe the lighthouse (its ``--heartbeat_timeout_ms`` and
-``--join_timeout_ms``); the defaults are torchft's heartbeat (5 s) and the 5 s join the guide's lighthouse uses
-(torchft's binary defaults to 60 s: say so with ``join_timeout_s=60``). A lost or frozen group is dropped by its
-heartbeat; the join timeout only bounds how long a quorum waits for a live group that is late, and a group later
-than that misses the sync and heals at the next one, losing its steps since the last sync.
+``--join_timeout_ms``): torchft's heartbeat (5 s) and the guide's 5 s join (torchft's binary defaults to 60 s). A
+lost or frozen group is dropped by its heartbeat; a live group later than the join timeout misses the sync and heals
+at the next one, losing its steps since the last sync.
 """
 
 from __future__ import annotations
