@@ -583,15 +583,16 @@ def case_streaming_outer(rank: int, world: int, device: str, port: int) -> dict[
     outer SGD step (lr 1, no momentum: the global copy moves by the mean delta), then ``alpha = 0.5`` mixing."""
     import torch
 
+    from lightning_sync.comm.averaging import ModelAverager
     from lightning_sync.comm.compression.quantized import Int4Compression
     from lightning_sync.comm.meter import CommMeter
-    from lightning_sync.comm.streaming import OuterSyncWorker, StreamingAverager, new_stream_group
+    from lightning_sync.comm.streaming import OuterSyncWorker, new_stream_group
 
     torch.manual_seed(0)
     start = [torch.randn(40, 30), torch.randn(30)]
     params = [torch.nn.Parameter(t.clone().to(device)) for t in start]
     group = new_stream_group(None, 60.0)
-    averager = StreamingAverager(params, Int4Compression(), CommMeter(timeout_s=60.0), bucket_cap_mb=1.0, group=group)
+    averager = ModelAverager(params, Int4Compression(), CommMeter(timeout_s=60.0), bucket_cap_mb=1.0, group=group)
     outer = torch.optim.SGD(averager.anchors, lr=1.0)
     gen = torch.Generator().manual_seed(20 + rank)
     deltas = [torch.randn(t.shape, generator=gen) * 0.1 for t in start]

@@ -179,18 +179,11 @@ class AdaptivePeriod:
         return self.period
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "period": self.period,
-            "compute_seconds": self.compute_seconds,
-            "comm_seconds": self.comm_seconds,
-            "updates": self.updates,
-        }
+        return {key: getattr(self, key) for key in ("period", "compute_seconds", "comm_seconds", "updates")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.period = int(state["period"])
-        self.compute_seconds = state["compute_seconds"]
-        self.comm_seconds = state["comm_seconds"]
-        self.updates = int(state["updates"])
+        self.period, self.updates = int(state["period"]), int(state["updates"])
+        self.compute_seconds, self.comm_seconds = state["compute_seconds"], state["comm_seconds"]
 
 
 def agree_max(values: Sequence[float], meter: CommMeter, group: ProcessGroup | None = None) -> list[float]:

@@ -1,30 +1,20 @@
 """Periodic model averaging: local SGD and DiLoCo's pseudo-gradient, plus buffers and optimizer state.
 
-Nothing here knows of Lightning. Every collective goes through a :class:`~lightning_sync.comm.meter.CommMeter`, and
-every parameter payload through a :class:`~lightning_sync.comm.compression.Compressor` on
-:class:`~lightning_sync.comm.compression.FlatBucket` s, so it is counted at its compressed size.
+Nothing here knows of Lightning; when to sync which parameters is
+:class:`~lightning_sync.comm.periodic.PeriodicAverager`'s business. :class:`ModelAverager` keeps the *global copy*
+("anchor") of a fixed list of parameters: identical on every rank, in flat buckets. At a sync each rank's delta from
+the anchor (not its parameters, so that a sparsifying or low-rank codec sees small deltas) is averaged through a
+:class:`~lightning_sync.comm.compression.Compressor`, counted by the meter at its compressed size:
 
-:class:`ModelAverager` keeps, for a fixed list of parameters, the *global copy* ("anchor"): the parameters as they
-were right after the last sync, identical on every rank, stored in flat buckets. At a sync each rank computes its
-delta from the anchor, and the deltas (not the parameters) are averaged through the compressor:
+* ``average_`` (local SGD): ``anchor += mean_r(local_r - anchor)``, then every replica loads the anchor;
+* ``outer_step_`` (DiLoCo): the pseudo-gradient ``mean_r(anchor - local_r)`` becomes ``anchor.grad``, an outer
+  optimizer (:data:`OUTER_OPTIMIZER` by default) steps the anchor, and every replica loads it (SGD at ``lr=1``
+  without momentum equals ``average_``).
 
-``average_`` (local SGD)
-    ``anchor += mean_r(local_r - anchor)``, then every replica loads the anchor. Without compression this is the
-    plain parameter average ``mean_r(local_r)`` up to rounding; with compression the compressor (and its error
-    feedback) sees small deltas instead of whole weights, which is what sparsifying or low-rank compression needs.
-``outer_step_`` (DiLoCo)
-    the pseudo-gradient ``mean_r(anchor - local_r)`` becomes ``anchor.grad`` and an outer optimizer (by default
-    :data:`OUTER_OPTIMIZER`, SGD at lr 0.7) steps the anchor, which every replica then loads. With SGD at ``lr=1``
-    and no momentum it equals ``average_``.
-
-Both return this rank's squared divergence ``||local_r - mean_r(local_r)||^2`` (the mean as the compressor
-estimated it), measured at sync time before the replicas are overwritten.
-
-Buffers (BatchNorm statistics) are averaged exactly by :func:`average_buffers` (torch's own ``PeriodicModelAverager``
-skips them); :func:`average_optimizer_state` averages the optimizer's per-parameter floating state (momentum, Adam
-moments). Both go uncompressed: they are small, and sparsifying running statistics or moments is meaningless.
-
-When to call which, for which parameters, is :class:`~lightning_sync.comm.periodic.PeriodicAverager`'s business.
+Both return this rank's squared divergence ``||local_r - mean_r(local_r)||^2``, measured before the replicas are
+overwritten. Buffers (:func:`average_buffers`; torch's ``PeriodicModelAverager`` skips them) and the optimizer's
+floating state (:func:`average_optimizer_state`) are averaged exactly: they are small, and compressing running
+statistics or moments is meaningless.
 """
 
 from __future__ import annotations
@@ -34,7 +24,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,16 +34,9 @@ from lightning_sync.comm.bucket_layout import plan_buckets
 from lightning_sync.comm.compression import Compressor, FlatBucket, NoCompression
 from lightning_sync.comm.meter import CommMeter, PeerError, wait_future
 from lightning_sync.comm.nonfinite import all_finite, probe
+from lightning_sync.comm.streaming import OuterSyncWorker
 from lightning_sync.comm.tuning import MIB
 from lightning_sync.errors import ConfigError
-
-
-class JobRunner(Protocol):
-    """Runs a job off the calling thread (:class:`~lightning_sync.comm.streaming.OuterSyncWorker`, or any
-    ``concurrent.futures.Executor``)."""
-
-    def submit(self, job: Callable[[], Any], /) -> concurrent.futures.Future: ...
-
 
 WAIT_GRACE_S = 5.0
 """Seconds a wait for an outer sync's result may exceed ``timeout_s``: the collective itself fails after
@@ -99,12 +82,16 @@ def _unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
             offset += n
 
 
-def _source_rank(group: ProcessGroup | None) -> int:
-    return 0 if group is None else dist.get_global_rank(group, 0)
+def _load_buckets(buckets: Sequence[torch.Tensor], saved: Sequence[torch.Tensor], what: str) -> None:
+    if [s.numel() for s in saved] != [b.numel() for b in buckets]:
+        raise ValueError(f"ModelAverager: saved {what} has a different bucket layout than this model")
+    for bucket, values in zip(buckets, saved):
+        bucket.copy_(values)
 
 
-def average_tensors_(tensors: Sequence[torch.Tensor], meter: CommMeter, group: ProcessGroup | None = None) -> None:
-    """Replaces floating ``tensors`` (same list on every rank) by their exact mean over the group, packed per dtype.
+def average_buffers(tensors: Sequence[torch.Tensor], meter: CommMeter, group: ProcessGroup | None = None) -> None:
+    """Replaces floating ``tensors`` (same list on every rank: a module's buffers, optimizer state) by their exact
+    mean over the group, in place, packed per dtype.
 
     Non-floating tensors are broadcast from the group's first rank instead (integers have no exact mean; counters
     such as ``num_batches_tracked`` are equal on all ranks anyway).
@@ -116,7 +103,7 @@ def average_tensors_(tensors: Sequence[torch.Tensor], meter: CommMeter, group: P
         if t.is_floating_point() or t.is_complex():
             by_dtype.setdefault(t.dtype, []).append(t)
         else:
-            meter.broadcast(t.data, src=_source_rank(group), group=group)
+            meter.broadcast(t.data, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
     averager = NoCompression()
     pending = []
     for index, (dtype, group_tensors) in enumerate(by_dtype.items()):
@@ -129,11 +116,6 @@ def average_tensors_(tensors: Sequence[torch.Tensor], meter: CommMeter, group: P
     for group_tensors, flat, future in pending:
         wait_future(future, "all_reduce", group)
         _unpack(flat, group_tensors)
-
-
-def average_buffers(buffers: Sequence[torch.Tensor], meter: CommMeter, group: ProcessGroup | None = None) -> None:
-    """Averages a module's buffers (e.g. BatchNorm running statistics) exactly over the group, in place."""
-    average_tensors_(list(buffers), meter, group)
 
 
 def optimizer_state_tensors(
@@ -185,7 +167,7 @@ def average_optimizer_state(
             f"average_optimizer_state: ranks hold different optimizer state sizes (this rank {numel}, "
             f"max {int(sizes[0])}, min {int(-sizes[1])}); a parameter got a gradient on some ranks only"
         )
-    average_tensors_(tensors, meter, group)
+    average_buffers(tensors, meter, group)
     return len(tensors)
 
 
@@ -217,12 +199,14 @@ class ModelAverager:
         plans = plan_buckets(self.params, bucket_cap_mb * MIB, bucket_cap_mb * MIB) if self.params else []
         self._bucket_params = [[self.params[i] for i in plan] for plan in plans]
         self.anchors: list[torch.Tensor] = []
-        self._deltas: list[torch.Tensor] = []
+        # the delta buckets: after complete_, the average a sync will apply (a caller may average them further,
+        # e.g. across replica groups, before apply_)
+        self.deltas: list[torch.Tensor] = []
         for bucket_params in self._bucket_params:
             numel = sum(p.numel() for p in bucket_params)
             like = bucket_params[0]
             self.anchors.append(torch.zeros(numel, dtype=like.dtype, device=like.device))
-            self._deltas.append(torch.zeros(numel, dtype=like.dtype, device=like.device))
+            self.deltas.append(torch.zeros(numel, dtype=like.dtype, device=like.device))
         self.reset_anchor_()
 
     def reset_anchor_(self) -> None:
@@ -257,7 +241,7 @@ class ModelAverager:
 
     # The same sync split in two, so that its collectives can run while inner steps do (streaming DiLoCo):
     # launch_ packs and starts averaging, apply_ (after complete_) steps the global copy and loads it.
-    def launch_(self, sign: float, step: int, worker: JobRunner | None = None) -> InFlight:
+    def launch_(self, sign: float, step: int, worker: OuterSyncWorker | None = None) -> InFlight:
         """Packs ``sign * (local - global copy)`` and starts averaging it (on ``worker``, or from this thread).
 
         Args:
@@ -315,7 +299,7 @@ class ModelAverager:
         for future in flight.futures or []:
             wait_future(future, "outer sync", self.group)
         squared = 0.0
-        for mine, delta in zip(flight.mine or [], self._deltas):
+        for mine, delta in zip(flight.mine or [], self.deltas):
             squared += float(mine.sub_(delta).square_().sum(dtype=torch.float64))  # mine is dropped below
         self.compressor.advance()
         flight.mine, flight.futures, flight.job, flight.divergence_sq = None, None, None, squared
@@ -341,20 +325,19 @@ class ModelAverager:
             Whether the outer step was taken (``False``: skipped).
         """
         self.complete_(flight, timeout_s)
-        deltas = [d for d in self._deltas if d.numel()]
+        deltas = [d for d in self.deltas if d.numel()]
         if skip_nonfinite and not all_finite([probe(d) for d in deltas], deltas):
             self.compressor.forget_nonfinite()
-            for anchor, bucket_params in zip(self.anchors, self._bucket_params):
-                _unpack(anchor, bucket_params)
+            self.restore_()
             return False
         if outer is None:
-            for anchor, delta in zip(self.anchors, self._deltas):
+            for anchor, delta in zip(self.anchors, self.deltas):
                 anchor.add_(delta)
         else:
-            for anchor, delta in zip(self.anchors, self._deltas):
+            for anchor, delta in zip(self.anchors, self.deltas):
                 anchor.grad = delta
             outer.step()
-        for anchor, delta, bucket_params in zip(self.anchors, self._deltas, self._bucket_params):
+        for anchor, delta, bucket_params in zip(self.anchors, self.deltas, self._bucket_params):
             anchor.grad = None
             if alpha == 0.0:
                 _unpack(anchor, bucket_params)
@@ -363,17 +346,11 @@ class ModelAverager:
                 _unpack(torch.lerp(anchor, local, alpha, out=local), bucket_params)
         return True
 
-    @property
-    def deltas(self) -> list[torch.Tensor]:
-        """The delta buckets: after :meth:`complete_`, the average a sync will apply (a caller may average them
-        further, e.g. across replica groups, before :meth:`apply_`)."""
-        return self._deltas
-
     def delta_buckets(self) -> list[FlatBucket]:
         """:attr:`deltas` as buckets, with their index and their parameters' shapes (what a codec takes)."""
         return [
             FlatBucket(index=i, buffer=delta, shapes=[p.shape for p in params])
-            for i, (delta, params) in enumerate(zip(self._deltas, self._bucket_params))
+            for i, (delta, params) in enumerate(zip(self.deltas, self._bucket_params))
         ]
 
     def restore_(self) -> None:
@@ -381,16 +358,27 @@ class ModelAverager:
         for anchor, bucket_params in zip(self.anchors, self._bucket_params):
             _unpack(anchor, bucket_params)
 
+    def flight_state(self, flight: InFlight, timeout_s: float | None = None) -> dict[str, Any]:
+        """``flight`` for a checkpoint: it is drained first (its collective finished), and its average is saved
+        unapplied, so a resumed run applies it at the step the uninterrupted run would."""
+        squared = self.complete_(flight, timeout_s)
+        return {
+            "launched_at": flight.launched_at,
+            "divergence_sq": squared,
+            "deltas": [d.clone() for d in self.deltas],
+        }
+
+    def load_flight_state(self, state: dict[str, Any]) -> InFlight:
+        """The completed :class:`InFlight` that :meth:`flight_state` saved (its average back in the delta buckets)."""
+        _load_buckets(self.deltas, state["deltas"], "outer sync")
+        return InFlight(launched_at=int(state["launched_at"]), divergence_sq=float(state["divergence_sq"]))
+
     def state_dict(self) -> dict[str, Any]:
         """The global copy and the compressor's memory (cloned)."""
         return {"anchors": [a.clone() for a in self.anchors], "compressor": self.compressor.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        anchors = state["anchors"]
-        if [a.numel() for a in anchors] != [a.numel() for a in self.anchors]:
-            raise ValueError("ModelAverager: saved global copy has a different bucket layout than this model")
-        for anchor, saved in zip(self.anchors, anchors):
-            anchor.copy_(saved)
+        _load_buckets(self.anchors, state["anchors"], "global copy")
         self.compressor.load_state_dict(state["compressor"])
 
 

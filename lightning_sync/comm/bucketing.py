@@ -1,48 +1,40 @@
 """Gradient all-reduce by hand: bucketed and overlapped with backward, or flat, or the textbook per-parameter loop.
 
 :class:`GradientSynchronizer` averages the gradients of a fixed list of parameters over a process group, through a
-:class:`~lightning_sync.comm.compression.Compressor` and a :class:`~lightning_sync.comm.meter.CommMeter`. It knows
-nothing of Lightning. One *round* is one backward pass (or several, with accumulation disabled in between) followed
-by :meth:`GradientSynchronizer.finish`:
+:class:`~lightning_sync.comm.compression.Compressor` and a :class:`~lightning_sync.comm.meter.CommMeter`; it knows
+nothing of Lightning. One *round* is one backward pass (or several, with syncing disabled in between) followed by
+:meth:`GradientSynchronizer.finish`:
 
 ``overlap``
-    Parameters are packed, in reverse registration order (the order backward usually produces gradients), into
-    buckets of ``bucket_cap_mb`` (the first bucket ``first_bucket_mb``, so communication starts early). A
-    post-accumulate-grad hook marks each gradient final; when a bucket's last one is, the bucket is packed and
-    launched asynchronously. Buckets launch strictly in index order, so every rank issues the same sequence of
-    collectives even when gradients arrive in a different order. :meth:`finish` launches what is left, waits for
-    all, and writes the averages back to ``.grad``.
+    Parameters are packed, in reverse registration order, into buckets of ``bucket_cap_mb`` (the first one
+    ``first_bucket_mb``, so communication starts early). When a post-accumulate-grad hook has seen a bucket's last
+    gradient, the bucket is launched asynchronously, strictly in index order, so every rank issues the same sequence
+    of collectives. :meth:`finish` launches what is left, waits for all and writes the averages to ``.grad``.
 ``flat``
     The same buckets, launched one after the other right after backward.
 ``naive``
     One blocking average per parameter after backward (the textbook loop; kept to compare against).
 ``auto``
-    The same buckets, launched during backward (as ``overlap``) or right after it (as ``flat``), whichever this
-    machine runs faster. Overlap pays off when communication runs on its own hardware (a GPU's copy engines, a slow
-    network that leaves the CPU idle); on a CPU backend with few cores, gloo's transfers compete with backward for
-    the same cores and memory bandwidth, and launching after backward is faster. ``auto`` times both on the first
-    sync rounds (see :class:`~lightning_sync.comm.launch_tuner.LaunchTuner`) and keeps the clearly faster one, agreed by all ranks; a close call goes
-    to the prior: after backward when the ranks share one machine's CPU cores (gloo on loopback), during backward
-    across machines or on GPU (``same_host_cpu``). The decision is in :meth:`GradientSynchronizer.state_dict`, so a
-    resumed run keeps it.
+    The same buckets, launched during backward or right after it, whichever is measured faster on the first rounds
+    (:class:`LaunchTuner`; on CPU gloo's transfers compete with backward for the
+    same cores), agreed by all ranks; a close call goes to the prior: after backward when the ranks share one
+    machine's CPU cores, during backward otherwise (``same_host_cpu``). The decision is in the checkpoint.
 
-The launch point decides only *when* a bucket is sent, never how gradients are packed, divided or summed: ``overlap``,
-``flat`` and ``auto`` pack the same buckets (:mod:`lightning_sync.comm.bucket_layout`: the layout depends on
-``bucket_cap_mb`` and ``first_bucket_mb`` alone), divide each by the world size in place, and hand each to the
-compressor as one payload, so every rank issues the same collectives over the same slices whatever the launch point.
-That is what makes them agree bit for bit on any number of ranks: on 3 or more, gloo's ring adds the ranks' shares of
-an element in an order that depends on where the element sits in its collective, so a payload cut differently (one
-buffer instead of buckets) rounds differently. ``naive`` cuts its payloads per parameter and matches the others on 2
-ranks only (where a sum does not depend on order).
+The launch point decides only *when* a bucket is sent: ``overlap``, ``flat`` and ``auto`` pack the same buckets
+(:mod:`lightning_sync.comm.bucket_layout`), divide each by the world size and hand each to the compressor as one
+payload, so they agree bit for bit on any number of ranks (on 3 or more, gloo's ring sums an element in an order
+that depends on where it sits in its collective). ``naive`` matches them on 2 ranks only.
 
-Parameters without a gradient on this rank (unused or conditionally used) take part with zeros, so no rank waits for
-a bucket that never fills. With ``find_unused_parameters=True`` the ranks also all-reduce a used-mask, and a
-parameter that no rank used keeps ``grad=None`` (as torch DDP does); otherwise it gets a zero gradient.
+Parameters without a gradient on this rank take part with zeros, so no rank waits for a bucket that never fills.
+With ``find_unused_parameters=True`` the ranks also all-reduce a used-mask, and a parameter no rank used keeps
+``grad=None`` (as torch DDP does); otherwise it gets a zero gradient.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -51,13 +43,103 @@ from torch.distributed import ProcessGroup
 
 from lightning_sync.comm.bucket_layout import GradBucket, make_buckets, pack_grads, plan_buckets
 from lightning_sync.comm.compression import Compressor, FlatBucket
-from lightning_sync.comm.launch_tuner import LaunchTuner
 from lightning_sync.comm.meter import CommMeter, wait_future
 from lightning_sync.comm.nonfinite import all_finite, probe
-from lightning_sync.comm.tuning import MIB
+from lightning_sync.comm.tuning import LAUNCH_MARGIN, LAUNCH_TRIAL_ROUNDS, LAUNCH_WARMUP_ROUNDS, MIB
 from lightning_sync.errors import check_choice, check_range
 
 BUCKETINGS = ("auto", "overlap", "flat", "naive")
+
+
+class LaunchTuner:
+    """Chooses, by measurement, whether buckets launch during backward or right after it.
+
+    The first ``warmup_rounds`` sync rounds are not timed (allocator and gloo warm-up). The next
+    ``2 * trial_rounds`` alternate the two launch points, timing each round's whole period, from the start of its
+    backward to the start of the next round's backward: overlap trades a slower backward (and whatever else the
+    transfers slow down) against a shorter wait, so only the whole step shows which wins. Then every rank
+    contributes its median per launch point to one all-reduce, and all ranks decide alike on the sums: a launch
+    point that is faster by more than ``margin`` wins; a closer call, within the noise of a shared machine, goes to
+    the ``prefer_after_backward`` prior.
+
+    Args:
+        warmup_rounds: rounds left out before the trials.
+        trial_rounds: timed rounds per launch point.
+        margin: the relative lead a launch point needs to overrule the prior.
+        prefer_after_backward: the prior (``None``: :class:`GradientSynchronizer` sets it from ``same_host_cpu``).
+        clock: returns the current time in seconds; :class:`GradientSynchronizer` reads it at the start of every
+            round (a test passes a fake one and feeds it the rounds' durations).
+    """
+
+    def __init__(
+        self,
+        warmup_rounds: int = LAUNCH_WARMUP_ROUNDS,
+        trial_rounds: int = LAUNCH_TRIAL_ROUNDS,
+        margin: float = LAUNCH_MARGIN,
+        prefer_after_backward: bool | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        assert warmup_rounds >= 0 and trial_rounds >= 1 and margin >= 0
+        self.clock = clock
+        self.warmup_rounds = warmup_rounds
+        self.trial_rounds = trial_rounds
+        self.margin = margin
+        self.prefer_after_backward = prefer_after_backward
+        self.rounds = 0
+        self.times: dict[bool, list[float]] = {False: [], True: []}
+        self.after_backward: bool | None = None  # the decision, once made
+        self.medians_ms: dict[str, float] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The trials so far and the decision (so a resumed run keeps its launch point instead of re-tuning)."""
+        return {
+            "rounds": self.rounds,
+            "times": {k: list(v) for k, v in self.times.items()},
+            "after_backward": self.after_backward,
+            "medians_ms": dict(self.medians_ms),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rounds = int(state["rounds"])
+        self.times = {bool(k): list(v) for k, v in state["times"].items()}
+        self.after_backward = state["after_backward"]
+        self.medians_ms = dict(state["medians_ms"])
+
+    @property
+    def deciding(self) -> bool:
+        return self.after_backward is None
+
+    def next_after_backward(self) -> bool:
+        """Where the coming round launches: decided, or the trial's alternation (during backward first)."""
+        if self.after_backward is not None:
+            return self.after_backward
+        return max(self.rounds - self.warmup_rounds, 0) % 2 == 1
+
+    def record(self, after_backward: bool, seconds: float) -> bool:
+        """Books one round's time; returns whether the trials are complete (time to :meth:`decide`)."""
+        if self.rounds >= self.warmup_rounds:
+            self.times[after_backward].append(seconds)
+        self.rounds += 1
+        return all(len(v) >= self.trial_rounds for v in self.times.values())
+
+    def decide(self, meter: CommMeter, group: ProcessGroup | None) -> bool:
+        """Sums the ranks' medians (one small all-reduce) and fixes the launch point; returns it."""
+        medians = torch.tensor(
+            [statistics.median(self.times[False]), statistics.median(self.times[True])],
+            dtype=torch.float64,
+            device=meter.control_device(group),
+        )
+        meter.all_reduce(medians, group=group)
+        n = meter.world_size(group)
+        during, after = (1e3 * medians / n).tolist()
+        self.medians_ms = {"during_backward": during, "after_backward": after}
+        if after < (1.0 - self.margin) * during:
+            self.after_backward = True
+        elif during < (1.0 - self.margin) * after:
+            self.after_backward = False
+        else:
+            self.after_backward = bool(self.prefer_after_backward)
+        return self.after_backward
 
 
 class GradientSynchronizer:
@@ -75,7 +157,7 @@ class GradientSynchronizer:
             average out (saves one copy of all gradients per step; the next round overwrites those views, so keep a
             clone if you need a gradient beyond the optimizer step).
         group: the process group (``None``: default).
-        tuner: how ``auto`` measures (``None``: a :class:`~lightning_sync.comm.launch_tuner.LaunchTuner` with its
+        tuner: how ``auto`` measures (``None``: a :class:`LaunchTuner` with its
             defaults).
         same_host_cpu: whether every rank of ``group`` runs on one machine's cores (``None``: assume so for CPU
             tensors), which sets ``auto``'s prior: there gloo's transfers compete with backward for the same cores

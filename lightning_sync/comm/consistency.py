@@ -51,14 +51,6 @@ class TensorMismatch:
         return f"{self.name} (ranks {list(self.ranks)}, max |diff| {self.max_abs_diff:.1e})"
 
 
-def describe(mismatches: Sequence[TensorMismatch], steps: int, limit: int = 8) -> str:
-    """One line naming the tensors that differ (the first ``limit``), e.g. ``replicas differ after 12 sync steps:
-    net.2.weight (ranks [1], max |diff| 3.1e-02)``."""
-    shown = ", ".join(str(m) for m in mismatches[:limit])
-    more = f", and {len(mismatches) - limit} more tensors" if len(mismatches) > limit else ""
-    return f"replicas differ after {steps} sync steps: {shown}{more}"
-
-
 # ------------------------------------------------------------------------------------------------ names
 def named_replicated_state(
     module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (), only: Iterable[torch.Tensor] | None = None
@@ -85,20 +77,18 @@ def named_replicated_state(
 
 
 # ------------------------------------------------------------------------------------------------ fingerprints
-def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum, sum of squares and position-weighted sum of ``tensor``'s elements, in float64."""
-    flat = tensor.detach().reshape(-1).to(torch.float64)
-    # A cheap position-dependent weight in [1, 2): catches swapped or shifted entries that a sum would miss.
-    idx = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device)
-    weights = 1.0 + torch.frac(idx * 0.6180339887498949)
-    return torch.stack([flat.sum(), (flat * flat).sum(), (flat * weights).sum()])
-
-
-def tensor_fingerprints(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
-    """A ``(len(tensors), 4)`` float64 matrix on ``device`` (``None``: the CPU): each tensor's size, sum, sum of
-    squares and weighted sum (each computed where its tensor is)."""
-    device = torch.device("cpu") if device is None else device
-    rows = [torch.cat([torch.tensor([float(t.numel())], dtype=torch.float64), _fingerprint(t).cpu()]) for t in tensors]
+def tensor_fingerprints(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A ``(len(tensors), 4)`` float64 matrix on ``device``: each tensor's size, sum, sum of squares and
+    position-weighted sum (each computed where its tensor is)."""
+    rows = []
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1).to(torch.float64)
+        # A cheap position-dependent weight in [1, 2): catches swapped or shifted entries that a sum would miss.
+        weights = 1.0 + torch.frac(
+            torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) * 0.6180339887498949
+        )
+        sums = torch.stack([flat.sum(), (flat * flat).sum(), (flat * weights).sum()]).cpu()
+        rows.append(torch.cat([torch.tensor([float(flat.numel())], dtype=torch.float64), sums]))
     return (torch.stack(rows) if rows else torch.zeros(0, 4, dtype=torch.float64)).to(device)
 
 
@@ -164,7 +154,8 @@ def find_mismatches(
         per_rank = every[:, column]
         bad = (per_rank > atol) | per_rank.isnan()
         if bool(bad.any()):
-            mismatches.append(TensorMismatch(names[i], tuple(bad.nonzero().flatten().tolist()), _worst(per_rank[bad])))
+            ranks = tuple(bad.nonzero().flatten().tolist())
+            mismatches.append(TensorMismatch(names[i], ranks, float(per_rank[bad].max())))  # max is NaN if one is
             if resync:
                 with torch.no_grad():
                     tensors[i].copy_(reference[offset : offset + tensors[i].numel()].view_as(tensors[i]))  # any device
@@ -220,11 +211,6 @@ def check_same_structure(named: Iterable[tuple[str, torch.Tensor]], group: Proce
         )
 
 
-def _worst(values: torch.Tensor) -> float:
-    """The largest of ``values``, or NaN if any is NaN."""
-    return float("nan") if bool(values.isnan().any()) else float(values.max())
-
-
 def check_replicas(
     named: Mapping[str, torch.Tensor],
     steps: int,
@@ -259,7 +245,8 @@ def check_replicas(
     mismatches = find_mismatches(named, group, atol, resync=resync and pull is None)
     if not mismatches:
         return []
-    message = describe(mismatches, steps)
+    more = f", and {len(mismatches) - 8} more tensors" if len(mismatches) > 8 else ""
+    message = f"replicas differ after {steps} sync steps: {', '.join(str(m) for m in mismatches[:8])}{more}"
     if on_mismatch == "raise":
         raise ReplicaMismatchError(message)
     if resync and pull is not None:

@@ -21,19 +21,12 @@ from lightning_sync.comm.meter import CommMeter
 class DDPHookState:
     """State handed to :func:`compressed_allreduce_hook` by ``DistributedDataParallel.register_comm_hook``.
 
-    Compressor memory (error-feedback residuals, PowerSGD factors) is kept per bucket index, so every bucket needs an
-    index of its own that stays the same from step to step. The index is derived from the bucket's parameters (which
-    parameter objects it holds, in order), not from its shapes and not from ``GradBucket.index()``:
-
-    * shapes are not unique: repeated blocks (transformer layers) give buckets with identical shapes, which would then
-      share one error-feedback state;
-    * DDP's own bucket index is not stable: DDP reduces the whole model as one bucket in the first step, then rebuilds
-      the buckets in the order gradients became ready, so index 0 names two different buckets before and after the
-      rebuild.
-
-    The parameters of a bucket identify it in both layouts. Indices are handed out in the order buckets are first
-    seen; DDP launches buckets in index order, so every run of the same model (a resumed one included) numbers them
-    alike: the first step's bucket first, then the rebuilt ones.
+    Compressor memory is kept per bucket index, so each bucket needs an index that stays the same from step to step.
+    It is derived from the bucket's parameter objects, in order: not from its shapes (repeated blocks give buckets
+    of identical shapes, which would share one error-feedback state), nor from ``GradBucket.index()`` (DDP reduces
+    the whole model as bucket 0 in the first step, then rebuilds the buckets, so index 0 names two buckets).
+    Indices are handed out in the order buckets are first seen, which DDP's launch order makes the same in every run
+    of the same model, a resumed one included.
 
     Attributes:
         compressor: averages each bucket.
@@ -49,12 +42,8 @@ class DDPHookState:
     _bucket_ids: dict[tuple[int, ...], int] = field(default_factory=dict)
 
     def bucket_id(self, parameters: list[torch.Tensor]) -> int:
-        """A stable index for the bucket holding ``parameters`` (the same parameters, in the same order, get the
-        same index; any other bucket a new one).
-
-        The key is the parameters' ``id``: DDP hands the hook the module's own parameter objects, which live as long
-        as the module, so an ``id`` is not reused while the hook is registered.
-        """
+        """A stable index for the bucket holding ``parameters``, keyed by their ``id`` (DDP hands the hook the
+        module's own parameter objects, so an ``id`` is not reused while the hook is registered)."""
         key = tuple(id(p) for p in parameters)
         return self._bucket_ids.setdefault(key, len(self._bucket_ids))
 

@@ -1,35 +1,30 @@
 """Streaming DiLoCo's fragments: which parameters sync together, and in which order the fragments sync.
 
-Nothing here knows of Lightning; :mod:`lightning_sync.comm.sync_groups` calls :func:`split_fragments` for every sync
-group. Everything works on parameter names (and shapes), so a plain training loop and the strategy form the same
-fragments from ``named_parameters()``.
+Nothing here knows of Lightning; everything works on parameter names (and shapes), so a plain training loop and the
+strategy form the same fragments from ``named_parameters()``.
 
-**By block** (the default, as the streaming DiLoCo paper and torchft form them). The model's *repeated blocks* are
-the children of one container (an ``nn.ModuleList`` or ``nn.Sequential``, whose children are named ``0``, ``1``,
-...) that hold the same parameter names with the same shapes, e.g. the ``blocks.0``, ``blocks.1``, ... of a
-transformer. Where several containers qualify, the one whose blocks hold the most parameters is taken. Block ``i``
-joins fragment ``i % k`` (strided, which the paper found better than contiguous fragments), with
-``k = min(fragments, blocks)``, and a block is never split. A parameter outside every block (embeddings, a final
-norm, an output head) joins the fragment of the nearest block before it in model order, and one before the first
-block joins the first block's: the embeddings sync with the block that reads them, the final norm and the head
-with the block that feeds them, which is where torchtitan's fragments put them; they stay out of the stride, so a
-large embedding or head never makes a fragment of its own.
+**By block** (the default, as the streaming DiLoCo paper and torchft form them). The *repeated blocks* are the
+children of one container with integer-named children (``blocks.0``, ``blocks.1``, ...) holding the same parameter
+names and shapes; of several such containers, the one holding the most parameters. Block ``i`` joins fragment
+``i % k`` (strided, which the paper found better than contiguous), ``k = min(fragments, blocks)``; a block is never
+split. A parameter outside every block joins the fragment of the nearest block before it (the first block's before
+any): embeddings sync with the block that reads them, the final norm and head with the block that feeds them, as in
+torchtitan, and a large embedding or head never makes a fragment of its own.
 
-**By layer** (the fallback, for a model without at least two repeated blocks, such as an MLP of different widths):
-each parameter's own module (``net.4.weight`` and ``net.4.bias`` form layer ``net.4``) is a unit, layers are
-numbered in model order and layer ``i`` joins fragment ``i % k``, with ``k = min(fragments, layers)``.
+**By layer** (without two repeated blocks, e.g. an MLP of different widths): each parameter's own module is a unit,
+and layer ``i`` joins fragment ``i % k``, ``k = min(fragments, layers)``.
 
-**Explicit** (``fragment_modules``): a list with one entry per fragment, in sync order (fragment 0 syncs first), each
-a module-name pattern or a list of them, as torchft's ``DiLoCo`` takes a list of modules. Patterns are
-:mod:`fnmatch` globs (case-sensitive, ``*`` also crosses dots) on module names such as ``tok_emb``, ``blocks.0`` or
-``blocks.[02]``; a parameter belongs to a pattern that matches the name of any module holding it (its own module or
-one above it). Every parameter must be in exactly one fragment, and every pattern must match at least one parameter.
-A parameter shared by two modules (a tied head) is named by its first name, as ``named_parameters()`` names it.
+**Explicit** (``fragment_modules``): one entry per fragment, in sync order, each a module-name pattern or a list of
+them, as torchft's ``DiLoCo`` takes a list of modules. Patterns are case-sensitive :mod:`fnmatch` globs (``*`` also
+crosses dots) on module names; a parameter belongs to a pattern matching any module holding it. Every parameter must
+be in exactly one fragment, and every pattern must match one; a shared parameter is named as ``named_parameters()``
+names it.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -103,10 +98,7 @@ def find_blocks(named: NamedShapes) -> list[str]:
                 children.setdefault(container, {}).setdefault(child, []).append(
                     (".".join(parts[depth + 1 :]), tuple(shape))
                 )
-                size = 1
-                for dim in shape:
-                    size *= int(dim)
-                numel[child] = numel.get(child, 0) + size
+                numel[child] = numel.get(child, 0) + math.prod(shape)
     best: list[str] = []
     best_size = 0
     for members in children.values():
@@ -238,12 +230,7 @@ def describe_fragments(named: NamedShapes, fragments: int, patterns: Sequence[Se
     its share of the parameter entries."""
     split = split_fragments(named, fragments, patterns)
     blocks = set(find_blocks(named)) if patterns is None else set()
-    sizes = []
-    for _, shape in named:
-        size = 1
-        for dim in shape:
-            size *= int(dim)
-        sizes.append(size)
+    sizes = [math.prod(shape) for _, shape in named]
     total = max(1, sum(sizes))
     rows = ["| fragment | modules | parameters | share |", "|---|---|---|---|"]
     for f, indices in enumerate(split):

@@ -16,26 +16,22 @@ collective                     bytes sent                    bytes received
 ``send_to`` / ``recv_from``    ``S`` / ``0``                 ``0`` / ``S``
 ============================  ============================  ============================
 
-Gloo (CPU) and NCCL (GPU) both run a dense ``all_reduce`` as a ring: a reduce-scatter of ``n`` chunks followed by
-an all-gather of the reduced chunks, so each rank sends ``n-1`` chunks of ``S/n`` bytes in each phase. An
-``all_gather`` ring forwards every other rank's block once. A broadcast moves ``n-1`` copies of ``S`` over the
-whole group whatever its tree shape; the meter books the mean per rank. With one rank nothing is counted.
+A dense ``all_reduce`` runs as a ring on gloo and NCCL (a reduce-scatter, then an all-gather: ``n-1`` chunks of
+``S/n`` each); an ``all_gather`` ring forwards every other rank's block once; a broadcast moves ``n-1`` copies of
+``S`` over the group, booked as the mean per rank. With one rank nothing is counted. ``seconds`` is the time
+collectives are in flight (launch to completion), so overlapped ones count in full, even when backward hid them.
 
-``seconds`` is the time collectives are in flight: for a blocking call the time spent in it, for an asynchronous
-one the time from launch until its future completes. Overlapped collectives therefore count in full, even when
-backward hid them.
-
-A collective that fails because another rank is frozen (it did not answer within the group's timeout) or gone
-(its connection closed) raises a :class:`~lightning_sync.comm.peer_errors.PeerError` naming that rank, e.g.
-``all_reduce on rank 0 failed: rank 1 did not answer within 8 s``; :func:`~lightning_sync.comm.peer_errors.wait_future`
-gives the same error for a chain of futures built on the meter's (both are importable from here too).
-
-The meter knows nothing of Lightning: strategies call :meth:`CommMeter.step` once per optimizer step and log the
-returned :class:`CommStats`.
+A collective that fails because another rank is frozen or gone raises a
+:class:`~lightning_sync.comm.peer_errors.PeerError` naming that rank (``all_reduce on rank 0 failed: rank 1 did not
+answer within 8 s``); so does :func:`~lightning_sync.comm.peer_errors.wait_future` for a chain of futures built on
+the meter's. The meter knows nothing of Lightning: strategies call :meth:`CommMeter.step` once per optimizer step and
+log the returned :class:`CommStats`.
 """
 
 from __future__ import annotations
 
+import datetime
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -46,8 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-from lightning_sync.comm._work import TimedWork
-from lightning_sync.comm.peer_errors import PeerError, naming_peer, peer_error, wait_future
+from lightning_sync.comm.peer_errors import PeerError, Peers, naming_peer, peer_error, wait_future
 
 __all__ = [
     "CommMeter",
@@ -106,6 +101,80 @@ def ring_all_reduce_bytes(nbytes: int, world_size: int) -> float:
     return 2.0 * (world_size - 1) / world_size * nbytes
 
 
+class TimedWork:
+    """The handle of an asynchronous collective: books its time in flight exactly once, and restates a failure a
+    peer caused (:mod:`~lightning_sync.comm.peer_errors`).
+
+    Args:
+        work: the torch.distributed work.
+        book: called once with the seconds from ``started`` until the work completed.
+        started: ``time.perf_counter()`` at launch.
+        op: a collective's name: its failure names the peer (point-to-point errors are the caller's).
+        group: the collective's process group; only its :class:`~lightning_sync.comm.peer_errors.Peers` are kept,
+            never the group (the completion callback runs on the backend's thread, see ``Peers``).
+        timeout_s: the group's timeout, named in a :class:`~lightning_sync.comm.peer_errors.PeerError`.
+    """
+
+    def __init__(
+        self,
+        work: Any,
+        book: Callable[[float], None],
+        started: float,
+        op: str | None,
+        group: Any,
+        timeout_s: float | None,
+    ) -> None:
+        self._work = work
+        self._book_seconds = book
+        self._started = started
+        self._timeout_s = timeout_s
+        self._op = op
+        self._peers = Peers.of(group) if op is not None else None
+        self._booked = False
+        self._lock = threading.Lock()  # the future's callback and wait() may both book
+        try:
+            self._future: torch.futures.Future | None = work.get_future().then(self._on_done)
+        except RuntimeError:  # some backends' point-to-point works have no future: book the time at wait()
+            self._future = None
+
+    def _on_done(self, fut: torch.futures.Future) -> Any:
+        self._book()
+        with naming_peer(self._op, self._peers, self._timeout_s):
+            return fut.value()
+
+    def _book(self) -> None:
+        with self._lock:
+            if self._booked:
+                return
+            self._booked = True
+        self._book_seconds(time.perf_counter() - self._started)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until the collective is done; ``timeout`` (seconds) bounds the wait on the work itself."""
+        if self._future is None:
+            if timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(datetime.timedelta(seconds=timeout))
+            self._book()
+        elif timeout is None:
+            self._future.wait()
+        else:
+            deadline = time.monotonic() + timeout
+            while not self._future.done():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"collective not done after {timeout} s")
+                time.sleep(0.0005)
+            self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        """A future that completes after the collective and after its time is booked."""
+        if self._future is None:
+            raise RuntimeError("this work handle has no future; call wait()")
+        return self._future
+
+
 class CommMeter:
     """Issues collectives through torch.distributed and counts what each one puts on the wire.
 
@@ -153,9 +222,6 @@ class CommMeter:
             self._total.calls += calls
             self._total.seconds += seconds
 
-    def _book_seconds(self, seconds: float) -> None:
-        self.record(0.0, 0.0, seconds=seconds, calls=0)
-
     def world_size(self, group: ProcessGroup | None = None) -> int:
         return dist.get_world_size(group if group is not None else self.group)
 
@@ -173,7 +239,8 @@ class CommMeter:
             if not async_op:
                 work.wait()
         self.record(sent, recv, calls=1)
-        return TimedWork(work, self._book_seconds, started, op, group, self.timeout_s)
+        book = functools.partial(self.record, 0.0, 0.0, calls=0)  # the seconds, at completion
+        return TimedWork(work, book, started, op, group, self.timeout_s)
 
     def _collective(
         self, name: str, tensor: torch.Tensor, group: ProcessGroup | None, per_byte: Callable[[int], float],
@@ -237,14 +304,9 @@ class CommMeter:
         nbytes = float(tensor.numel() * tensor.element_size())
         return self._run(nbytes, 0.0, True, lambda: group.send([tensor], int(group_dst), int(tag)))
 
-    def recv_from(self, tensor: torch.Tensor, group_src: int | None, group: Any = None, tag: int = 0) -> TimedWork:
-        """Asynchronous receive into ``tensor`` from rank ``group_src`` of ``group``, or from any rank if ``None``.
-
-        Counted as ``S`` bytes received when launched. After a receive from any rank completes,
-        :meth:`~lightning_sync.comm._work.TimedWork.source_rank` names the sender.
-        """
+    def recv_from(self, tensor: torch.Tensor, group_src: int, group: Any = None, tag: int = 0) -> TimedWork:
+        """Asynchronous receive into ``tensor`` from rank ``group_src`` of ``group``, counted as ``S`` bytes received
+        when launched."""
         group = group if group is not None else self.group
         nbytes = float(tensor.numel() * tensor.element_size())
-        if group_src is None:
-            return self._run(0.0, nbytes, True, lambda: group.recv_anysource([tensor], int(tag)))
         return self._run(0.0, nbytes, True, lambda: group.recv([tensor], int(group_src), int(tag)))

@@ -57,23 +57,13 @@ def probe(tensor: torch.Tensor) -> torch.Tensor:
 def all_finite(probes: list[torch.Tensor], tensors: Iterable[torch.Tensor]) -> bool:
     """Whether ``tensors`` hold no NaN and no Inf, given their :func:`probe` (one host sync; ``True`` for none).
 
-    Every probe finite means every entry is. Otherwise each tensor's :func:`extremes` decide exactly (a NaN makes
-    both ends NaN, an Inf one end infinite, and nothing overflows), so a step is never skipped for a large but
-    finite gradient.
+    Every probe finite means every entry is. Otherwise each tensor's ``aminmax`` decides exactly (a NaN makes both
+    ends NaN, an Inf one end infinite, and nothing overflows), so a step is never skipped for a large but finite
+    gradient.
     """
     if not probes or bool(torch.stack(probes).isfinite().all()):
         return True
-    return ends_are_finite([extremes(t) for t in tensors])
-
-
-def extremes(tensor: torch.Tensor) -> torch.Tensor:
-    """``[min, max]`` of a non-empty tensor, one ``aminmax``: a NaN makes both NaN, an Inf makes one infinite."""
-    return torch.stack(torch.aminmax(tensor.detach()))
-
-
-def ends_are_finite(ends: list[torch.Tensor]) -> bool:
-    """Whether every :func:`extremes` in ``ends`` is finite (one host sync; ``True`` for none)."""
-    return not ends or bool(torch.stack(ends).isfinite().all())
+    return bool(torch.stack([torch.stack(torch.aminmax(t.detach())) for t in tensors]).isfinite().all())
 
 
 def drop_grads(params: Iterable[torch.nn.Parameter]) -> None:

@@ -18,8 +18,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-RENDEZVOUS_AT_LEAST_S = 60.0
-
 
 def rendezvous_timeout_s(timeout_s: float) -> float:
     """How long ranks (or a ps group's members) have to meet: ``timeout_s``, and at least 60 s.
@@ -28,7 +26,7 @@ def rendezvous_timeout_s(timeout_s: float) -> float:
     machine three of them took over 16 s. A short ``timeout_s``, chosen to notice a lost peer quickly, would fail
     such a start; the bound here keeps the start bounded without tying it to that choice.
     """
-    return max(float(timeout_s), RENDEZVOUS_AT_LEAST_S)
+    return max(float(timeout_s), 60.0)
 
 
 class PeerError(RuntimeError):

@@ -1,32 +1,22 @@
 """Local SGD and DiLoCo: a periodic averager that owns its schedule (period, warmup, groups, adaptive period).
 
-Nothing here knows of Lightning. As torch's ``PeriodicModelAverager`` does, :class:`PeriodicAverager` takes its
-schedule at construction and checks it there, so a bad value fails before any process starts. Its owner (a
-Lightning strategy, or a plain training loop) then only reports what happened:
+Nothing here knows of Lightning. As torch's ``PeriodicModelAverager`` does, :class:`PeriodicAverager` checks its
+schedule at construction, so a bad value fails before any process starts. Its owner (a Lightning strategy, or a
+plain training loop) then reports what happened: :meth:`~PeriodicAverager.setup` once the process group exists (it
+splits the model into sync groups, :mod:`lightning_sync.comm.sync_groups`, and takes their global copy);
+:attr:`~PeriodicAverager.in_warmup` before each optimizer step (all-reduce its gradients instead of keeping them
+local); :meth:`~PeriodicAverager.step` after it (averages the buffers after a warmup step, or syncs the groups that
+are due); :meth:`~PeriodicAverager.finish` at the end (syncs every group with unsynced steps).
 
-* :meth:`PeriodicAverager.setup` once the process group exists: splits the model's parameters and buffers into
-  sync groups (:mod:`lightning_sync.comm.sync_groups`: one per ``module_sync_every`` glob pattern on full parameter
-  names, :mod:`lightning_sync.comm.module_policy`, each with its own period, plus the default group ``"*"``) and
-  takes their global copy;
-* :attr:`PeriodicAverager.in_warmup` before each optimizer step: whether that step's gradients must be all-reduced
-  (post-local SGD's warmup) instead of staying local;
-* :meth:`PeriodicAverager.step` after each optimizer step: averages the buffers after a warmup step, or syncs the
-  groups that are due;
-* :meth:`PeriodicAverager.finish` at the end of training: syncs every group with unsynced steps.
-
-Streaming DiLoCo (:mod:`lightning_sync.comm.streaming`): with ``fragments=k`` every sync group is split into up to ``k``
-fragments (:mod:`lightning_sync.comm.fragments`), each with its own global copy, compressor and outer optimizer;
-fragment ``f`` of a group with period ``p`` first syncs after ``(f + 1) * p // k`` steps, then every ``p`` steps. With
-``sync_delay=τ`` a fragment's outer sync is launched ``τ`` steps before its sync step, runs on a worker thread
-meanwhile, and is applied at it, mixed by ``fragment_alpha``; ``outer_compression`` is the pseudo-gradients' codec. At
-their defaults every operation is DiLoCo's (or local SGD's).
-
-A *step* is one optimizer step. Group parameters travel as deltas from the global copy through the compressor
-(:class:`~lightning_sync.comm.averaging.ModelAverager`); buffers and optimizer state are averaged exactly.
+Streaming DiLoCo (:mod:`lightning_sync.comm.streaming`): with ``fragments=k`` every sync group is split into up to
+``k`` fragments, each with its own global copy, compressor and outer optimizer; fragment ``f`` of a group with
+period ``p`` first syncs after ``(f + 1) * p // k`` steps, then every ``p``. With ``sync_delay=τ`` a fragment's
+outer sync is launched ``τ`` steps before its sync step, runs on a worker thread, and is applied at it, mixed by
+``fragment_alpha``. At their defaults every operation is DiLoCo's (or local SGD's).
 
 ``sync_every="auto"``: after each sync of the default group the ranks agree (MAX over ranks) on the measured compute
-seconds per step and the seconds that sync took (both timed on the averager's ``clock``), and
-:class:`~lightning_sync.comm.adaptive.AdaptivePeriod` picks the next period, identically everywhere.
+seconds per step and the seconds that sync took, and :class:`~lightning_sync.comm.adaptive.AdaptivePeriod` picks the
+next period, identically everywhere.
 """
 
 from __future__ import annotations
@@ -35,18 +25,18 @@ import concurrent.futures
 import functools
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from lightning_sync.comm._periodic_knobs import check_periodic_ranges, check_streaming_periods
 from lightning_sync.comm.adaptive import AdaptiveOptions, AdaptivePeriod, ComputeTimer, agree_max
 from lightning_sync.comm.averaging import (
     OUTER_OPTIMIZER,
     WAIT_GRACE_S,
+    ModelAverager,
     OptimizerCallable,
     average_buffers,
     average_optimizer_state,
@@ -55,20 +45,84 @@ from lightning_sync.comm.averaging import (
 )
 from lightning_sync.comm.compression import Compressor, NoCompression, resolve_codec
 from lightning_sync.comm.meter import CommMeter
-from lightning_sync.comm.module_policy import assign_patterns, normalize_module_policy
-from lightning_sync.comm.streaming import (
-    OuterSyncWorker,
-    StreamingAverager,
-    StreamingOptions,
-    new_stream_group,
-)
+from lightning_sync.comm.module_policy import POLICY_FIELD, assign_patterns, normalize_module_policy
+from lightning_sync.comm.streaming import OuterSyncWorker, StreamingOptions, new_stream_group
 from lightning_sync.comm.sync_groups import (
     SyncGroup,
     build_sync_groups,
-    global_copies,
     groups_state,
     load_groups_state,
 )
+from lightning_sync.errors import ConfigError, check_range
+
+
+def _check_ranges(sync_every: int | str, warmup_steps: int, bucket_cap_mb: float) -> None:
+    """Checks each knob's own range (at construction, so that a bad value fails before any process starts, as torch's
+    ``PeriodicModelAverager`` checks its period).
+
+    Raises:
+        ConfigError: the first knob out of range, named.
+    """
+    if sync_every != "auto":
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int):
+            raise ConfigError(f"sync_every={sync_every!r} is not allowed; it must be an integer >= 1 or 'auto'")
+        check_range("sync_every", sync_every, low=1, integer=True)
+    check_range("warmup_steps", warmup_steps, low=0, integer=True)
+    check_range("bucket_cap_mb", bucket_cap_mb, low=0, low_open=True)
+
+
+def _check_streaming(
+    streaming: StreamingOptions,
+    new_compressor: Callable[[], Compressor],
+    sync_every: int | str,
+    min_sync_every: int | None,
+    policy: Mapping[str, int],
+) -> None:
+    """Checks the streaming knobs against each other and against every period a sync group may have.
+
+    Args:
+        streaming: the streaming knobs (fragments, delay, mixing, codec, explicit fragments).
+        new_compressor: makes the compressor of the pseudo-gradients when ``outer_compression`` is ``none``.
+        sync_every: the default group's fixed period, or ``"auto"`` (checked by :func:`_check_ranges`).
+        min_sync_every: the smallest adaptive period with ``sync_every="auto"``, else ``None``.
+        policy: the normalized ``module_sync_every``, ``{pattern: period}``.
+
+    Raises:
+        ConfigError: a streaming knob out of range or one that does not fit a period, named as the knob (a period
+            as the knob that sets it); ``fragment_modules`` together with ``module_sync_every``.
+    """
+    fragments, sync_delay, outer_compression = streaming.fragments, streaming.sync_delay, streaming.outer_compression
+    check_range("fragments", fragments, low=1, integer=True)
+    check_range("sync_delay", sync_delay, low=0, integer=True)
+    check_range("fragment_alpha", streaming.fragment_alpha, low=0, high=1)
+    resolve_codec(outer_compression, "outer_compression")
+    base = new_compressor().name
+    if outer_compression != "none" and base != "none":
+        raise ConfigError(
+            f"outer_compression={outer_compression!r} is not allowed with compression={base!r}; the "
+            "pseudo-gradients take one codec: set compression=none, or outer_compression=none"
+        )
+    periods = [("sync_every", sync_every)] if isinstance(sync_every, int) else []
+    if min_sync_every is not None:
+        periods.append(("min_sync_every", min_sync_every))
+    periods += [(f"{POLICY_FIELD}[{pattern!r}]", every) for pattern, every in policy.items()]
+    for field, period in periods:
+        if fragments > period:
+            raise ConfigError(
+                f"fragments={fragments} is not allowed with {field}={period}; it must be <= {field} (each "
+                "fragment syncs at its own step of the period)"
+            )
+        if sync_delay >= period // fragments:  # fragment 0 first syncs after period // fragments steps
+            raise ConfigError(
+                f"sync_delay={sync_delay} is not allowed with {field}={period} and fragments={fragments}; it "
+                f"must be >= 0 and < {field} // fragments = {period // fragments} (fragment 0 first syncs "
+                f"{period // fragments} steps in, and its outer sync launches sync_delay steps before)"
+            )
+    if streaming.fragment_modules is not None and policy:
+        raise ConfigError(
+            f"fragment_modules={[list(f) for f in streaming.fragment_modules]!r} is not allowed with "
+            f"{POLICY_FIELD}; explicit fragments split one group: leave one of them unset"
+        )
 
 
 class PeriodicAverager:
@@ -114,7 +168,7 @@ class PeriodicAverager:
         timeout_s: float = 600.0,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        check_periodic_ranges(sync_every, warmup_steps, bucket_cap_mb)
+        _check_ranges(sync_every, warmup_steps, bucket_cap_mb)
         check_optimizer_callable(outer_optimizer)
         self.adaptive = (
             AdaptivePeriod(adaptive.target_comm_fraction, adaptive.min_sync_every, adaptive.max_sync_every)
@@ -123,7 +177,7 @@ class PeriodicAverager:
         )
         self.policy = normalize_module_policy(module_sync_every) or {}
         min_every = None if self.adaptive is None else self.adaptive.min_every
-        check_streaming_periods(streaming, new_compressor, sync_every, min_every, self.policy)
+        _check_streaming(streaming, new_compressor, sync_every, min_every, self.policy)
         self.sync_every = sync_every
         self.warmup_steps = int(warmup_steps)
         self.outer = bool(outer)
@@ -209,9 +263,9 @@ class PeriodicAverager:
 
     def _new_averager(
         self, params: list[nn.Parameter], meter: CommMeter, sync_group: ProcessGroup | None
-    ) -> tuple[StreamingAverager, torch.optim.Optimizer | None]:
+    ) -> tuple[ModelAverager, torch.optim.Optimizer | None]:
         """A fragment's global copy and averaging, and DiLoCo's outer optimizer over it (``None`` for local SGD)."""
-        averager = StreamingAverager(params, self.new_compressor(), meter, self.bucket_cap_mb, sync_group)
+        averager = ModelAverager(params, self.new_compressor(), meter, self.bucket_cap_mb, sync_group)
         outer = None
         if self.outer and averager.anchors:
             outer = self.outer_optimizer(averager.anchors)
@@ -424,7 +478,11 @@ class PeriodicAverager:
     def synced_global_copies(self) -> dict[str, torch.Tensor]:
         """The global copies of the groups synced by the last :meth:`step`, by name (``global_copy[*#0][0]``):
         identical on every rank after a sync, also where ``fragment_alpha`` leaves the parameters mixed."""
-        return global_copies(self.last_synced)
+        return {
+            f"global_copy[{group.label}][{i}]": anchor
+            for group in self.last_synced
+            for i, anchor in enumerate(group.averager.anchors)
+        }
 
     def close(self) -> None:
         """Drops the outer-sync worker thread once its jobs are done (waiting up to ``timeout_s``), so the process

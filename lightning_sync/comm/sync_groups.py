@@ -1,8 +1,7 @@
-"""The sync groups of a periodic averager: how parameters and buffers are laid out in them, how a sync in flight is
-applied to one, and their checkpoint state.
+"""The sync groups of a periodic averager: how parameters and buffers are laid out in them, and their checkpoint
+state. Nothing here knows of Lightning; :class:`~lightning_sync.comm.periodic.PeriodicAverager` owns the schedule.
 
-Nothing here knows of Lightning; :class:`~lightning_sync.comm.periodic.PeriodicAverager` owns the schedule. A sync
-group is a ``module_sync_every`` group (:mod:`lightning_sync.comm.module_policy`), or the default group ``"*"``, or,
+A sync group is a ``module_sync_every`` group (:mod:`lightning_sync.comm.module_policy`), or the default group ``"*"``, or,
 with ``fragments > 1``, one of its fragments, strided by block (:mod:`lightning_sync.comm.fragments`).
 """
 
@@ -17,9 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_sync.comm.averaging import InFlight, ModelAverager
 from lightning_sync.comm.fragments import buffer_fragments, split_fragments
 from lightning_sync.comm.module_policy import DEFAULT_GROUP
-from lightning_sync.comm.streaming import InFlight, StreamingAverager, stagger_offsets
+from lightning_sync.comm.streaming import stagger_offsets
 
 
 @dataclass
@@ -48,7 +48,7 @@ class SyncGroup:
     period: int | None
     params: list[nn.Parameter]
     buffers: list[torch.Tensor]
-    averager: StreamingAverager
+    averager: ModelAverager
     outer: torch.optim.Optimizer | None = None
     since_sync: int = 0
     syncs: int = 0
@@ -67,7 +67,7 @@ def build_sync_groups(
     policy: Mapping[str, int],
     fragments: int,
     default_period: int,
-    new_averager: Callable[[list[nn.Parameter]], tuple[StreamingAverager, torch.optim.Optimizer | None]],
+    new_averager: Callable[[list[nn.Parameter]], tuple[ModelAverager, torch.optim.Optimizer | None]],
     fragment_modules: Sequence[Sequence[str]] | None = None,
 ) -> list[SyncGroup]:
     """The default group, then one group per ``policy`` pattern, each split into up to ``fragments`` fragments.
@@ -106,29 +106,10 @@ def build_sync_groups(
             mine = [b for (_, b), at in zip(buffers, owner) if at == f]
             averager, outer = new_averager(params)
             name = label if len(split) == 1 else f"{label}#{f}"
-            groups.append(
-                SyncGroup(
-                    name,
-                    period,
-                    params,
-                    mine,
-                    averager,
-                    outer,
-                    since_sync=offset,
-                    offset=offset,
-                    fragments=len(split),
-                )
-            )
+            group = SyncGroup(name, period, params, mine, averager, outer, fragments=len(split))
+            group.since_sync = group.offset = offset
+            groups.append(group)
     return groups
-
-
-def global_copies(groups: Sequence[SyncGroup]) -> dict[str, torch.Tensor]:
-    """The global copies of ``groups``, by group label and bucket (``global_copy[*#0][0]``)."""
-    return {
-        f"global_copy[{group.label}][{i}]": anchor
-        for group in groups
-        for i, anchor in enumerate(group.averager.anchors)
-    }
 
 
 def groups_state(groups: Sequence[SyncGroup], timeout_s: float | None = None) -> list[dict[str, Any]]:

@@ -1,36 +1,22 @@
 """Local SGD and DiLoCo across replica groups: :class:`PeriodicAverager` whose syncs go through a torchft quorum.
 
-Inside a replica group the ranks average as :class:`~lightning_sync.comm.periodic.PeriodicAverager` does (over the
-group's own process group); the group's average is then averaged over the groups of the quorum by
-:class:`~lightning_sync.ft.replica.ReplicaGroupLink`. Each sync is one quorum, and is committed only when torchft
-says so: a sync that failed (a group lost inside it, too few groups) leaves the global copy and the outer optimizer
-as they were, and every parameter returns to the global copy, as torchft's own ``DiLoCo`` does. A non-finite average
-(``skip_nonfinite``) is identical on every group, so every group skips it.
-
-With one rank per group, ``N`` groups compute what ``N`` ordinary ranks do (the same pseudo-gradient mean, the same
-outer step). Streaming DiLoCo works: each fragment's sync is a quorum of its own; with ``sync_delay > 0`` the quorum
-is joined when the fragment's sync is launched (a group behind heals there, while nothing is in flight), the worker
-thread averages inside the group and then across groups while the inner steps go on, and torchft votes when the
-result is applied (with ``fragment_alpha``), as torchft's own ``DiLoCo`` does. ``sync_every="auto"``,
-``warmup_steps > 0``, ``average_optimizer_state`` and an ``outer_compression`` that cannot ride ``across_groups`` are
-refused (:func:`check_fault_tolerant_knobs`). With an ``outer_compression`` codec, the pseudo-gradients are averaged
-exactly inside a group and cross the groups as that codec sends them
-(:meth:`~lightning_sync.ft.replica.ReplicaGroupLink.average_coded_`); each sync group keeps its own codec, whose memory
-is part of the averager's state, so a healing group takes its source's.
+Inside a replica group the ranks average as :class:`~lightning_sync.comm.periodic.PeriodicAverager` does; the group's
+average is then averaged over the quorum's groups by :class:`~lightning_sync.ft.replica.ReplicaGroupLink`, and the
+sync is applied only when torchft commits it (otherwise every parameter returns to the global copy, as torchft's
+``DiLoCo`` does). With one rank per group, ``N`` groups compute what ``N`` ordinary ranks do. Streaming DiLoCo works:
+each fragment's sync is a quorum of its own, joined at launch (a group behind heals while nothing is in flight) and
+voted at apply. An ``outer_compression`` codec carries the pseudo-gradients across groups (exact inside one), one
+codec per sync group, whose memory a healing group takes from its source.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
-from torch.distributed import ProcessGroup
 from typing_extensions import override
 
 from lightning_sync.comm.compression import Compressor, NoCompression, resolve_codec
-from lightning_sync.comm.meter import CommMeter
 from lightning_sync.comm.periodic import PeriodicAverager
 from lightning_sync.comm.sync_groups import SyncGroup
 from lightning_sync.errors import ConfigError
@@ -38,7 +24,7 @@ from lightning_sync.ft.replica import ReplicaGroupLink
 
 
 def check_fault_tolerant_knobs(averager: PeriodicAverager) -> None:
-    """Refuses what an averager was built with that cannot be made fault tolerant (yet), naming the knob.
+    """Refuses what an averager was built with that cannot be made fault tolerant, naming the knob.
 
     Raises:
         ConfigError: ``sync_every="auto"``, ``warmup_steps > 0``, ``average_optimizer_state`` or an
@@ -71,7 +57,9 @@ class FaultTolerantAverager(PeriodicAverager):
     def __init__(self, link: ReplicaGroupLink | None = None, **knobs: Any) -> None:
         super().__init__(**knobs)
         check_fault_tolerant_knobs(self)
-        self._link = link
+        self._link: ReplicaGroupLink | None = None
+        if link is not None:
+            self.connect(link)
         self.committed_syncs = 0
         self.failed_syncs = 0
         # an outer codec rides across the groups (one per sync group, for its memory); inside a group: exact
@@ -81,8 +69,10 @@ class FaultTolerantAverager(PeriodicAverager):
             self.new_compressor = NoCompression
 
     def connect(self, link: ReplicaGroupLink) -> None:
-        """Makes ``link`` this rank's link to the other groups (before :meth:`setup`)."""
+        """Makes ``link`` this rank's link to the other groups (before :meth:`setup`); a healing group pulls the
+        averager's state (steps, global copies, outer optimizers) through it."""
         self._link = link
+        link.register_state("averager", self.state_dict, self.load_state_dict)
 
     @property
     def link(self) -> ReplicaGroupLink:
@@ -126,18 +116,6 @@ class FaultTolerantAverager(PeriodicAverager):
         for i, codec_state in state.get("across", {}).items():
             codec = self._across_codecs.setdefault(int(i), self._new_across())  # type: ignore[misc]
             codec.load_state_dict(codec_state)
-
-    def setup(
-        self,
-        named_parameters: Iterable[tuple[str, nn.Parameter]],
-        named_buffers: Iterable[tuple[str, torch.Tensor]],
-        meter: CommMeter,
-        group: ProcessGroup | None = None,
-    ) -> None:
-        """As :meth:`PeriodicAverager.setup`, and adds the averager's state (steps, global copies, outer optimizers)
-        to what a healing group pulls."""
-        super().setup(named_parameters, named_buffers, meter, group)
-        self.link.register_state("averager", self.state_dict, self.load_state_dict)
 
     def close(self) -> None:
         """Stops the outer-sync worker (none here) and the link's Manager."""

@@ -16,10 +16,9 @@ The timeouts are derived from one number, ``timeout_s``, in an order that holds:
 * so a quorum call must wait longer than all of those, or a survivor gives up on a quorum that was about to form.
 
 ``heartbeat_timeout_s`` and ``join_timeout_s`` describe the lighthouse (its ``--heartbeat_timeout_ms`` and
-``--join_timeout_ms``); the defaults are torchft's heartbeat (5 s) and the 5 s join the guide's lighthouse uses
-(torchft's binary defaults to 60 s: say so with ``join_timeout_s=60``). A lost or frozen group is dropped by its
-heartbeat; the join timeout only bounds how long a quorum waits for a live group that is late, and a group later
-than that misses the sync and heals at the next one, losing its steps since the last sync.
+``--join_timeout_ms``): torchft's heartbeat (5 s) and the guide's 5 s join (torchft's binary defaults to 60 s). A
+lost or frozen group is dropped by its heartbeat; a live group later than the join timeout misses the sync and heals
+at the next one, losing its steps since the last sync.
 """
 
 from __future__ import annotations
@@ -34,8 +33,6 @@ from lightning_sync.errors import ConfigError, check_range
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 """The environment variable holding the default lighthouse address (torchft's own)."""
-
-EXTRA_HINT = "pip install 'lightning-sync[ft]'"
 
 
 class FaultToleranceUnavailable(ImportError):
@@ -52,13 +49,9 @@ def require_torchft() -> ModuleType:
         import torchft
     except ImportError as error:
         raise FaultToleranceUnavailable(
-            f"fault tolerance needs torchft, which is not installed ({error}); install the extra: {EXTRA_HINT}"
+            f"fault tolerance needs torchft, which is not installed ({error}); install the extra: pip install 'lightning-sync[ft]'"
         ) from None
     return torchft
-
-
-def _default_lighthouse() -> str:
-    return os.environ.get(LIGHTHOUSE_ENV, "")
 
 
 def lighthouse_url(address: str) -> str:
@@ -84,7 +77,7 @@ class FaultTolerance:
         quorum_timeout_s: how long a group waits for a quorum (default: the sum of the four above).
     """
 
-    lighthouse: str = field(default_factory=_default_lighthouse)
+    lighthouse: str = field(default_factory=lambda: os.environ.get(LIGHTHOUSE_ENV, ""))
     replica_group: int = 0
     num_replica_groups: int = 1
     min_replicas: int = 1

@@ -1,4 +1,5 @@
-"""One rank's link to the other replica groups: a torchft ``Manager`` and what it counts.
+"""One rank's link to the other replica groups: a torchft ``Manager``, what it counts, and the ``allreduce``
+strategy's per-step gradient sync across groups (:func:`average_gradients_across`).
 
 :class:`ReplicaGroupLink` owns the Manager of this rank (rank ``r`` of a group meets rank ``r`` of every other group in
 torchft's process group), the group's store, and the counters the strategy logs: quorums, participants, commits,
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_sync.comm.compression import Compressor, FlatBucket
+from lightning_sync.comm.nonfinite import drop_grads
 from lightning_sync.ft.config import FaultTolerance, check_lighthouse, lighthouse_url, require_torchft
 
 log = logging.getLogger("lightning_sync.ft")
@@ -271,3 +273,30 @@ class ReplicaGroupLink:
         """Stops the Manager (does not wait for its threads)."""
         self.manager.shutdown(wait=False)
         self._store = None
+
+
+def average_gradients_across(link: ReplicaGroupLink, params: Sequence[nn.Parameter]) -> bool:
+    """One torchft step of the ``allreduce`` strategy, before its optimizer step: a quorum (a group behind heals
+    here), the gradients (averaged inside the group; a missing one counts as zeros) averaged over the quorum's groups
+    in one flat buffer, and torchft's vote. Not committed: the gradients are dropped, so the optimizer step leaves
+    the parameters and its state alone.
+
+    Returns:
+        Whether the step is committed.
+    """
+    link.start()
+    trainable = [p for p in params if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
+    flat = torch.cat([g.detach().reshape(-1) for g in grads]) if grads else torch.zeros(0)
+    link.average_([flat])
+    committed = link.commit()
+    if not committed:
+        drop_grads(trainable)
+        return False
+    offset = 0
+    with torch.no_grad():
+        for p, g in zip(trainable, grads):
+            n = g.numel()
+            p.grad = flat[offset : offset + n].view_as(g).to(g.dtype)
+            offset += n
+    return True

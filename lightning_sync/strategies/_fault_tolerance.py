@@ -16,8 +16,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning_sync.comm.periodic import PeriodicAverager
 from lightning_sync.errors import ConfigError
 from lightning_sync.ft.config import FaultTolerance, as_fault_tolerance, require_torchft
-from lightning_sync.ft.gradients import average_gradients_across
-from lightning_sync.ft.replica import ReplicaGroupLink
+from lightning_sync.ft.replica import ReplicaGroupLink, average_gradients_across
 
 __all__ = [
     "FaultTolerance",

@@ -1,17 +1,14 @@
 """Codecs: how a payload is averaged over a process group, shared by every sync mode. One registry.
 
-A codec (a :class:`Compressor`) is one class with its own arguments: ``TopKCompression(density=0.01)``,
-``PowerSGDCompression(rank=4)``, the block-quantized ``Int8Compression``/``Int4Compression``, the
-``FP16Compression``/``BF16Compression`` casts, :class:`SparseLoCo`. It averages one :class:`FlatBucket` over a
-process group: it owns the encoding, the collectives (issued through a
-:class:`~lightning_sync.comm.meter.CommMeter`, so the meter sees the compressed payload) and the decoding, and writes
-the mean back into the bucket's buffer in place. Codecs with memory (error feedback, PowerSGD's factors) keep it per
-bucket index, in :meth:`Compressor.state_dict`, so it goes into checkpoints.
+A codec (a :class:`Compressor`: ``TopKCompression(density=0.01)``, ``PowerSGDCompression(rank=4)``,
+``Int8Compression``/``Int4Compression``, ``FP16Compression``/``BF16Compression``, :class:`SparseLoCo`) averages one
+:class:`FlatBucket` over a process group in place: it owns the encoding, the collectives (through a
+:class:`~lightning_sync.comm.meter.CommMeter`, which so sees the compressed payload) and the decoding; its memory
+(error feedback, PowerSGD's factors) is kept per bucket index and checkpointed.
 
-Every consumer takes its codec through :func:`resolve_codec`: the bucketed all-reduce, the DDP comm hook, periodic's
-outer sync and streaming fragments, the sync across torchft groups and the parameter server's pushes. A codec is
-given as an object or by its registry name (:data:`CODECS`; the name gives the class's defaults). A consumer that
-needs a capability the codec lacks (:attr:`Compressor.capabilities`) refuses it there, before any process starts.
+Every consumer (the bucketed all-reduce, the DDP hook, periodic's outer sync, the sync across torchft groups, the
+parameter server's pushes) takes its codec, an object or a registry name (:data:`CODECS`), through
+:func:`resolve_codec`, which refuses one lacking a capability the consumer needs, before any process starts.
 
 Nothing here knows of Lightning.
 """

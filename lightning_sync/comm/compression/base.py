@@ -1,10 +1,5 @@
-"""The contract every gradient compressor follows: :class:`FlatBucket` in, :class:`Compressor` averages it.
-
-A :class:`Compressor` averages one :class:`FlatBucket` over a process group. It owns the encoding, the collectives
-(issued through a :class:`~lightning_sync.comm.meter.CommMeter`, so the meter sees the compressed payload) and the
-decoding, and writes the mean back into the bucket's buffer in place. Compressors with memory keep it per bucket
-index; it is part of :meth:`Compressor.state_dict`, so it goes into checkpoints.
-"""
+"""The contract every codec follows (see :mod:`lightning_sync.comm.compression`): a :class:`Compressor` averages a
+:class:`FlatBucket` over a process group, in place."""
 
 from __future__ import annotations
 
@@ -19,6 +14,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.nonfinite import zero_nonfinite_
 
 
 @dataclass
@@ -87,6 +83,9 @@ class Compressor(ABC):
     capabilities: ClassVar[frozenset[str]] = frozenset()
     """Beyond averaging over a process group: ``point_to_point`` (:meth:`encode` and :meth:`decode` of a flat
     payload, for a parameter-server push) and ``across_groups`` (:meth:`average` over torchft's process group)."""
+    memory: ClassVar[str | None] = None
+    """The attribute holding the codec's error-feedback memory, ``{key: tensor}`` (``None``: none), which
+    :meth:`state_dict` saves and :meth:`forget_nonfinite` cleans."""
 
     def __init__(self) -> None:
         self.steps = 0
@@ -100,18 +99,19 @@ class Compressor(ABC):
             decompressed estimate of it).
         """
 
+    def _args(self) -> dict[str, Any]:
+        """The constructor arguments it keeps under the same names."""
+        return {n: getattr(self, n) for n in inspect.signature(type(self)).parameters if hasattr(self, n)}
+
     def __repr__(self) -> str:
-        """The class and the constructor arguments it keeps under the same names, e.g. ``TopKCompression(density=0.01,
-        error_feedback=True)``."""
-        names = [n for n in inspect.signature(type(self)).parameters if hasattr(self, n)]
-        return f"{type(self).__name__}({', '.join(f'{n}={getattr(self, n)!r}' for n in names)})"
+        """The class and :meth:`_args`, e.g. ``TopKCompression(density=0.01, error_feedback=True)``."""
+        return f"{type(self).__name__}({', '.join(f'{n}={v!r}' for n, v in self._args().items())})"
 
     def spec(self) -> dict[str, Any]:
-        """The codec as plain values (its class's import path and :meth:`__repr__`'s arguments), to send to a process
-        that rebuilds it with :meth:`from_spec` (a parameter server loads only plain values)."""
-        names = [n for n in inspect.signature(type(self)).parameters if hasattr(self, n)]
+        """The codec as plain values (its class's import path and :meth:`_args`), to send to a process that rebuilds
+        it with :meth:`from_spec` (a parameter server loads only plain values)."""
         cls = type(self)
-        return {"target": f"{cls.__module__}.{cls.__qualname__}", "args": {n: getattr(self, n) for n in names}}
+        return {"target": f"{cls.__module__}.{cls.__qualname__}", "args": self._args()}
 
     @staticmethod
     def from_spec(spec: dict[str, Any]) -> Compressor:
@@ -149,12 +149,20 @@ class Compressor(ABC):
         self.steps += 1
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume bit-exactly (step count, residuals, factors)."""
-        return {"steps": self.steps}
+        """Everything needed to resume bit-exactly: the step count and the :attr:`memory` (cloned)."""
+        state: dict[str, Any] = {"steps": self.steps}
+        if self.memory is not None:
+            state[self.memory] = {i: t.clone() for i, t in getattr(self, self.memory).items()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state["steps"])
+        if self.memory is not None:
+            setattr(self, self.memory, {int(i): t.clone() for i, t in state.get(self.memory, {}).items()})
 
     def forget_nonfinite(self) -> None:
         """After a step skipped for non-finite gradients: clears what the memory took from them, so that the
-        next steps are not poisoned (the same decision on every rank for memory that is identical on all)."""
+        next steps are not poisoned (the same decision on every rank for memory that is identical on all); here:
+        zeroes the NaN and Inf entries of the :attr:`memory` (each rank's own)."""
+        if self.memory is not None:
+            zero_nonfinite_(getattr(self, self.memory).values())

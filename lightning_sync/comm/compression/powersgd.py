@@ -27,16 +27,6 @@ class _PowerSGDMemory:
     residuals: list[torch.Tensor | None]  # one (n, m) error-feedback residual per compressed matrix
 
 
-def _orthonormalize(p: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns spanning the columns of ``p`` (``n x r``, ``r <= n``), via Householder QR.
-
-    Householder QR always returns orthonormal columns, also for rank-deficient or all-zero ``p`` (no division by a
-    vanishing norm, hence no NaN). It is deterministic, so ranks holding identical ``p`` get identical results.
-    """
-    q, _ = torch.linalg.qr(p, mode="reduced")
-    return q
-
-
 class PowerSGDCompression(Compressor):
     """Low-rank gradient compression by one step of power iteration (Vogels et al., 2019, "PowerSGD").
 
@@ -50,19 +40,15 @@ class PowerSGDCompression(Compressor):
       packed in one buffer and divided by the world size; the approximation ``P @ Q^T`` (= ``P P^T mean(M)``) is
       written back into the bucket and ``residual = M - approximation``.
 
-    So a compressed ``n x m`` matrix puts exactly ``rank * (n + m)`` fp32 values on the wire. ``Q`` starts from a
-    :class:`torch.Generator` seeded with ``seed + bucket.index`` (identical on all ranks); with ``warm_start`` the
-    previous step's (all-reduced, hence identical) ``Q`` is reused, otherwise a fresh one is drawn from that
-    generator every call. A warm-started column that became exactly zero (e.g. after an all-zero gradient) is
-    redrawn, so the factor cannot collapse. Results are bit-identical on all ranks.
+    So a compressed ``n x m`` matrix puts exactly ``rank * (n + m)`` fp32 values on the wire. ``Q`` is drawn from a
+    generator seeded with ``seed + bucket.index``, or with ``warm_start`` is the previous step's (all-reduced, hence
+    identical) ``Q``, a column that became exactly zero redrawn so the factor cannot collapse. Results are
+    bit-identical on all ranks; with one rank the buffer is returned untouched.
 
-    Every collective is issued from the calling thread, in program order: the ``P`` all-reduce (and the remainder's)
-    is launched asynchronously and waited for in :meth:`average`, then the ``Q`` all-reduce is launched
-    asynchronously and the returned future completes after it. Issuing the second collective from a completion
-    callback instead is unsafe on gloo with several buckets in flight: a blocking call there starves gloo's worker
-    threads (deadlock), an asynchronous one can reach the process group in a different order on different ranks.
-
-    With one rank the buffer already is the mean and is returned untouched.
+    Every collective is issued from the calling thread, in program order: the ``P`` all-reduce is waited for in
+    :meth:`average`, then the ``Q`` all-reduce is launched and the returned future completes after it. Issuing the
+    second from a completion callback is unsafe on gloo with several buckets in flight: a blocking call there starves
+    gloo's worker threads, an asynchronous one can reach the process group in a different order on different ranks.
 
     Args:
         rank: the rank of the approximation (``>= 1``).
@@ -113,10 +99,8 @@ class PowerSGDCompression(Compressor):
         shapes = [torch.Size(s) for s in bucket.shapes]
         mem = self._memory.get(bucket.index)
         if mem is None:
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(self.seed + bucket.index)
-            mem = _PowerSGDMemory(shapes=shapes, generator=generator, q=[], residuals=[])
-            self._memory[bucket.index] = mem
+            generator = torch.Generator(device="cpu").manual_seed(self.seed + bucket.index)
+            mem = self._memory[bucket.index] = _PowerSGDMemory(shapes=shapes, generator=generator, q=[], residuals=[])
         elif mem.shapes != shapes:
             raise ValueError(
                 f"PowerSGDCompression: bucket {bucket.index} changed layout from {mem.shapes} to {shapes}; "
@@ -174,11 +158,12 @@ class PowerSGDCompression(Compressor):
             p_flat = torch.cat([(mat @ q).reshape(-1) for mat, q in zip(mats, qs)])
             meter.all_reduce(p_flat, group=group, async_op=True).wait()
 
-            # Orthonormalise each P (identical on all ranks); Q = M^T @ P, packed into one buffer.
+            # Orthonormalise each P by Householder QR: orthonormal columns also for a rank-deficient or all-zero P (no
+            # division by a vanishing norm, no NaN), and deterministic, so identical on all ranks. Q = M^T @ P, packed.
             offset = 0
             for mat in mats:
                 numel = mat.shape[0] * self.rank
-                ps.append(_orthonormalize(p_flat[offset : offset + numel].view(mat.shape[0], self.rank)))
+                ps.append(torch.linalg.qr(p_flat[offset : offset + numel].view(mat.shape[0], self.rank))[0])
                 offset += numel
             q_flat = torch.cat([(mat.t() @ p).reshape(-1) for mat, p in zip(mats, ps)])
             q_fut = meter.all_reduce(q_flat, group=group, async_op=True).get_future()

@@ -1,30 +1,22 @@
 """Block-wise int8 / int4 averaging of a bucket, summed in fp32: the outer gradients of streaming DiLoCo.
 
-:class:`BlockQuantizedCompression` follows the :class:`~lightning_sync.comm.compression.Compressor` contract
-(``average(bucket, meter, group)`` returns a future of the bucket holding the mean), so
-:class:`~lightning_sync.comm.averaging.ModelAverager` uses it as it uses any other compressor. Nothing here knows of
-Lightning.
-
-Encoding. The flat payload is padded to a multiple of ``n * BLOCK`` entries and cut into blocks of
-:data:`BLOCK` entries; each block travels as signed integer codes in ``[-q, q]`` (``q = 2**(bits-1) - 1``: 127 for
-int8, 7 for int4, two int4 codes per byte) plus one fp32 scale ``absmax / q``. Rounding is deterministic
-(round-to-nearest): the result is a function of the data alone, so every run and every resume reproduces it
-without random state in the checkpoint, and the error per entry is at most half a step, where stochastic rounding
-allows a whole step. A NaN or Inf makes its block's scale non-finite, so the decoded mean of that block is
-non-finite on every rank (the outer step's non-finite check then sees it everywhere).
+Encoding. The flat payload is zero-padded to a multiple of ``n * BLOCK`` entries; each block of :data:`BLOCK` entries
+travels as integer codes in ``[-q, q]`` (``q = 2**(bits-1) - 1``: 127 for int8, 7 for int4, two codes per byte) and
+one fp32 scale ``absmax / q``. Rounding is to nearest, so the result is a function of the data alone (no random
+state to checkpoint) and off by at most half a step. A NaN or Inf makes its block's scale, hence its decoded mean on
+every rank, non-finite (the outer step's non-finite check then sees it everywhere).
 
 Collectives (gloo has no reduce-scatter of integer codes that sums in fp32, so it is built from ``all_to_all``):
 
-1. reduce-scatter: each rank quantizes its whole payload and ``all_to_all_single`` sends chunk ``j`` (codes and
-   scales) to rank ``j``; rank ``j`` decodes the ``n`` copies of its chunk, sums them in fp32 and takes the mean;
-2. it requantizes its reduced chunk, and ``all_gather`` brings every reduced chunk to every rank, which decodes
-   them. Every chunk is quantized by one rank only, so every rank decodes the same mean, bit for bit.
+1. reduce-scatter: ``all_to_all_single`` sends chunk ``j`` of each rank's encoded payload to rank ``j``, which
+   decodes the ``n`` copies, sums them in fp32 and takes the mean;
+2. each rank requantizes its reduced chunk and ``all_gather`` brings every one to every rank. Every chunk is
+   quantized by one rank only, so every rank decodes the same mean, bit for bit.
 
-Each rank sends ``(n-1)/n`` of the quantized payload in each phase, ``2(n-1)/n`` in all, as a ring all-reduce does
-for fp32; the meter counts the codes and the scales. Phase 1 is waited for inside :meth:`average` (phase 2 needs its
-result and must be issued from the calling thread, see :class:`~lightning_sync.comm.compression.PowerSGDCompression`);
-an owner that wants the whole exchange off its critical path calls :meth:`average` from a worker thread on a
-process group of its own (:mod:`lightning_sync.comm.streaming`).
+Each rank sends ``2(n-1)/n`` of the quantized payload, as a ring all-reduce does for fp32. Phase 1 is waited for
+inside :meth:`~BlockQuantizedCompression.average` (phase 2 must be issued from the calling thread, see
+:class:`~lightning_sync.comm.compression.PowerSGDCompression`); to take the whole exchange off the critical path, an
+owner calls it from a worker thread on a process group of its own (:mod:`lightning_sync.comm.streaming`).
 """
 
 from __future__ import annotations
@@ -92,29 +84,6 @@ class BlockQuantizedCompression(Compressor):
             codes = packed.view(torch.int8).to(torch.float32)
         return (codes.view(-1, BLOCK) * scales.view(-1, 1)).reshape(-1)
 
-    # ------------------------------------------------------------------ the two phases, on any collectives
-    def padded_chunks(self, values: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
-        """``values`` (flat) in fp32, zero-padded to ``n`` chunks of whole blocks, and the entries per chunk."""
-        chunk = -(-values.numel() // (n * BLOCK)) * BLOCK
-        padded = torch.zeros(n * chunk, dtype=torch.float32, device=values.device)
-        padded[: values.numel()].copy_(values)
-        return padded, chunk
-
-    def encode_chunks(self, padded: torch.Tensor, n: int) -> torch.Tensor:
-        """Each of the ``n`` chunks of ``padded`` encoded, one after the other (what the all-to-all sends)."""
-        return torch.cat([self.encode(part) for part in padded.view(n, -1)])
-
-    def reduce_chunks(self, received: torch.Tensor, n: int, chunk: int, scale: float) -> torch.Tensor:
-        """The ``n`` encoded copies of this rank's chunk (what the all-to-all brought) decoded, summed in fp32 in rank
-        order and multiplied by ``scale``."""
-        # n > 1 here, so the sum is a tensor, never sum()'s start value 0
-        reduced = cast(torch.Tensor, sum(self.decode(part, chunk) for part in received.view(n, -1)))
-        return reduced.mul_(scale)
-
-    def decode_chunks(self, gathered: torch.Tensor, n: int, chunk: int) -> torch.Tensor:
-        """The ``n`` encoded reduced chunks (what the all-gather brought) decoded into one flat mean."""
-        return torch.cat([self.decode(part, chunk) for part in gathered.view(n, -1)])
-
     # ------------------------------------------------------------------ averaging
     def average(self, bucket: FlatBucket, meter: CommMeter, group: ProcessGroup | None = None) -> torch.futures.Future:
         n = meter.world_size(group)
@@ -122,14 +91,17 @@ class BlockQuantizedCompression(Compressor):
         numel = buffer.numel()
         if n == 1 or numel == 0:
             return _completed(buffer)
-        padded, chunk = self.padded_chunks(buffer.reshape(-1), n)
+        chunk = -(-numel // (n * BLOCK)) * BLOCK  # n chunks of whole blocks, zero-padded
+        padded = torch.zeros(n * chunk, dtype=torch.float32, device=buffer.device)
+        padded[:numel].copy_(buffer.reshape(-1))
 
-        # 1. reduce-scatter from all_to_all: chunk j of every rank goes to rank j, summed there in fp32
-        sent = self.encode_chunks(padded, n)
+        # 1. reduce-scatter from all_to_all: chunk j of every rank goes to rank j, summed there in fp32 in rank order
+        sent = torch.cat([self.encode(part) for part in padded.view(n, -1)])
         received = torch.empty_like(sent)
-        work = meter.all_to_all_single(received, sent, group=group, async_op=True)
-        work.wait()
-        reduced = self.reduce_chunks(received, n, chunk, bucket.scale(n))
+        meter.all_to_all_single(received, sent, group=group, async_op=True).wait()
+        # n > 1 here, so the sum is a tensor, never sum()'s start value 0
+        reduced = cast(torch.Tensor, sum(self.decode(part, chunk) for part in received.view(n, -1)))
+        reduced.mul_(bucket.scale(n))
 
         # 2. all-gather of the requantized reduced chunks
         gathered = torch.empty(n * self.chunk_bytes(chunk), dtype=torch.uint8, device=buffer.device)
@@ -137,7 +109,8 @@ class BlockQuantizedCompression(Compressor):
 
         def _decode(done: torch.futures.Future) -> torch.Tensor:
             done.value()  # the all-gather's error, if it failed
-            buffer.copy_(self.decode_chunks(gathered, n, chunk)[:numel].view_as(buffer))
+            mean = torch.cat([self.decode(part, chunk) for part in gathered.view(n, -1)])
+            buffer.copy_(mean[:numel].view_as(buffer))
             return buffer
 
         return work.get_future().then(_decode)

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
-from typing_extensions import override
 
 from lightning_sync.comm.compression.base import Compressor, FlatBucket, _completed
 from lightning_sync.comm.meter import CommMeter
-from lightning_sync.comm.nonfinite import zero_nonfinite_
 from lightning_sync.errors import ConfigError, check_range
 
 Segment = tuple[int, int, int, int, int]
@@ -92,6 +89,7 @@ class SparseLoCo(Compressor):
 
     name = "sparseloco"
     capabilities = frozenset({"across_groups"})
+    memory = "errors"
 
     def __init__(
         self,
@@ -114,12 +112,6 @@ class SparseLoCo(Compressor):
         self.index_bits = chunk.bit_length() - 1
         self.levels = 1 if bits is None else 1 << (bits - 1)
         self.errors: dict[int, torch.Tensor] = {}
-
-    def __repr__(self) -> str:
-        return (
-            f"SparseLoCo(topk={self.topk}, chunk={self.chunk}, bits={self.bits}, error_decay={self.error_decay}, "
-            f"clip_to_median={self.clip_to_median})"
-        )
 
     # ------------------------------------------------------------------ layout
     def segments(self, shapes: list[torch.Size]) -> list[Segment]:
@@ -234,16 +226,3 @@ class SparseLoCo(Compressor):
             return _completed(_finish(None))
         work = meter.all_gather_into_tensor(gathered, payload, group=group, async_op=True)
         return work.get_future().then(_finish)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Step count and the per-bucket error buffers (cloned)."""
-        return {"steps": self.steps, "errors": {i: e.clone() for i, e in self.errors.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.errors = {int(i): e.clone() for i, e in state.get("errors", {}).items()}
-
-    @override
-    def forget_nonfinite(self) -> None:
-        """Zeroes the NaN and Inf entries of the error buffers (each rank's own)."""
-        zero_nonfinite_(self.errors.values())

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
-from typing_extensions import override
 
 from lightning_sync.comm.compression.base import Compressor, FlatBucket, _completed
 from lightning_sync.comm.meter import CommMeter
-from lightning_sync.comm.nonfinite import zero_nonfinite_
 from lightning_sync.comm.tuning import ROUNDING_SLACK
 from lightning_sync.errors import check_range
 
@@ -47,6 +44,7 @@ class TopKCompression(Compressor):
 
     name = "topk"
     capabilities = frozenset({"point_to_point"})
+    memory = "residuals"
 
     def __init__(self, density: float = 0.01, error_feedback: bool = True) -> None:
         super().__init__()
@@ -126,16 +124,3 @@ class TopKCompression(Compressor):
         dense = torch.zeros(numel, dtype=torch.float32)
         dense.index_put_((indices,), payload[split:].view(torch.float32))
         return dense
-
-    def state_dict(self) -> dict[str, Any]:
-        """Step count and the per-bucket residuals (cloned)."""
-        return {"steps": self.steps, "residuals": {i: r.clone() for i, r in self.residuals.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.residuals = {int(i): r.clone() for i, r in state.get("residuals", {}).items()}
-
-    @override
-    def forget_nonfinite(self) -> None:
-        """Zeroes the NaN and Inf entries of the residuals (each rank's own)."""
-        zero_nonfinite_(self.residuals.values())
