@@ -30,18 +30,13 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from lightning_sync._server_process import SERVER_PROCESS_ENV
 from lightning_sync.ps.errors import PSError, PSTimeoutError
-from lightning_sync.ps.group import DEFAULT_PREFIX
+from lightning_sync.ps.group import DEFAULT_PREFIX, check_counts
 from lightning_sync.ps.server import run_server
-
-
-def _check_counts(num_workers: int, num_servers: int) -> None:
-    for name, value in (("num_workers", num_workers), ("num_servers", num_servers)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an integer >= 1")
 
 
 class ServerProcesses:
@@ -161,7 +156,7 @@ def start_server_processes(
     Raises:
         ValueError: bad counts.
     """
-    _check_counts(num_workers, num_servers)
+    check_counts(num_workers, num_servers)
     environ = dict(os.environ if env is None else env)
     environ.setdefault("OMP_NUM_THREADS", "1")
     environ[SERVER_PROCESS_ENV] = "1"  # the server runs on torch alone: no Lightning import (see lightning_sync)
@@ -263,24 +258,15 @@ def start_colocated_server(
     Raises:
         ValueError: ``server`` is not in ``[0, num_servers)`` or bad counts.
     """
-    _check_counts(num_workers, num_servers)
+    check_counts(num_workers, num_servers)
     if isinstance(server, bool) or not isinstance(server, int) or not 0 <= server < num_servers:
         raise ValueError(f"server={server!r} must be an integer in [0, {num_servers - 1}] (num_servers={num_servers})")
 
-    def _target() -> dict[str, Any]:
-        return run_server(
-            host,
-            port,
-            server,
-            num_workers,
-            num_servers,
-            timeout_s=timeout_s,
-            connect_timeout_s=connect_timeout_s,
-            prefix=prefix,
-            spare_workers=spare_workers,
-        )
-
-    handle = ColocatedServer(server, _target)
+    target = partial(
+        run_server, host, port, server, num_workers, num_servers, timeout_s=timeout_s,
+        connect_timeout_s=connect_timeout_s, prefix=prefix, spare_workers=spare_workers,
+    )  # fmt: skip
+    handle = ColocatedServer(server, target)
     handle.thread.start()
     return handle
 
