@@ -19,7 +19,6 @@ the link that hit it: it is reported, never retried.
 from __future__ import annotations
 
 import datetime
-import math
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -30,6 +29,7 @@ import torch.distributed as dist
 
 from lightning_sync.comm.meter import CommMeter
 from lightning_sync.comm.peer_errors import rendezvous_timeout_s
+from lightning_sync.errors import check_range
 from lightning_sync.ps.errors import PSError, PSPeerLostError, PSTimeoutError
 
 #: Default store prefix of the PS group (a second group on the same store needs another prefix).
@@ -42,16 +42,14 @@ def _seconds(value: float) -> datetime.timedelta:
 
 
 def _check_timeout(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name}={value!r} must be a finite number of seconds > 0 (every wait is bounded)")
+    check_range(name, value, low=0, low_open=True)  # finite: every wait is bounded
     return float(value)
 
 
 def check_counts(num_workers: int, num_servers: int) -> None:
     """Raises ``ValueError`` unless both counts are integers >= 1."""
-    for name, value in (("num_workers", num_workers), ("num_servers", num_servers)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    check_range("num_workers", num_workers, low=1, integer=True)
+    check_range("num_servers", num_servers, low=1, integer=True)
 
 
 def connect_store(host: str, port: int, *, is_host: bool, timeout_s: float = 60.0) -> dist.TCPStore:
@@ -66,8 +64,7 @@ def connect_store(host: str, port: int, *, is_host: bool, timeout_s: float = 60.
     Raises:
         ValueError: bad ``port`` or ``timeout_s``.
     """
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
-        raise ValueError(f"port={port!r} must be an integer in [0, 65535]")
+    check_range("port", port, low=0, high=65535, integer=True)
     timeout_s = _check_timeout("timeout_s", timeout_s)
     return dist.TCPStore(host, port, None, bool(is_host), _seconds(timeout_s), wait_for_workers=False)
 
@@ -95,8 +92,7 @@ def claim_spare_slot(store: dist.Store, num_workers: int, spare_workers: int, pr
         PSError: every spare slot is taken.
         ValueError: ``spare_workers`` out of ``[1, num_workers - 1]``.
     """
-    if isinstance(spare_workers, bool) or not isinstance(spare_workers, int) or not 0 < spare_workers < num_workers:
-        raise ValueError(f"spare_workers={spare_workers!r} must be an integer in [1, {num_workers - 1}]")
+    check_range("spare_workers", spare_workers, low=1, high=num_workers - 1, integer=True)
     claimed = int(store.add(prefix + "/spare_claims", 1))
     if claimed > spare_workers:
         raise PSError(
@@ -145,9 +141,7 @@ class PSGroup:
         rejoin: bool = False,
     ) -> None:
         check_counts(num_workers, num_servers)
-        size = num_workers + num_servers
-        if isinstance(ps_rank, bool) or not isinstance(ps_rank, int) or not 0 <= ps_rank < size:
-            raise ValueError(f"ps_rank={ps_rank!r} must be an integer in [0, {size - 1}] (num_workers + num_servers)")
+        check_range("ps_rank", ps_rank, low=0, high=num_workers + num_servers - 1, integer=True)
         self.timeout_s = _check_timeout("timeout_s", timeout_s)
         if connect_timeout_s is None:
             connect_timeout_s = rendezvous_timeout_s(self.timeout_s)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from lightning_sync.errors import check_range
 from lightning_sync.ps.client import PSClient, PSReply
 
 
@@ -59,8 +60,7 @@ class DelayedNesterov(torch.optim.Optimizer):
             raise ValueError(f"lr={lr!r} must be > 0")
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum={momentum!r} must be in [0, 1)")
-        if isinstance(delay, bool) or not isinstance(delay, int) or delay < 1:
-            raise ValueError(f"delay={delay!r} must be an integer >= 1")
+        check_range("delay", delay, low=1, integer=True)
         super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov, "delay": delay})
 
     @torch.no_grad()
@@ -122,8 +122,7 @@ class LocalSteps:
         adaptive: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
-            raise ValueError(f"local_steps={local_steps!r} must be an integer >= 1")
+        check_range("local_steps", local_steps, low=1, integer=True)
         self.client, self.max_steps, self._lrs, self.adaptive = client, local_steps, lrs, adaptive
         self.local_steps = local_steps  # this worker's count for the current interval
         self.steps = 0  # inner steps since the last push

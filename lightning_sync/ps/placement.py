@@ -34,6 +34,7 @@ from functools import partial
 from typing import Any
 
 from lightning_sync._server_process import SERVER_PROCESS_ENV
+from lightning_sync.errors import check_range
 from lightning_sync.ps.errors import PSError, PSTimeoutError
 from lightning_sync.ps.group import DEFAULT_PREFIX, check_counts
 from lightning_sync.ps.server import run_server
@@ -259,8 +260,7 @@ def start_colocated_server(
         ValueError: ``server`` is not in ``[0, num_servers)`` or bad counts.
     """
     check_counts(num_workers, num_servers)
-    if isinstance(server, bool) or not isinstance(server, int) or not 0 <= server < num_servers:
-        raise ValueError(f"server={server!r} must be an integer in [0, {num_servers - 1}] (num_servers={num_servers})")
+    check_range("server", server, low=0, high=num_servers - 1, integer=True)
 
     target = partial(
         run_server, host, port, server, num_workers, num_servers, timeout_s=timeout_s,

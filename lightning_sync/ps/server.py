@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 from lightning_sync.comm.compression import Compressor
+from lightning_sync.errors import check_range
 from lightning_sync.ps._layout import ShardLayout
 from lightning_sync.ps._protocol import (
     FLAG_NONFINITE,
@@ -216,13 +217,7 @@ class ParameterServer:
     def __init__(self, group: PSGroup, spare_workers: int = 0) -> None:
         if not group.is_server:
             raise ValueError(f"{group.name()} is a worker; a ParameterServer needs a server's member of the group")
-        if isinstance(spare_workers, bool) or not isinstance(spare_workers, int):
-            raise ValueError(f"spare_workers={spare_workers!r} must be an integer")
-        if not 0 <= spare_workers < group.num_workers:
-            raise ValueError(
-                f"spare_workers={spare_workers!r} must be in [0, {group.num_workers - 1}]: the group's "
-                f"{group.num_workers} worker ranks include the spare slots, and at least one worker starts the run"
-            )
+        check_range("spare_workers", spare_workers, low=0, high=group.num_workers - 1, integer=True)  # 1 starts
         self.group = group
         self.server = group.ps_rank - group.num_workers
         self.num_workers = group.num_workers  # worker slots, the spare ones included
@@ -704,8 +699,7 @@ def run_server(
         ValueError: ``server`` is not in ``[0, num_servers)`` (or another argument is out of range).
         PSError: the rendezvous or the loop failed (see :meth:`ParameterServer.run`).
     """
-    if isinstance(server, bool) or not isinstance(server, int) or not 0 <= server < num_servers:
-        raise ValueError(f"server={server!r} must be an integer in [0, {num_servers - 1}] (num_servers={num_servers})")
+    check_range("server", server, low=0, high=num_servers - 1, integer=True)
     connect = max(timeout_s, 60.0) if connect_timeout_s is None else connect_timeout_s
     store = connect_store(host, port, is_host=False, timeout_s=connect)
     group = PSGroup(
