@@ -133,11 +133,9 @@ def start_server_processes(
     """Starts ``num_servers`` dedicated server processes that join the PS group through the store at
     ``host:port`` (hosted by worker 0, e.g. :func:`~lightning_sync.ps.group.connect_store`).
 
-    Guarantees: the processes die with this process (call from a thread that lives as long as training, e.g. the
-    main thread: the kernel's parent-death signal follows the starting thread), on SIGINT/SIGTERM, when no worker
-    talks to them for ``timeout_s``, and at this interpreter's exit (``atexit``). They exit with code 0 after every
-    worker's :meth:`~lightning_sync.ps.client.PSClient.close`, 1 after an error (printed on their stderr, which is
-    this process's).
+    Guarantees: the processes end as the module docstring says (call from a thread that lives as long as training,
+    e.g. the main thread: the parent-death signal follows the starting thread), with code 0 after every worker's
+    :meth:`~lightning_sync.ps.client.PSClient.close`, 1 after an error (printed on this process's stderr).
 
     Args:
         host: address of the store.

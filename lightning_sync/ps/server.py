@@ -25,27 +25,26 @@ it at once. The server keeps serving pulls, state and stats requests until every
 ``max_updates`` on one server may arrive after it on another, so the last round can be applied to some shards and
 not to others; every worker still sees the stop at its next reply.
 
-Failure: no worker can stall the loop. Each worker has a receiving thread of its own (:class:`WorkerChannels`),
-which hands the loop only complete requests, and replies are launched without waiting for them to be taken, so a
-worker that freezes between requests, in the middle of one, or before taking its reply holds up nothing but itself. A live worker that the server is not itself holding back (a pending sync gradient, a withheld
-ssp reply) and that completes no request for ``timeout_s`` is declared lost, once; so is a worker whose connection
-closes. What follows depends on the mode:
+Failure: no worker can stall the loop: each worker has a receiving thread of its own (:class:`WorkerChannels`) that
+hands the loop only complete requests, and replies are launched without waiting for them to be taken. A worker that
+the server is not itself holding back and that completes no request for ``timeout_s``
+(:mod:`~lightning_sync.ps.liveness`), or whose connection closes, is lost, once:
 
 * ``async``, ``ssp`` and ``sync`` with ``elastic`` (:attr:`~lightning_sync.ps.settings.PSConfig.drops_lost_workers`):
-  the worker is dropped (said on stderr). It no longer counts as live: ssp's slowest-worker bound and a sync
-  round are over the live workers, and with ``withdraw_lost_share`` its unused share of ``max_updates`` is
-  withdrawn. Each worker has a link of its own to each server (:mod:`lightning_sync.ps.group`), so no other worker
-  sees an error. The server's ``stats`` lists the lost workers and why. Only if every worker
-  is lost does the loop fail. A dropped worker's rank may come back: a new member of that rank built with
-  ``PSGroup(..., rejoin=True)`` takes the next generation of its links, which the server connects (it looks every
-  :data:`JOIN_POLL_S` while a worker is dropped); at its first request the worker is live again, its clock raised
-  to the slowest live worker's, its withdrawn share given back, and ``stats["joins"]`` counts it.
+  the worker is dropped (said on stderr). It no longer counts as live: ssp's slowest-worker bound and a sync round
+  are over the live workers, and with ``withdraw_lost_share`` its unused share of ``max_updates`` is withdrawn. Each
+  worker has a link of its own to each server (:mod:`lightning_sync.ps.group`), so no other worker sees an error;
+  ``stats`` lists the lost workers and why. Only if every worker is lost does the loop fail. A dropped worker's rank
+  may come back: a new member of that rank built with ``PSGroup(..., rejoin=True)`` takes the next generation of its
+  links, which the server connects (it looks every :data:`JOIN_POLL_S` while a worker is dropped); at its first
+  request the worker is live again, its clock raised to the slowest live worker's, its withdrawn share given back,
+  and ``stats["joins"]`` counts it.
 * ``sync`` otherwise: the loop raises an error naming it, leaves the message in the store for the peers, and
   returns control (a dedicated process exits with code 1). A sync step needs every worker; a run that would go on
   without one must say so (``elastic``).
 
 The loop also fails when no request arrives for ``timeout_s`` after its last request or reply
-(``connect_timeout_s`` before the initial parameters). :mod:`~lightning_sync.ps.liveness` keeps that bookkeeping.
+(``connect_timeout_s`` before the initial parameters).
 """
 
 from __future__ import annotations
