@@ -15,13 +15,9 @@ Typical use on worker ``r`` of ``W`` (the adapter does this around Lightning's l
     client.close()                                          # goodbye to every server
 
 The client never calls ``optimizer.step()``: the servers hold the optimizer. Every request goes to all servers at
-once (all sends launched, then all replies awaited), and every wait is bounded by the group's ``timeout_s``; a lost
-or silent server raises :class:`~lightning_sync.ps.errors.PSTimeoutError` or
-:class:`~lightning_sync.ps.errors.PSPeerLostError` naming it (with the server's own last words when it left some).
-The exchange itself, its waits and that rule, is :func:`exchange`: it launches the receives of the replies, then
-every request (header, then data), and waits for them all, each wait bounded by ``timeout_s`` (the replies by
-:func:`reply_timeout_s`). A peer that already gave up left its reason in the store: the exchange stops on it at once.
-A wait that fails quotes the report a server leaves just as it closes its connections (:func:`report_of`).
+once (:func:`exchange`), every wait bounded by the group's ``timeout_s``; a lost or silent server raises
+:class:`~lightning_sync.ps.errors.PSTimeoutError` or :class:`~lightning_sync.ps.errors.PSPeerLostError` naming it
+(with the server's own last words when it left some, :func:`report_of`).
 """
 
 from __future__ import annotations
@@ -75,6 +71,9 @@ def exchange(
     servers_only: bool = False,
 ) -> list[tuple[ReplyHeader, torch.Tensor | None]]:
     """Sends ``requests[i]`` (and ``payloads[i]``) to server ``i``, for every server, and returns each one's reply.
+
+    The receives of the replies are launched first, then every request (header, then data). A peer that already gave
+    up left its reason in the store: the exchange stops on it at once rather than wait out ``timeout_s``.
 
     Args:
         group: the worker's member of the PS group.
