@@ -204,9 +204,6 @@ class ColocatedServer:
         except BaseException as exc:  # noqa: BLE001 - kept for the owner to raise in its own thread
             self.error = exc
 
-    def is_alive(self) -> bool:
-        return self.thread.is_alive()
-
     def raise_if_failed(self) -> None:
         """Re-raises, in the calling thread, the error the loop ended with (if any)."""
         if self.error is not None:
