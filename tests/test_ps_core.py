@@ -36,7 +36,6 @@ from fault_utils import NOTICED_WITHIN_S  # noqa: E402
 import lightning_sync.ps as ps  # noqa: E402
 from lightning_sync.apps.bench.launch import free_port as _free_port  # noqa: E402
 from lightning_sync.comm.compression import TopKCompression, resolve_codec  # noqa: E402
-from lightning_sync.ps._exchange import exchange  # noqa: E402
 from lightning_sync.ps._layout import ShardLayout  # noqa: E402
 from lightning_sync.ps._protocol import (  # noqa: E402
     HEADER_BYTES,
@@ -46,6 +45,7 @@ from lightning_sync.ps._protocol import (  # noqa: E402
     Kind,
     Request,
 )
+from lightning_sync.ps.client import exchange  # noqa: E402
 from lightning_sync.ps.shard import STALENESS_CAP  # noqa: E402
 
 torch.set_num_threads(1)

@@ -40,14 +40,14 @@ class ShardLayout:
         self.shapes = [torch.Size(s) for s in shapes]
         self.dtypes = list(dtypes)
         self.numels = [s.numel() for s in self.shapes]
-        itemsize = [torch.empty(0, dtype=d).element_size() for d in self.dtypes]
-        self.order = sorted(range(len(self.shapes)), key=lambda j: (-itemsize[j], j))
+        self.itemsize = [torch.empty(0, dtype=d).element_size() for d in self.dtypes]
+        self.order = sorted(range(len(self.shapes)), key=lambda j: (-self.itemsize[j], j))
         self.byte_offsets = [0] * len(self.shapes)
         self.offsets = [0] * len(self.shapes)  # element offsets in the flat fp32 form
         nbytes = numel = 0
         for j in self.order:
             self.byte_offsets[j], self.offsets[j] = nbytes, numel
-            nbytes += self.numels[j] * itemsize[j]
+            nbytes += self.numels[j] * self.itemsize[j]
             numel += self.numels[j]
         self.nbytes = nbytes
         self.numel = numel
@@ -83,23 +83,16 @@ class ShardLayout:
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Views of a buffer made by :meth:`pack` as the shard's tensors (shard order, own dtype and shape)."""
-        self._check(buffer)
-        out = []
-        for j, (shape, dtype) in enumerate(zip(self.shapes, self.dtypes)):
-            size = self.numels[j] * torch.empty(0, dtype=dtype).element_size()
-            start = self.byte_offsets[j]
-            out.append(buffer[start : start + size].view(dtype).view(shape))
-        return out
+        if buffer.dtype != torch.uint8 or buffer.numel() != self.nbytes:
+            raise ValueError(f"expected {self.nbytes} bytes (uint8), got {buffer.numel()} of {buffer.dtype}")
+        spans = zip(self.byte_offsets, self.numels, self.itemsize, self.dtypes, self.shapes)
+        return [buffer[start : start + n * size].view(dtype).view(shape) for start, n, size, dtype, shape in spans]
 
     def unpack_into(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         """Copies a packed buffer into ``tensors`` in place (their device and dtype are kept)."""
         with torch.no_grad():
             for view, t in zip(self.views(buffer), tensors):
                 t.copy_(view)
-
-    def _check(self, buffer: torch.Tensor) -> None:
-        if buffer.dtype != torch.uint8 or buffer.numel() != self.nbytes:
-            raise ValueError(f"expected {self.nbytes} bytes (uint8), got {buffer.numel()} of {buffer.dtype}")
 
     # ---------------------------------------------------------------- fp32 form
     def flat_fp32(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import io
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import Any
 
@@ -120,33 +120,13 @@ class ReplyHeader:
     joins: int = 0
 
     def header(self) -> torch.Tensor:
-        values = [
-            int(self.kind), int(self.status), self.version, self.flags, self.payload_nbytes, self.bytes_recv,
-            self.bytes_sent, self.staleness, int(self.stop_code), self.stop_worker, self.clock, self.min_clock,
-            self.live_workers, self.lost_workers, self.joins,
-        ]  # fmt: skip
-        return torch.tensor(values, dtype=torch.int64)
+        return torch.tensor([int(getattr(self, f.name)) for f in fields(self)], dtype=torch.int64)
 
     @classmethod
     def parse(cls, header: torch.Tensor) -> ReplyHeader:
         v = header.tolist()
-        return cls(
-            Kind(v[0]),
-            Status(v[1]),
-            v[2],
-            v[3],
-            v[4],
-            v[5],
-            v[6],
-            v[7],
-            StopCode(v[8]),
-            v[9],
-            v[10],
-            v[11],
-            v[12],
-            v[13],
-            v[14],
-        )
+        v[0], v[1], v[8] = Kind(v[0]), Status(v[1]), StopCode(v[8])
+        return cls(*v)
 
 
 def to_blob(obj: Any) -> torch.Tensor:

@@ -1,11 +1,8 @@
 """The end of an elastic run, seen from a worker: which workers were lost, once every other one is accounted for.
 
-In the elastic modes (``async``, ``ssp``, ``sync`` with ``elastic``) the servers drop a lost worker and the run goes
-on (:mod:`lightning_sync.ps.server`). At the end, the survivors must agree on whether anyone was lost before they
-meet again in a collective of their own (a barrier on the default process group would wait forever for a lost
-rank). :func:`lost_workers_at_end` gives every survivor the same answer: it waits, before the worker's goodbye,
-until every other worker has either seen the stop, said goodbye, or been dropped by the servers; a frozen worker is
-dropped ``timeout_s`` after its last request, so the wait is bounded by that plus a margin.
+In the elastic modes the servers drop a lost worker and the run goes on. At the end the survivors must agree on
+whether anyone was lost before they meet in a collective of their own (a barrier on the default process group would
+wait forever for a lost rank); :func:`servers_at_end` gives every survivor the same answer.
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ the link that hit it: it is reported, never retried.
 from __future__ import annotations
 
 import datetime
-import math
 import time
+from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from lightning_sync.comm.meter import CommMeter
 from lightning_sync.comm.peer_errors import rendezvous_timeout_s
+from lightning_sync.errors import check_range
 from lightning_sync.ps.errors import PSError, PSPeerLostError, PSTimeoutError
 
 #: Default store prefix of the PS group (a second group on the same store needs another prefix).
@@ -40,9 +42,14 @@ def _seconds(value: float) -> datetime.timedelta:
 
 
 def _check_timeout(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name}={value!r} must be a finite number of seconds > 0 (every wait is bounded)")
+    check_range(name, value, low=0, low_open=True)  # finite: every wait is bounded
     return float(value)
+
+
+def check_counts(num_workers: int, num_servers: int) -> None:
+    """Raises ``ValueError`` unless both counts are integers >= 1."""
+    check_range("num_workers", num_workers, low=1, integer=True)
+    check_range("num_servers", num_servers, low=1, integer=True)
 
 
 def connect_store(host: str, port: int, *, is_host: bool, timeout_s: float = 60.0) -> dist.TCPStore:
@@ -57,8 +64,7 @@ def connect_store(host: str, port: int, *, is_host: bool, timeout_s: float = 60.
     Raises:
         ValueError: bad ``port`` or ``timeout_s``.
     """
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
-        raise ValueError(f"port={port!r} must be an integer in [0, 65535]")
+    check_range("port", port, low=0, high=65535, integer=True)
     timeout_s = _check_timeout("timeout_s", timeout_s)
     return dist.TCPStore(host, port, None, bool(is_host), _seconds(timeout_s), wait_for_workers=False)
 
@@ -86,8 +92,7 @@ def claim_spare_slot(store: dist.Store, num_workers: int, spare_workers: int, pr
         PSError: every spare slot is taken.
         ValueError: ``spare_workers`` out of ``[1, num_workers - 1]``.
     """
-    if isinstance(spare_workers, bool) or not isinstance(spare_workers, int) or not 0 < spare_workers < num_workers:
-        raise ValueError(f"spare_workers={spare_workers!r} must be an integer in [1, {num_workers - 1}]")
+    check_range("spare_workers", spare_workers, low=1, high=num_workers - 1, integer=True)
     claimed = int(store.add(prefix + "/spare_claims", 1))
     if claimed > spare_workers:
         raise PSError(
@@ -95,16 +100,6 @@ def claim_spare_slot(store: dist.Store, num_workers: int, spare_workers: int, pr
             "spare slots to add more workers)"
         )
     return num_workers - spare_workers + claimed - 1
-
-
-class _Seconds:
-    """A c10d work whose ``wait`` takes seconds, as the meter's works do."""
-
-    def __init__(self, work: Any) -> None:
-        self.work = work
-
-    def wait(self, timeout: float) -> None:
-        self.work.wait(_seconds(timeout))
 
 
 class PSGroup:
@@ -145,12 +140,8 @@ class PSGroup:
         meter: CommMeter | None = None,
         rejoin: bool = False,
     ) -> None:
-        for name, value in (("num_workers", num_workers), ("num_servers", num_servers)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
-        size = num_workers + num_servers
-        if isinstance(ps_rank, bool) or not isinstance(ps_rank, int) or not 0 <= ps_rank < size:
-            raise ValueError(f"ps_rank={ps_rank!r} must be an integer in [0, {size - 1}] (num_workers + num_servers)")
+        check_counts(num_workers, num_servers)
+        check_range("ps_rank", ps_rank, low=0, high=num_workers + num_servers - 1, integer=True)
         self.timeout_s = _check_timeout("timeout_s", timeout_s)
         if connect_timeout_s is None:
             connect_timeout_s = rendezvous_timeout_s(self.timeout_s)
@@ -205,13 +196,7 @@ class PSGroup:
     def join_generation(self, worker: int) -> int:
         """How many times a worker of rank ``worker`` has rejoined (``rejoin=True``) so far: the generation of its
         newest links (best effort: ``0`` once the store is gone)."""
-        if self._store_lost:
-            return 0
-        try:
-            return int(self._joins.add(f"w{worker}", 0))
-        except Exception:  # noqa: BLE001 - the store may be gone with its host
-            self._store_lost = True
-            return 0
+        return int(self._best_effort(lambda: self._joins.add(f"w{worker}", 0), 0))
 
     def drop(self, peer: int) -> None:
         """Forgets the link to ``peer`` (a lost worker): never used again, and not shut down, since a receive of it
@@ -249,15 +234,12 @@ class PSGroup:
         except RuntimeError as exc:
             raise self._translate(exc, dst, "a send", False, 0.0) from exc
 
-    def recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> Any:
-        """Launches a metered receive from PS rank ``src`` (any rank if ``None``); wait with :meth:`wait`.
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
+        """Launches a metered receive from PS rank ``src``; wait with :meth:`wait`.
 
         Raises:
             PSPeerLostError: the connection to ``src`` is already closed (as the other errors of :meth:`wait`).
-            ValueError: ``src`` is ``None`` (a receive from any rank: the links are per peer).
         """
-        if src is None:
-            raise ValueError(f"{self.name()} receives from one peer at a time (src=None): each peer has its own link")
         try:
             return self.meter.recv_from(tensor, 1 - int(self.is_server), self._link(src), tag)
         except RuntimeError as exc:
@@ -275,7 +257,8 @@ class PSGroup:
             work = self._link(src).recv([tensor], 1 - int(self.is_server), int(tag))
         except RuntimeError as exc:
             raise self._translate(exc, src, what, True, 0.0) from exc
-        self.wait(_Seconds(work), src, what, receiving=True, timeout_s=timeout_s)
+        seconds = SimpleNamespace(wait=lambda timeout: work.wait(_seconds(timeout)))  # as the meter's works
+        self.wait(seconds, src, what, receiving=True, timeout_s=timeout_s)
         self.meter.record(0.0, float(tensor.numel() * tensor.element_size()), time.perf_counter() - started)
 
     def _link(self, peer: int) -> Any:
@@ -313,17 +296,26 @@ class PSGroup:
         return PSError(f"{self.name()} failed talking to {who} ({what}): {text}")
 
     # ---------------------------------------------------------------- failure reports
-    def report_failure(self, message: str, ps_rank: int | None = None) -> None:
-        """Best effort: leaves ``message`` in the store so that peers can quote why this member (or ``ps_rank``, for
-        a member whose process is gone) stopped, and counts it (:meth:`first_reported_failure` reads the count in
-        one store round trip)."""
+    def _best_effort(self, call: Callable[[], Any], default: Any = None) -> Any:
+        """``call()`` on the store, or ``default`` once a store call failed (its host is gone, and each try would log
+        a warning): the reports and notes are a courtesy, the waits' own timeouts still bound everything."""
         if self._store_lost:
-            return
+            return default
         try:
-            self._reports.set(str(self.ps_rank if ps_rank is None else ps_rank), message)
-            self._reports.add(_FAILURE_COUNT_KEY, 1)
-        except Exception:  # noqa: BLE001 - the store may be gone with its host; the report is only a courtesy
+            return call()
+        except Exception:  # noqa: BLE001 - the store may be gone with its host
             self._store_lost = True
+            return default
+
+    def report_failure(self, message: str) -> None:
+        """Best effort: leaves ``message`` in the store so that peers can quote why this member stopped, and counts it
+        (:meth:`first_reported_failure` reads the count in one store round trip)."""
+
+        def report() -> None:
+            self._reports.set(str(self.ps_rank), message)
+            self._reports.add(_FAILURE_COUNT_KEY, 1)
+
+        self._best_effort(report)
 
     def first_reported_failure(self, servers_only: bool = False) -> tuple[int, str] | None:
         """``(ps_rank, message)`` of another member that has reported a failure, if any (the lowest rank); with
@@ -332,13 +324,7 @@ class PSGroup:
         One store round trip when none has (the usual case), so a member can ask before every exchange and stop at
         once instead of waiting ``timeout_s`` on a peer already known to be gone.
         """
-        if self._store_lost:
-            return None
-        try:
-            if self._reports.add(_FAILURE_COUNT_KEY, 0) == 0:
-                return None
-        except Exception:  # noqa: BLE001 - no store, no reports: the waits' own timeouts still bound everything
-            self._store_lost = True
+        if not self._best_effort(lambda: self._reports.add(_FAILURE_COUNT_KEY, 0), 0):
             return None
         for rank in range(self.num_workers if servers_only else 0, self.world_size):
             report = self.reported_failure(rank) if rank != self.ps_rank else None
@@ -348,38 +334,26 @@ class PSGroup:
 
     def reported_failure(self, ps_rank: int) -> str | None:
         """The message a member left with :meth:`report_failure`, if any (best effort, never blocks long)."""
-        if self._store_lost:
-            return None
-        try:
-            key = str(ps_rank)
-            if self._reports.check([key]):
-                return self._reports.get(key).decode(errors="replace")
-        except Exception:  # noqa: BLE001
-            self._store_lost = True
-        return None
+        key = str(ps_rank)
+        return self._best_effort(
+            lambda: self._reports.get(key).decode(errors="replace") if self._reports.check([key]) else None
+        )
 
     def post(self, key: str, value: float) -> None:
         """Best effort: leaves ``value`` under ``key`` for this member in the store (e.g. a worker's measured speed);
         peers read it with :meth:`posted` and never wait for it."""
-        if self._store_lost:
-            return
-        try:
-            self._notes.set(f"{key}/{self.ps_rank}", repr(float(value)))
-        except Exception:  # noqa: BLE001 - the store may be gone with its host
-            self._store_lost = True
+        self._best_effort(lambda: self._notes.set(f"{key}/{self.ps_rank}", repr(float(value))))
 
     def posted(self, key: str, ps_ranks: range) -> dict[int, float]:
         """The values members of ``ps_ranks`` have posted under ``key`` so far (one store round trip each)."""
         out: dict[int, float] = {}
-        if self._store_lost:
-            return out
-        try:
+
+        def read() -> None:
             for rank in ps_ranks:
-                name = f"{key}/{rank}"
-                if self._notes.check([name]):
-                    out[rank] = float(self._notes.get(name).decode())
-        except Exception:  # noqa: BLE001
-            self._store_lost = True
+                if self._notes.check([f"{key}/{rank}"]):
+                    out[rank] = float(self._notes.get(f"{key}/{rank}").decode())
+
+        self._best_effort(read)
         return out
 
     def close(self) -> None:

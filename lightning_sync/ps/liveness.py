@@ -44,15 +44,12 @@ class WorkerLiveness:
         self.last_exchange = now
 
     def heard(self, worker: int) -> None:
-        """``worker`` completed a request now."""
+        """``worker`` completed a request now, or (as :meth:`answered`) the server answered it: its silence, and the
+        server's wait for the next request, count from here. A worker whose reply was held back (ssp's bound, a sync
+        round waiting for a lost peer) sent nothing while it waited, and must not be taken for lost on its release."""
         self.last_contact[worker] = self.last_exchange = self._clock()
 
-    def answered(self, worker: int) -> None:
-        """The server answered ``worker`` now: its silence counts from here. A worker whose reply the server held
-        back (ssp's bound, a sync round waiting for a lost peer) sent nothing while it waited, and must not be taken
-        for lost the moment its reply is released; nor is the server, whose wait for the next request counts from
-        this reply too (a worker held for ``timeout_s`` has ``timeout_s`` again to send its next request)."""
-        self.last_contact[worker] = self.last_exchange = self._clock()
+    answered = heard
 
     def restart(self) -> None:
         """The initial parameters arrived: every worker's silence counts from now."""

@@ -82,10 +82,6 @@ class OptimizerSpec:
         )
 
 
-def _class_path(cls: type) -> str:
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
 def _import_class(path: str) -> type[torch.optim.Optimizer]:
     module_name, _, qualname = path.partition(":")
     if not module_name or not qualname:
@@ -157,7 +153,7 @@ def optimizer_spec(
             f"the {names} optimizer(s) hold {extra} parameter(s) that params does not list; "
             "pass every parameter the optimizers train"
         )
-    classes = tuple(_class_path(type(o)) for o in optimizers)
+    classes = tuple(f"{type(o).__module__}:{type(o).__qualname__}" for o in optimizers)
     if len(optimizers) == 1:
         return OptimizerSpec(classes[0], tuple(groups), tuple(group_of))
     return OptimizerSpec(classes[0], tuple(groups), tuple(group_of), classes, tuple(owner))
@@ -201,8 +197,7 @@ def build_shard_optimizer(
     # Every group carries all its hyperparameters; the first one is also passed as the constructor's defaults so that
     # optimizers with required hyperparameters (no default value) can be built too.
     accepted = inspect.signature(optimizer_class.__init__).parameters
-    first = spec.groups[mirrored[0]] if mirrored else {}
-    defaults = {k: v for k, v in first.items() if k in accepted and k != "params"}
+    defaults = {k: v for k, v in spec.groups[mirrored[0]].items() if k in accepted}  # the groups hold no "params"
     return optimizer_class(groups, **defaults), mirrored
 
 

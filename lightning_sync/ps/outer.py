@@ -1,20 +1,8 @@
 """Async local SGD on the parameter server (as in Liu et al. 2024, "Asynchronous Local-SGD Training for Language
 Modeling"): each worker takes ``local_steps`` steps with its own (inner) optimizer, then pushes its pseudo-gradient,
 the change of its parameters since its last pull; the servers step their outer optimizer (``outer_optimizer``, any
-callable from parameters to a ``torch.optim.Optimizer``) on it and reply with fresh parameters.
-
-* :class:`DelayedNesterov` is the outer optimizer for momentum in ``async``/``ssp``. With ``delay=1`` it is torch's
-  SGD with momentum (Nesterov or not): in ``sync``, on the average of the workers' pseudo-gradients, DiLoCo. With
-  ``delay=W`` (``W`` workers) each push applies its own (scaled) pseudo-gradient at once, and the momentum is updated
-  and applied once per ``W`` pushes, from their sum: over a round in which every worker pushes once, the parameters
-  move exactly as one sync Nesterov step on the average (each push scaled by ``1/W``). Momentum applied at every push
-  (torch's SGD) would count every worker's stale pseudo-gradient into it ``W`` times per round, which the paper found
-  unstable.
-* :class:`LocalSteps` is the worker's side: it counts the worker's own optimizer steps and, every ``local_steps``,
-  pushes the pseudo-gradient and starts the next interval from the reply. With ``adaptive=True`` (``local_steps:
-  auto``, the paper's dynamic local updates) ``local_steps`` is the fastest worker's count: each worker posts its
-  measured seconds per step in the store at every push and takes ``round(local_steps * fastest / own)`` steps
-  (at least 1), so slow and fast workers push at about the same wall-clock rate.
+callable from parameters to a ``torch.optim.Optimizer``, e.g. :class:`DelayedNesterov`) on it and reply with fresh
+parameters. :class:`LocalSteps` is the worker's side.
 """
 
 from __future__ import annotations
@@ -25,6 +13,7 @@ from typing import Any
 
 import torch
 
+from lightning_sync.errors import check_range
 from lightning_sync.ps.client import PSClient, PSReply
 
 
@@ -34,7 +23,10 @@ class DelayedNesterov(torch.optim.Optimizer):
     Per step with pseudo-gradient ``g``: ``p -= lr * g`` at once, and ``g`` joins a sum ``a``; every ``delay``-th step
     the momentum ``m`` takes the sum, ``m = momentum * m + a``, and the parameters get the momentum part: ``p -= lr *
     momentum * m`` (Nesterov), or ``p -= lr * momentum * m_before`` (heavy ball). With ``delay=1`` this is
-    ``torch.optim.SGD(lr, momentum, nesterov)`` without dampening or weight decay.
+    ``torch.optim.SGD(lr, momentum, nesterov)`` without dampening or weight decay (in ``sync``: DiLoCo). With
+    ``delay=W`` a round in which each of ``W`` workers pushes once moves the parameters exactly as one sync Nesterov
+    step on the average; momentum at every push would count each stale pseudo-gradient ``W`` times per round, which
+    the paper found unstable.
 
     Example::
 
@@ -59,8 +51,7 @@ class DelayedNesterov(torch.optim.Optimizer):
             raise ValueError(f"lr={lr!r} must be > 0")
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum={momentum!r} must be in [0, 1)")
-        if isinstance(delay, bool) or not isinstance(delay, int) or delay < 1:
-            raise ValueError(f"delay={delay!r} must be an integer >= 1")
+        check_range("delay", delay, low=1, integer=True)
         super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov, "delay": delay})
 
     @torch.no_grad()
@@ -109,7 +100,8 @@ class LocalSteps:
         client: the worker's client; its servers run an outer optimizer (``PSConfig.local_steps > 1``).
         local_steps: inner steps per push (>= 1).
         lrs: returns the learning rates a push carries (the servers' outer optimizer ignores them).
-        adaptive: after each push, scale this worker's interval so that it pushes about as often as the fastest
+        adaptive: (``local_steps: auto``, the paper's dynamic local updates) after each push, post this worker's
+            seconds per step in the store and scale its interval so that it pushes about as often as the fastest
             worker: ``round(local_steps * fastest / own seconds per step)``, in ``[1, local_steps]``.
         clock: returns the current time in seconds; ``adaptive`` times the steps with it (a test passes a fake one).
     """
@@ -122,8 +114,7 @@ class LocalSteps:
         adaptive: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
-            raise ValueError(f"local_steps={local_steps!r} must be an integer >= 1")
+        check_range("local_steps", local_steps, low=1, integer=True)
         self.client, self.max_steps, self._lrs, self.adaptive = client, local_steps, lrs, adaptive
         self.local_steps = local_steps  # this worker's count for the current interval
         self.steps = 0  # inner steps since the last push

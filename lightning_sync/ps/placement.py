@@ -30,18 +30,14 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from lightning_sync._server_process import SERVER_PROCESS_ENV
+from lightning_sync.errors import check_range
 from lightning_sync.ps.errors import PSError, PSTimeoutError
-from lightning_sync.ps.group import DEFAULT_PREFIX
+from lightning_sync.ps.group import DEFAULT_PREFIX, check_counts
 from lightning_sync.ps.server import run_server
-
-
-def _check_counts(num_workers: int, num_servers: int) -> None:
-    for name, value in (("num_workers", num_workers), ("num_servers", num_servers)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an integer >= 1")
 
 
 class ServerProcesses:
@@ -137,11 +133,9 @@ def start_server_processes(
     """Starts ``num_servers`` dedicated server processes that join the PS group through the store at
     ``host:port`` (hosted by worker 0, e.g. :func:`~lightning_sync.ps.group.connect_store`).
 
-    Guarantees: the processes die with this process (call from a thread that lives as long as training, e.g. the
-    main thread: the kernel's parent-death signal follows the starting thread), on SIGINT/SIGTERM, when no worker
-    talks to them for ``timeout_s``, and at this interpreter's exit (``atexit``). They exit with code 0 after every
-    worker's :meth:`~lightning_sync.ps.client.PSClient.close`, 1 after an error (printed on their stderr, which is
-    this process's).
+    Guarantees: the processes end as the module docstring says (call from a thread that lives as long as training,
+    e.g. the main thread: the parent-death signal follows the starting thread), with code 0 after every worker's
+    :meth:`~lightning_sync.ps.client.PSClient.close`, 1 after an error (printed on this process's stderr).
 
     Args:
         host: address of the store.
@@ -161,7 +155,7 @@ def start_server_processes(
     Raises:
         ValueError: bad counts.
     """
-    _check_counts(num_workers, num_servers)
+    check_counts(num_workers, num_servers)
     environ = dict(os.environ if env is None else env)
     environ.setdefault("OMP_NUM_THREADS", "1")
     environ[SERVER_PROCESS_ENV] = "1"  # the server runs on torch alone: no Lightning import (see lightning_sync)
@@ -209,9 +203,6 @@ class ColocatedServer:
             self.stats = self._target()
         except BaseException as exc:  # noqa: BLE001 - kept for the owner to raise in its own thread
             self.error = exc
-
-    def is_alive(self) -> bool:
-        return self.thread.is_alive()
 
     def raise_if_failed(self) -> None:
         """Re-raises, in the calling thread, the error the loop ended with (if any)."""
@@ -263,24 +254,14 @@ def start_colocated_server(
     Raises:
         ValueError: ``server`` is not in ``[0, num_servers)`` or bad counts.
     """
-    _check_counts(num_workers, num_servers)
-    if isinstance(server, bool) or not isinstance(server, int) or not 0 <= server < num_servers:
-        raise ValueError(f"server={server!r} must be an integer in [0, {num_servers - 1}] (num_servers={num_servers})")
+    check_counts(num_workers, num_servers)
+    check_range("server", server, low=0, high=num_servers - 1, integer=True)
 
-    def _target() -> dict[str, Any]:
-        return run_server(
-            host,
-            port,
-            server,
-            num_workers,
-            num_servers,
-            timeout_s=timeout_s,
-            connect_timeout_s=connect_timeout_s,
-            prefix=prefix,
-            spare_workers=spare_workers,
-        )
-
-    handle = ColocatedServer(server, _target)
+    target = partial(
+        run_server, host, port, server, num_workers, num_servers, timeout_s=timeout_s,
+        connect_timeout_s=connect_timeout_s, prefix=prefix, spare_workers=spare_workers,
+    )  # fmt: skip
+    handle = ColocatedServer(server, target)
     handle.thread.start()
     return handle
 

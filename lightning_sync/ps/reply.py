@@ -1,4 +1,4 @@
-"""What the servers answered to a worker's pull or push: :class:`PSReply` (one entry per server where it is a tuple)."""
+"""What the servers answered to a worker's pull or push."""
 
 from __future__ import annotations
 

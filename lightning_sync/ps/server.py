@@ -1,8 +1,8 @@
 """The server loop that serves the workers one shard (:class:`~lightning_sync.ps.shard.ServerShard`, the state and the
 arithmetic, without communication).
 
-:class:`ParameterServer` is the loop, the same for every placement (a dedicated process started by ``python -m lightning_sync.ps``, or a thread of a
-worker process) and every mode:
+:class:`ParameterServer` is the loop, the same for every placement (a dedicated process, ``python -m
+lightning_sync.ps``, or a thread of a worker process) and every mode:
 
 * ``sync``: the server collects one gradient per live worker for its current version ``t`` (a push for another
   version is refused), averages them in fp32 (sum in worker order 0..W-1, divided by the number of contributions,
@@ -25,29 +25,26 @@ it at once. The server keeps serving pulls, state and stats requests until every
 ``max_updates`` on one server may arrive after it on another, so the last round can be applied to some shards and
 not to others; every worker still sees the stop at its next reply.
 
-Failure: no worker can stall the loop. Each worker has a receiving thread of its own, which takes that worker's
-requests (header, then data) and hands the loop only complete ones; the loop launches replies without waiting for
-them to be taken (a worker takes a reply before it sends its next request). So a worker that freezes between
-requests, in the middle of one, or before taking its reply holds up nothing but itself, and the loop goes on
-serving the others. A live worker that the server is not itself holding back (a pending sync gradient, a withheld
-ssp reply) and that completes no request for ``timeout_s`` is declared lost, once; so is a worker whose connection
-closes. What follows depends on the mode:
+Failure: no worker can stall the loop: each worker has a receiving thread of its own (:class:`WorkerChannels`) that
+hands the loop only complete requests, and replies are launched without waiting for them to be taken. A worker that
+the server is not itself holding back and that completes no request for ``timeout_s``
+(:mod:`~lightning_sync.ps.liveness`), or whose connection closes, is lost, once:
 
 * ``async``, ``ssp`` and ``sync`` with ``elastic`` (:attr:`~lightning_sync.ps.settings.PSConfig.drops_lost_workers`):
-  the worker is dropped (said on stderr). It no longer counts as live: ssp's slowest-worker bound and a sync
-  round are over the live workers, and with ``withdraw_lost_share`` its unused share of ``max_updates`` is
-  withdrawn. Each worker has a link of its own to each server (:mod:`lightning_sync.ps.group`), so no other worker
-  sees an error. The server's ``stats`` lists the lost workers and why. Only if every worker
-  is lost does the loop fail. A dropped worker's rank may come back: a new member of that rank built with
-  ``PSGroup(..., rejoin=True)`` takes the next generation of its links, which the server connects (it looks every
-  :data:`JOIN_POLL_S` while a worker is dropped); at its first request the worker is live again, its clock raised
-  to the slowest live worker's, its withdrawn share given back, and ``stats["joins"]`` counts it.
+  the worker is dropped (said on stderr). It no longer counts as live: ssp's slowest-worker bound and a sync round
+  are over the live workers, and with ``withdraw_lost_share`` its unused share of ``max_updates`` is withdrawn. Each
+  worker has a link of its own to each server (:mod:`lightning_sync.ps.group`), so no other worker sees an error;
+  ``stats`` lists the lost workers and why. Only if every worker is lost does the loop fail. A dropped worker's rank
+  may come back: a new member of that rank built with ``PSGroup(..., rejoin=True)`` takes the next generation of its
+  links, which the server connects (it looks every :data:`JOIN_POLL_S` while a worker is dropped); at its first
+  request the worker is live again, its clock raised to the slowest live worker's, its withdrawn share given back,
+  and ``stats["joins"]`` counts it.
 * ``sync`` otherwise: the loop raises an error naming it, leaves the message in the store for the peers, and
   returns control (a dedicated process exits with code 1). A sync step needs every worker; a run that would go on
   without one must say so (``elastic``).
 
 The loop also fails when no request arrives for ``timeout_s`` after its last request or reply
-(``connect_timeout_s`` before the initial parameters). :mod:`~lightning_sync.ps.liveness` keeps that bookkeeping.
+(``connect_timeout_s`` before the initial parameters).
 """
 
 from __future__ import annotations
@@ -55,34 +52,241 @@ from __future__ import annotations
 import math
 import queue
 import sys
+import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from lightning_sync.ps._dispatch import RequestDispatch, _Refused
-from lightning_sync.ps._protocol import Request
-from lightning_sync.ps.errors import PSPeerLostError
+from lightning_sync.comm.compression import Compressor
+from lightning_sync.errors import check_range
+from lightning_sync.ps._layout import ShardLayout
+from lightning_sync.ps._protocol import (
+    FLAG_NONFINITE,
+    FLAG_NOT_APPLIED,
+    FLAG_SKIPPED,
+    FLAG_STOP,
+    HEADER_SLOTS,
+    TAG_REPLY,
+    TAG_REPLY_DATA,
+    TAG_REQUEST,
+    TAG_REQUEST_DATA,
+    Clip,
+    Kind,
+    ReplyHeader,
+    Request,
+    Status,
+    StopCode,
+    from_blob,
+    stop_reason,
+    to_blob,
+)
+from lightning_sync.ps.errors import PSError, PSPeerLostError
 from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, connect_store, server_ps_rank
+from lightning_sync.ps.liveness import WorkerLiveness
+from lightning_sync.ps.optim_spec import OptimizerSpec
+from lightning_sync.ps.settings import PSConfig
+from lightning_sync.ps.shard import ServerShard
 
 #: Seconds between two looks, while a worker is dropped, at whether it rejoined.
 JOIN_POLL_S = 0.25
 
 
-class ParameterServer(RequestDispatch):
-    """The server loop of one PS-group member (see the module docstring for the modes and the stop).
+#: One reply: the worker it goes to, its header and its data (``None``: none).
+Reply = tuple[int, tuple[ReplyHeader, torch.Tensor | None]]
 
-    It takes the workers' complete requests, one at a time, and watches their liveness; what it answers to each is
-    :class:`~lightning_sync.ps._dispatch.RequestDispatch`'s.
+
+class WorkerChannels:
+    """The requests of every worker of ``group`` (from :meth:`start` on) and the replies to them.
+
+    Args:
+        group: the server's member of the PS group.
+        server: the server's index (names the receiving threads).
+    """
+
+    def __init__(self, group: PSGroup, server: int) -> None:
+        self.group = group
+        self.server = server
+        self._inflight: dict[int, list[tuple[Kind, Any]]] = {}  # worker -> sends of its last reply
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (worker, request, data, error) of each receiver
+
+    def start(self, workers: Iterable[int]) -> None:
+        """Starts one receiving thread per worker of ``workers`` (each first connects its link to that worker)."""
+        for worker in workers:
+            self.listen(worker, 0)
+
+    def listen(self, worker: int, generation: int) -> None:
+        """Starts the receiving thread of ``worker``'s links of ``generation`` (0 at the start, more for a rejoin)."""
+        name = f"lightning_sync-ps-server{self.server}-recv{worker}-g{generation}"
+        threading.Thread(target=self._receive_from, args=(worker, generation), name=name, daemon=True).start()
+
+    def next(self, timeout_s: float) -> tuple[int, int, Request | None, torch.Tensor | None, BaseException | None]:
+        """The next complete request of any worker, as ``(worker, generation, request, data, None)``, or ``(worker,
+        generation, None, None, error)`` once that worker's receiving failed.
+
+        Raises:
+            queue.Empty: nothing arrived within ``timeout_s``.
+        """
+        return self._inbox.get(timeout=timeout_s)
+
+    def _receive_from(self, worker: int, generation: int) -> None:
+        """Receiving thread of ``worker``: its requests, each complete (header and data), into the inbox, until its
+        goodbye or an error.
+
+        The server loop, not this thread, decides when the worker is lost (after ``timeout_s`` of silence it is not
+        itself the cause of); this thread's waits are only a backstop, longer than any silence the loop tolerates (a
+        gloo wait that times out closes every connection of the member, so it must not end one the loop still
+        serves).
+        """
+        backstop = max(self.group.connect_timeout_s, self.group.timeout_s) + 2 * self.group.timeout_s
+        try:
+            self.group.connect(worker, generation)
+            while True:
+                header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
+                self.group.receive(header, worker, TAG_REQUEST, "a request", timeout_s=backstop)
+                request, payload = Request.parse(header), None
+                if request.payload_nbytes > 0:
+                    payload = torch.empty(request.payload_nbytes, dtype=torch.uint8)
+                    what = f"the data of its {request.kind.name} request"
+                    self.group.receive(payload, worker, TAG_REQUEST_DATA, what, timeout_s=backstop)
+                self._inbox.put((worker, generation, request, payload, None))
+                if request.kind == Kind.BYE:
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop, which raises it
+            self._inbox.put((worker, generation, None, None, exc))
+
+    def send(self, replies: list[Reply]) -> None:
+        """Launches the replies without waiting for them to be taken.
+
+        A worker takes a reply's data only once it has every server's reply header, so waiting here could stall
+        this server behind another one (e.g. one holding an ssp reply back). The sends are waited for when the worker
+        sends its next request (:meth:`settle`), by which time it has taken the reply; the tensors sent are never
+        modified meanwhile (packed parameters are a new buffer per version).
+        """
+        for worker, (header, payload) in replies:
+            self.settle(worker)
+            works = [(header.kind, self.group.send(header.header(), worker, TAG_REPLY))]
+            if payload is not None and payload.numel() > 0:
+                works.append((header.kind, self.group.send(payload, worker, TAG_REPLY_DATA)))
+            self._inflight[worker] = works
+
+    def forget(self, worker: int) -> None:
+        """A lost worker: its replies in flight are not waited for, and its link is dropped."""
+        self._inflight.pop(worker, None)
+        self.group.drop(worker)
+
+    def settle(self, worker: int) -> None:
+        """Waits (bounded) for the sends of the previous reply to ``worker``."""
+        for kind, work in self._inflight.pop(worker, []):
+            self.group.wait(work, worker, f"it to take the reply to its {kind.name}", receiving=False)
+
+    def settle_all(self) -> None:
+        """At the end of the loop: waits for every reply still in flight (only goodbye acknowledgements are left; a
+        worker gone right after its goodbye is fine)."""
+        for worker in list(self._inflight):
+            try:
+                self.settle(worker)
+            except PSError:
+                pass
+
+
+class _Refused(Exception):
+    """A request the server answers with an error reply (the run goes on)."""
+
+
+class ParameterServer:
+    """The server loop of one PS-group member: one server's state, and its answer to each request (see the module
+    docstring for the modes and the stop).
+
+    Example::
+
+        >>> stats = ParameterServer(group).run()  # group: a server's PSGroup; returns after every worker's goodbye
 
     Args:
         group: this server's member of the PS group (``group.is_server``).
+        spare_workers: how many of the group's worker ranks, the last ones, are spare slots: no worker holds them at
+            the start, and a worker added to the running job takes one (elastic modes; see
+            :func:`~lightning_sync.ps.group.claim_spare_slot`).
 
     Raises:
-        ValueError: ``group`` is a worker's member.
+        ValueError: ``group`` is a worker's member, or ``spare_workers`` leaves no worker to start with.
     """
 
+    def __init__(self, group: PSGroup, spare_workers: int = 0) -> None:
+        if not group.is_server:
+            raise ValueError(f"{group.name()} is a worker; a ParameterServer needs a server's member of the group")
+        check_range("spare_workers", spare_workers, low=0, high=group.num_workers - 1, integer=True)  # 1 starts
+        self.group = group
+        self.server = group.ps_rank - group.num_workers
+        self.num_workers = group.num_workers  # worker slots, the spare ones included
+        self.initial_workers = group.num_workers - spare_workers  # the workers the run starts with
+        self.shard: ServerShard | None = None
+        self.config: PSConfig | None = None
+        self.codec: Compressor | None = None
+        self.checksum = 0
+        self.num_groups = 0
+        self.push_scales = [1.0]  # async and ssp: factor of a push's step, per worker optimizer (from the INIT)
+        self.initialized_by = -1
+        self.liveness = WorkerLiveness(self.num_workers, group.timeout_s, group.connect_timeout_s, group.name)
+        self.live = self.liveness.live  # the same list: a goodbye ends a worker's liveness
+        self.pending: dict[int, tuple[Any, list[float], int, Clip | None]] = {}  # sync: grad, lrs, optimizer, clip
+        self.withheld: set[int] = set()  # ssp: workers whose push reply is held back
+        self.deferred_pulls: dict[int, int] = {}  # worker -> settings checksum of pulls before the initial parameters
+        self.stop_code = StopCode.NONE
+        self.stop_worker = -1
+        self.rejected_pushes = 0
+        self.skipped_updates = 0  # sync steps or async/ssp pushes skipped for a NaN or Inf gradient
+        self.lost: dict[int, str] = {}  # elastic modes: the workers dropped, and why
+        self.seen_stop: set[int] = set()  # the workers sent a reply that carries the stop
+        self.max_updates: int | None = None  # the config's, less the lost workers' withdrawn shares
+        self._withdrawn: dict[int, float] = {}  # worker -> its share of max_updates withdrawn while it is lost
+        self.joins: dict[int, int] = {}  # worker -> how many times it rejoined
+        self.generation = [0] * self.num_workers  # per worker, the generation of its links (0, +1 per rejoin)
+        self.vacant = set(range(self.initial_workers, self.num_workers))  # spare slots no worker has taken yet
+        for worker in self.vacant:
+            self.live[worker] = False
+        self._joins_checked = 0.0
+        self.channels = WorkerChannels(group, self.server)
+
     # ---------------------------------------------------------------- public
+    @property
+    def stopped(self) -> bool:
+        return self.stop_code != StopCode.NONE
+
+    @property
+    def elastic(self) -> bool:
+        """Whether a lost worker is dropped (the run goes on) rather than ending the run: known from the INIT on."""
+        return self.config is not None and self.config.drops_lost_workers
+
+    def stats(self) -> dict[str, Any]:
+        """What a STATS request returns: the shard's clocks and staleness, stop state and this server's traffic."""
+        total = self.group.meter.total
+        out: dict[str, Any] = {
+            "server": self.server,
+            "mode": self.config.mode if self.config else None,
+            "push_scale": self.push_scales[0] if len(self.push_scales) == 1 else list(self.push_scales),
+            "initialized": self.shard is not None,
+            "stopped": self.stopped,
+            "stop_reason": stop_reason(self.stop_code, self.stop_worker, self.max_updates),
+            "live": list(self.live),
+            "lost": sorted(self.lost),
+            "lost_reasons": {w: why for w, why in sorted(self.lost.items())},
+            "seen_stop": sorted(self.seen_stop),
+            "joins": dict(sorted(self.joins.items())),
+            "vacant": sorted(self.vacant),
+            "max_updates": self.max_updates,
+            "rejected_pushes": self.rejected_pushes,
+            "skipped_updates": self.skipped_updates,
+            "bytes_recv": int(total.bytes_recv),
+            "bytes_sent": int(total.bytes_sent),
+            "calls": total.calls,
+            "seconds": total.seconds,
+        }
+        if self.shard is not None:
+            out.update(self.shard.stats())
+        return out
+
     def run(self) -> dict[str, Any]:
         """Serves until every worker has said goodbye; returns the final stats.
 
@@ -243,6 +447,231 @@ class ParameterServer(RequestDispatch):
             self.drop(worker, f"sent nothing for {seconds:.1f} s (frozen, dead, or slower than timeout_s)")
         return bool(silent)
 
+    # ---------------------------------------------------------------- replying
+    def _reply(
+        self, kind: Kind, worker: int, *, payload: torch.Tensor | None = None, flags: int = 0, staleness: int = -1
+    ) -> tuple[ReplyHeader, torch.Tensor | None]:
+        total = self.group.meter.total
+        self.liveness.answered(worker)
+        clocks = self.shard.clocks if self.shard is not None else [0] * self.num_workers
+        live_clocks = [clocks[w] for w in range(self.num_workers) if self.live[w]]
+        if self.stopped:
+            flags |= FLAG_STOP
+            self.seen_stop.add(worker)
+        header = ReplyHeader(
+            kind=kind,
+            status=Status.OK,
+            version=self.shard.version if self.shard is not None else 0,
+            flags=flags,
+            payload_nbytes=0 if payload is None else payload.numel(),
+            bytes_recv=int(total.bytes_recv),
+            bytes_sent=int(total.bytes_sent),
+            staleness=staleness,
+            stop_code=self.stop_code,
+            stop_worker=self.stop_worker,
+            clock=clocks[worker],
+            min_clock=min(live_clocks) if live_clocks else clocks[worker],
+            live_workers=sum(self.live),
+            lost_workers=len(self.lost),
+            joins=sum(self.joins.values()),
+        )
+        return header, payload
+
+    def _error_reply(self, kind: Kind, message: str) -> tuple[ReplyHeader, torch.Tensor | None]:
+        payload = torch.frombuffer(bytearray(message.encode()), dtype=torch.uint8)
+        return ReplyHeader(kind=kind, status=Status.ERROR, payload_nbytes=payload.numel()), payload
+
+    def _params_reply(self, kind: Kind, worker: int, flags: int = 0, staleness: int = -1) -> Any:
+        assert self.shard is not None
+        return self._reply(kind, worker, payload=self.shard.packed(), flags=flags, staleness=staleness)
+
+    # ---------------------------------------------------------------- requests
+    def _handle(self, request: Request, worker: int, payload: torch.Tensor | None) -> None:
+        kind = request.kind
+        if kind == Kind.INIT:
+            self._on_init(worker, payload)
+        elif kind == Kind.BYE:
+            self.live[worker] = False
+            self.deferred_pulls.pop(worker, None)
+            self.channels.send([(worker, self._reply(kind, worker))])
+            self._after_change()
+        elif kind == Kind.STATS:
+            blob = to_blob(self.stats())
+            self.channels.send([(worker, self._reply(kind, worker, payload=blob))])
+        elif self.shard is None:
+            if kind != Kind.PULL:
+                raise _Refused(f"{kind.name} before the initial parameters; worker 0 must call init_servers() first")
+            self.deferred_pulls[worker] = request.checksum
+        else:
+            mismatch = self._checksum_mismatch(request.checksum, worker)
+            if mismatch:
+                raise _Refused(mismatch)
+            if kind == Kind.PULL:
+                self.channels.send([(worker, self._params_reply(kind, worker))])
+            elif kind == Kind.PUSH:
+                self._on_push(request, worker, payload)
+            elif kind == Kind.STOP:
+                if not self.stopped:
+                    self.stop_code, self.stop_worker = StopCode.REQUESTED, worker
+                self.channels.send([(worker, self._reply(kind, worker))])
+                self._after_change()
+            elif kind == Kind.GET_STATE:
+                self.channels.send([(worker, self._reply(kind, worker, payload=to_blob(self.shard.state_dict())))])
+            else:
+                raise _Refused(f"unknown request kind {kind!r}")
+
+    def _checksum_mismatch(self, checksum: int, worker: int) -> str:
+        if checksum == self.checksum:
+            return ""
+        return (
+            f"worker {worker}'s ps settings, optimizer groups or shard layout differ from those worker "
+            f"{self.initialized_by} initialized {self.group.name()} with (checksum {checksum} vs "
+            f"{self.checksum}); every worker must build PSClient with the same config, model and optimizer"
+        )
+
+    def _on_init(self, worker: int, payload: torch.Tensor | None) -> None:
+        if self.shard is not None:
+            raise _Refused(f"{self.group.name()} was already initialized by worker {self.initialized_by}")
+        if payload is None:
+            raise _Refused("INIT without parameters")
+        try:
+            init = from_blob(payload)
+            config = PSConfig(**init["config"])
+            spec = OptimizerSpec.from_dict(init["optimizer"])
+            outer = config.new_outer_optimizer if config.local_steps > 1 else None
+            shard = ServerShard(init["params"], init["indices"], spec, self.num_workers, outer)
+            if shard.layout.signature() != ShardLayout.from_dict(init["layout"]).signature():
+                raise ValueError("the parameters do not match their announced layout")
+            if init.get("state") is not None:
+                shard.load_state_dict(init["state"])
+        except (ValueError, KeyError, TypeError, RuntimeError, AttributeError, ImportError) as exc:
+            raise _Refused(f"cannot initialize from worker {worker}'s INIT: {type(exc).__name__}: {exc}") from exc
+        if self.vacant and not config.drops_lost_workers:
+            raise _Refused(
+                f"{len(self.vacant)} spare worker slot(s) in mode={config.mode!r}, which does not take a worker in "
+                "during the run; use async or ssp (or sync with elastic)"
+            )
+        self.config, self.codec, self.shard = config, config.new_codec(), shard
+        self.max_updates = config.max_updates
+        scale = 1.0 / self.initial_workers if config.push_scale is None else float(config.push_scale)  # auto: 1/W
+        self.push_scales = [scale] * (1 if config.local_steps > 1 else spec.num_optimizers)  # > 1: the outer SGD
+        self.num_groups = spec.num_groups
+        self.checksum = int(init["checksum"])
+        self.initialized_by = worker
+        self.liveness.restart()
+        replies = [(worker, self._reply(Kind.INIT, worker))]
+        for w, checksum in sorted(self.deferred_pulls.items()):
+            mismatch = self._checksum_mismatch(checksum, w)
+            reply = self._error_reply(Kind.PULL, mismatch) if mismatch else self._params_reply(Kind.PULL, w)
+            replies.append((w, reply))
+        self.deferred_pulls = {}
+        self.channels.send(replies)
+
+    def _on_push(self, request: Request, worker: int, payload: torch.Tensor | None) -> None:
+        assert self.shard is not None and self.config is not None and self.codec is not None
+        if self.stopped:
+            self.rejected_pushes += 1
+            self.channels.send([(worker, self._params_reply(Kind.PUSH, worker, flags=FLAG_NOT_APPLIED))])
+            return
+        lr_bytes = 8 * self.num_groups
+        if payload is None or payload.numel() < lr_bytes:
+            raise _Refused(f"a push must carry {self.num_groups} learning rates and a gradient")
+        lrs = payload[:lr_bytes].view(torch.float64).tolist()
+        if not 0 <= request.optimizer < len(self.push_scales):
+            raise _Refused(f"a push for optimizer {request.optimizer}; the workers have {len(self.push_scales)}")
+        grad = None  # a NaN or Inf gradient stays on its worker: the update is skipped
+        if not request.flags & FLAG_NONFINITE:
+            try:
+                grad = self.codec.unpack(payload[lr_bytes:], self.shard.layout.numel)
+            except ValueError as exc:
+                raise _Refused(str(exc)) from exc
+        if self.config.mode == "sync":
+            if request.version != self.shard.version:
+                raise _Refused(
+                    f"sync push computed on version {request.version}, the server is at version "
+                    f"{self.shard.version}; in sync mode each push must follow the reply to the previous one"
+                )
+            if worker in self.pending:
+                raise _Refused(f"worker {worker} pushed twice for version {self.shard.version}")
+            others = {k for _, _, k, _ in self.pending.values()}
+            if others and others != {request.optimizer}:
+                raise _Refused(
+                    f"worker {worker} pushed for optimizer {request.optimizer} at version {self.shard.version}, the "
+                    f"other workers for optimizer {others.pop()}; in sync every worker steps its optimizers in one order"
+                )
+            self.pending[worker] = (grad, lrs, request.optimizer, request.clip)
+            self._after_change()
+            return
+        staleness = self.shard.version - request.version
+        if grad is None:  # nothing applied, the worker's clock stays: its ssp lead cannot grow
+            self.skipped_updates += 1
+            self.channels.send([(worker, self._params_reply(Kind.PUSH, worker, FLAG_SKIPPED, staleness))])
+            return
+        # One push is one worker's gradient, where a sync step averages W of them: push_scale (auto: 1/W) is what
+        # one push's step counts for, on the gradient or the learning rate (see scales_learning_rate).
+        k = request.optimizer
+        self.shard.apply(grad, lrs, k, request.clip, self.push_scales[k])
+        self.shard.record(worker, staleness)
+        self._check_max_updates()
+        if self.config.mode == "ssp" and not self.stopped and self._lead(worker) > self.config.max_staleness:
+            self.withheld.add(worker)
+        else:
+            self.channels.send([(worker, self._params_reply(Kind.PUSH, worker, staleness=staleness))])
+        self._after_change()
+
+    # ---------------------------------------------------------------- mode logic
+    def _lead(self, worker: int) -> int:
+        assert self.shard is not None
+        live = [self.shard.clocks[w] for w in range(self.num_workers) if self.live[w]]
+        return self.shard.clocks[worker] - min(live) if live else 0
+
+    def _check_max_updates(self) -> None:
+        assert self.shard is not None and self.config is not None
+        if not self.stopped and self.max_updates is not None and self.shard.version >= self.max_updates:
+            self.stop_code = StopCode.MAX_UPDATES
+
+    def _after_change(self) -> None:
+        """Steps a complete sync round, releases withheld ssp replies, answers everything once stopped."""
+        if self.shard is None:
+            return
+        replies = []
+        if self.pending:
+            if self.stopped:
+                replies += [(w, self._params_reply(Kind.PUSH, w, flags=FLAG_NOT_APPLIED)) for w in sorted(self.pending)]
+                self.rejected_pushes += len(self.pending)
+                self.pending = {}
+            elif all(w in self.pending for w in range(self.num_workers) if self.live[w]):
+                replies += self._sync_step()
+        if self.withheld:
+            assert self.config is not None  # set with the shard
+            staleness = self.shard.last_staleness
+            for w in sorted(self.withheld):
+                if self.stopped or not self.live[w] or self._lead(w) <= self.config.max_staleness:
+                    self.withheld.discard(w)
+                    if self.live[w]:
+                        replies.append((w, self._params_reply(Kind.PUSH, w, staleness=staleness[w])))
+        if replies:
+            self.channels.send(replies)
+
+    def _sync_step(self) -> list[Any]:
+        assert self.shard is not None
+        contributors = sorted(self.pending)
+        if any(self.pending[w][0] is None for w in contributors):  # every worker skips the step, at the same version
+            self.skipped_updates += 1
+            self.pending = {}
+            return [(w, self._params_reply(Kind.PUSH, w, FLAG_SKIPPED, staleness=0)) for w in contributors]
+        total = torch.zeros(self.shard.layout.numel, dtype=torch.float32)
+        for w in contributors:
+            total.add_(self.pending[w][0])
+        total.div_(len(contributors))
+        _, lrs, optimizer, clip = self.pending[contributors[0]]
+        self.shard.apply(total, lrs, optimizer, clip)  # clipped after averaging, as DDP's all-reduced gradient
+        for w in contributors:
+            self.shard.record(w, 0)
+        self.pending = {}
+        self._check_max_updates()
+        return [(w, self._params_reply(Kind.PUSH, w, staleness=0)) for w in contributors]
+
 
 # -------------------------------------------------------------------------------------------------- entry points
 def run_server(
@@ -269,8 +698,7 @@ def run_server(
         ValueError: ``server`` is not in ``[0, num_servers)`` (or another argument is out of range).
         PSError: the rendezvous or the loop failed (see :meth:`ParameterServer.run`).
     """
-    if isinstance(server, bool) or not isinstance(server, int) or not 0 <= server < num_servers:
-        raise ValueError(f"server={server!r} must be an integer in [0, {num_servers - 1}] (num_servers={num_servers})")
+    check_range("server", server, low=0, high=num_servers - 1, integer=True)
     connect = max(timeout_s, 60.0) if connect_timeout_s is None else connect_timeout_s
     store = connect_store(host, port, is_host=False, timeout_s=connect)
     group = PSGroup(

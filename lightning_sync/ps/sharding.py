@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lightning_sync.errors import check_range
+
 
 def shard_by_bytes(sizes: Sequence[int], num_servers: int) -> list[int]:
     """Assigns each parameter (by its size in bytes) to one of ``num_servers`` servers.
@@ -29,8 +31,7 @@ def shard_by_bytes(sizes: Sequence[int], num_servers: int) -> list[int]:
         ValueError: ``num_servers`` is not an integer >= 1 or exceeds the number of parameters (a server would hold
             nothing), or a size is negative.
     """
-    if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
-        raise ValueError(f"num_servers={num_servers!r} must be an integer >= 1")
+    check_range("num_servers", num_servers, low=1, integer=True)
     sizes = [int(s) for s in sizes]
     if num_servers > len(sizes):
         raise ValueError(

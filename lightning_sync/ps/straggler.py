@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from lightning_sync.errors import check_range
+
 
 class Straggler:
     """Sleeps, on the slow worker only, ``slowdown - 1`` times the time its step took, so its step takes
@@ -34,13 +36,10 @@ class Straggler:
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        if isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
-            raise ValueError(f"worker={worker!r} must be an integer >= 0")
-        bad_slow = isinstance(slow_worker, bool) or not isinstance(slow_worker, int) or slow_worker < 0
-        if slow_worker is not None and bad_slow:
-            raise ValueError(f"slow_worker={slow_worker!r} must be a worker rank >= 0, or None")
-        if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not slowdown >= 1.0:
-            raise ValueError(f"slowdown={slowdown!r} must be a number >= 1 (1 = not slowed)")
+        check_range("worker", worker, low=0, integer=True)
+        if slow_worker is not None:
+            check_range("slow_worker", slow_worker, low=0, integer=True)
+        check_range("slowdown", slowdown, low=1)  # 1: not slowed
         self.worker = worker
         self.slow_worker = slow_worker
         self.slowdown = float(slowdown)
