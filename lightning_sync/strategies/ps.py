@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
@@ -25,6 +26,8 @@ from lightning_sync.comm.peer_errors import PeerError, names_a_silent_peer
 from lightning_sync.config import ParameterServerConfig
 from lightning_sync.errors import ConfigError
 from lightning_sync.ps import (
+    CLIP_ALGORITHMS,
+    Clip,
     PSClient,
     PSGroup,
     ServerStepOptimizer,
@@ -39,9 +42,7 @@ from lightning_sync.ps.outer import LocalSteps
 from lightning_sync.strategies._base import SyncStrategyBase
 from lightning_sync.strategies._detached import Detachment
 from lightning_sync.strategies._lightning import restore_clip_gradients, route_clip_gradients, set_global_step
-from lightning_sync.strategies._ps_clip import ServerClips
 from lightning_sync.strategies._ps_membership import Membership, check_join_address, publish_fit, running_fit
-from lightning_sync.strategies._ps_metrics import ReplyMetrics
 
 
 class ParameterServerStrategy(SyncStrategyBase):
@@ -59,10 +60,6 @@ class ParameterServerStrategy(SyncStrategyBase):
     :class:`~lightning_sync.strategies._detached.Detachment`); see the README's "Parameter server".
     Logged: ``ps/version``, ``ps/staleness`` (async, ssp), ``ps/server<i>_ingress_per_update``, and in the elastic
     modes ``ps/server<i>_live_workers`` and ``ps/server<i>_lost_workers``.
-
-    Takes the fields of :class:`~lightning_sync.config.ParameterServerConfig` and Lightning's own strategy
-    arguments, as keyword arguments (``Args:`` below is filled in from the fields' help; see
-    :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
 
     Example::
 
@@ -193,7 +190,7 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     def _clip_on_the_servers(self) -> None:
         """Gradient clipping goes with the optimizer's next push, and the servers clip
-        (:class:`~lightning_sync.strategies._ps_clip.ServerClips`). :meth:`teardown` puts the plugin's own back."""
+        (:class:`ServerClips`). :meth:`teardown` puts the plugin's own back."""
         self._clips = ServerClips()
         route_clip_gradients(self.precision_plugin, self._clips.record)
 
@@ -352,7 +349,7 @@ class ParameterServerStrategy(SyncStrategyBase):
     @override
     def step_metrics(self, write: bool) -> dict[str, float]:
         """``comm/*`` as the base logs them, plus the replies' ``ps/*`` (see
-        :class:`~lightning_sync.strategies._ps_metrics.ReplyMetrics`)."""
+        :class:`ReplyMetrics`)."""
         metrics = super().step_metrics(write)
         if write and self.last_reply is not None:
             metrics.update(self._reply_metrics.of(self.last_reply))
@@ -509,3 +506,57 @@ class ParameterServerStrategy(SyncStrategyBase):
         elif servers is not None:
             servers.finish(self.config.timeout_s)
         super().teardown()
+
+
+class ServerClips:
+    """The clipping each optimizer's next push asks the servers for: the Trainer's clipping is not done on the
+    worker; the servers clip what they step with (in sync the average of the workers' gradients, as DDP clips the
+    all-reduced gradient)."""
+
+    def __init__(self) -> None:
+        self._by_optimizer: dict[int, Clip] = {}
+
+    def record(self, optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
+        """Stands in for the precision plugin's ``clip_gradients``: keeps the clipping for ``optimizer``'s next push
+        (none for ``clip_val`` ``None`` or ``<= 0``)."""
+        if clip_val is None or float(clip_val) <= 0:
+            return
+        algorithm = CLIP_ALGORITHMS[str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm))]
+        if isinstance(optimizer, LightningOptimizer):  # manual optimization hands the wrapper in
+            optimizer = optimizer.optimizer
+        self._by_optimizer[id(optimizer)] = Clip(algorithm, float(clip_val))
+
+    def pop(self, optimizer: Any) -> Clip | None:
+        """The clipping for ``optimizer``'s push now (``None``: none asked), forgotten after."""
+        return self._by_optimizer.pop(id(optimizer), None)
+
+
+class ReplyMetrics:
+    """``ps/*`` metrics of each logged reply: ``ps/version``; ``ps/staleness`` (async, ssp); each server's ingress
+    per update since the last logged reply; and in the elastic modes, the workers each server counts as live, has
+    dropped, and the rejoins it accepted.
+
+    Args:
+        staleness: log ``ps/staleness`` (async and ssp; in sync it is always 0).
+        elastic: log ``ps/server<i>_live_workers``, ``ps/server<i>_lost_workers`` and ``ps/server<i>_joins``.
+    """
+
+    def __init__(self, staleness: bool, elastic: bool) -> None:
+        self.staleness, self.elastic = staleness, elastic
+        self._logged: tuple[int, tuple[int, ...]] | None = None  # version and servers' ingress at the last one
+
+    def of(self, reply: Any) -> dict[str, float]:
+        """The metrics of ``reply`` (a :class:`~lightning_sync.ps.reply.PSReply`), to be logged now."""
+        metrics = {"ps/version": float(reply.version)}
+        if reply.stalest >= 0 and self.staleness:
+            metrics["ps/staleness"] = float(reply.stalest)
+        if self.elastic:
+            for i, (live, lost, joins) in enumerate(zip(reply.live_workers, reply.lost_workers, reply.joins)):
+                metrics[f"ps/server{i}_live_workers"] = float(live)
+                metrics[f"ps/server{i}_lost_workers"] = float(lost)
+                metrics[f"ps/server{i}_joins"] = float(joins)
+        if self._logged is not None and reply.version > self._logged[0]:
+            for i, (now, then) in enumerate(zip(reply.server_bytes_recv, self._logged[1])):
+                metrics[f"ps/server{i}_ingress_per_update"] = (now - then) / (reply.version - self._logged[0])
+        self._logged = (reply.version, reply.server_bytes_recv)
+        return metrics
