@@ -1,14 +1,9 @@
 """Keeps Python's full garbage collections off the training steps (the ``freeze_gc`` knob).
 
-A full (generation 2) collection walks every tracked object. Once Lightning, torch, the model and the data are
-loaded that is hundreds of thousands of objects: one pass can take longer than many small optimizer steps, and it
-falls on a random step of a random rank, so in a synchronous mode every other rank waits for it at the next
-collective. Moving everything alive when training starts into the
-permanent generation (``gc.freeze``, which only splices lists: it costs nothing) leaves the collector only what
-training allocates itself; cyclic garbage made by training is still collected. The objects frozen here are the
-ones that live for the whole fit anyway; whatever garbage is among them waits until the fit ends and
-:func:`release_startup_heap` hands it back (collecting it first would cost the very pass this avoids). Nothing
-here knows of Lightning.
+A full collection walks every tracked object (hundreds of thousands once torch and Lightning are loaded) and can
+outlast many small steps; it falls on a random rank, and in a synchronous mode every other rank waits for it.
+``gc.freeze`` at train start (free: it splices lists) leaves the collector only what training allocates; garbage
+among the frozen objects waits for :func:`release_startup_heap` at the end of the fit.
 """
 
 from __future__ import annotations
