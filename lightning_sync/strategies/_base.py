@@ -6,6 +6,7 @@ teardown come from it) that connects the algorithms of :mod:`lightning_sync.comm
 
 from __future__ import annotations
 
+import gc
 import inspect
 import textwrap
 import warnings
@@ -30,7 +31,6 @@ from lightning_sync.comm.peer_errors import PeerError, naming_peer
 from lightning_sync.config import StrategyConfig, knob_docs
 from lightning_sync.errors import ConfigError
 from lightning_sync.strategies import _checkpoint
-from lightning_sync.strategies._gc import freeze_startup_heap, release_startup_heap
 from lightning_sync.strategies._gradients import GradientAllReduce
 from lightning_sync.strategies._launcher import configure_launcher
 from lightning_sync.strategies._lightning import LightningDDPHooks, insert_callback_first
@@ -46,6 +46,31 @@ LIGHTNING_ARGUMENTS: dict[str, str] = {
     "process_group_backend": "The torch.distributed backend (``None``: ``nccl`` on CUDA, else ``gloo``).",
 }
 """Lightning's own strategy arguments, which every mode's constructor takes as ``DDPStrategy`` does."""
+
+
+_frozen_fits = 0  # fits in this process that froze the heap (``freeze_gc``) and have not released it
+
+
+def freeze_startup_heap() -> None:
+    """Exempts everything alive from later garbage collections (until :func:`release_startup_heap`).
+
+    A full collection walks every tracked object (hundreds of thousands once torch and Lightning are loaded) and can
+    outlast many small steps, on a random rank that every other rank then waits for; ``gc.freeze`` (free: it splices
+    lists) leaves the collector only what training allocates.
+    """
+    global _frozen_fits
+    gc.freeze()
+    _frozen_fits += 1
+
+
+def release_startup_heap() -> None:
+    """Returns the frozen objects to the collector, once the last fit that froze them has released them."""
+    global _frozen_fits
+    if _frozen_fits == 0:
+        return
+    _frozen_fits -= 1
+    if _frozen_fits == 0:
+        gc.unfreeze()
 
 
 def _args_section(strategy: type) -> str:
@@ -211,7 +236,7 @@ class SyncStrategyBase(LightningDDPHooks):
     @override
     def on_train_start(self) -> None:
         """Starts the per-step meter count at the first step (setup traffic is not a step's), and freezes the
-        start-up heap if ``freeze_gc`` (see :mod:`~lightning_sync.strategies._gc`)."""
+        start-up heap if ``freeze_gc`` (:func:`freeze_startup_heap`)."""
         super().on_train_start()
         if self.meter is not None:
             self._comm_before_training = self.meter.total
