@@ -99,28 +99,10 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
 class HydraJobSubprocessLauncher(PopenLauncher):
     """Lightning's ``popen`` launcher, except that under Hydra a child runs the parent's job, never its sweep.
 
-    Under Hydra, Lightning's ``_call_children_scripts`` starts each child with the parent's whole command line,
-    ``-m`` and the sweep's overrides included, so every child of a ``-m`` job runs the whole sweep (Lightning issue
-    #15689, https://github.com/Lightning-AI/pytorch-lightning/issues/15689). This launcher overrides only that
-    method, and only under Hydra, where :meth:`start_children` starts each child on :func:`hydra_job_command`;
-    otherwise Lightning's own runs. The child observer is Lightning's, unless the strategy tolerates lost ranks
-    (:attr:`tolerates_lost_ranks`, see :class:`ChildObserver`). Lightning's ``kill`` is used as
-    it is. :meth:`exited_children` and :meth:`wait_children` serve the app's end of job: a child that outlives a
-    job (frozen, or still running when the job failed) is killed, so none holds the next job's ports and cores.
+    Under Hydra, :meth:`start_children` starts each child on :func:`hydra_job_command` (Lightning issue #15689:
+    its children re-run the whole ``-m`` sweep). :meth:`exited_children` and :meth:`wait_children` serve the app's
+    end of job, so that no child outlives a job holding the next one's ports and cores.
     """
-
-    def __init__(self, *args: Any, tolerates_lost_ranks: Callable[[], bool] | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tolerates_lost_ranks = tolerates_lost_ranks  # whether a lost child leaves the job running (asked then)
-
-    @override
-    def watches_children(self) -> bool:
-        return self.tolerates_lost_ranks is not None
-
-    @override
-    def observe_children(self) -> None:
-        assert self.tolerates_lost_ranks is not None  # (watches_children)
-        ChildObserver(self.children, self.tolerates_lost_ranks).start()
 
     @override
     def start_children(self) -> None:
@@ -181,13 +163,12 @@ def configure_launcher(strategy: Any, lightning_default: Callable[[], None]) -> 
         lightning_default()
         return end_frozen_ranks_on_failure(strategy.launcher, strategy)
     assert strategy.cluster_environment is not None
-    tolerates = None  # Lightning's observer, unless the strategy lets a lost rank leave the job running
+    observer = None  # Lightning's, unless the strategy lets a lost rank leave the job running
     if getattr(strategy, "tolerates_lost_ranks", False):
-        tolerates = lambda: bool(strategy.tolerates_lost_ranks)  # noqa: E731
+        tolerated = lambda: bool(strategy.tolerates_lost_ranks)  # noqa: E731  # asked when a rank is lost
+        observer = lambda children: ChildObserver(children, tolerated).start()  # noqa: E731
     env = strategy.cluster_environment
-    launcher = HydraJobSubprocessLauncher(
-        env, strategy.num_processes, strategy.num_nodes, tolerates_lost_ranks=tolerates
-    )
+    launcher = HydraJobSubprocessLauncher(env, strategy.num_processes, strategy.num_nodes, observer=observer)
     set_launcher(strategy, launcher)
     end_frozen_ranks_on_failure(launcher, strategy)  # a failing rank kills the frozen ones
 
