@@ -75,23 +75,25 @@ class DivergenceGuard(pl.Callback):
         self.check_every = check_every
         self.stop = stop
         self.monitor = monitor
+        self._recent: deque[float] = deque(maxlen=window or 1)
+        self._start()
+
+    def _start(self) -> None:
+        """A new fit: no verdict, no loss seen."""
         self.diverged_at_step: int | None = None
         self.diverged_loss: float | None = None
         self.diverged_rank: int | None = None
         self.diverged_reason: str | None = None
         self._first_loss: float | None = None
         self._lowest_mean = math.inf
-        self._recent: deque[float] = deque(maxlen=window or 1)
+        self._recent.clear()
         self._bad: tuple[int, float, int] | None = None  # this rank's first bad (step, loss, reason index)
         self.checked_batches = 0  # training batches seen in the current fit (0 where the ranks were forked off)
         self._verdict: tuple[float, float] | None = None  # the detecting rank's (first loss, lowest mean)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.diverged_at_step = self.diverged_loss = self.diverged_rank = self.diverged_reason = None
-        self._first_loss, self._lowest_mean, self._bad, self._verdict = None, math.inf, None, None
-        self.checked_batches = 0
-        self._recent.clear()
+        self._start()
 
     def _batch_loss(self, trainer: pl.Trainer, outputs: Any) -> float | None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs

@@ -14,22 +14,13 @@ algorithm's constructor, which the strategy's constructor calls, and default as 
 field, the value and what is allowed.
 """
 
-from lightning_sync.config.common import (
-    ON_MISMATCH,
-    START_METHODS,
-    GradientSyncKnobs,
-    StrategyConfig,
-)
+from lightning_sync.config.common import GradientSyncKnobs, StrategyConfig
 from lightning_sync.config.gradient import AllReduceConfig, DDPConfig
 from lightning_sync.config.knobs import knob, knob_docs
-from lightning_sync.config.periodic import PERIODIC_MODES, PeriodicConfig
-from lightning_sync.config.ps import PS_PLACEMENTS, ParameterServerConfig
+from lightning_sync.config.periodic import PeriodicConfig
+from lightning_sync.config.ps import ParameterServerConfig
 
 __all__ = [
-    "ON_MISMATCH",
-    "PERIODIC_MODES",
-    "PS_PLACEMENTS",
-    "START_METHODS",
     "AllReduceConfig",
     "DDPConfig",
     "GradientSyncKnobs",

@@ -34,9 +34,9 @@ class StrategyConfig:
     )
     check_consistency_every: int = knob(
         0,
-        """Every this many optimizer steps, check that all replicas hold identical parameters, buffers and the optimizer
-        state the mode keeps replicated (``periodic`` local steps: what was just synced; 0: never). A mismatch names
-        the tensors, the ranks that differ from rank 0 and the largest difference.""",
+        """Every this many optimizer steps, check that all replicas hold identical parameters, buffers and replicated
+        optimizer state (``periodic`` local steps: what was just synced; 0: never); a mismatch names the tensors, the
+        ranks and the largest difference.""",
     )
     on_mismatch: str = knob(
         "raise",
@@ -105,14 +105,12 @@ class GradientSyncKnobs:
     )
     bucket_cap_mb: float = knob(
         4.0,
-        """Bucket size in MiB. Smaller than DDP's 25, so that a model of a few tens of MB fills several buckets
-        and the later ones do not all wait for the end of backward (the benchmark's ``allreduce_overlap`` case).
-        Every launch point sends these buckets (``flat`` too).""",
+        """Bucket size in MiB; smaller than DDP's 25, so that a model of a few tens of MB fills several buckets and the
+        later ones do not all wait for the end of backward.""",
     )
     first_bucket_mb: float = knob(
         1.0,
-        """Size of the first bucket in MiB, small so that communication starts early in backward (``overlap``,
-        ``auto``; ``flat`` uses the same buckets).""",
+        """Size of the first bucket in MiB, small so that communication starts early in backward.""",
     )
     find_unused_parameters: bool = knob(
         False,

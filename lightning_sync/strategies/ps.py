@@ -48,18 +48,14 @@ from lightning_sync.strategies._ps_membership import Membership, check_join_addr
 class ParameterServerStrategy(SyncStrategyBase):
     """Parameter server over torch.distributed point-to-point: workers push gradients, servers step and reply.
 
-    The Lightning ranks are the workers. The strategy starts the servers, each holding a byte-balanced shard of the
-    parameters and its optimizer state: as processes on node 0 (``dedicated``) or as threads of the first workers
-    (``colocated``); both run the loop of :mod:`lightning_sync.ps` on a process group of their own, built on the
-    run's store. The LightningModule's optimizer is rebuilt on the servers; each push carries the worker's learning
-    rates, so LR schedulers stepping on the workers take effect on the servers.
+    The Lightning ranks are the workers. The servers, each holding a byte-balanced shard of the parameters and its
+    optimizer state, run as processes on node 0 (``dedicated``) or threads of the first workers (``colocated``), on a
+    process group of their own. The LightningModule's optimizer is rebuilt on the servers; each push carries the
+    worker's learning rates, so LR schedulers on the workers take effect there.
 
     ``sync`` keeps the workers in lockstep. In ``async`` and ``ssp`` the servers' version counts the steps
     (``max_steps=N``: N pushes; ``max_epochs=E``: E epochs' worth of samples) and the workers never wait for each
-    other (Lightning's collectives act on each worker alone, see
-    :class:`~lightning_sync.strategies._detached.Detachment`); see the README's "Parameter server".
-    Logged: ``ps/version``, ``ps/staleness`` (async, ssp), ``ps/server<i>_ingress_per_update``, and in the elastic
-    modes ``ps/server<i>_live_workers`` and ``ps/server<i>_lost_workers``.
+    other (:class:`~lightning_sync.strategies._detached.Detachment`). Logged: ``ps/*`` (see :class:`ReplyMetrics`).
 
     Example::
 
@@ -124,10 +120,9 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     @property
     def tolerates_lost_ranks(self) -> bool:
-        """Whether losing a worker rank other than 0 leaves the job running (``async`` and ``ssp``, and ``sync`` with
-        ``elastic``: the servers drop it and the others go on); then the workers run apart during the fit, with no
-        Lightning collective among them. The launcher's child observer and the app's end of job ask this. Rank 0
-        hosts the store and the dedicated servers: losing it always ends the job, as losing a server does."""
+        """Whether losing a worker rank other than 0 leaves the job running (``async``, ``ssp``, elastic ``sync``);
+        then the workers run apart during the fit. Losing rank 0 (the store, dedicated servers) or a server always
+        ends the job."""
         return self.config.mode != "sync" or self.config.elastic
 
     @property
@@ -359,10 +354,8 @@ class ParameterServerStrategy(SyncStrategyBase):
     def _reported_cause(self, error: PeerError) -> str | None:
         """The failure another member of the PS group left in its store (a worker that lost a server), if any.
 
-        A rank silent in one of Lightning's collectives (not one that is gone) is often itself waiting on a server
-        that froze; its own wait for that server ends about when this rank's collective timed out, so its report is
-        waited for, up to half of ``timeout_s`` (plus a second): the error then names the server, not only the rank
-        that waited on it.
+        A silent rank is often itself waiting on a frozen server, so its report is waited for, up to half of
+        ``timeout_s`` (plus a second), and the error names the server, not only the rank that waited on it.
         """
         group = self._group
         if group is None:
@@ -422,12 +415,10 @@ class ParameterServerStrategy(SyncStrategyBase):
         self.end_detached_run()
 
     def end_detached_run(self) -> None:
-        """Ends the servers' run, then the ranks meet and attach again (every rank, once its own loop ended). Called
-        first thing in ``on_train_end`` (by :class:`~lightning_sync.callbacks.SyncMetricsLogger`, before the other
-        callbacks, which may use collectives there), and by :meth:`on_train_end` (then a no-op). Until then each rank
-        ran its own batch and epoch ends, whose collectives would not pair across ranks. After a lost rank, or on a
-        worker added with ``join``, the rank stays a world of its own instead (see
-        :attr:`~lightning_sync.strategies._ps_membership.Membership.can_attach`)."""
+        """Ends the servers' run, then the ranks meet and attach again. Called first in ``on_train_end`` by
+        :class:`~lightning_sync.callbacks.SyncMetricsLogger` (the other callbacks may use collectives there), then by
+        :meth:`on_train_end` (a no-op). After a lost rank, or on a worker added with ``join``, the rank stays a world
+        of its own (:attr:`~lightning_sync.strategies._ps_membership.Membership.can_attach`)."""
         self._end_mode_run()
         if self._detachment.detached and self.membership.can_attach:
             self._detachment.detached = False
@@ -475,9 +466,8 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     @override
     def check_replicas(self, atol: float = 0.0) -> list[Any]:
-        """Nothing to compare in a fit whose ranks run apart: the replicas differ between pulls, and the ranks reach a
-        step count at different times, so a check would pair collectives wrongly. With local steps the replicas differ
-        between pushes: they are compared right after a push only (every sync worker pushes at the same step)."""
+        """Nothing to compare while the ranks run apart (the collectives would pair wrongly); with local steps, only
+        right after a push (every sync worker pushes at the same step)."""
         if self._detachment.in_fit or (self._local is not None and self._local.steps != 0):
             return []
         return super().check_replicas(atol)
