@@ -1,13 +1,10 @@
 """lightning_sync: PyTorch Lightning strategies that keep data-parallel replicas in sync in different ways.
 
-Pass a strategy object, ``Trainer(strategy=lightning_sync.AllReduceStrategy(...))``; the registry names work too:
-importing the package imports :mod:`lightning_sync.strategies` (and so Lightning), whose import registers ``sync_ddp``,
-``sync_allreduce``, ``sync_periodic`` and ``sync_ps`` with Lightning's ``StrategyRegistry``, as Lightning registers
-its own strategies, so ``Trainer(strategy="sync_allreduce")`` works after a plain ``import lightning_sync``.
-
-One process skips that import: a dedicated parameter server (``python -m lightning_sync.ps``), which runs on torch
-alone. The strategy starts it with ``LIGHTNING_SYNC_SERVER_PROCESS=1`` in its environment, and importing Lightning
-would cost each server seconds of CPU at start. There the strategy names are still reachable, imported on first use.
+Pass a strategy object, ``Trainer(strategy=lightning_sync.AllReduceStrategy(...))``, or a registry name: importing
+the package registers ``sync_ddp``, ``sync_allreduce``, ``sync_periodic`` and ``sync_ps`` with Lightning's
+``StrategyRegistry``. A dedicated parameter server (``python -m lightning_sync.ps``, started with
+``LIGHTNING_SYNC_SERVER_PROCESS=1``) skips that import, which would cost it seconds of CPU importing Lightning; the
+strategy names are then imported on first use.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""Reading the process table from ``/proc`` (Linux): one process's ``stat`` fields, its parent, its descendants.
-
-Private helper shared by the frozen-rank handling (:mod:`lightning_sync.strategies._frozen`) and the benchmark's
-node launcher. Where there is no ``/proc``, nothing is found.
+"""Reading the process table from ``/proc`` (Linux): one process's ``stat`` fields, its parent, its descendants;
+for the frozen-rank handling (:mod:`lightning_sync.strategies._launcher`) and the benchmark's node launcher. Where
+there is no ``/proc``, nothing is found.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The comm algorithms a strategy config asks for, built from its knobs: torch only, no Lightning.
 
-A strategy's constructor builds these (and keeps them); the Hydra app builds them once more before it starts any
-process, so a bad algorithm knob (a compressor's density or rank, the bucketing, the averager's period, warmup and
-adaptive bounds, a ``ps`` setting) is reported before a rank starts. Each check still lives in its algorithm's
-constructor: this module only calls them.
+A strategy's constructor builds them, and the Hydra app once more before it starts any process, so a bad algorithm
+knob is reported before a rank starts. Each check lives in its algorithm's constructor; this module only calls them.
 """
 
 from __future__ import annotations

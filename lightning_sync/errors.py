@@ -1,8 +1,7 @@
 """The error a user's configuration mistake raises, and the two checks that raise it.
 
-A leaf module: :mod:`lightning_sync.config` and :mod:`lightning_sync.comm` both import it, and it imports neither.
-A message starts with the field it blames, so a caller that knows where the field lives can name it in full
-(:meth:`ConfigError.under` turns ``sync_every=0 ...`` into ``strategy.sync_every=0 ...``).
+A leaf module. A message starts with the field it blames, so a caller that knows where the field lives can name it
+in full (:meth:`ConfigError.under` turns ``sync_every=0 ...`` into ``strategy.sync_every=0 ...``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from lightning_utils import make_trainer
 from lightning_sync import AllReduceStrategy, PeriodicSyncStrategy
 from lightning_sync.examples.data import DigitsDataModule
 from lightning_sync.examples.models import DigitsClassifier
-from lightning_sync.strategies._gc import freeze_startup_heap, release_startup_heap
+from lightning_sync.strategies._base import freeze_startup_heap, release_startup_heap
 
 
 @pytest.mark.unit

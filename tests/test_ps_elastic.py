@@ -49,7 +49,7 @@ class _Child:
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("tolerated", [True, False])
 def test_the_observer_ends_the_job_on_a_lost_rank_only_where_it_is_not_tolerated(tolerated, capsys, monkeypatch):
-    from lightning_sync.strategies._observer import ChildObserver
+    from lightning_sync.strategies._launcher import ChildObserver
 
     children = [_Child(None), _Child(-signal.SIGKILL)]  # local rank 2 killed, rank 1 running
     observer = ChildObserver(children, lambda: tolerated)  # type: ignore[arg-type]

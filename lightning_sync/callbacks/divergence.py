@@ -28,14 +28,10 @@ class DivergenceGuard(pl.Callback):
       0.9 over an inner SGD with momentum 0.9 does to the example model (its loss climbs back to ln 10 and the test
       accuracy to 10%, with no nan on the way).
 
-    Each rank checks its own losses, which differ between ranks (their own batches, and in ``local_sgd``/``diloco``
-    their own parameters between syncs). Every ``check_every`` batches the ranks all-gather their first bad step,
-    so they all take the same decision after the same batch: the earliest bad step of any rank, then
-    ``trainer.should_stop`` on every rank (Lightning does not reduce ``should_stop`` across ranks itself, and a
-    rank left training would wait forever in its next collective). The exchange is plain ``torch.distributed``,
-    outside the strategy's communication meter, so ``comm/*`` still counts only sync traffic; it runs after
-    :class:`SyncReport` has timed the batch (list this callback after it). One exchange is an all-gather of 5
-    numbers, a latency-bound collective: one every 10 batches by default keeps it off most steps.
+    Each rank checks its own losses. Every ``check_every`` batches the ranks all-gather their first bad step (an
+    all-gather of 5 numbers, outside the communication meter), so all stop after the same batch (Lightning does not
+    reduce ``should_stop``, and a rank left training would wait forever in its next collective). List it after
+    :class:`SyncReport`, which then times the batch without the exchange.
 
     The summary gets ``diverged`` (bool), and for a diverged run ``diverged_at_step`` (the optimizer step whose
     loss was bad, as ``trainer.global_step`` counts after it), ``diverged_loss`` (the loss, or the window's mean
@@ -79,27 +75,25 @@ class DivergenceGuard(pl.Callback):
         self.check_every = check_every
         self.stop = stop
         self.monitor = monitor
+        self._recent: deque[float] = deque(maxlen=window or 1)
+        self._start()
+
+    def _start(self) -> None:
+        """A new fit: no verdict, no loss seen."""
         self.diverged_at_step: int | None = None
         self.diverged_loss: float | None = None
         self.diverged_rank: int | None = None
         self.diverged_reason: str | None = None
         self._first_loss: float | None = None
         self._lowest_mean = math.inf
-        self._recent: deque[float] = deque(maxlen=window or 1)
+        self._recent.clear()
         self._bad: tuple[int, float, int] | None = None  # this rank's first bad (step, loss, reason index)
-        self._batches = 0
+        self.checked_batches = 0  # training batches seen in the current fit (0 where the ranks were forked off)
         self._verdict: tuple[float, float] | None = None  # the detecting rank's (first loss, lowest mean)
-
-    @property
-    def checked_batches(self) -> int:
-        """Training batches this process's guard has seen in the current fit (0 where the ranks were forked off)."""
-        return self._batches
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.diverged_at_step = self.diverged_loss = self.diverged_rank = self.diverged_reason = None
-        self._first_loss, self._lowest_mean, self._bad, self._batches, self._verdict = None, math.inf, None, 0, None
-        self._recent.clear()
+        self._start()
 
     def _batch_loss(self, trainer: pl.Trainer, outputs: Any) -> float | None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
@@ -139,8 +133,8 @@ class DivergenceGuard(pl.Callback):
             verdict = self._judge(loss)
             if verdict is not None:
                 self._bad = (trainer.global_step, *verdict)
-        self._batches += 1
-        if self._batches % self.check_every == 0:
+        self.checked_batches += 1
+        if self.checked_batches % self.check_every == 0:
             self._agree(trainer)
 
     @override

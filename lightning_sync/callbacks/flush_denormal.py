@@ -10,12 +10,9 @@ from typing_extensions import override
 class FlushDenormal(pl.Callback):
     """Has every rank's CPU treat subnormal floats as zero while it fits, tests or predicts.
 
-    x86 CPUs run arithmetic on subnormal floats (magnitudes below about ``1e-38`` in float32) far slower than on
-    normal ones, and a model can make many: a confident softmax, whose smallest probabilities underflow, fills the
-    backward pass's matrix products with them. ``torch.set_flush_denormal(True)`` rounds them to zero instead (the
-    flush-to-zero and denormals-are-zero modes of the floating-point unit), which changes only values that small.
-    The setting belongs to a thread and the threads it starts, so the callback sets it in each rank's process at
-    ``setup`` (after Lightning has launched the ranks) and clears it at ``teardown``.
+    x86 CPUs compute on subnormal floats (below about ``1e-38`` in float32) far slower than on normal ones, and a
+    confident softmax fills backward's matrix products with them; ``torch.set_flush_denormal(True)`` rounds them to
+    zero. The setting is per thread (and the threads it starts), so it is set in each rank at ``setup``.
     """
 
     @override

@@ -1,9 +1,7 @@
 """Workers that each train at a set pace: every batch takes at least ``step_s`` seconds.
 
-Several workers on one small machine share its cores, so losing one speeds the others up: a measurement of what a
-lost worker costs then says more about the machine than about the method. With each batch padded by a sleep to a
-fixed time longer than its compute, every worker trains at its own pace, as it would on a host of its own, as long
-as the padded workers together leave cores idle.
+Workers sharing a machine's cores speed up when one is lost, which says more about the machine than the method; a
+batch padded by sleep to a fixed time longer than its compute keeps each worker at its own pace.
 """
 
 from __future__ import annotations

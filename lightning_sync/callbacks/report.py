@@ -34,7 +34,6 @@ class SyncReport(pl.Callback):
         self.step_seconds: list[float] = []
         self.summary: dict[str, Any] = {}
         self._started = 0.0
-        self._comm_at_start: Any = None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -45,8 +44,6 @@ class SyncReport(pl.Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Notes where a resumed fit resumed (``resumed_from``, ``resumed_at_step``; said on rank 0's stderr)."""
-        meter = getattr(trainer.strategy, "meter", None)
-        self._comm_at_start = meter.total if meter is not None else None
         if trainer.ckpt_path:
             self.summary.update(resumed_from=str(trainer.ckpt_path), resumed_at_step=trainer.global_step)
             if trainer.is_global_zero:
@@ -77,21 +74,18 @@ class SyncReport(pl.Callback):
             batches=len(self.step_seconds),
             step_time_ms=1000 * statistics.median(timed) if timed else None,
         )
-        synchronizer = getattr(trainer.strategy, "synchronizer", None)
+        synchronizer = getattr(getattr(trainer.strategy, "gradients", None), "synchronizer", None)
         if synchronizer is not None:
             self.summary["launch_point"] = synchronizer.launch_point
         lost = getattr(trainer.strategy, "lost_workers", None)
         if lost:  # the elastic ps modes: the ranks the servers dropped, and why (each survivor is now alone)
             self.summary["lost_workers"] = {str(worker): why for worker, why in lost.items()}
+            self.summary["world_size"] = trainer.num_nodes * trainer.num_devices
         added = getattr(trainer.strategy, "added_workers", None)
         if added:  # the workers added to the run in a spare slot (join), by their worker rank
             self.summary["added_workers"] = list(added)
-        if lost:
-            self.summary["world_size"] = trainer.num_nodes * trainer.num_devices
-        meter = getattr(trainer.strategy, "meter", None)
-        if meter is not None and self._comm_at_start is not None:
-            # training only (setup broadcasts are not a step's), and across resumes, as global_step is
-            total = getattr(trainer.strategy, "comm_totals", None) or meter.total - self._comm_at_start
+        total = getattr(trainer.strategy, "comm_totals", None)  # a lightning_sync strategy's meter, in training only
+        if total is not None:  # (setup broadcasts are not a step's), and across resumes, as global_step is
             self.summary.update(
                 bytes_sent_per_step=total.bytes_sent / steps,
                 bytes_recv_per_step=total.bytes_recv / steps,

@@ -1,9 +1,6 @@
-"""The wall time of every training step and validation, on disk as it happens: a record that survives a SIGKILL.
-
-For runs that are killed on purpose (fault-tolerance demos and benchmarks), where a record written when training
-ends would be lost with the process. The Hydra app adds it with ``callbacks=[default,step_clock]`` (its file:
-``step_clock.txt`` in the run folder, or ``callbacks.step_clock.path=<file>``); :func:`read_step_clock` reads it
-back.
+"""The wall time of every training step and validation, on disk as it happens: a record that survives a SIGKILL
+(for runs killed on purpose). The Hydra app adds it with ``callbacks=[default,step_clock]``; :func:`read_step_clock`
+reads it back.
 """
 
 from __future__ import annotations

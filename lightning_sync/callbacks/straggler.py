@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 from typing_extensions import override
+
+from lightning_sync.ps.straggler import Straggler
 
 
 class StragglerCallback(pl.Callback):
@@ -41,8 +44,6 @@ class StragglerCallback(pl.Callback):
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        from lightning_sync.ps.straggler import Straggler
-
         Straggler(0, rank, slowdown)  # checks rank and slowdown
         if isinstance(chance, bool) or not isinstance(chance, (int, float)) or not 0.0 < chance <= 1.0:
             raise ValueError(f"chance={chance!r} is not allowed; it must be a probability in (0, 1]")
@@ -55,10 +56,6 @@ class StragglerCallback(pl.Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Sets up this worker's sleeper and its draws (a worker that is never slow gets none)."""
-        import random
-
-        from lightning_sync.ps.straggler import Straggler
-
         rank = trainer.global_rank
         if self.rank is None or self.rank == rank:
             self._straggler = Straggler(rank, rank, self.slowdown, clock=self._clock, sleep=self._sleep)

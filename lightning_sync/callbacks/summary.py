@@ -13,12 +13,8 @@ def merge_summary(path: str | None, part: dict[str, Any]) -> None:
     With fork/spawn, fit and test run in different processes, and several callbacks write their own keys: each
     merges its part into what is there.
     """
-    if path is None:
-        return
-    file = Path(path)
-    merged = json.loads(file.read_text()) if file.is_file() else {}
-    merged.update(part)
-    file.write_text(json.dumps(merged, indent=2, sort_keys=True))
+    if path is not None:
+        Path(path).write_text(json.dumps({**read_summary(path), **part}, indent=2, sort_keys=True))
 
 
 def read_summary(path: str) -> dict[str, Any]:

@@ -34,9 +34,9 @@ class StrategyConfig:
     )
     check_consistency_every: int = knob(
         0,
-        """Every this many optimizer steps, check that all replicas hold identical parameters, buffers and the optimizer
-        state the mode keeps replicated (``periodic`` local steps: what was just synced; 0: never). A mismatch names
-        the tensors, the ranks that differ from rank 0 and the largest difference.""",
+        """Every this many optimizer steps, check that all replicas hold identical parameters, buffers and replicated
+        optimizer state (``periodic`` local steps: what was just synced; 0: never); a mismatch names the tensors, the
+        ranks and the largest difference.""",
     )
     on_mismatch: str = knob(
         "raise",
@@ -46,17 +46,15 @@ class StrategyConfig:
     )
     skip_nonfinite: bool = knob(
         True,
-        """Skip an optimizer step whose synced gradients hold a NaN or Inf, on every rank together (the decision is
-        taken on the all-reduced gradients, identical on all ranks, so it costs no extra collective); logged as
-        ``sync/skipped_steps``. With AMP's GradScaler the scaler skips and lowers its scale, and the step is counted.
-        ``periodic`` local steps skip on the rank alone. ``ps``: such a worker pushes no gradient, and the servers skip
-        the step for every worker in ``sync``, that worker's push in ``async``/``ssp``.""",
+        """Skip an optimizer step whose synced gradients hold a NaN or Inf, on every rank together (no extra collective:
+        the synced gradients are the same everywhere); logged as ``sync/skipped_steps``. With AMP the GradScaler skips.
+        ``periodic`` local steps skip on the rank alone; ``ps`` servers skip the step in ``sync``, the push in
+        ``async``/``ssp``.""",
     )
     freeze_gc: bool = knob(
         True,
-        """When training starts, exempt every object alive then from later garbage collections (``gc.freeze``, free;
-        undone at teardown), so that a full collection over the start-up heap does not stall a random
-        rank, and every rank waiting for it, in the middle of training.""",
+        """When training starts, exempt every object alive then from later garbage collections (``gc.freeze``, undone at
+        teardown), so a full collection over the start-up heap does not stall a random rank, and all waiting for it.""",
     )
 
     def __post_init__(self) -> None:
@@ -101,22 +99,18 @@ class GradientSyncKnobs:
     )
     bucketing: str = knob(
         "auto",
-        """``auto``: the ``overlap`` buckets, launched during backward or right after it, whichever the first sync
-        rounds measure faster where it runs (all ranks agree); ``overlap``: buckets launched during backward as their
-        last gradient lands; ``flat``: the same buckets, launched right after backward; ``naive``: the textbook
-        per-parameter all-reduce loop (kept for comparison). ``auto``, ``overlap`` and ``flat`` send the same buckets, so
-        they end with the same bits on any number of ranks.""",
+        """``overlap``: buckets launched during backward as their last gradient lands; ``flat``: the same buckets, right
+        after backward; ``auto``: whichever of the two the first sync rounds measure faster (the same bits either way);
+        ``naive``: the textbook per-parameter all-reduce loop (kept for comparison).""",
     )
     bucket_cap_mb: float = knob(
         4.0,
-        """Bucket size in MiB. Smaller than DDP's 25, so that a model of a few tens of MB fills several buckets
-        and the later ones do not all wait for the end of backward (the benchmark's ``allreduce_overlap`` case).
-        Every launch point sends these buckets (``flat`` too).""",
+        """Bucket size in MiB; smaller than DDP's 25, so that a model of a few tens of MB fills several buckets and the
+        later ones do not all wait for the end of backward.""",
     )
     first_bucket_mb: float = knob(
         1.0,
-        """Size of the first bucket in MiB, small so that communication starts early in backward (``overlap``,
-        ``auto``; ``flat`` uses the same buckets).""",
+        """Size of the first bucket in MiB, small so that communication starts early in backward.""",
     )
     find_unused_parameters: bool = knob(
         False,
@@ -125,9 +119,7 @@ class GradientSyncKnobs:
     )
     gradient_as_bucket_view: bool = knob(
         True,
-        """After the sync, each ``.grad`` is a view into its bucket (no copy back); the next step's sync overwrites it.
-        Before a sync round's backward, a gradient that ``zero_grad`` set to ``None`` gets its zeroed slot, so backward
-        accumulates straight into the bucket. Buckets launched during backward are then averaged in place: read
-        gradients in ``on_before_optimizer_step`` (synced), not ``on_after_backward`` (in flight); ``False`` keeps
-        local gradients until the sync and copies the averages back.""",
+        """Each ``.grad`` is a view into its bucket (no copy back): backward accumulates into it and the sync averages in
+        place, so read gradients in ``on_before_optimizer_step`` (synced), not ``on_after_backward`` (in flight);
+        ``False`` keeps local gradients until the sync and copies the averages back.""",
     )

@@ -45,11 +45,9 @@ class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
     outer_optimizer: Any = knob(
         None,
         """``diloco``: the outer optimizer, a callable from parameters to a ``torch.optim.Optimizer`` (Lightning's
-        ``OptimizerCallable``), called on each fragment's global copy and stepped on the averaged pseudo-gradient:
-        ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)`` is the DiLoCo paper's, SGD at
-        ``lr=1`` without momentum local SGD's plain average. Hydra: a ``_target_`` node with ``_partial_: true``;
-        LightningCLI: ``class_path`` and ``init_args``. ``None``: ``lightning_sync.OUTER_OPTIMIZER``, SGD at lr 0.7
-        without momentum.""",
+        ``OptimizerCallable``; Hydra: ``_target_`` with ``_partial_: true``), stepped on each fragment's averaged
+        pseudo-gradient: ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)`` is the DiLoCo
+        paper's. ``None``: ``lightning_sync.OUTER_OPTIMIZER``, SGD at lr 0.7 without momentum.""",
     )
     target_comm_fraction: float = knob(
         0.1,
@@ -66,22 +64,16 @@ class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
     fragments: int = knob(
         1,
         """``local_sgd``/``diloco`` (streaming DiLoCo): split each sync group into this many fragments, each with its own
-        global copy and outer optimizer state, that sync in turn: each fragment syncs every period, staggered so that
-        fragment f first syncs after (f + 1) * period // fragments steps. Formed by block: block i of the model's
-        repeated blocks (the children of its largest nn.ModuleList or nn.Sequential of identical modules) joins
-        fragment i % fragments, and a parameter outside the blocks (embeddings, final norm, head) the fragment of the
-        nearest block before it (the first block's before any); a model without repeated blocks is split the same way
-        by layer (each parameter's own module). At most every period; a group with fewer blocks gets one fragment per
-        block.""",
+        global copy and outer optimizer state, each synced every period, fragment f first after (f + 1) * period //
+        fragments steps. Block i of the model's repeated blocks (its largest nn.ModuleList or nn.Sequential of identical
+        modules; else its layers) joins fragment i % fragments, any other parameter the nearest preceding block's.""",
     )
     fragment_modules: Any = knob(
         None,
-        """``local_sgd``/``diloco`` (streaming DiLoCo): explicit fragments instead of the block rule, in sync order
-        (fragment 0 syncs first), as torchft's DiLoCo takes a list of modules: a list with one entry per fragment, each
-        a module-name pattern or a list of them, e.g. ``[[tok_emb, pos_emb, blocks.0], [blocks.1, ln_f]]``. Patterns
-        are fnmatch globs (case-sensitive, ``*`` also crosses dots) on module names; a parameter belongs to a pattern
-        matching any module that holds it. Every parameter must be in exactly one fragment and every pattern must match
-        one; ``fragments`` is then the list's length (leave it at 1). Not with ``module_sync_every``.""",
+        """``local_sgd``/``diloco`` (streaming DiLoCo): explicit fragments in sync order, as torchft's DiLoCo takes: one
+        entry per fragment, a module-name fnmatch pattern or a list of them, e.g. ``[[tok_emb, blocks.0], [blocks.1,
+        ln_f]]``; a parameter belongs to a pattern matching a module that holds it, and must be in exactly one fragment.
+        ``fragments`` is then the list's length (leave it at 1). Not with ``module_sync_every``.""",
     )
     sync_delay: int = knob(
         0,

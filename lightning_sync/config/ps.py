@@ -45,9 +45,8 @@ class ParameterServerConfig(StrategyConfig):
     push_scale: Any = knob(
         "auto",
         """``async``/``ssp``: the factor of one push's step, a number > 0 or ``auto``: ``1/W`` (W workers), so W pushes
-        move about as far as one sync step. It multiplies the pushed gradient of SGD-family optimizers and the learning
-        rate of scale-invariant ones (Adam family, RMSprop, Adagrad), whose step a factor on the gradient would not
-        change.""",
+        move about as far as one sync step. It scales the gradient for SGD-family optimizers, the learning rate for
+        scale-invariant ones (Adam family, RMSprop, Adagrad).""",
     )
     local_steps: Any = knob(
         1,
@@ -61,11 +60,9 @@ class ParameterServerConfig(StrategyConfig):
     )
     outer_optimizer: Any = knob(
         None,
-        """``local_steps > 1``: the servers' outer optimizer, as ``periodic``'s: a callable from parameters to a
-        ``torch.optim.Optimizer``, which each server rebuilds over its shard (its class must be importable there). In
-        async and ssp, momentum belongs in ``lightning_sync.DelayedNesterov`` with ``delay`` the number of workers
-        (applied once per round of pushes). ``None``: ``lightning_sync.OUTER_OPTIMIZER``, SGD at lr 0.7 without
-        momentum.""",
+        """``local_steps > 1``: the servers' outer optimizer, as ``periodic``'s, rebuilt by each server over its shard
+        (its class must be importable there). In async and ssp, momentum belongs in ``lightning_sync.DelayedNesterov``
+        with ``delay`` the number of workers. ``None``: ``lightning_sync.OUTER_OPTIMIZER``.""",
     )
     elastic: bool = knob(
         False,
@@ -74,16 +71,14 @@ class ParameterServerConfig(StrategyConfig):
     )
     spare_workers: int = knob(
         0,
-        """``async``/``ssp``: worker slots the servers keep free, beyond the ``trainer.devices x trainer.num_nodes``
-        workers the job starts with, for workers added to the running job (``join``). Each added worker trains on
-        the whole training set, in an order of its own; its pushes count towards the job's end like the others'.""",
+        """``async``/``ssp``: worker slots the servers keep free, beyond the job's ranks, for workers added to the
+        running job (``join``); each trains on the whole training set, and its pushes count towards the end.""",
     )
     join: bool = knob(
         False,
         """Run this process as a worker added to a running ``ps`` job (``async``/``ssp``, started with
-        ``spare_workers``): it finds that job's rank 0 at ``MASTER_ADDR``:``MASTER_PORT`` (set them to the job's),
-        takes a spare slot, pulls the current parameters and step count, and trains until the job's servers stop. Give
-        the job's own command with ``strategy.join=true``: this process launches no other rank.""",
+        ``spare_workers``), found at ``MASTER_ADDR``:``MASTER_PORT``: it takes a spare slot, pulls the parameters and
+        step count, and trains until the servers stop. Give the job's own command with ``strategy.join=true``.""",
     )
 
     def __post_init__(self) -> None:

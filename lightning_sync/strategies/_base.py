@@ -1,14 +1,12 @@
 """What every lightning_sync strategy shares: config, launcher, meter, metrics, consistency checks, checkpoint state.
 
-Each sync mode subclasses :class:`SyncStrategyBase`, which is a Lightning ``DDPStrategy`` and so inherits process
-group setup, sampler injection, launchers and teardown. The algorithms live in :mod:`lightning_sync.comm`; this
-class only connects them to the Lightning lifecycle. The Lightning internals it needs (the hooks that pick the
-launcher and register DDP communication hooks, changes to the Trainer's loop limits) are reached through
-:mod:`lightning_sync.strategies._lightning`, and nowhere else.
+:class:`SyncStrategyBase` is a Lightning ``DDPStrategy`` (process group setup, sampler injection, launchers and
+teardown come from it) that connects the algorithms of :mod:`lightning_sync.comm` to the Lightning lifecycle.
 """
 
 from __future__ import annotations
 
+import gc
 import inspect
 import textwrap
 import warnings
@@ -33,7 +31,6 @@ from lightning_sync.comm.peer_errors import PeerError, naming_peer
 from lightning_sync.config import StrategyConfig, knob_docs
 from lightning_sync.errors import ConfigError
 from lightning_sync.strategies import _checkpoint
-from lightning_sync.strategies._gc import freeze_startup_heap, release_startup_heap
 from lightning_sync.strategies._gradients import GradientAllReduce
 from lightning_sync.strategies._launcher import configure_launcher
 from lightning_sync.strategies._lightning import LightningDDPHooks, insert_callback_first
@@ -48,15 +45,45 @@ LIGHTNING_ARGUMENTS: dict[str, str] = {
     "precision_plugin": "The precision plugin (``None``: the one of the Trainer's ``precision``).",
     "process_group_backend": "The torch.distributed backend (``None``: ``nccl`` on CUDA, else ``gloo``).",
 }
-"""Lightning's own strategy arguments, which every mode's constructor takes as ``DDPStrategy`` does, with their
-documentation."""
+"""Lightning's own strategy arguments, which every mode's constructor takes as ``DDPStrategy`` does."""
+
+
+_frozen_fits = 0  # fits in this process that froze the heap (``freeze_gc``) and have not released it
+
+
+def freeze_startup_heap() -> None:
+    """Exempts everything alive from later garbage collections (until :func:`release_startup_heap`).
+
+    A full collection walks every tracked object (hundreds of thousands once torch and Lightning are loaded) and can
+    outlast many small steps, on a random rank that every other rank then waits for; ``gc.freeze`` (free: it splices
+    lists) leaves the collector only what training allocates.
+    """
+    global _frozen_fits
+    gc.freeze()
+    _frozen_fits += 1
+
+
+def release_startup_heap() -> None:
+    """Returns the frozen objects to the collector, once the last fit that froze them has released them."""
+    global _frozen_fits
+    if _frozen_fits == 0:
+        return
+    _frozen_fits -= 1
+    if _frozen_fits == 0:
+        gc.unfreeze()
 
 
 def _args_section(strategy: type) -> str:
-    """The Google-style ``Args:`` section of ``strategy``'s constructor: each parameter, in signature order, with its
-    help (a field's of the strategy's ``config_class``, or a Lightning argument's; ``""`` for any other)."""
-    docs = {**knob_docs(strategy.config_class), **LIGHTNING_ARGUMENTS}  # type: ignore[attr-defined]
-    lines = ["Args:"]
+    """Says where ``strategy``'s constructor arguments come from, then its Google-style ``Args:``: each parameter, in
+    signature order, with its help (a field's of the strategy's ``config_class``, or a Lightning argument's)."""
+    config = strategy.config_class  # type: ignore[attr-defined]
+    docs = {**knob_docs(config), **LIGHTNING_ARGUMENTS}
+    lines = [
+        f"Takes the fields of :class:`~lightning_sync.config.{config.__name__}` and Lightning's own strategy arguments,",
+        "as keyword arguments (see :class:`~lightning_sync.strategies._base.SyncStrategyBase`).",
+        "",
+        "Args:",
+    ]
     for name in list(inspect.signature(strategy.__init__).parameters)[1:]:  # type: ignore[misc]  # after self
         lines += textwrap.wrap(
             f"{name}: {docs.get(name, '')}", 116, initial_indent="    ", subsequent_indent="        ",
@@ -69,18 +96,14 @@ class SyncStrategyBase(LightningDDPHooks):
     """Base of the lightning_sync strategies.
 
     A mode's constructor lists the fields of its config dataclass (``config_class``) as keyword arguments, each
-    defaulting to the field's default (``comm_hook: str = DDPConfig.comm_hook``), then Lightning's own strategy
-    arguments (:data:`LIGHTNING_ARGUMENTS`), and passes them all on as its ``locals()``. So IDEs, type checkers and
-    LightningCLI (``--trainer.strategy.sync_every=8``) see every knob, while the dataclass stays the one place that
-    holds the defaults and validates them. The constructor's ``Args:`` documentation is filled in from the fields'
-    help when the class is defined (:meth:`__init_subclass__`), so a knob is documented once, in
-    :mod:`lightning_sync.config`. ``tests/test_config.py`` checks that every constructor's parameters are its
-    config's fields plus Lightning's arguments, with the same defaults, each documented.
+    defaulting to the field's default (``comm_hook: str = DDPConfig.comm_hook``), then :data:`LIGHTNING_ARGUMENTS`,
+    and passes its ``locals()`` here: IDEs, type checkers and LightningCLI see every knob, and the dataclass alone
+    holds the defaults and validates them. :meth:`__init_subclass__` fills the ``Args:`` in from the fields' help.
 
-    A mode holds its algorithm objects and this class forwards Lightning's hooks to them: a mode that all-reduces
-    gradients by hand sets :attr:`gradients`, which then takes every backward and step hook. Besides, every mode
-    gets here the replica checks (:meth:`check_replicas`), Lightning's collectives with a lost peer named, and
-    checkpoints that hold every rank's sync state (:mod:`~lightning_sync.strategies._checkpoint`).
+    A mode holds its algorithm objects and this class forwards Lightning's hooks to them (a mode that all-reduces
+    gradients by hand sets :attr:`gradients`). Every mode gets here the replica checks (:meth:`check_replicas`),
+    Lightning's collectives with a lost peer named, and per-rank sync state in checkpoints
+    (:mod:`~lightning_sync.strategies._checkpoint`).
 
     Args:
         arguments: the mode's constructor arguments, by name: one per field of ``config_class`` and one per
@@ -131,8 +154,8 @@ class SyncStrategyBase(LightningDDPHooks):
         self._comm_before_training: CommStats | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Appends the ``Args:`` of a mode that defines its constructor to its docstring (unless it has one): each
-        field of its ``config_class`` with the field's help, then Lightning's arguments."""
+        """Appends :func:`_args_section` to the docstring of a mode that defines its constructor (unless it has
+        ``Args:``)."""
         super().__init_subclass__(**kwargs)
         doc = inspect.cleandoc(cls.__doc__ or "")
         if "__init__" in vars(cls) and doc and "\nArgs:\n" not in doc:
@@ -213,10 +236,10 @@ class SyncStrategyBase(LightningDDPHooks):
     @override
     def on_train_start(self) -> None:
         """Starts the per-step meter count at the first step (setup traffic is not a step's), and freezes the
-        start-up heap if ``freeze_gc`` (see :mod:`~lightning_sync.strategies._gc`)."""
+        start-up heap if ``freeze_gc`` (:func:`freeze_startup_heap`)."""
         super().on_train_start()
-        self._comm_before_training = None if self.meter is None else self.meter.total
         if self.meter is not None:
+            self._comm_before_training = self.meter.total
             self.meter.step()
             self._steps_unlogged = 0
         if self.config.freeze_gc and not self._heap_frozen:
@@ -521,9 +544,7 @@ class SyncStrategyBase(LightningDDPHooks):
         """
         path = Path(checkpoint_path)
         checkpoint = _checkpoint.read(path, lambda: super(SyncStrategyBase, self).load_checkpoint(path, weights_only))
-        _checkpoint.check_resumable(checkpoint, path, self.strategy_name, self.world_size)
-        own = _checkpoint.sync_state_path(path, self.global_rank)
-        _checkpoint.check_own_file(path, own, self.global_rank)
+        own = _checkpoint.check_resumable(checkpoint, path, self.strategy_name, self.world_size, self.global_rank)
         self._pending_sync_state = _checkpoint.read(
             own, lambda: self.checkpoint_io.load_checkpoint(own, weights_only=weights_only is not False)
         )

@@ -1,20 +1,10 @@
 """Checkpoints that resume a lightning_sync run exactly: every rank's sync state, checked on load.
 
-A checkpoint is one file per rank next to Lightning's:
-
-* ``<checkpoint>``, written by rank 0 through Lightning (model, optimizer state, loops), with, under the key
-  ``"lightning_sync"``, the strategy's name and the number of ranks (:func:`mark`);
-* ``<checkpoint>.rank<r>.pt`` (:func:`sync_state_path`), written by rank ``r`` itself through the strategy's
-  ``CheckpointIO``: its own ``sync_state_dict()``, that is step counters, compressor memory (error-feedback
-  residuals, PowerSGD factors), the mode's own state, the communication totals, and, where the mode lets the
-  replicas differ between syncs (local SGD, DiLoCo), its own model and optimizer state, which Lightning alone would
-  replace on every rank by rank 0's.
-
-The per-rank files hold tensors and plain values only, so they are read with ``weights_only=True`` (unless the
-caller asks for ``weights_only=False``). The strategy's ``save_checkpoint`` and ``load_checkpoint``
-(:class:`~lightning_sync.strategies._base.SyncStrategyBase`) use the functions below. On load they refuse, with a
-:class:`~lightning_sync.errors.CheckpointError` that names both sides, a file that cannot be read, a checkpoint
-without lightning_sync state, one from another strategy or another number of ranks, and a missing per-rank file.
+Next to Lightning's ``<checkpoint>`` (written by rank 0, marked by :func:`mark` with the strategy and the number of
+ranks), each rank ``r`` writes ``<checkpoint>.rank<r>.pt`` (:func:`sync_state_path`) through the strategy's
+``CheckpointIO``: its ``sync_state_dict()`` (step counters, compressor memory, the mode's state, communication
+totals, and, where replicas differ between syncs, its own model and optimizer state, which Lightning alone would
+replace by rank 0's). These hold tensors and plain values only, so they are read with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -64,13 +54,16 @@ def read(path: Path, load: Callable[[], Any]) -> Any:
         ) from error
 
 
-def check_resumable(checkpoint: Any, path: Path, strategy: str, ranks: int) -> None:
+def check_resumable(checkpoint: Any, path: Path, strategy: str, ranks: int, rank: int) -> Path:
     """Checks that Lightning's ``checkpoint`` (read from ``path``) was saved by a ``strategy`` run of ``ranks``
-    ranks.
+    ranks, with rank ``rank``'s sync-state file next to it.
+
+    Returns:
+        That file (:func:`sync_state_path`).
 
     Raises:
-        CheckpointError: it is not a Lightning checkpoint, has no lightning_sync state, or was saved by another
-            strategy or another number of ranks.
+        CheckpointError: it is not a Lightning checkpoint, has no lightning_sync state, was saved by another
+            strategy or another number of ranks, or the rank's file is missing.
     """
     if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint:
         raise CheckpointError(f"checkpoint {str(path)!r} is not a Lightning checkpoint (no 'state_dict')")
@@ -90,16 +83,10 @@ def check_resumable(checkpoint: Any, path: Path, strategy: str, ranks: int) -> N
             f"checkpoint {str(path)!r} was saved by {saved.get('world_size')} ranks, this run has "
             f"{ranks}; resume with the same number of ranks, or {_WEIGHTS_ONLY_HINT}"
         )
-
-
-def check_own_file(path: Path, own: Path, rank: int) -> None:
-    """Checks that rank ``rank``'s sync-state file ``own`` exists next to the checkpoint ``path``.
-
-    Raises:
-        CheckpointError: it does not.
-    """
+    own = sync_state_path(path, rank)
     if not own.is_file():
         raise CheckpointError(
             f"checkpoint {str(path)!r} has no sync state of rank {rank}: {str(own)!r} does not exist "
             "(each rank writes its own file next to the checkpoint; copy or move them together)"
         )
+    return own

@@ -17,14 +17,11 @@ from lightning_sync.strategies._lightning import loop_limits, set_loop_limits
 class Detachment:
     """Whether this rank's Lightning collectives act on it alone now, and what the fit changed for that.
 
-    Lightning ties the ranks together through the strategy: ``barrier``, ``broadcast``, ``all_gather``, ``reduce``
-    (behind ``self.log(sync_dist=True)``), ``reduce_boolean_decision`` (EarlyStopping, ModelCheckpoint), and a per-batch
-    broadcast of a SIGTERM flag that it issues whenever ``world_size > 1``. A mode whose ranks must not wait for each
-    other (the parameter server's async and ssp) sets :attr:`detached` for that phase, and the strategy's collectives
-    then return the rank's own value at once, and its ``world_size`` reads 1, so no rank issues a collective the others
-    would have to match. Every rank must leave the phase at the same point of the program, after which collectives
-    pair up again. Checkpoints written meanwhile hold each rank's own sync state only (the one rank 0 writes is
-    complete).
+    Lightning ties the ranks together through the strategy's collectives (``barrier``, ``broadcast``,
+    ``all_gather``, ``reduce``, ``reduce_boolean_decision``) and a per-batch SIGTERM-flag broadcast whenever
+    ``world_size > 1``. While :attr:`detached` (the parameter server's async and ssp), the collectives return the
+    rank's own value and ``world_size`` reads 1, so no rank issues one the others would have to match; every rank
+    leaves the phase at the same point of the program.
     """
 
     def __init__(self) -> None:

@@ -13,39 +13,21 @@ from typing import Any
 
 from lightning.pytorch.strategies import ParallelStrategy
 
-from lightning_sync.comm.periodic import PeriodicAverager
-from lightning_sync.errors import ConfigError
 from lightning_sync.ft.config import FaultTolerance, as_fault_tolerance, require_torchft
-from lightning_sync.ft.replica import ReplicaGroupLink, average_gradients_across
-
-__all__ = [
-    "FaultTolerance",
-    "ReplicaGroupLink",
-    "average_gradients_across",
-    "as_fault_tolerance",
-    "replica_group_link",
-    "require_torchft",
-    "fault_tolerance_of",
-    "replica_group_shard",
-    "stop_at_healed_max_steps",
-]
+from lightning_sync.ft.replica import ReplicaGroupLink
 
 
-def fault_tolerance_of(value: Any, averager: PeriodicAverager | None) -> FaultTolerance | None:
+def fault_tolerance_of(value: Any) -> FaultTolerance | None:
     """The ``fault_tolerance`` knob, checked in the launching process: its fields and torchft's presence (a one-line
-    error naming the ``lightning-sync[ft]`` extra); the averager's knobs were checked when it was built
-    (:class:`~lightning_sync.ft.averager.FaultTolerantAverager`).
+    error naming the ``lightning-sync[ft]`` extra).
 
     Raises:
-        ConfigError: a bad field, or no averager.
+        ConfigError: a bad field.
         FaultToleranceUnavailable: torchft is not installed.
     """
     config = as_fault_tolerance(value)
-    if config is None:
-        return None
-    if averager is None:  # PeriodicConfig refuses mode='gradient' first; kept for other callers
-        raise ConfigError("fault_tolerance is not allowed without an averager; use mode local_sgd or diloco")
-    require_torchft()
+    if config is not None:
+        require_torchft()
     return config
 
 

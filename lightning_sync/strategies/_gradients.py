@@ -1,11 +1,6 @@
-"""The all-reduce gradient path that ``allreduce`` and ``periodic`` (``mode="gradient"``, warmup) hold.
-
-:class:`GradientAllReduce` connects a :class:`~lightning_sync.comm.bucketing.GradientSynchronizer` (the torch-only
-bucketed all-reduce) and, with fault tolerance, a torchft link across replica groups to the Lightning hooks that
-:class:`~lightning_sync.strategies._base.SyncStrategyBase` forwards to it: a round opens before each backward, stays
-closed inside ``block_backward_sync``, and is finished right after the closure's backward, so clipping,
-``on_before_optimizer_step`` and the optimizer see the averaged gradients.
-"""
+"""The all-reduce gradient path that ``allreduce`` and ``periodic`` (``mode="gradient"``, warmup) hold: a
+:class:`~lightning_sync.comm.bucketing.GradientSynchronizer` (and, with fault tolerance, a torchft link across replica
+groups) behind the hooks :class:`~lightning_sync.strategies._base.SyncStrategyBase` forwards to it."""
 
 from __future__ import annotations
 
@@ -21,12 +16,10 @@ from lightning_sync.comm.bucketing import GradientSynchronizer
 from lightning_sync.comm.compression import Compressor
 from lightning_sync.comm.meter import CommMeter
 from lightning_sync.config import AllReduceConfig, PeriodicConfig
-from lightning_sync.strategies._fault_tolerance import (
-    FaultTolerance,
-    ReplicaGroupLink,
-    average_gradients_across,
-    replica_group_link,
-)
+from lightning_sync.ft.config import FaultTolerance
+from lightning_sync.ft.replica import average_gradients_across
+from lightning_sync.ft.replica import ReplicaGroupLink
+from lightning_sync.strategies._fault_tolerance import replica_group_link
 
 
 class GradientAllReduce:

@@ -1,40 +1,49 @@
-"""A ``popen`` launcher that re-runs a Hydra job, not the whole command line.
+"""How a strategy launches its ranks, and the failures of a rank that Lightning's launchers leave running.
 
-The Lightning internals it builds on (the ``popen`` launcher class, the hook that sets a strategy's launcher) are
-reached through :mod:`lightning_sync.strategies._lightning`.
+- Under Hydra, Lightning's ``popen`` launcher re-runs ``sys.argv`` in every child, so a ``hydra -m`` child re-runs the
+  whole sweep: :class:`HydraJobSubprocessLauncher` starts each child on the parent's job only.
+- A lost child rank of a ``ps`` job that tolerates it (``async``, ``ssp``, elastic ``sync``) would make Lightning's
+  observer SIGKILL every rank: :class:`ChildObserver` names it and lets the job go on (``tests/test_ps_elastic_kill.py``).
+  A lost worker comes back the way a new one joins: its supervisor runs the ``strategy.join=true`` command again.
+- A rank stopped by a signal (SIGSTOP, SIGTSTP) never times out itself, and torch and Lightning end the other ranks
+  with signals it does not act on. Its peers' collectives fail after ``timeout_s``, naming it; each failing rank then
+  SIGKILLs the stopped ranks it can see (:func:`kill_frozen_ranks`): a ``popen`` main process its stopped children
+  (Lightning kills them only on ``KeyboardInterrupt``); a ``popen`` child its parent, the job's main process
+  (:data:`LAUNCHER_PID_ENV`; ``test_frozen_main_process_is_killed_by_its_child_rank``); a ``fork``/``spawn`` rank its
+  stopped siblings (torch's join SIGKILLs them only 30 s after its SIGTERM;
+  ``test_fork_rank_frozen_mid_run_is_named_and_killed``). Only state ``T`` in ``/proc/<pid>/stat`` is killed, never a
+  running process nor one stopped by a debugger (``t``); without ``/proc`` nothing is found.
 
-Lightning's subprocess launcher starts ranks 1..n-1 by re-running ``sys.argv``. Under ``hydra -m`` that re-runs the
-whole sweep inside every child, and each child also writes a new output folder. This launcher starts each child on
-exactly the job the parent is running: the job's own overrides, no ``-m``, and the job's output folder as the run
-folder, with nothing written to Hydra's output subdir.
+The Lightning internals used are reached through :mod:`lightning_sync.strategies._lightning`.
 """
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from typing_extensions import override
 
-import lightning_sync.strategies._frozen as _frozen
-from lightning_sync.strategies._lightning import PopenLauncher, set_launcher, start_method
-from lightning_sync.strategies._observer import ChildObserver, describe_exit
+from lightning_sync._proc import stat_fields
+from lightning_sync.strategies._lightning import (
+    PopenLauncher,
+    launcher_children,
+    replace_launch,
+    set_launcher,
+    start_method,
+)
 
-__all__ = ["HydraJobSubprocessLauncher", "configure_launcher", "describe_exit", "hydra_job_command"]
-
-# Command-line flags of a Hydra app that select the config, with whether they take a value.
-_HYDRA_CONFIG_FLAGS = {
-    "--config-path": True,
-    "-cp": True,
-    "--config-name": True,
-    "-cn": True,
-    "--config-dir": True,
-    "-cd": True,
-}
+# Command-line flags of a Hydra app that select the config (each takes a value).
+_HYDRA_CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
 
 
 def _hydra_in_use() -> bool:
@@ -90,28 +99,10 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
 class HydraJobSubprocessLauncher(PopenLauncher):
     """Lightning's ``popen`` launcher, except that under Hydra a child runs the parent's job, never its sweep.
 
-    Under Hydra, Lightning's ``_call_children_scripts`` starts each child with the parent's whole command line,
-    ``-m`` and the sweep's overrides included, so every child of a ``-m`` job runs the whole sweep (Lightning issue
-    #15689, https://github.com/Lightning-AI/pytorch-lightning/issues/15689). This launcher overrides only that
-    method, and only under Hydra, where :meth:`start_children` starts each child on :func:`hydra_job_command`;
-    otherwise Lightning's own runs. The child observer is Lightning's, unless the strategy tolerates lost ranks
-    (:attr:`tolerates_lost_ranks`, see :mod:`~lightning_sync.strategies._observer`). Lightning's ``kill`` is used as
-    it is. :meth:`exited_children` and :meth:`wait_children` serve the app's end of job: a child that outlives a
-    job (frozen, or still running when the job failed) is killed, so none holds the next job's ports and cores.
+    Under Hydra, :meth:`start_children` starts each child on :func:`hydra_job_command` (Lightning issue #15689:
+    its children re-run the whole ``-m`` sweep). :meth:`exited_children` and :meth:`wait_children` serve the app's
+    end of job, so that no child outlives a job holding the next one's ports and cores.
     """
-
-    def __init__(self, *args: Any, tolerates_lost_ranks: Callable[[], bool] | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tolerates_lost_ranks = tolerates_lost_ranks  # whether a lost child leaves the job running (asked then)
-
-    @override
-    def watches_children(self) -> bool:
-        return self.tolerates_lost_ranks is not None
-
-    @override
-    def observe_children(self) -> None:
-        assert self.tolerates_lost_ranks is not None  # (watches_children)
-        ChildObserver(self.children, self.tolerates_lost_ranks).start()
 
     @override
     def start_children(self) -> None:
@@ -170,14 +161,157 @@ def configure_launcher(strategy: Any, lightning_default: Callable[[], None]) -> 
     """
     if start_method(strategy) != "popen":
         lightning_default()
-        return _frozen.end_frozen_ranks_on_failure(strategy.launcher, strategy, popen=False)
+        return end_frozen_ranks_on_failure(strategy.launcher, strategy)
     assert strategy.cluster_environment is not None
-    tolerates = None  # Lightning's observer, unless the strategy lets a lost rank leave the job running
+    observer = None  # Lightning's, unless the strategy lets a lost rank leave the job running
     if getattr(strategy, "tolerates_lost_ranks", False):
-        tolerates = lambda: bool(strategy.tolerates_lost_ranks)  # noqa: E731
+        tolerated = lambda: bool(strategy.tolerates_lost_ranks)  # noqa: E731  # asked when a rank is lost
+        observer = lambda children: ChildObserver(children, tolerated).start()  # noqa: E731
     env = strategy.cluster_environment
-    launcher = HydraJobSubprocessLauncher(
-        env, strategy.num_processes, strategy.num_nodes, tolerates_lost_ranks=tolerates
-    )
+    launcher = HydraJobSubprocessLauncher(env, strategy.num_processes, strategy.num_nodes, observer=observer)
     set_launcher(strategy, launcher)
-    _frozen.end_frozen_ranks_on_failure(launcher, strategy, popen=True)  # a failing rank kills the frozen ones
+    end_frozen_ranks_on_failure(launcher, strategy)  # a failing rank kills the frozen ones
+
+
+def describe_exit(code: int) -> str:
+    """``"killed by SIGKILL"`` or ``"exit code 1"``: a child's exit code, as a user reads it."""
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+class ChildObserver(threading.Thread):
+    """Watches the child ranks of the main process; a child that exits with an error is lost, and the job goes on
+    when ``tolerated()`` says so, or ends (every child and the main process SIGKILLed, as Lightning's observer does)
+    when it does not.
+
+    Args:
+        children: the child ranks, local ranks ``1..n-1`` in order.
+        tolerated: whether a lost rank leaves the job running (asked when one is lost).
+        period_s: seconds between two looks.
+    """
+
+    def __init__(self, children: list[subprocess.Popen], tolerated: Callable[[], bool], period_s: float = 0.5) -> None:
+        super().__init__(daemon=True, name="lightning_sync-child-observer")
+        self.children, self.tolerated, self.period_s = children, tolerated, period_s
+        self.lost: dict[int, int] = {}  # local rank -> exit code of the children lost while the job went on
+
+    def run(self) -> None:
+        while True:
+            time.sleep(self.period_s)
+            if self.look():
+                return
+
+    def look(self) -> bool:
+        """One look at every child; whether the watch is over (every child exited, or the job was ended)."""
+        codes = [proc.poll() for proc in self.children]
+        for local_rank, code in enumerate(codes, start=1):
+            if code in (None, 0) or local_rank in self.lost:
+                continue
+            if not self.tolerated():
+                print(
+                    f"error: rank {local_rank} (local) was lost ({describe_exit(code)}): ending the job",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self.end_job()
+                return True
+            self.lost[local_rank] = code
+            print(
+                f"warning: rank {local_rank} (local) was lost ({describe_exit(code)}); the job goes on with the "
+                "other ranks",
+                file=sys.stderr,
+                flush=True,
+            )
+        return all(code is not None for code in codes)
+
+    def end_job(self) -> None:
+        """SIGKILL to every child and to the main process (a rank may hang in a collective; SIGKILL also ends a
+        frozen one)."""
+        for proc in self.children:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+LAUNCHER_PID_ENV = "LIGHTNING_SYNC_LAUNCHER_PID"
+"""Set for the ``popen`` children of a main process: its pid (so a child knows its parent is the job's main)."""
+
+
+def kill_if_stopped(pid: int, who: str) -> None:
+    """SIGKILLs ``pid`` if it is stopped by a signal, saying so on stderr (``who``: e.g. ``"rank 1 (local)"``)."""
+    fields = stat_fields(pid)
+    if fields is None or fields[0] != "T":
+        return
+    print(
+        f"error: {who}, pid {pid}, is frozen (stopped by a signal): killing it so that the job ends",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _stopped_sibling_ranks() -> list[int]:
+    """The stopped children of this process's parent, other than this one, started alike by ``multiprocessing``: a
+    forked rank keeps its parent's command line; a spawned one's ends in ``--multiprocessing-fork``."""
+    me, parent, spawned = os.getpid(), os.getppid(), b"--multiprocessing-fork\0"
+    try:
+        mine = Path(f"/proc/{me}/cmdline").read_bytes()
+        pids = [int(entry.name) for entry in Path("/proc").glob("[0-9]*") if int(entry.name) != me]
+    except OSError:
+        return []
+    found = []
+    for pid in pids:
+        fields = stat_fields(pid)
+        if fields is None or fields[0] != "T" or int(fields[1]) != parent:
+            continue
+        try:
+            theirs = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if theirs == mine or (theirs.endswith(spawned) and mine.endswith(spawned)):
+            found.append(pid)
+    return found
+
+
+def kill_frozen_ranks(launcher: Any, rank: int, error: BaseException) -> None:
+    """After this rank (global ``rank``) failed with ``error``: kills the frozen ranks it sees (see the module
+    docstring). ``error`` is said first where a sibling is killed: the launching process reports whichever rank it
+    sees end first, which may be the killed one."""
+    for local_rank, proc in enumerate(launcher_children(launcher), start=1):
+        if proc.poll() is None:
+            kill_if_stopped(proc.pid, f"rank {local_rank} (local)")
+    if os.environ.get(LAUNCHER_PID_ENV) == str(os.getppid()):
+        kill_if_stopped(os.getppid(), "rank 0 (local, the main process)")
+    siblings = _stopped_sibling_ranks() if multiprocessing.parent_process() is not None else []
+    if siblings:
+        first = (str(error).strip().splitlines() or [""])[0]
+        print(f"error: rank {rank} failed: {type(error).__name__}: {first}", file=sys.stderr, flush=True)
+    for pid in siblings:
+        kill_if_stopped(pid, "a rank of this job")
+
+
+def _run_rank(function: Callable[..., Any], launcher: Any, strategy: Any, *args: Any, **kwargs: Any) -> Any:
+    """A rank's function; when it fails, the rank first kills the frozen ranks it sees."""
+    try:
+        return function(*args, **kwargs)
+    except BaseException as error:
+        kill_frozen_ranks(launcher, strategy.global_rank, error)
+        raise
+
+
+def _launch(
+    launch: Callable[..., Any], launcher: Any, strategy: Any, function: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """``launcher.launch`` that runs each rank's function through :func:`_run_rank`."""
+    if isinstance(launcher, PopenLauncher) and not strategy.cluster_environment.creates_processes_externally:
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the children this main process starts inherit it
+    return launch(functools.partial(_run_rank, function, launcher, strategy), *args, **kwargs)
+
+
+def end_frozen_ranks_on_failure(launcher: Any, strategy: Any) -> None:
+    """Makes every rank that ``launcher`` (``None``: nothing to do) runs kill the frozen ranks it sees when it fails,
+    by wrapping ``launcher.launch`` once (in partials, which ``spawn`` can pickle)."""
+    if launcher is not None and getattr(launcher.launch, "func", None) is not _launch:
+        replace_launch(launcher, functools.partial(_launch, launcher.launch, launcher, strategy))

@@ -1,13 +1,10 @@
 """Every private or unstable Lightning API that lightning_sync uses, in one module.
 
 Lightning has no public way to choose a strategy's launcher, to register DDP communication hooks from a subclass,
-or to change the Trainer's loop limits during ``fit``. The strategies need all three, so they reach into Lightning
-here and nowhere else: every other module calls the small functions and classes below. ``make lint`` fails when a
-private Lightning name (or one of the unstable uses listed in :data:`UNSTABLE_USES`) appears in another file, and
-pytest turns a ``DeprecationWarning`` that names one of them into an error.
-
-Verified for the Lightning versions in :data:`LIGHTNING_VERIFIED` (the ``lightning`` range in ``pyproject.toml`` is
-:data:`LIGHTNING_RANGE`). A new Lightning release is checked against this module first.
+or to change the Trainer's loop limits during ``fit``; the strategies reach into Lightning for these here and
+nowhere else (``make lint`` fails on a private Lightning name or an :data:`UNSTABLE_USES` entry in another file, and
+pytest turns a ``DeprecationWarning`` naming one into an error). Verified for :data:`LIGHTNING_VERIFIED`; a new
+Lightning release is checked against this module first.
 
 What is used, and where Lightning defines it:
 
@@ -19,10 +16,10 @@ What is used, and where Lightning defines it:
   subclassed by :class:`PopenLauncher`, which overrides only ``_call_children_scripts`` (reached through
   :meth:`PopenLauncher.start_children`; ``_check_can_spawn_children`` through
   :meth:`PopenLauncher.check_can_start_children`; its ``procs`` list through :attr:`PopenLauncher.children` and
-  :func:`launcher_children`). Its ``launch`` is Lightning's, except where a subclass watches the children itself
-  (:meth:`PopenLauncher.observe_children`, for a job that a lost rank may leave running): then it is restated, the
-  same steps with that observer in place of Lightning's, ``_set_num_threads_if_needed`` called as Lightning's
-  ``launch`` does. Its ``kill`` is used as it is.
+  :func:`launcher_children`). Its ``launch`` is Lightning's, except with an observer of ours
+  (:attr:`PopenLauncher.observer`, for a job that a lost rank may leave running): then it is restated, the same steps
+  with that observer in place of Lightning's, ``_set_num_threads_if_needed`` called as Lightning's ``launch`` does.
+  Its ``kill`` is used as it is.
 - ``launcher.launch``: replaced on one launcher instance by :func:`replace_launch`.
 - ``Trainer.limit_val_batches``, ``Trainer.fit_loop.max_epochs`` and ``Trainer.accumulate_grad_batches``: written
   during ``fit`` by :func:`set_loop_limits` and :func:`set_accumulate_grad_batches`.
@@ -50,8 +47,6 @@ if TYPE_CHECKING:
 
 LIGHTNING_VERIFIED = ("2.6.0", "2.6.6")
 """Lightning releases this module was read against and the test suite passed with."""
-LIGHTNING_RANGE = ">=2.6,<2.7"
-"""The ``lightning`` requirement in ``pyproject.toml``."""
 
 PRIVATE_NAMES = (
     "_configure_launcher",
@@ -114,27 +109,25 @@ class PopenLauncher(_SubprocessScriptLauncher):
 
     ``_call_children_scripts`` is overridden: it calls :meth:`start_children`, which subclasses override. ``launch``
     starts the children through it, then Lightning's child observer (a child that exits with an error makes it
-    SIGKILL the other children and this process), then runs the rank's function; where :meth:`watches_children`
-    returns ``True`` it started an observer of its own instead of Lightning's.
+    SIGKILL the other children and this process), or ``observer(children)`` if given, then runs the rank's function.
     """
+
+    def __init__(
+        self, *args: Any, observer: Callable[[list[subprocess.Popen]], None] | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.observer = observer
 
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        if not self.watches_children():
+        if self.observer is None:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
-            self.observe_children()
+            self.observer(self.children)
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
-
-    def watches_children(self) -> bool:
-        """Whether :meth:`observe_children` replaces Lightning's child observer (by default not)."""
-        return False
-
-    def observe_children(self) -> None:
-        """Starts this launcher's own watch over :attr:`children` (where :meth:`watches_children`)."""
 
     @property
     def children(self) -> list[subprocess.Popen]:

@@ -11,10 +11,8 @@ from typing_extensions import override
 class SyncMetricsLogger(pl.Callback):
     """Logs a lightning_sync strategy's metrics (``comm/*``, ``sync/*``) after each training batch.
 
-    Every lightning_sync strategy adds one at setup; it asks ``trainer.strategy.step_metrics(write)`` and logs the
-    result with ``LightningModule.log_dict`` (on step, not synced across ranks). ``write`` tells the strategy
-    whether the logger writes this step: when ``global_step`` is a multiple of ``log_every_n_steps``, or the run
-    stops.
+    Logs ``trainer.strategy.step_metrics(write)`` with ``LightningModule.log_dict`` (on step, not synced across ranks);
+    ``write``: whether the logger writes this step (``global_step`` a multiple of ``log_every_n_steps``, or the end).
     """
 
     @override

@@ -1,11 +1,8 @@
 """Who takes part in a ``ps`` fit besides the ranks it started with: the strategy's elastic side.
 
-The elastic modes (``async``, ``ssp``, ``sync`` with ``elastic``) let workers go (lost) and come in (added: a spare
-slot taken with ``join``; a lost worker comes back the same way, its supervisor running the ``join`` command again).
-:class:`Membership`, which the strategy holds, keeps who takes part: an added worker is a world of its own for
-Lightning's collectives and finds the running fit's PS group in the run's store, where rank 0 published it
-(:func:`publish_fit`, :func:`running_fit`); at the end :meth:`Membership.take_at_end` reads from the servers who was
-lost or added, and rank 0 names each in a warning and ``summary.json``.
+In the elastic modes workers may be lost, and added in a spare slot with ``join`` (as a lost one comes back). An added
+worker finds the running fit's PS group in the run's store, where rank 0 published it (:func:`publish_fit`,
+:func:`running_fit`); at the end :meth:`Membership.take_at_end` asks the servers who was lost or added.
 """
 
 from __future__ import annotations

@@ -15,13 +15,11 @@ from lightning_sync.comm.peer_errors import rendezvous_timeout_s
 
 def join_default_group(strategy: Any) -> None:
     """Joins the default process group through a ``TCPStore`` that waits :func:`rendezvous_timeout_s` for the ranks
-    and then ``timeout_s`` for any key; the group's collectives wait ``timeout_s``. Lightning then sees the group
-    initialised and leaves it.
+    and then ``timeout_s`` for any key; the group's collectives wait ``timeout_s``. Lightning then leaves the group.
 
-    Under torchrun the store is the agent's (``TORCHELASTIC_USE_AGENT_STORE``), which outlives a restart under the
-    same keys: a restarted rank would read a peer's address from the failed attempt and gloo fail connecting to it
-    ("Gloo connectFullMesh failed ... Connection refused"), torch's issue #135712. Each attempt's keys are therefore
-    prefixed by its restart count; ``tests/test_restart.py`` fails without that.
+    Under torchrun the agent's store outlives a restart, so each attempt's keys are prefixed by its restart count: a
+    restarted rank would otherwise read a peer's address from the failed attempt ("Gloo connectFullMesh failed",
+    torch issue #135712; ``tests/test_restart.py``).
 
     Args:
         strategy: a lightning_sync strategy whose world ranks are set (``set_world_ranks``).

@@ -13,23 +13,17 @@ from lightning_sync.algorithms import build_parts
 from lightning_sync.comm.compression import Compressor
 from lightning_sync.config import AllReduceConfig
 from lightning_sync.strategies._base import SyncStrategyBase
-from lightning_sync.strategies._fault_tolerance import as_fault_tolerance, replica_group_shard, require_torchft
+from lightning_sync.strategies._fault_tolerance import fault_tolerance_of, replica_group_shard
 from lightning_sync.strategies._gradients import GradientAllReduce
 
 
 class AllReduceStrategy(SyncStrategyBase):
     """Data parallel without torch DDP: the strategy averages gradients itself.
 
-    At setup rank 0's parameters and buffers are broadcast, so ranks seeded differently still start identical.
-    Gradients are averaged once per optimizer step, before gradient clipping and ``on_before_optimizer_step``; with
-    ``bucketing="overlap"`` the communication runs during backward, and with ``"auto"`` (the default) during or
-    right after backward, whichever the first sync rounds measure faster. Every launch point sends the same buckets,
-    so the parameters come out bit for bit the same whichever it is. Non-final micro-batches of
-    ``accumulate_grad_batches`` send nothing. Manual optimization, several optimizers and precision plugins work.
-
-    Takes the fields of :class:`~lightning_sync.config.AllReduceConfig` and Lightning's own strategy arguments, as
-    keyword arguments (``Args:`` below is filled in from the fields' help; see
-    :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
+    Rank 0's parameters and buffers are broadcast at setup. Gradients are averaged once per optimizer step, before
+    clipping and ``on_before_optimizer_step``, in buckets launched during or right after backward (``bucketing``;
+    every launch point gives the same bits). Non-final micro-batches of ``accumulate_grad_batches`` send nothing.
+    Manual optimization, several optimizers and precision plugins work.
 
     Example::
 
@@ -73,14 +67,11 @@ class AllReduceStrategy(SyncStrategyBase):
     @override
     def _check_algorithm_knobs(self) -> None:
         """Builds the gradient path (its compressor checks its knobs); with fault tolerance, checks for torchft."""
-        new_compressor = build_parts(self.config).new_compressor
+        cfg = self.config
+        new_compressor = build_parts(cfg).new_compressor
         assert new_compressor is not None  # set for every gradient-syncing mode
-        fault_tolerance = as_fault_tolerance(self.config.fault_tolerance)
-        if fault_tolerance is not None:
-            require_torchft()
-        self.gradients = GradientAllReduce(
-            self.config, new_compressor, self.config.skip_nonfinite and self.skips_nonfinite_steps, fault_tolerance
-        )
+        check_finite = cfg.skip_nonfinite and self.skips_nonfinite_steps
+        self.gradients = GradientAllReduce(cfg, new_compressor, check_finite, fault_tolerance_of(cfg.fault_tolerance))
 
     @override
     def configure_ddp(self) -> None:

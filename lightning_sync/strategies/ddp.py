@@ -32,10 +32,6 @@ class DDPSyncStrategy(SyncStrategyBase):
     registers its hook, on gloo as on NCCL. ``comm_hook="none"`` registers a plain metered all-reduce, so every mode
     reports bytes the same way.
 
-    Takes the fields of :class:`~lightning_sync.config.DDPConfig` and Lightning's own strategy arguments, as keyword
-    arguments (``Args:`` below is filled in from the fields' help; see
-    :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
-
     Example::
 
         >>> import lightning.pytorch as pl

@@ -36,27 +36,18 @@ from lightning_sync.strategies._lightning import set_accumulate_grad_batches
 class PeriodicSyncStrategy(SyncStrategyBase):
     """Data parallel that communicates every ``sync_every`` steps, in one of three ``mode`` s.
 
-    ``gradient`` is the all-reduce path of :class:`~lightning_sync.strategies.allreduce.AllReduceStrategy` (the same
-    :class:`~lightning_sync.strategies._gradients.GradientAllReduce`) with an accumulation multiplier: for the
-    duration of ``fit`` the Trainer's ``accumulate_grad_batches`` is multiplied by ``sync_every``, so the run is
-    Lightning DDP with that accumulation (same loss scaling, steps, schedulers) while sending ``1/sync_every`` of
-    its bytes. Buffers are averaged at each sync instead of broadcast at each forward.
+    ``gradient`` is ``allreduce``'s gradient path with the Trainer's ``accumulate_grad_batches`` multiplied by
+    ``sync_every`` during ``fit``: Lightning DDP with that accumulation (same loss scaling, steps, schedulers) at
+    ``1/sync_every`` of its bytes; buffers are averaged at each sync instead of broadcast at each forward.
 
     ``local_sgd`` and ``diloco`` step every rank alone; a Lightning-free
-    :class:`~lightning_sync.comm.periodic.PeriodicAverager` owns the schedule (period, ``warmup_steps`` of
-    per-step gradient all-reduce, per-module periods, adaptive period) and the averaging (plain average, or DiLoCo's
-    outer optimizer). At the end of ``fit`` every group with unsynced steps is synced once more, so the model
-    returned is the common one; between syncs each rank validates its own replica. Streaming DiLoCo's knobs
-    (``fragments``, ``fragment_modules``, ``sync_delay``, ``fragment_alpha``, ``outer_compression``) are the
-    averager's.
+    :class:`~lightning_sync.comm.periodic.PeriodicAverager` owns the schedule (period, ``warmup_steps``, per-module
+    and adaptive periods, streaming DiLoCo's fragments) and the averaging (plain average, or DiLoCo's outer
+    optimizer). The end of ``fit`` syncs every group with unsynced steps, so the model returned is the common one.
 
-    Logged per optimizer step: ``sync/period`` at the first step, when it changes and at every sync, and
-    ``sync/divergence`` (this rank's distance from the average, measured at sync time) at every sync, and
-    ``sync/skipped_outer_steps`` when an outer step was skipped for a non-finite pseudo-gradient.
-
-    Takes the fields of :class:`~lightning_sync.config.PeriodicConfig` and Lightning's own strategy arguments, as
-    keyword arguments (``Args:`` below is filled in from the fields' help; see
-    :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
+    Logged: ``sync/period`` (first step, on change, at every sync), ``sync/divergence`` (this rank's distance from
+    the average, at every sync) and ``sync/skipped_outer_steps`` (outer steps skipped for a non-finite
+    pseudo-gradient).
 
     Example::
 
@@ -123,7 +114,7 @@ class PeriodicSyncStrategy(SyncStrategyBase):
         constructor checks the schedule, and the gradient path (``gradient`` mode, the averager's warmup)."""
         self._parts = build_parts(self.config)
         self.averager: PeriodicAverager | None = self._parts.averager
-        self.fault_tolerance = fault_tolerance_of(self.config.fault_tolerance, self.averager)
+        self.fault_tolerance = fault_tolerance_of(self.config.fault_tolerance)
         if self.averager is None or self.averager.warmup_steps > 0:
             assert self._parts.new_compressor is not None  # set for every gradient-syncing mode
             check_finite = self.config.skip_nonfinite and self.skips_nonfinite_steps

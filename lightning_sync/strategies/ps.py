@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
@@ -25,6 +26,8 @@ from lightning_sync.comm.peer_errors import PeerError, names_a_silent_peer
 from lightning_sync.config import ParameterServerConfig
 from lightning_sync.errors import ConfigError
 from lightning_sync.ps import (
+    CLIP_ALGORITHMS,
+    Clip,
     PSClient,
     PSGroup,
     ServerStepOptimizer,
@@ -39,30 +42,20 @@ from lightning_sync.ps.outer import LocalSteps
 from lightning_sync.strategies._base import SyncStrategyBase
 from lightning_sync.strategies._detached import Detachment
 from lightning_sync.strategies._lightning import restore_clip_gradients, route_clip_gradients, set_global_step
-from lightning_sync.strategies._ps_clip import ServerClips
 from lightning_sync.strategies._ps_membership import Membership, check_join_address, publish_fit, running_fit
-from lightning_sync.strategies._ps_metrics import ReplyMetrics
 
 
 class ParameterServerStrategy(SyncStrategyBase):
     """Parameter server over torch.distributed point-to-point: workers push gradients, servers step and reply.
 
-    The Lightning ranks are the workers. The strategy starts the servers, each holding a byte-balanced shard of the
-    parameters and its optimizer state: as processes on node 0 (``dedicated``) or as threads of the first workers
-    (``colocated``); both run the loop of :mod:`lightning_sync.ps` on a process group of their own, built on the
-    run's store. The LightningModule's optimizer is rebuilt on the servers; each push carries the worker's learning
-    rates, so LR schedulers stepping on the workers take effect on the servers.
+    The Lightning ranks are the workers. The servers, each holding a byte-balanced shard of the parameters and its
+    optimizer state, run as processes on node 0 (``dedicated``) or threads of the first workers (``colocated``), on a
+    process group of their own. The LightningModule's optimizer is rebuilt on the servers; each push carries the
+    worker's learning rates, so LR schedulers on the workers take effect there.
 
     ``sync`` keeps the workers in lockstep. In ``async`` and ``ssp`` the servers' version counts the steps
     (``max_steps=N``: N pushes; ``max_epochs=E``: E epochs' worth of samples) and the workers never wait for each
-    other (Lightning's collectives act on each worker alone, see
-    :class:`~lightning_sync.strategies._detached.Detachment`); see the README's "Parameter server".
-    Logged: ``ps/version``, ``ps/staleness`` (async, ssp), ``ps/server<i>_ingress_per_update``, and in the elastic
-    modes ``ps/server<i>_live_workers`` and ``ps/server<i>_lost_workers``.
-
-    Takes the fields of :class:`~lightning_sync.config.ParameterServerConfig` and Lightning's own strategy
-    arguments, as keyword arguments (``Args:`` below is filled in from the fields' help; see
-    :class:`~lightning_sync.strategies._base.SyncStrategyBase`).
+    other (:class:`~lightning_sync.strategies._detached.Detachment`). Logged: ``ps/*`` (see :class:`ReplyMetrics`).
 
     Example::
 
@@ -127,10 +120,9 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     @property
     def tolerates_lost_ranks(self) -> bool:
-        """Whether losing a worker rank other than 0 leaves the job running (``async`` and ``ssp``, and ``sync`` with
-        ``elastic``: the servers drop it and the others go on); then the workers run apart during the fit, with no
-        Lightning collective among them. The launcher's child observer and the app's end of job ask this. Rank 0
-        hosts the store and the dedicated servers: losing it always ends the job, as losing a server does."""
+        """Whether losing a worker rank other than 0 leaves the job running (``async``, ``ssp``, elastic ``sync``);
+        then the workers run apart during the fit. Losing rank 0 (the store, dedicated servers) or a server always
+        ends the job."""
         return self.config.mode != "sync" or self.config.elastic
 
     @property
@@ -193,7 +185,7 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     def _clip_on_the_servers(self) -> None:
         """Gradient clipping goes with the optimizer's next push, and the servers clip
-        (:class:`~lightning_sync.strategies._ps_clip.ServerClips`). :meth:`teardown` puts the plugin's own back."""
+        (:class:`ServerClips`). :meth:`teardown` puts the plugin's own back."""
         self._clips = ServerClips()
         route_clip_gradients(self.precision_plugin, self._clips.record)
 
@@ -352,7 +344,7 @@ class ParameterServerStrategy(SyncStrategyBase):
     @override
     def step_metrics(self, write: bool) -> dict[str, float]:
         """``comm/*`` as the base logs them, plus the replies' ``ps/*`` (see
-        :class:`~lightning_sync.strategies._ps_metrics.ReplyMetrics`)."""
+        :class:`ReplyMetrics`)."""
         metrics = super().step_metrics(write)
         if write and self.last_reply is not None:
             metrics.update(self._reply_metrics.of(self.last_reply))
@@ -362,10 +354,8 @@ class ParameterServerStrategy(SyncStrategyBase):
     def _reported_cause(self, error: PeerError) -> str | None:
         """The failure another member of the PS group left in its store (a worker that lost a server), if any.
 
-        A rank silent in one of Lightning's collectives (not one that is gone) is often itself waiting on a server
-        that froze; its own wait for that server ends about when this rank's collective timed out, so its report is
-        waited for, up to half of ``timeout_s`` (plus a second): the error then names the server, not only the rank
-        that waited on it.
+        A silent rank is often itself waiting on a frozen server, so its report is waited for, up to half of
+        ``timeout_s`` (plus a second), and the error names the server, not only the rank that waited on it.
         """
         group = self._group
         if group is None:
@@ -425,12 +415,10 @@ class ParameterServerStrategy(SyncStrategyBase):
         self.end_detached_run()
 
     def end_detached_run(self) -> None:
-        """Ends the servers' run, then the ranks meet and attach again (every rank, once its own loop ended). Called
-        first thing in ``on_train_end`` (by :class:`~lightning_sync.callbacks.SyncMetricsLogger`, before the other
-        callbacks, which may use collectives there), and by :meth:`on_train_end` (then a no-op). Until then each rank
-        ran its own batch and epoch ends, whose collectives would not pair across ranks. After a lost rank, or on a
-        worker added with ``join``, the rank stays a world of its own instead (see
-        :attr:`~lightning_sync.strategies._ps_membership.Membership.can_attach`)."""
+        """Ends the servers' run, then the ranks meet and attach again. Called first in ``on_train_end`` by
+        :class:`~lightning_sync.callbacks.SyncMetricsLogger` (the other callbacks may use collectives there), then by
+        :meth:`on_train_end` (a no-op). After a lost rank, or on a worker added with ``join``, the rank stays a world
+        of its own (:attr:`~lightning_sync.strategies._ps_membership.Membership.can_attach`)."""
         self._end_mode_run()
         if self._detachment.detached and self.membership.can_attach:
             self._detachment.detached = False
@@ -478,9 +466,8 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     @override
     def check_replicas(self, atol: float = 0.0) -> list[Any]:
-        """Nothing to compare in a fit whose ranks run apart: the replicas differ between pulls, and the ranks reach a
-        step count at different times, so a check would pair collectives wrongly. With local steps the replicas differ
-        between pushes: they are compared right after a push only (every sync worker pushes at the same step)."""
+        """Nothing to compare while the ranks run apart (the collectives would pair wrongly); with local steps, only
+        right after a push (every sync worker pushes at the same step)."""
         if self._detachment.in_fit or (self._local is not None and self._local.steps != 0):
             return []
         return super().check_replicas(atol)
@@ -509,3 +496,57 @@ class ParameterServerStrategy(SyncStrategyBase):
         elif servers is not None:
             servers.finish(self.config.timeout_s)
         super().teardown()
+
+
+class ServerClips:
+    """The clipping each optimizer's next push asks the servers for: the Trainer's clipping is not done on the
+    worker; the servers clip what they step with (in sync the average of the workers' gradients, as DDP clips the
+    all-reduced gradient)."""
+
+    def __init__(self) -> None:
+        self._by_optimizer: dict[int, Clip] = {}
+
+    def record(self, optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
+        """Stands in for the precision plugin's ``clip_gradients``: keeps the clipping for ``optimizer``'s next push
+        (none for ``clip_val`` ``None`` or ``<= 0``)."""
+        if clip_val is None or float(clip_val) <= 0:
+            return
+        algorithm = CLIP_ALGORITHMS[str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm))]
+        if isinstance(optimizer, LightningOptimizer):  # manual optimization hands the wrapper in
+            optimizer = optimizer.optimizer
+        self._by_optimizer[id(optimizer)] = Clip(algorithm, float(clip_val))
+
+    def pop(self, optimizer: Any) -> Clip | None:
+        """The clipping for ``optimizer``'s push now (``None``: none asked), forgotten after."""
+        return self._by_optimizer.pop(id(optimizer), None)
+
+
+class ReplyMetrics:
+    """``ps/*`` metrics of each logged reply: ``ps/version``; ``ps/staleness`` (async, ssp); each server's ingress
+    per update since the last logged reply; and in the elastic modes, the workers each server counts as live, has
+    dropped, and the rejoins it accepted.
+
+    Args:
+        staleness: log ``ps/staleness`` (async and ssp; in sync it is always 0).
+        elastic: log ``ps/server<i>_live_workers``, ``ps/server<i>_lost_workers`` and ``ps/server<i>_joins``.
+    """
+
+    def __init__(self, staleness: bool, elastic: bool) -> None:
+        self.staleness, self.elastic = staleness, elastic
+        self._logged: tuple[int, tuple[int, ...]] | None = None  # version and servers' ingress at the last one
+
+    def of(self, reply: Any) -> dict[str, float]:
+        """The metrics of ``reply`` (a :class:`~lightning_sync.ps.reply.PSReply`), to be logged now."""
+        metrics = {"ps/version": float(reply.version)}
+        if reply.stalest >= 0 and self.staleness:
+            metrics["ps/staleness"] = float(reply.stalest)
+        if self.elastic:
+            for i, (live, lost, joins) in enumerate(zip(reply.live_workers, reply.lost_workers, reply.joins)):
+                metrics[f"ps/server{i}_live_workers"] = float(live)
+                metrics[f"ps/server{i}_lost_workers"] = float(lost)
+                metrics[f"ps/server{i}_joins"] = float(joins)
+        if self._logged is not None and reply.version > self._logged[0]:
+            for i, (now, then) in enumerate(zip(reply.server_bytes_recv, self._logged[1])):
+                metrics[f"ps/server{i}_ingress_per_update"] = (now - then) / (reply.version - self._logged[0])
+        self._logged = (reply.version, reply.server_bytes_recv)
+        return metrics
