@@ -17,8 +17,7 @@ from lightning_sync.comm.compression import Compressor
 from lightning_sync.comm.meter import CommMeter
 from lightning_sync.config import AllReduceConfig, PeriodicConfig
 from lightning_sync.ft.config import FaultTolerance
-from lightning_sync.ft.replica import average_gradients_across
-from lightning_sync.ft.replica import ReplicaGroupLink
+from lightning_sync.ft.replica import ReplicaGroupLink, average_gradients_across
 from lightning_sync.strategies._fault_tolerance import replica_group_link
 
 
