@@ -1,5 +1,5 @@
-"""Streaming DiLoCo's parts (Douillard et al. 2025, arXiv 2501.18512): the knobs, the outer-sync worker thread, and
-an averager whose sync in flight goes into checkpoints. Nothing here knows of Lightning;
+"""Streaming DiLoCo's parts (Douillard et al. 2025, arXiv 2501.18512): the knobs, the fragments' stagger, the
+outer-sync worker thread and its process group. Nothing here knows of Lightning;
 :class:`~lightning_sync.comm.periodic.PeriodicAverager` owns the schedule, :mod:`lightning_sync.comm.fragments` the
 strided fragments.
 
