@@ -16,6 +16,7 @@ import pytest
 
 from lightning_sync.apps.bench.cli import _parser, main
 from lightning_sync.apps.bench.config import BenchConfig, parse_overrides
+from lightning_sync.apps.bench.launch import free_port
 from lightning_sync.apps.bench.report import markdown, summarize, time_to_accuracy
 from lightning_sync.errors import ConfigError
 
@@ -465,3 +466,15 @@ def test_the_clock_gives_up_on_rank_0s_time_on_every_rank(monkeypatch):
     target.start()
     assert target.check(nn.Linear(1, 1), step=1) is False
     assert target.trajectory == [(1.0, 1, 5.0)] and not target.gave_up
+
+
+@pytest.mark.unit
+def test_free_port_does_not_follow_the_seeded_random_module():
+    """Processes seeded alike (``seed_everything(0)`` in two test workers) must not draw the same ports."""
+    import random
+
+    draws = []
+    for _ in range(2):
+        random.seed(0)
+        draws.append([free_port() for _ in range(3)])
+    assert draws[0] != draws[1]

@@ -10,6 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from lightning_sync.errors import check_range
 from lightning_sync.ps.straggler import Straggler
 
 
@@ -44,9 +45,10 @@ class StragglerCallback(pl.Callback):
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        Straggler(0, rank, slowdown)  # checks rank and slowdown
-        if isinstance(chance, bool) or not isinstance(chance, (int, float)) or not 0.0 < chance <= 1.0:
-            raise ValueError(f"chance={chance!r} is not allowed; it must be a probability in (0, 1]")
+        if rank is not None:
+            check_range("rank", rank, low=0, integer=True)
+        check_range("slowdown", slowdown, low=1)
+        check_range("chance", chance, low=0, high=1, low_open=True)
         self.rank, self.slowdown, self.chance, self.seed = rank, float(slowdown), float(chance), int(seed)
         self._clock, self._sleep = clock, sleep
         self.slow_batches = 0

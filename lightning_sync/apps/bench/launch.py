@@ -62,13 +62,14 @@ def network(rate: str, prefix: str) -> Iterator[list[EmulatedHost] | None]:
 def free_port() -> int:
     """A free port below the kernel's ephemeral range: the master binds it seconds after this check (once torch is
     imported), and a port from the ephemeral range can be taken meanwhile as the local end of any outgoing
-    connection on the machine ("EADDRINUSE", seen in CI while other tests ran)."""
+    connection on the machine ("EADDRINUSE", seen in CI while other tests ran). Drawn from the system's randomness,
+    not the ``random`` module's state, which a seeded run (``seed_everything``) makes the same in every process."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
     for _ in range(100):
-        port = random.randrange(max(1024, low // 2), low)
+        port = random.SystemRandom().randrange(max(1024, low // 2), low)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
