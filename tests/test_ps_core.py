@@ -1057,3 +1057,31 @@ def test_dedicated_server_processes_die_with_their_parent(procs, frozen):
     for pid in left:  # never leave a frozen server behind, even when the test fails
         os.kill(pid, signal.SIGKILL)
     assert not left, "a server outlived its parent"
+
+
+@pytest.mark.unit
+def test_a_reply_to_a_closed_worker_is_reported_as_that_workers_error_and_the_others_still_go():
+    """A send to a worker whose connection closed (killed during a sync round's replies) comes back through
+    ``next`` as that worker's error, as its receiving thread would report it; the server loop then drops it (elastic
+    modes) or fails; the other workers' replies are sent."""
+    from types import SimpleNamespace
+
+    from lightning_sync.ps.errors import PSPeerLostError
+    from lightning_sync.ps.server import WorkerChannels
+
+    class Group:
+        sent: list[int] = []
+
+        def send(self, tensor, worker, tag):
+            if worker == 1:
+                raise PSPeerLostError("worker 1 closed its connection (a send): its process is gone")
+            self.sent.append(worker)
+            return object()
+
+    channels = WorkerChannels(Group(), server=0)  # type: ignore[arg-type]
+    header = SimpleNamespace(kind=Kind.PUSH, header=lambda: torch.zeros(1))
+    channels.send([(0, (header, None)), (1, (header, None)), (2, (header, None))])
+    assert Group.sent == [0, 2] and set(channels._inflight) == {0, 2}
+    worker, generation, request, payload, error = channels.next(timeout_s=1.0)
+    assert (worker, generation, request, payload) == (1, 0, None, None)
+    assert isinstance(error, PSPeerLostError)

@@ -110,6 +110,7 @@ class WorkerChannels:
         self.server = server
         self._inflight: dict[int, list[tuple[Kind, Any]]] = {}  # worker -> sends of its last reply
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (worker, request, data, error) of each receiver
+        self._generation: dict[int, int] = {}  # worker -> the generation of the links it is listened to on
 
     def start(self, workers: Iterable[int]) -> None:
         """Starts one receiving thread per worker of ``workers`` (each first connects its link to that worker)."""
@@ -118,6 +119,7 @@ class WorkerChannels:
 
     def listen(self, worker: int, generation: int) -> None:
         """Starts the receiving thread of ``worker``'s links of ``generation`` (0 at the start, more for a rejoin)."""
+        self._generation[worker] = generation
         name = f"lightning_sync-ps-server{self.server}-recv{worker}-g{generation}"
         threading.Thread(target=self._receive_from, args=(worker, generation), name=name, daemon=True).start()
 
@@ -162,13 +164,20 @@ class WorkerChannels:
         A worker takes a reply's data only once it has every server's reply header, so waiting here could stall
         this server behind another one (e.g. one holding an ssp reply back). The sends are waited for when the worker
         sends its next request (:meth:`settle`), by which time it has taken the reply; the tensors sent are never
-        modified meanwhile (packed parameters are a new buffer per version).
+        modified meanwhile (packed parameters are a new buffer per version). A worker whose connection closed
+        is reported as its receiving thread reports it, through :meth:`next`, and the other replies still go: the
+        loop decides whether that loses the worker (elastic modes) or the job.
         """
         for worker, (header, payload) in replies:
-            self.settle(worker)
-            works = [(header.kind, self.group.send(header.header(), worker, TAG_REPLY))]
-            if payload is not None and payload.numel() > 0:
-                works.append((header.kind, self.group.send(payload, worker, TAG_REPLY_DATA)))
+            try:
+                self.settle(worker)
+                works = [(header.kind, self.group.send(header.header(), worker, TAG_REPLY))]
+                if payload is not None and payload.numel() > 0:
+                    works.append((header.kind, self.group.send(payload, worker, TAG_REPLY_DATA)))
+            except PSPeerLostError as exc:
+                self._inflight.pop(worker, None)
+                self._inbox.put((worker, self._generation.get(worker, 0), None, None, exc))
+                continue
             self._inflight[worker] = works
 
     def forget(self, worker: int) -> None:
