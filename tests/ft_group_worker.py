@@ -134,7 +134,11 @@ def train(argv: list[str], rank: int, ranks: int) -> None:
     link = ReplicaGroupLink(config, group_rank=rank, group_world_size=ranks, hostname="localhost")
     model = make_model()
     inner = make_inner(model)
-    link.register_training_state(model, [inner])
+    link.register_state(  # a healing group pulls the model and the inner optimizer too
+        "training",
+        lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
+        lambda state: (model.load_state_dict(state["model"]), inner.load_state_dict(state["inner"])),
+    )
     spec = argv[9] if len(argv) > 9 else ""
     nan_at = int(argv[10]) if len(argv) > 10 else -1
     averager = FaultTolerantAverager(link, sync_every=int(sync_every), streaming=streaming(spec), **OUTER)  # type: ignore[arg-type]
@@ -159,13 +163,13 @@ def train(argv: list[str], rank: int, ranks: int) -> None:
                     next(model.parameters()).view(-1)[0] = float("nan")
             synced = averager.step([inner])
             if synced:
-                print(f"sync at step {averager.steps} t={time.time():.3f} committed={averager.committed_syncs} "
-                      f"failed={averager.failed_syncs} members={link.stats.participants}", flush=True)  # fmt: skip
+                print(f"sync at step {averager.steps} t={time.time():.3f} committed={link.stats.commits} "
+                      f"failed={link.stats.failed_commits} members={link.stats.participants}", flush=True)  # fmt: skip
             print(f"step {averager.steps}", flush=True)
             if sleep_s:
                 time.sleep(sleep_s)
         averager.finish([inner])
-        print(f"finish committed={averager.committed_syncs} failed={averager.failed_syncs}", flush=True)
+        print(f"finish committed={link.stats.commits} failed={link.stats.failed_commits}", flush=True)
         torch.save({"params": flat(model), "snapshots": snapshots, "healed": healed}, out + ".state")
         torch.save(flat(model), out)
     finally:

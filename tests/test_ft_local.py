@@ -74,7 +74,7 @@ def test_step_pacer_pads_a_short_batch_to_step_s_and_leaves_a_long_one_alone():
     pacer.on_train_batch_start(None, None, None, 1)
     now[0] += 0.5  # a slow sync: no padding on top
     pacer.on_train_batch_end(None, None, None, None, 1)
-    assert now[0] == pytest.approx(0.7) and pacer.padded_s == pytest.approx(0.15)
+    assert now[0] == pytest.approx(0.7) and pacer.slept_s == pytest.approx(0.15)
     with pytest.raises(ConfigError, match=r"step_s=0 is not allowed; it must be > 0"):
         StepPacer(0)
 

@@ -217,7 +217,7 @@ def run(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
         trainer.fit(model, datamodule=datamodule, ckpt_path=_ckpt_path(cfg))
         # Every rank's guard agreed. With fork/spawn the guards ran in the ranks, and the file rank 0 wrote is the
         # record (read only where no guard ran: a popen rank 1 could catch rank 0 half-way through writing it).
-        diverged = guard.diverged_at_step is not None
+        diverged = guard.verdict is not None
         if not guard.checked_batches and trainer.is_global_zero:
             diverged = read_summary(report.path).get("diverged", False)
         if cfg.get("test", True) and not diverged:

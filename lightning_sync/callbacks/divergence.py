@@ -12,7 +12,8 @@ import torch
 from tqdm import tqdm
 from typing_extensions import override
 
-from lightning_sync.callbacks.summary import merge_summary
+from lightning_sync.callbacks.report import merge_summary
+from lightning_sync.errors import check_range
 
 
 class DivergenceGuard(pl.Callback):
@@ -25,17 +26,14 @@ class DivergenceGuard(pl.Callback):
     - **exploded**: the loss exceeds ``factor * L0`` (1e3 by default, so 2300 for cross-entropy);
     - **collapsed**: the mean loss over the last ``window`` batches is back at ``L0`` or above, after that mean had
       fallen to ``learned_fraction * L0`` or below: the model has unlearned everything, as DiLoCo's outer momentum
-      0.9 over an inner SGD with momentum 0.9 does to the example model (its loss climbs back to ln 10 and the test
-      accuracy to 10%, with no nan on the way).
+      0.9 over an inner SGD with momentum 0.9 does to the example model (with no nan on the way).
 
     Each rank checks its own losses. Every ``check_every`` batches the ranks all-gather their first bad step (an
     all-gather of 5 numbers, outside the communication meter), so all stop after the same batch (Lightning does not
     reduce ``should_stop``, and a rank left training would wait forever in its next collective). List it after
     :class:`SyncReport`, which then times the batch without the exchange.
 
-    The summary gets ``diverged`` (bool), and for a diverged run ``diverged_at_step`` (the optimizer step whose
-    loss was bad, as ``trainer.global_step`` counts after it), ``diverged_loss`` (the loss, or the window's mean
-    for a collapse), ``diverged_rank`` and ``diverged_reason`` (``not finite``, ``exploded`` or ``collapsed``).
+    The summary gets ``diverged`` (bool), and for a diverged run the keys of :attr:`verdict`.
 
     Args:
         path: summary JSON to merge the verdict into (``None``: don't write).
@@ -48,6 +46,11 @@ class DivergenceGuard(pl.Callback):
             the bad one (the step reported is the bad one's), and a last exchange follows the last batch.
         stop: stop training on divergence (``False``: report it and go on).
         monitor: logged metric to check when ``training_step`` returns no loss (manual optimization).
+
+    Attributes:
+        verdict: ``None`` until the run diverged; then ``diverged_at_step`` (the optimizer step whose loss was bad,
+            as ``trainer.global_step`` counts after it), ``diverged_loss`` (the loss, or the window's mean for a
+            collapse), ``diverged_rank`` and ``diverged_reason`` (``not finite``, ``exploded`` or ``collapsed``).
     """
 
     _REASONS = ("not finite", "exploded", "collapsed")
@@ -63,10 +66,9 @@ class DivergenceGuard(pl.Callback):
         stop: bool = True,
         monitor: str = "train/loss",
     ) -> None:
-        if check_every < 1:
-            raise ValueError(f"check_every={check_every} is not allowed; it must be >= 1")
-        if window is not None and window < 1:
-            raise ValueError(f"window={window} is not allowed; it must be >= 1 (or None)")
+        check_range("check_every", check_every, low=1, integer=True)
+        if window is not None:
+            check_range("window", window, low=1, integer=True)
         self.path = path
         self.run_name = run_name
         self.factor = factor
@@ -80,16 +82,12 @@ class DivergenceGuard(pl.Callback):
 
     def _start(self) -> None:
         """A new fit: no verdict, no loss seen."""
-        self.diverged_at_step: int | None = None
-        self.diverged_loss: float | None = None
-        self.diverged_rank: int | None = None
-        self.diverged_reason: str | None = None
+        self.verdict: dict[str, Any] | None = None
         self._first_loss: float | None = None
         self._lowest_mean = math.inf
         self._recent.clear()
         self._bad: tuple[int, float, int] | None = None  # this rank's first bad (step, loss, reason index)
         self.checked_batches = 0  # training batches seen in the current fit (0 where the ranks were forked off)
-        self._verdict: tuple[float, float] | None = None  # the detecting rank's (first loss, lowest mean)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -126,7 +124,7 @@ class DivergenceGuard(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self.diverged_at_step is not None:
+        if self.verdict is not None:
             return
         loss = self._batch_loss(trainer, outputs)
         if self._bad is None and loss is not None:
@@ -139,9 +137,9 @@ class DivergenceGuard(pl.Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.diverged_at_step is None:
+        if self.verdict is None:
             self._agree(trainer)  # the last batches (on every rank: in ps async/ssp their counts differ)
-        if self.diverged_at_step is None and trainer.is_global_zero:
+        if self.verdict is None and trainer.is_global_zero:
             merge_summary(self.path, {"diverged": False})
 
     def _agree(self, trainer: pl.Trainer) -> None:
@@ -157,19 +155,21 @@ class DivergenceGuard(pl.Callback):
         step, value, reason, first, lowest = rows[rank].tolist()
         if not math.isfinite(step):
             return
-        self.diverged_at_step, self.diverged_loss, self.diverged_rank = int(step), value, rank
-        self.diverged_reason = self._REASONS[int(reason)]
-        self._verdict = (first, lowest)
+        self.verdict = dict(
+            diverged_at_step=int(step),
+            diverged_loss=value,
+            diverged_rank=rank,
+            diverged_reason=self._REASONS[int(reason)],
+        )
         if self.stop:
             trainer.should_stop = True
         if trainer.is_global_zero:
-            self._report()
+            self._report(first, lowest)
 
-    def _report(self) -> None:
+    def _report(self, first: float, lowest: float) -> None:
         """The one line on stderr (above any progress bar), and the verdict in the summary."""
-        assert self._verdict is not None and self.diverged_loss is not None
-        first, lowest = self._verdict
-        loss, reason = self.diverged_loss, self.diverged_reason
+        assert self.verdict is not None
+        step, loss, rank, reason = self.verdict.values()
         if reason == "exploded":
             what = f"training loss {loss:.4g}, more than {self.factor:g}x the first loss {first:.4g}"
         elif reason == "collapsed":
@@ -181,17 +181,5 @@ class DivergenceGuard(pl.Callback):
             what = f"training loss {loss:.4g}"
         name = f"run {self.run_name}" if self.run_name else "the run"
         action = "training stopped" if self.stop else "training goes on"
-        tqdm.write(
-            f"DIVERGED ({reason}): {name}, step {self.diverged_at_step} (rank {self.diverged_rank}): {what}; {action}.",
-            file=sys.stderr,
-        )
-        merge_summary(
-            self.path,
-            {
-                "diverged": True,
-                "diverged_at_step": self.diverged_at_step,
-                "diverged_loss": loss,
-                "diverged_rank": self.diverged_rank,
-                "diverged_reason": reason,
-            },
-        )
+        tqdm.write(f"DIVERGED ({reason}): {name}, step {step} (rank {rank}): {what}; {action}.", file=sys.stderr)
+        merge_summary(self.path, {"diverged": True, **self.verdict})

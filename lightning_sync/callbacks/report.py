@@ -1,25 +1,64 @@
-"""The bench summary writer: step time and communication per optimizer step, as a JSON summary on rank 0."""
+"""The run summary: step time and communication per optimizer step, as a JSON file on rank 0 that other callbacks
+add their keys to (:func:`merge_summary`) and :func:`read_summary` reads back."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_sync.callbacks.summary import merge_summary
+
+def merge_summary(path: str | None, part: dict[str, Any]) -> None:
+    """Merges ``part`` into the JSON file at ``path`` (nothing if ``None``): with fork/spawn, fit and test run in
+    different processes, and several callbacks write their own keys."""
+    if path is not None:
+        Path(path).write_text(json.dumps({**read_summary(path), **part}, indent=2, sort_keys=True))
 
 
-class SyncReport(pl.Callback):
+def read_summary(path: str) -> dict[str, Any]:
+    """The summary JSON at ``path`` (``{}`` if there is none yet)."""
+    file = Path(path)
+    return json.loads(file.read_text()) if file.is_file() else {}
+
+
+class BatchTimer(pl.Callback):
+    """Times each training batch, from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, sync
+    and optimizer step; data loading excluded), and hands the seconds to :meth:`_timed`.
+
+    Args:
+        clock: returns the current time in seconds (a test passes a fake one).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._started = 0.0
+
+    def _timed(self, seconds: float) -> None:
+        """What the callback does with a batch's time."""
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        self._started = self._clock()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._timed(self._clock() - self._started)
+
+
+class SyncReport(BatchTimer):
     """Times every training batch and sums the strategy's communication; writes a JSON summary on rank 0.
 
-    The step time of a batch is the wall time from ``on_train_batch_start`` to ``on_train_batch_end`` on rank 0
-    (forward, backward, sync and optimizer step; data loading excluded). The first ``warmup_steps`` batches are
-    left out of the median. Bytes per step divide what the meter counted during training (setup traffic
+    The step time of a batch is rank 0's :class:`BatchTimer` time. The first ``warmup_steps`` batches are left out of
+    the median. Bytes per step divide what the meter counted during training (setup traffic
     excluded) by the optimizer steps taken; strategies without a lightning_sync meter (e.g. Lightning's own
     ``"ddp"``) report none.
 
@@ -29,11 +68,11 @@ class SyncReport(pl.Callback):
     """
 
     def __init__(self, path: str | None = None, warmup_steps: int = 3) -> None:
+        super().__init__()
         self.path = path
         self.warmup_steps = warmup_steps
         self.step_seconds: list[float] = []
         self.summary: dict[str, Any] = {}
-        self._started = 0.0
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -54,14 +93,8 @@ class SyncReport(pl.Callback):
                 )
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
-        self._started = time.perf_counter()
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self.step_seconds.append(time.perf_counter() - self._started)
+    def _timed(self, seconds: float) -> None:
+        self.step_seconds.append(seconds)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -28,7 +28,6 @@ class ClockRecord:
 class StepClock(pl.Callback):
     """On global rank 0, appends ``<unix time> step <global step> <training loss>`` after every training batch and
     ``<unix time> val <global step> <val/loss>`` after every validation (the sanity check left out) to ``path``.
-    Every line is flushed as it is written.
 
     Args:
         path: the file to append to (a restarted process appends to the same file); ``None``: ``step_clock.txt`` in
@@ -37,17 +36,15 @@ class StepClock(pl.Callback):
 
     def __init__(self, path: str | None = None) -> None:
         self.path = None if path is None else Path(path)
-        self._file: Any = None
 
     def _write(self, trainer: pl.Trainer, line: str) -> None:
         if trainer.global_rank != 0:
             return
-        if self._file is None:
-            if self.path is None:
-                self.path = Path(trainer.default_root_dir) / "step_clock.txt"
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed at teardown)
-        self._file.write(f"{time.time():.3f} {line}\n")
+        if self.path is None:
+            self.path = Path(trainer.default_root_dir) / "step_clock.txt"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as file:  # closed at once: on disk before the next batch
+            file.write(f"{time.time():.3f} {line}\n")
 
     @override
     def on_train_batch_end(
@@ -67,22 +64,12 @@ class StepClock(pl.Callback):
             return
         self._write(trainer, f"val {trainer.global_step} {float(loss):.6f}")
 
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Closes the file; a later fit opens it again and appends."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
 
 def read_step_clock(path: str | Path) -> ClockRecord:
     """The lines a :class:`StepClock` appended to ``path`` (an empty record if there is no file; a line cut short by
     a kill is skipped)."""
-    record = ClockRecord()
-    file = Path(path)
-    if not file.exists():
-        return record
-    for line in file.read_text().splitlines():
+    record, file = ClockRecord(), Path(path)
+    for line in file.read_text().splitlines() if file.exists() else []:
         parts = line.split()
         if len(parts) != 4 or parts[1] not in ("step", "val"):
             continue

@@ -1,22 +1,51 @@
-"""Fault injection: workers made slower on purpose, for experiments with stragglers under any strategy."""
+"""Workers slowed on purpose, for experiments under any strategy: stragglers (:class:`StragglerCallback`), and a set
+pace per batch (:class:`StepPacer`).
+
+Workers sharing a machine's cores speed up when one is lost, which says more about the machine than the method; a
+batch padded by sleep to a fixed time longer than its compute keeps each worker at its own pace.
+"""
 
 from __future__ import annotations
 
 import random
 import time
 from collections.abc import Callable
-from typing import Any
 
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from lightning_sync.callbacks.report import BatchTimer
 from lightning_sync.errors import check_range
-from lightning_sync.ps.straggler import Straggler
 
 
-class StragglerCallback(pl.Callback):
-    """Makes workers slower, for experiments with stragglers under any strategy: a slow batch sleeps, after the
-    batch (its optimizer step and any sync or push included), ``slowdown - 1`` times the time the batch took.
+class _BatchSleeper(BatchTimer):
+    """Sleeps after each training batch (forward, backward, optimizer step and any sync or push included) for
+    :meth:`_pause` of the batch's time.
+
+    Args:
+        clock: returns the current time in seconds (a test passes a fake one).
+        sleep: sleeps for the given seconds (a test passes one that advances its fake clock).
+    """
+
+    def __init__(self, clock: Callable[[], float], sleep: Callable[[float], None]) -> None:
+        super().__init__(clock)
+        self._sleep = sleep
+        self.slept_s = 0.0
+
+    def _pause(self, batch_s: float) -> float:
+        """The seconds to sleep after a batch that took ``batch_s``."""
+        raise NotImplementedError
+
+    @override
+    def _timed(self, seconds: float) -> None:
+        pause = self._pause(seconds)
+        if pause > 0:
+            self._sleep(pause)
+            self.slept_s += pause
+
+
+class StragglerCallback(_BatchSleeper):
+    """Makes workers slower: a slow batch sleeps, after the batch, ``slowdown - 1`` times the time it took.
 
     Two patterns, set by ``rank`` and ``chance``:
 
@@ -33,7 +62,7 @@ class StragglerCallback(pl.Callback):
         sleep: sleeps for the given seconds (a test passes one that advances its fake clock).
 
     Raises:
-        ValueError: a value outside the ranges above, naming the field.
+        ConfigError: a value outside the ranges above, naming the field.
     """
 
     def __init__(
@@ -49,33 +78,46 @@ class StragglerCallback(pl.Callback):
             check_range("rank", rank, low=0, integer=True)
         check_range("slowdown", slowdown, low=1)
         check_range("chance", chance, low=0, high=1, low_open=True)
+        super().__init__(clock, sleep)
         self.rank, self.slowdown, self.chance, self.seed = rank, float(slowdown), float(chance), int(seed)
-        self._clock, self._sleep = clock, sleep
         self.slow_batches = 0
-        self._straggler: Any = None
-        self._draws: Any = None
+        self._draws: random.Random | None = None  # set on a worker that may be slow
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Sets up this worker's sleeper and its draws (a worker that is never slow gets none)."""
-        rank = trainer.global_rank
-        if self.rank is None or self.rank == rank:
-            self._straggler = Straggler(rank, rank, self.slowdown, clock=self._clock, sleep=self._sleep)
-            self._draws = random.Random(self.seed * 1_000_003 + rank)
+        """Seeds this worker's draws (a worker that is never slow gets none)."""
+        if self.rank is None or self.rank == trainer.global_rank:
+            self._draws = random.Random(self.seed * 1_000_003 + trainer.global_rank)
 
-    @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
-        """Starts the batch's clock on a worker that may be slow."""
-        if self._straggler is not None:
-            self._straggler.step_start()
+    def _pause(self, batch_s: float) -> float:
+        if self._draws is None or self._draws.random() >= self.chance:
+            return 0.0
+        self.slow_batches += 1
+        return (self.slowdown - 1.0) * batch_s
 
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+
+class StepPacer(_BatchSleeper):
+    """Pads every training batch to at least ``step_s`` seconds by sleeping after it; a batch that took longer (a
+    slow sync) is not padded.
+
+    Args:
+        step_s: the shortest time of a batch, in seconds (> 0).
+        clock: returns the current time in seconds (a test passes a fake one).
+        sleep: sleeps for the given seconds (a test passes one that advances its fake clock).
+
+    Raises:
+        ConfigError: ``step_s`` not > 0 (names the field).
+    """
+
+    def __init__(
+        self,
+        step_s: float,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        """Sleeps if this batch is a slow one (``chance``)."""
-        if self._straggler is None:
-            return
-        if self._draws.random() < self.chance:
-            self.slow_batches += 1
-            self._straggler.step_end()
+        check_range("step_s", step_s, low=0, low_open=True)
+        super().__init__(clock, sleep)
+        self.step_s = float(step_s)
+
+    def _pause(self, batch_s: float) -> float:
+        return self.step_s - batch_s

@@ -113,13 +113,8 @@ class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
             )
         if self.mode != "gradient":
             return  # the averager checks its own schedule (PeriodicAverager)
-        if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int):
-            raise ConfigError(
-                f"sync_every={self.sync_every!r} is not allowed with mode='gradient' (an adaptive period would "
-                "change the effective batch size); it must be an integer >= 1"
-            )
-        check_range("sync_every", self.sync_every, low=1, integer=True)
         for name, bad, why in (
+            ("sync_every", self.sync_every == "auto", "an adaptive period would change the effective batch size"),
             ("warmup_steps", self.warmup_steps != 0, "gradient accumulation has no local steps to warm up"),
             ("module_sync_every", self.module_sync_every is not None, "gradients are synced as one model"),
             ("fragments", self.fragments != 1, "gradients are synced as one model"),
@@ -133,3 +128,4 @@ class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
                     f"{name}={getattr(self, name)!r} is not allowed with mode='gradient' ({why}); it is for "
                     "local_sgd and diloco"
                 )
+        check_range("sync_every", self.sync_every, low=1, integer=True)

@@ -60,8 +60,6 @@ class FaultTolerantAverager(PeriodicAverager):
         self._link: ReplicaGroupLink | None = None
         if link is not None:
             self.connect(link)
-        self.committed_syncs = 0
-        self.failed_syncs = 0
         # an outer codec rides across the groups (one per sync group, for its memory); inside a group: exact
         self._new_across = self.new_compressor if self.outer_compression != "none" else None
         self._across_codecs: dict[int, Compressor] = {}
@@ -101,10 +99,7 @@ class FaultTolerantAverager(PeriodicAverager):
     @override
     def _commit(self) -> bool:
         """torchft's vote on the sync (a group lost inside it, too few groups: not committed)."""
-        committed = self.link.commit()
-        self.committed_syncs += int(committed)
-        self.failed_syncs += int(not committed)
-        return committed
+        return self.link.commit()
 
     def state_dict(self) -> dict[str, Any]:
         """As :meth:`PeriodicAverager.state_dict`, with the memory of the codecs across groups."""

@@ -90,12 +90,9 @@ class FaultTolerance:
 
     def __post_init__(self) -> None:
         check_range("num_replica_groups", self.num_replica_groups, low=1, integer=True)
-        check_range("replica_group", self.replica_group, low=0, integer=True)
-        if self.replica_group >= self.num_replica_groups:
-            raise ConfigError(
-                f"replica_group={self.replica_group} is not allowed; it must be in [0, num_replica_groups) = "
-                f"[0, {self.num_replica_groups})"
-            )
+        check_range(
+            "replica_group", self.replica_group, low=0, high=self.num_replica_groups, high_open=True, integer=True
+        )
         check_range("min_replicas", self.min_replicas, low=1, integer=True)
         if self.min_replicas > self.num_replica_groups:
             raise ConfigError(

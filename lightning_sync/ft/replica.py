@@ -40,34 +40,18 @@ class _QuorumCollectives:
     def world_size(self, group: Any = None) -> int:
         return int(self.pg.size())
 
-    def all_to_all_single(
-        self, output: torch.Tensor, tensor: torch.Tensor, group: Any = None, async_op: bool = False
-    ) -> Any:
-        from torch.distributed.distributed_c10d import AllToAllOptions
+    def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor, **_: Any) -> Any:
+        return _waited(self.pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions()))
 
-        return _Done(self.pg.alltoall_base(output, tensor, [], [], AllToAllOptions()))
-
-    def all_gather_into_tensor(
-        self, output: torch.Tensor, tensor: torch.Tensor, group: Any = None, async_op: bool = False
-    ) -> Any:
+    def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor, **_: Any) -> Any:
         from torch.distributed.distributed_c10d import AllgatherOptions
 
-        return _Done(self.pg.allgather([list(output.view(self.world_size(), -1))], [tensor], AllgatherOptions()))
+        return _waited(self.pg.allgather([list(output.view(self.world_size(), -1))], [tensor], AllgatherOptions()))
 
 
-class _Done:
-    """A finished piece of work, with the ``wait``/``get_future`` of c10d's ``Work``."""
-
-    def __init__(self, work: Any) -> None:
-        work.wait()
-
-    def wait(self) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(None)
-        return future
+def _waited(work: Any) -> Any:
+    work.wait()
+    return work
 
 
 class QuorumError(RuntimeError):
@@ -155,25 +139,11 @@ class ReplicaGroupLink:
             hostname=host,
             init_sync=False,  # every group starts from the same seed; a late one heals from a live one
         )
-        self._members: list[int] | None = None
 
     # ------------------------------------------------------------------ state for healing
     def register_state(self, key: str, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
         """Adds ``key`` to the state a healing group pulls from a live one (torchft's checkpoint transport)."""
         self.manager.register_state_dict_fn(key, load, save)
-
-    def register_training_state(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """Heals ``model`` and the inner ``optimizers`` too (state dicts, loaded in place)."""
-
-        def save() -> dict[str, Any]:
-            return {"model": model.state_dict(), "optimizers": [o.state_dict() for o in optimizers]}
-
-        def load(state: dict[str, Any]) -> None:
-            model.load_state_dict(state["model"])
-            for optimizer, saved in zip(optimizers, state["optimizers"]):
-                optimizer.load_state_dict(saved)
-
-        self.register_state("training", save, load)
 
     # ------------------------------------------------------------------ one sync
     def start(self) -> bool:
@@ -214,15 +184,12 @@ class ReplicaGroupLink:
         return healed
 
     def _note_members(self, members: list[int]) -> None:
-        if self._members is not None and members != self._members:
-            lost = sorted(set(self._members) - set(members))
-            joined = sorted(set(members) - set(self._members))
-            if lost:
-                log.warning("replica group(s) %s lost from the quorum; training on with %s", lost, members)
-            if joined:
-                log.warning("replica group(s) %s joined the quorum; now %s", joined, members)
-        self._members = members
-        self.stats.participants = members
+        before, self.stats.participants = self.stats.participants, members
+        lost, joined = sorted(set(before) - set(members)), sorted(set(members) - set(before))
+        if before and lost:
+            log.warning("replica group(s) %s lost from the quorum; training on with %s", lost, members)
+        if before and joined:
+            log.warning("replica group(s) %s joined the quorum; now %s", joined, members)
 
     def average_(self, tensors: Sequence[torch.Tensor]) -> None:
         """Replaces ``tensors`` by their mean over the quorum's groups (on error they hold garbage, and
