@@ -29,14 +29,6 @@ from lightning_sync.comm.meter import CommMeter, CommStats
 from lightning_sync.errors import CheckpointError, ConfigError
 from lightning_sync.ps.outer import DelayedNesterov
 
-_STRATEGY_NAMES = (
-    "STRATEGIES",
-    "AllReduceStrategy",
-    "DDPSyncStrategy",
-    "ParameterServerStrategy",
-    "PeriodicSyncStrategy",
-)
-
 if not is_server_process():
     from lightning_sync.strategies import (
         STRATEGIES,
@@ -49,7 +41,7 @@ if not is_server_process():
 
 def __getattr__(name: str) -> Any:
     """The strategy names, imported on first use in a process that skipped them (a parameter server's)."""
-    if name in _STRATEGY_NAMES:
+    if name in __all__:  # only the strategy names can be missing
         import lightning_sync.strategies
 
         return getattr(lightning_sync.strategies, name)

@@ -1,14 +1,12 @@
-"""The comm algorithms a strategy config asks for, built from its knobs: torch only, no Lightning.
+"""The comm algorithms a strategy config asks for, built (and so checked) from its knobs: torch only, no Lightning.
 
-A strategy's constructor builds them, and the Hydra app once more before it starts any process, so a bad algorithm
-knob is reported before a rank starts. Each check lives in its algorithm's constructor; this module only calls them.
+A strategy's constructor builds them, and the Hydra app once more before it starts any process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from lightning_sync.comm.bucketing import GradientSynchronizer
 from lightning_sync.comm.compression import Compressor, resolve_codec
@@ -76,20 +74,19 @@ def build_parts(cfg: StrategyConfig) -> AlgorithmParts:
     if isinstance(cfg, ParameterServerConfig):
         ps_settings(cfg)  # checked now; built with max_updates once training starts
         return AlgorithmParts()
-    if not isinstance(cfg, GradientSyncKnobs):
-        return AlgorithmParts()
+    assert isinstance(cfg, GradientSyncKnobs)  # allreduce and periodic
     GradientSynchronizer.check_settings(cfg.bucketing, cfg.bucket_cap_mb, cfg.first_bucket_mb)
     parts = AlgorithmParts(resolve_codec(cfg.compression))
     if isinstance(cfg, PeriodicConfig) and cfg.mode != "gradient":
-        arguments: dict[str, Any] = dict(
+        # FaultTolerantAverager's constructor refuses the knobs that cannot be made fault tolerant
+        averager_class = PeriodicAverager if cfg.fault_tolerance is None else FaultTolerantAverager
+        parts.averager = averager_class(
             outer=cfg.mode == "diloco",
             new_compressor=parts.new_compressor,
             streaming=StreamingOptions(**cfg.arguments_for(StreamingOptions)),
             adaptive=AdaptiveOptions(**cfg.arguments_for(AdaptiveOptions)),
             **cfg.arguments_for(PeriodicAverager),
         )
-        if cfg.fault_tolerance is None:
-            parts.averager = PeriodicAverager(**arguments)
-        else:  # its constructor refuses the knobs that cannot be made fault tolerant
-            parts.averager = parts.fault_tolerant_averager = FaultTolerantAverager(**arguments)
+        if isinstance(parts.averager, FaultTolerantAverager):
+            parts.fault_tolerant_averager = parts.averager
     return parts

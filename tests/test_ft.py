@@ -65,9 +65,10 @@ def test_collective_timeout_longer_than_the_lighthouse_waits_is_refused():
 @pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_derived_timeouts_are_in_order():
-    t = _config(timeout_s=4.0).timeouts()
-    wait = t.heartbeat + t.join + t.connect  # sync_period_s defaults to timeout_s
-    assert t.collective < wait < t.quorum
+    config = _config(timeout_s=4.0)
+    collective, quorum = config.timeouts()
+    wait = config.heartbeat_timeout_s + config.join_timeout_s + config.timeout_s  # sync_period_s: timeout_s
+    assert collective.total_seconds() < wait < quorum.total_seconds()
 
 
 @pytest.mark.unit

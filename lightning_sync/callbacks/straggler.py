@@ -20,12 +20,7 @@ from lightning_sync.errors import check_range
 
 class _BatchSleeper(BatchTimer):
     """Sleeps after each training batch (forward, backward, optimizer step and any sync or push included) for
-    :meth:`_pause` of the batch's time.
-
-    Args:
-        clock: returns the current time in seconds (a test passes a fake one).
-        sleep: sleeps for the given seconds (a test passes one that advances its fake clock).
-    """
+    :meth:`_pause` of the batch's time."""
 
     def __init__(self, clock: Callable[[], float], sleep: Callable[[float], None]) -> None:
         super().__init__(clock)

@@ -1,20 +1,18 @@
-"""What every strategy's config has (:class:`StrategyConfig`), and the knobs of the bucketed gradient all-reduce
-(:class:`GradientSyncKnobs`)."""
+"""What every strategy's config has (:class:`StrategyConfig`), the knobs of the bucketed gradient all-reduce
+(:class:`GradientSyncKnobs`), and the configs of the per-step gradient strategies (:class:`DDPConfig`,
+:class:`AllReduceConfig`)."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import Any
+
+from typing_extensions import Self
 
 from lightning_sync.config.knobs import knob
 from lightning_sync.errors import check_choice, check_range
-
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
-ON_MISMATCH = ("raise", "warn", "resync")
-
-_C = TypeVar("_C", bound="StrategyConfig")
 
 
 @dataclass
@@ -58,13 +56,13 @@ class StrategyConfig:
     )
 
     def __post_init__(self) -> None:
-        check_choice("start_method", self.start_method, START_METHODS)
+        check_choice("start_method", self.start_method, ("popen", "spawn", "fork", "forkserver"))
         check_range("timeout_s", self.timeout_s, low=0, low_open=True)
         check_range("check_consistency_every", self.check_consistency_every, low=0, integer=True)
-        check_choice("on_mismatch", self.on_mismatch, ON_MISMATCH)
+        check_choice("on_mismatch", self.on_mismatch, ("raise", "warn", "resync"))
 
     @classmethod
-    def from_arguments(cls: type[_C], arguments: Mapping[str, Any]) -> _C:
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> Self:
         """The validated config whose every field is the entry of that name in ``arguments`` (a strategy
         constructor's ``locals()``; other entries are ignored).
 
@@ -122,4 +120,48 @@ class GradientSyncKnobs:
         """Each ``.grad`` is a view into its bucket (no copy back): backward accumulates into it and the sync averages in
         place, so read gradients in ``on_before_optimizer_step`` (synced), not ``on_after_backward`` (in flight);
         ``False`` keeps local gradients until the sync and copies the averages back.""",
+    )
+
+
+@dataclass
+class DDPConfig(StrategyConfig):
+    """The ``ddp`` strategy: torch DistributedDataParallel, with comm hooks that also run on CPU/gloo."""
+
+    comm_hook: Any = knob(
+        "none",
+        """DDP communication hook: the codec each bucket is averaged with, an object or a registry name (``none``: a
+        plain all-reduce, ``fp16``, ``bf16``, ``powersgd``, ``topk``, ...); registered on gloo as well as NCCL, and
+        metered.""",
+    )
+    bucket_cap_mb: float = knob(25.0, """DDP gradient bucket size in MiB.""")
+    find_unused_parameters: bool = knob(
+        False,
+        "Let DDP tolerate parameters that get no gradient in a step (costs a graph traversal per step).",
+    )
+    gradient_as_bucket_view: bool = knob(
+        False,
+        "Make ``param.grad`` views into DDP's buckets (saves one copy and the memory of one gradient).",
+    )
+    static_graph: bool = knob(False, """Promise DDP the graph and the set of used parameters never change.""")
+    broadcast_buffers: bool = knob(True, """Broadcast rank 0's buffers (e.g. BatchNorm statistics) at every forward.""")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("bucket_cap_mb", self.bucket_cap_mb, low=0, low_open=True)
+
+
+@dataclass
+class AllReduceConfig(GradientSyncKnobs, StrategyConfig):
+    """The ``allreduce`` strategy: no DDP wrapper; gradients bucketed and all-reduced by hand."""
+
+    broadcast_buffers: bool = knob(
+        True,
+        "Broadcast rank 0's buffers (e.g. BatchNorm statistics) before every training step, as DDP does.",
+    )
+    fault_tolerance: Any = knob(
+        None,
+        """Fault tolerance across replica groups, on torchft (the ``lightning-sync[ft]`` extra): a
+        ``lightning_sync.ft.FaultTolerance``, or a mapping of its fields. This run is then one replica group; each
+        step's gradients, averaged inside the group, are also averaged over the groups of a torchft quorum, and a
+        step whose sync failed is not committed (its gradients are dropped). ``None``: off.""",
     )

@@ -22,10 +22,6 @@ def knob(default: _T, help: str) -> _T:
 
 
 def knob_docs(cls: type) -> dict[str, str]:
-    """Each field of dataclass ``cls`` (inherited ones included) with its help, on one line; in field order. A field
-    without help gets ``""``.
-
-    The help is the field's ``metadata["help"]`` (see :func:`knob`). The strategies' ``Args:`` documentation and the
-    ``--help`` of the Hydra app print these, so a knob is documented once, where it is defined.
-    """
+    """Each field of dataclass ``cls`` (inherited ones included), in order, with its :func:`knob` help (``""``:
+    none), as the strategies' ``Args:`` and the Hydra app's ``--help`` print it."""
     return {f.name: f.metadata.get("help", "") for f in fields(cls)}

@@ -9,8 +9,6 @@ from lightning_sync.config.common import GradientSyncKnobs, StrategyConfig
 from lightning_sync.config.knobs import knob
 from lightning_sync.errors import ConfigError, check_choice, check_range
 
-PERIODIC_MODES = ("gradient", "local_sgd", "diloco")
-
 
 @dataclass
 class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
@@ -97,15 +95,14 @@ class PeriodicConfig(GradientSyncKnobs, StrategyConfig):
     fault_tolerance: Any = knob(
         None,
         """``local_sgd``/``diloco``: fault tolerance across replica groups, on torchft (the ``lightning-sync[ft]``
-        extra): a ``lightning_sync.ft.FaultTolerance``, or a mapping of its fields (``lighthouse``, ``replica_group``,
-        ``num_replica_groups``, ``min_replicas``, ``timeout_s``). This run is then one replica group: its ranks sync
-        as without it, and each outer sync is also averaged, through a quorum, over the groups alive; a sync that
-        fails is not committed, a lost group drops out and a late one heals from a live one. ``None``: off.""",
+        extra): a ``lightning_sync.ft.FaultTolerance``, or a mapping of its fields. This run is then one replica group:
+        its ranks sync as without it, and each outer sync is also averaged, through a quorum, over the groups alive; a
+        sync that fails is not committed, a lost group drops out and a late one heals from a live one. ``None``: off.""",
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_choice("mode", self.mode, PERIODIC_MODES)
+        check_choice("mode", self.mode, ("gradient", "local_sgd", "diloco"))
         if self.fault_tolerance is not None and self.mode == "gradient":
             raise ConfigError(
                 "fault_tolerance is not allowed with mode='gradient' (a per-step gradient sync across replica "

@@ -1,12 +1,8 @@
-"""Local SGD and DiLoCo across replica groups: :class:`PeriodicAverager` whose syncs go through a torchft quorum.
-
-Inside a replica group the ranks average as :class:`~lightning_sync.comm.periodic.PeriodicAverager` does; the group's
-average is then averaged over the quorum's groups by :class:`~lightning_sync.ft.replica.ReplicaGroupLink`, and the
-sync is applied only when torchft commits it (otherwise every parameter returns to the global copy, as torchft's
-``DiLoCo`` does). With one rank per group, ``N`` groups compute what ``N`` ordinary ranks do. Streaming DiLoCo works:
-each fragment's sync is a quorum of its own, joined at launch (a group behind heals while nothing is in flight) and
-voted at apply. An ``outer_compression`` codec carries the pseudo-gradients across groups (exact inside one), one
-codec per sync group, whose memory a healing group takes from its source.
+"""Local SGD and DiLoCo across replica groups: a :class:`PeriodicAverager` whose syncs also go through a torchft
+quorum, applied only when torchft commits them (otherwise every parameter returns to the global copy, as torchft's
+``DiLoCo`` does). With one rank per group, ``N`` groups compute what ``N`` ordinary ranks do. Streaming DiLoCo works
+(each fragment's sync is a quorum of its own), and an ``outer_compression`` codec carries the pseudo-gradients
+across groups (exact inside one).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Fault tolerance across replica groups: its settings, their checks, and the timeouts derived from them.
 
-A *replica group* is one ordinary world (one or more ranks, started as a job of its own). Across groups a torchft
-``Manager`` carries the sync: a lighthouse forms a quorum of the groups that are alive, and a sync that fails is not
-committed. This module knows nothing of Lightning and imports torchft only when asked to (:func:`require_torchft`).
+A *replica group* is one ordinary world (one or more ranks, started as a job of its own). This module imports
+torchft only when asked to (:func:`require_torchft`).
 
 The timeouts are derived from one number, ``timeout_s``, in an order that holds:
 
@@ -90,9 +89,12 @@ class FaultTolerance:
 
     def __post_init__(self) -> None:
         check_range("num_replica_groups", self.num_replica_groups, low=1, integer=True)
-        check_range(
-            "replica_group", self.replica_group, low=0, high=self.num_replica_groups, high_open=True, integer=True
-        )
+        check_range("replica_group", self.replica_group, low=0, integer=True)
+        if self.replica_group >= self.num_replica_groups:
+            raise ConfigError(
+                f"replica_group={self.replica_group} is not allowed; it must be in [0, num_replica_groups) = "
+                f"[0, {self.num_replica_groups})"
+            )
         check_range("min_replicas", self.min_replicas, low=1, integer=True)
         if self.min_replicas > self.num_replica_groups:
             raise ConfigError(
@@ -117,8 +119,11 @@ class FaultTolerance:
         """The id this group announces to the lighthouse (torchft keys ranks by its trailing digits)."""
         return f"replica_group_{self.replica_group}"
 
-    def timeouts(self) -> FaultToleranceTimeouts:
+    def timeouts(self) -> tuple[timedelta, timedelta]:
         """The derived timeouts (see the module docstring).
+
+        Returns:
+            The collective timeout and the quorum timeout.
 
         Raises:
             ConfigError: they are not in the order ``collective < heartbeat + join + sync period < quorum``.
@@ -139,13 +144,7 @@ class FaultTolerance:
                 f"sync_period_s = {self.heartbeat_timeout_s:g} + {self.join_timeout_s:g} + {period:g} = "
                 f"{lighthouse_wait:g}, or a survivor gives up while the lighthouse still waits for a lost group"
             )
-        return FaultToleranceTimeouts(
-            collective=timedelta(seconds=collective),
-            quorum=timedelta(seconds=quorum),
-            connect=timedelta(seconds=self.timeout_s),
-            heartbeat=timedelta(seconds=self.heartbeat_timeout_s),
-            join=timedelta(seconds=self.join_timeout_s),
-        )
+        return timedelta(seconds=collective), timedelta(seconds=quorum)
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> FaultTolerance:
@@ -174,17 +173,6 @@ def as_fault_tolerance(value: Any) -> FaultTolerance | None:
         f"fault_tolerance={value!r} is not allowed; give a lightning_sync.ft.FaultTolerance, a mapping of its "
         "fields, or None"
     )
-
-
-@dataclass(frozen=True)
-class FaultToleranceTimeouts:
-    """The timeouts :meth:`FaultTolerance.timeouts` derives."""
-
-    collective: timedelta
-    quorum: timedelta
-    connect: timedelta
-    heartbeat: timedelta
-    join: timedelta
 
 
 def check_lighthouse(config: FaultTolerance) -> None:

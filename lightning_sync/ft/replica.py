@@ -1,12 +1,6 @@
-"""One rank's link to the other replica groups: a torchft ``Manager``, what it counts, and the ``allreduce``
-strategy's per-step gradient sync across groups (:func:`average_gradients_across`).
-
-:class:`ReplicaGroupLink` owns the Manager of this rank (rank ``r`` of a group meets rank ``r`` of every other group in
-torchft's process group), the group's store, and the counters the strategy logs: quorums, participants, commits,
-failed commits, heals and heal seconds. Each cross-group sync is :meth:`~ReplicaGroupLink.start` (a quorum, which may
-heal this group from a live one), :meth:`~ReplicaGroupLink.average_` (averages over the quorum's groups), then
-:meth:`~ReplicaGroupLink.commit` (torchft's vote: ``False`` when any collective failed or too few groups took part).
-The quorum and the healing are torchft's; nothing here re-implements them.
+"""One rank's link to the other replica groups (:class:`ReplicaGroupLink`, on a torchft ``Manager``), and the
+``allreduce`` strategy's per-step gradient sync across groups (:func:`average_gradients_across`). The quorum and the
+healing are torchft's; nothing here re-implements them.
 """
 
 from __future__ import annotations
@@ -16,11 +10,13 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 
 from lightning_sync.comm.compression import Compressor, FlatBucket
 from lightning_sync.comm.nonfinite import drop_grads
@@ -41,11 +37,9 @@ class _QuorumCollectives:
         return int(self.pg.size())
 
     def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor, **_: Any) -> Any:
-        return _waited(self.pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions()))
+        return _waited(self.pg.alltoall_base(output, tensor, [], [], AllToAllOptions()))
 
     def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor, **_: Any) -> Any:
-        from torch.distributed.distributed_c10d import AllgatherOptions
-
         return _waited(self.pg.allgather([list(output.view(self.world_size(), -1))], [tensor], AllgatherOptions()))
 
 
@@ -71,25 +65,19 @@ class FaultToleranceStats:
     heal_seconds: float = 0.0
 
     def metrics(self) -> dict[str, float]:
-        """The counters as ``ft/*`` metrics."""
-        return {
-            "ft/quorum_size": float(self.quorum_size),
-            "ft/commits": float(self.commits),
-            "ft/failed_commits": float(self.failed_commits),
-            "ft/heals": float(self.heals),
-            "ft/heal_seconds": self.heal_seconds,
-        }
+        """The counters (but ``quorums`` and ``participants``) as ``ft/*`` metrics."""
+        return {f"ft/{k}": float(v) for k, v in vars(self).items() if k not in ("quorums", "participants")}
 
 
 class ReplicaGroupLink:
-    """A torchft ``Manager`` for this rank of this replica group (torchft is imported here, lazily).
+    """A torchft ``Manager`` for this rank of this replica group (rank ``r`` of a group meets rank ``r`` of every
+    other group), and what it counts (:attr:`stats`). Each cross-group sync is :meth:`start`, :meth:`average_`,
+    then :meth:`commit`.
 
     Args:
         config: the fault-tolerance settings (checked at construction).
         group_rank: this rank inside its group.
         group_world_size: ranks in the group.
-        intra_group: the group's own process group, over which rank 0 sends its store port to the others
-            (``None``: the default one; unused with one rank).
         hostname: the name other groups reach this host by (default: ``socket.gethostname()``).
 
     Raises:
@@ -102,7 +90,6 @@ class ReplicaGroupLink:
         config: FaultTolerance,
         group_rank: int = 0,
         group_world_size: int = 1,
-        intra_group: dist.ProcessGroup | None = None,
         hostname: str | None = None,
     ) -> None:
         require_torchft()
@@ -110,26 +97,25 @@ class ReplicaGroupLink:
 
         self.config = config
         self.stats = FaultToleranceStats()
-        timeouts = config.timeouts()
+        collective_timeout, quorum_timeout = config.timeouts()
         host = hostname or socket.gethostname()
         if group_rank == 0:
             check_lighthouse(config)
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if group_rank == 0 else None
         address: list[Any] = [host, self._store.port if self._store is not None else 0]
         if group_world_size > 1:  # the group's store lives on its rank 0: every rank takes rank 0's host and port
-            source = dist.get_global_rank(intra_group, 0) if intra_group is not None else 0
-            dist.broadcast_object_list(address, src=source, group=intra_group)
+            dist.broadcast_object_list(address, src=0)
         store_host, port = str(address[0]), int(address[1])
-        self._pg = ProcessGroupGloo(timeout=timeouts.collective)  # torchft reconfigures it at every quorum
+        self._pg = ProcessGroupGloo(timeout=collective_timeout)  # torchft reconfigures it at every quorum
         self.manager = Manager(
             pg=self._pg,
             load_state_dict=None,
             state_dict=None,
             min_replica_size=config.min_replicas,
             use_async_quorum=False,
-            timeout=timeouts.collective,
-            quorum_timeout=timeouts.quorum,
-            connect_timeout=timeouts.connect,
+            timeout=collective_timeout,
+            quorum_timeout=quorum_timeout,
+            connect_timeout=timedelta(seconds=config.timeout_s),
             rank=group_rank,
             world_size=group_world_size,
             store_addr=store_host,
@@ -157,11 +143,10 @@ class ReplicaGroupLink:
         try:
             self.manager.start_quorum()
         except Exception as error:  # torchft raises TimeoutError (or a gRPC error) when no quorum forms in time
-            timeouts = self.config.timeouts()
             raise QuorumError(
                 f"replica group {self.config.replica_group}: no quorum of at least min_replicas="
                 f"{self.config.min_replicas} groups formed within quorum_timeout_s="
-                f"{timeouts.quorum.total_seconds():g} s at the lighthouse {self.config.lighthouse!r} "
+                f"{self.config.timeouts()[1].total_seconds():g} s at the lighthouse {self.config.lighthouse!r} "
                 f"({type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}); the other "
                 "groups are gone or finished"
             ) from None
@@ -194,8 +179,7 @@ class ReplicaGroupLink:
     def average_(self, tensors: Sequence[torch.Tensor]) -> None:
         """Replaces ``tensors`` by their mean over the quorum's groups (on error they hold garbage, and
         :meth:`commit` says ``False``)."""
-        works = [self.manager.allreduce(t) for t in tensors if t.numel()]
-        for work in works:
+        for work in [self.manager.allreduce(t) for t in tensors if t.numel()]:
             work.wait()
 
     def average_coded_(self, buckets: Sequence[FlatBucket], codec: Compressor) -> None:
@@ -260,10 +244,7 @@ def average_gradients_across(link: ReplicaGroupLink, params: Sequence[nn.Paramet
     if not committed:
         drop_grads(trainable)
         return False
-    offset = 0
     with torch.no_grad():
-        for p, g in zip(trainable, grads):
-            n = g.numel()
-            p.grad = flat[offset : offset + n].view_as(g).to(g.dtype)
-            offset += n
+        for p, g, averaged in zip(trainable, grads, flat.split([g.numel() for g in grads])):
+            p.grad = averaged.view_as(g).to(g.dtype)
     return True
