@@ -2,8 +2,7 @@
 communication per optimizer step, as a JSON summary that :func:`read_summary` reads back), :class:`DivergenceGuard`
 (stops a diverging run), :class:`StragglerCallback` (slower workers, for experiments), :class:`FlushDenormal`
 (subnormal floats are zero), :class:`StepPacer` (a minimum time per batch), :class:`StepClock` (each step's time
-and loss on disk as it happens, read back by :func:`read_step_clock`). :class:`SyncMetricsLogger`, which every
-strategy adds by itself, lives with the strategies and is importable from here.
+and loss on disk as it happens, read back by :func:`read_step_clock`).
 """
 
 from lightning_sync.callbacks.divergence import DivergenceGuard
@@ -11,7 +10,6 @@ from lightning_sync.callbacks.flush_denormal import FlushDenormal
 from lightning_sync.callbacks.report import SyncReport, read_summary
 from lightning_sync.callbacks.step_clock import StepClock, read_step_clock
 from lightning_sync.callbacks.straggler import StepPacer, StragglerCallback
-from lightning_sync.strategies._metrics import SyncMetricsLogger
 
 __all__ = [
     "DivergenceGuard",
@@ -19,7 +17,6 @@ __all__ = [
     "StepClock",
     "StepPacer",
     "StragglerCallback",
-    "SyncMetricsLogger",
     "SyncReport",
     "read_step_clock",
     "read_summary",

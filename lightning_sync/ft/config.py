@@ -3,21 +3,13 @@
 A *replica group* is one ordinary world (one or more ranks, started as a job of its own). This module imports
 torchft only when asked to (:func:`require_torchft`).
 
-The timeouts are derived from one number, ``timeout_s``, in an order that holds:
-
-``collective_timeout_s < heartbeat_timeout_s + join_timeout_s + sync_period_s < quorum_timeout_s``
-
-* a collective with a lost peer gives up after ``collective_timeout_s`` (the gloo timeout of torchft's process group,
-  and the Manager's RPC timeout);
-* the lighthouse then drops the lost group once its heartbeat is ``heartbeat_timeout_s`` old, and waits up to
-  ``join_timeout_s`` for stragglers; a survivor may also reach the quorum one sync period (``sync_period_s``) before
-  the slowest one;
-* so a quorum call must wait longer than all of those, or a survivor gives up on a quorum that was about to form.
-
-``heartbeat_timeout_s`` and ``join_timeout_s`` describe the lighthouse (its ``--heartbeat_timeout_ms`` and
-``--join_timeout_ms``): torchft's heartbeat (5 s) and the guide's 5 s join (torchft's binary defaults to 60 s). A
-lost or frozen group is dropped by its heartbeat; a live group later than the join timeout misses the sync and heals
-at the next one, losing its steps since the last sync.
+The timeouts derive from ``timeout_s`` in an order that holds:
+``collective_timeout_s < heartbeat_timeout_s + join_timeout_s + sync_period_s < quorum_timeout_s``. A collective with
+a lost peer gives up after ``collective_timeout_s`` (torchft's gloo and RPC timeout); the lighthouse then drops the
+lost group once its heartbeat is ``heartbeat_timeout_s`` old (torchft's 5 s), and waits up to ``join_timeout_s`` for
+stragglers (the guide's 5 s; torchft's binary says 60 s); a survivor may also reach the quorum one sync period
+before the slowest one. So a quorum call must wait longer than all of those, or a survivor gives up on a quorum
+that was about to form. A live group later than the join timeout misses the sync and heals at the next one.
 """
 
 from __future__ import annotations
