@@ -44,7 +44,6 @@ class DivergenceGuard(pl.Callback):
             return to the first loss counts as a collapse.
         check_every: batches between the ranks' exchanges: the run stops at most ``check_every - 1`` batches after
             the bad one (the step reported is the bad one's), and a last exchange follows the last batch.
-        stop: stop training on divergence (``False``: report it and go on).
         monitor: logged metric to check when ``training_step`` returns no loss (manual optimization).
 
     Attributes:
@@ -63,7 +62,6 @@ class DivergenceGuard(pl.Callback):
         window: int | None = 20,
         learned_fraction: float = 0.5,
         check_every: int = 10,
-        stop: bool = True,
         monitor: str = "train/loss",
     ) -> None:
         check_range("check_every", check_every, low=1, integer=True)
@@ -75,7 +73,6 @@ class DivergenceGuard(pl.Callback):
         self.window = window
         self.learned_fraction = learned_fraction
         self.check_every = check_every
-        self.stop = stop
         self.monitor = monitor
         self._recent: deque[float] = deque(maxlen=window or 1)
         self._start()
@@ -161,8 +158,7 @@ class DivergenceGuard(pl.Callback):
             diverged_rank=rank,
             diverged_reason=self._REASONS[int(reason)],
         )
-        if self.stop:
-            trainer.should_stop = True
+        trainer.should_stop = True
         if trainer.is_global_zero:
             self._report(first, lowest)
 
@@ -180,6 +176,7 @@ class DivergenceGuard(pl.Callback):
         else:
             what = f"training loss {loss:.4g}"
         name = f"run {self.run_name}" if self.run_name else "the run"
-        action = "training stopped" if self.stop else "training goes on"
-        tqdm.write(f"DIVERGED ({reason}): {name}, step {step} (rank {rank}): {what}; {action}.", file=sys.stderr)
+        tqdm.write(
+            f"DIVERGED ({reason}): {name}, step {step} (rank {rank}): {what}; training stopped.", file=sys.stderr
+        )
         merge_summary(self.path, {"diverged": True, **self.verdict})

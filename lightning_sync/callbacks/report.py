@@ -30,18 +30,23 @@ def read_summary(path: str) -> dict[str, Any]:
 
 class BatchTimer(pl.Callback):
     """Times each training batch, from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, sync
-    and optimizer step; data loading excluded), and hands the seconds to :meth:`_timed`.
+    and optimizer step; data loading excluded), hands the seconds to :meth:`_timed`, and sleeps for what it returns.
 
     Args:
         clock: returns the current time in seconds (a test passes a fake one).
+        sleep: sleeps for the given seconds (a test passes one that advances its fake clock).
     """
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self._clock = clock
+    def __init__(
+        self, clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep
+    ) -> None:
+        self._clock, self._sleep = clock, sleep
         self._started = 0.0
+        self.slept_s = 0.0
 
-    def _timed(self, seconds: float) -> None:
-        """What the callback does with a batch's time."""
+    def _timed(self, seconds: float) -> float:
+        """What the callback does with a batch's time; returns the seconds to sleep after the batch."""
+        return 0.0
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
@@ -51,7 +56,10 @@ class BatchTimer(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._timed(self._clock() - self._started)
+        pause = self._timed(self._clock() - self._started)
+        if pause > 0:
+            self._sleep(pause)
+            self.slept_s += pause
 
 
 class SyncReport(BatchTimer):
@@ -93,8 +101,9 @@ class SyncReport(BatchTimer):
                 )
 
     @override
-    def _timed(self, seconds: float) -> None:
+    def _timed(self, seconds: float) -> float:
         self.step_seconds.append(seconds)
+        return 0.0
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -18,28 +18,7 @@ from lightning_sync.callbacks.report import BatchTimer
 from lightning_sync.errors import check_range
 
 
-class _BatchSleeper(BatchTimer):
-    """Sleeps after each training batch (forward, backward, optimizer step and any sync or push included) for
-    :meth:`_pause` of the batch's time."""
-
-    def __init__(self, clock: Callable[[], float], sleep: Callable[[float], None]) -> None:
-        super().__init__(clock)
-        self._sleep = sleep
-        self.slept_s = 0.0
-
-    def _pause(self, batch_s: float) -> float:
-        """The seconds to sleep after a batch that took ``batch_s``."""
-        raise NotImplementedError
-
-    @override
-    def _timed(self, seconds: float) -> None:
-        pause = self._pause(seconds)
-        if pause > 0:
-            self._sleep(pause)
-            self.slept_s += pause
-
-
-class StragglerCallback(_BatchSleeper):
+class StragglerCallback(BatchTimer):
     """Makes workers slower: a slow batch sleeps, after the batch, ``slowdown - 1`` times the time it took.
 
     Two patterns, set by ``rank`` and ``chance``:
@@ -84,14 +63,15 @@ class StragglerCallback(_BatchSleeper):
         if self.rank is None or self.rank == trainer.global_rank:
             self._draws = random.Random(self.seed * 1_000_003 + trainer.global_rank)
 
-    def _pause(self, batch_s: float) -> float:
+    @override
+    def _timed(self, batch_s: float) -> float:
         if self._draws is None or self._draws.random() >= self.chance:
             return 0.0
         self.slow_batches += 1
         return (self.slowdown - 1.0) * batch_s
 
 
-class StepPacer(_BatchSleeper):
+class StepPacer(BatchTimer):
     """Pads every training batch to at least ``step_s`` seconds by sleeping after it; a batch that took longer (a
     slow sync) is not padded.
 
@@ -114,5 +94,6 @@ class StepPacer(_BatchSleeper):
         super().__init__(clock, sleep)
         self.step_s = float(step_s)
 
-    def _pause(self, batch_s: float) -> float:
+    @override
+    def _timed(self, batch_s: float) -> float:
         return self.step_s - batch_s
