@@ -27,7 +27,8 @@ from lightning_sync.comm.averaging import ModelAverager
 from lightning_sync.comm.compression import FlatBucket, NoCompression
 from lightning_sync.comm.compression.quantized import BLOCK, Int4Compression, Int8Compression
 from lightning_sync.comm.fragments import block_fragments, layer_fragments, split_fragments
-from lightning_sync.comm.meter import CommMeter, PeerError
+from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.peer_errors import PeerError
 from lightning_sync.comm.periodic import AdaptiveOptions, PeriodicAverager, StreamingOptions
 from lightning_sync.comm.streaming import stagger_offsets
 from lightning_sync.config import PeriodicConfig

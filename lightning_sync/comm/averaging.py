@@ -30,11 +30,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from lightning_sync.comm.bucket_layout import plan_buckets
+from lightning_sync.comm.bucketing import plan_buckets
 from lightning_sync.comm.compression import Compressor, FlatBucket, NoCompression
-from lightning_sync.comm.meter import CommMeter, PeerError, wait_future
+from lightning_sync.comm.meter import CommMeter
 from lightning_sync.comm.nonfinite import all_finite, probe
-from lightning_sync.comm.streaming import OuterSyncWorker
+from lightning_sync.comm.peer_errors import PeerError, wait_future
 from lightning_sync.comm.tuning import MIB
 from lightning_sync.errors import ConfigError
 
@@ -241,7 +241,7 @@ class ModelAverager:
 
     # The same sync split in two, so that its collectives can run while inner steps do (streaming DiLoCo):
     # launch_ packs and starts averaging, apply_ (after complete_) steps the global copy and loads it.
-    def launch_(self, sign: float, step: int, worker: OuterSyncWorker | None = None) -> InFlight:
+    def launch_(self, sign: float, step: int, worker: concurrent.futures.Executor | None = None) -> InFlight:
         """Packs ``sign * (local - global copy)`` and starts averaging it (on ``worker``, or from this thread).
 
         Args:

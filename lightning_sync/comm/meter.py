@@ -42,18 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-from lightning_sync.comm.peer_errors import PeerError, Peers, naming_peer, peer_error, wait_future
-
-__all__ = [
-    "CommMeter",
-    "CommStats",
-    "PeerError",
-    "TimedWork",
-    "control_device",
-    "peer_error",
-    "ring_all_reduce_bytes",
-    "wait_future",
-]
+from lightning_sync.comm.peer_errors import Peers, naming_peer
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; older releases have only the first.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -102,16 +91,16 @@ def ring_all_reduce_bytes(nbytes: int, world_size: int) -> float:
 
 
 class TimedWork:
-    """The handle of an asynchronous collective: books its time in flight exactly once, and restates a failure a
-    peer caused (:mod:`~lightning_sync.comm.peer_errors`).
+    """The handle of an asynchronous collective: books its time in flight once, and restates a failure a peer caused
+    (:mod:`~lightning_sync.comm.peer_errors`).
 
     Args:
         work: the torch.distributed work.
         book: called once with the seconds from ``started`` until the work completed.
         started: ``time.perf_counter()`` at launch.
         op: a collective's name: its failure names the peer (point-to-point errors are the caller's).
-        group: the collective's process group; only its :class:`~lightning_sync.comm.peer_errors.Peers` are kept,
-            never the group (the completion callback runs on the backend's thread, see ``Peers``).
+        group: the collective's process group; only its :class:`~lightning_sync.comm.peer_errors.Peers` are kept
+            (the completion callback runs on the backend's thread, see ``Peers``).
         timeout_s: the group's timeout, named in a :class:`~lightning_sync.comm.peer_errors.PeerError`.
     """
 
@@ -131,10 +120,9 @@ class TimedWork:
         self._op = op
         self._peers = Peers.of(group) if op is not None else None
         self._booked = False
-        self._lock = threading.Lock()  # the future's callback and wait() may both book
         try:
             self._future: torch.futures.Future | None = work.get_future().then(self._on_done)
-        except RuntimeError:  # some backends' point-to-point works have no future: book the time at wait()
+        except RuntimeError:  # gloo's point-to-point works have no future: book the time at wait()
             self._future = None
 
     def _on_done(self, fut: torch.futures.Future) -> Any:
@@ -143,35 +131,24 @@ class TimedWork:
             return fut.value()
 
     def _book(self) -> None:
-        with self._lock:
-            if self._booked:
-                return
+        if not self._booked:  # the future's callback, or wait() where there is no future: never both
             self._booked = True
-        self._book_seconds(time.perf_counter() - self._started)
+            self._book_seconds(time.perf_counter() - self._started)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Blocks until the collective is done; ``timeout`` (seconds) bounds the wait on the work itself."""
-        if self._future is None:
-            if timeout is None:
-                self._work.wait()
-            else:
-                self._work.wait(datetime.timedelta(seconds=timeout))
-            self._book()
+        """Blocks until the work is done; ``timeout`` (seconds) bounds the wait of a point-to-point work."""
+        if self._future is not None:
+            self._future.wait()
         elif timeout is None:
-            self._future.wait()
+            self._work.wait()
         else:
-            deadline = time.monotonic() + timeout
-            while not self._future.done():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"collective not done after {timeout} s")
-                time.sleep(0.0005)
-            self._future.wait()
+            self._work.wait(datetime.timedelta(seconds=timeout))
+        self._book()
         return True
 
     def get_future(self) -> torch.futures.Future:
-        """A future that completes after the collective and after its time is booked."""
-        if self._future is None:
-            raise RuntimeError("this work handle has no future; call wait()")
+        """A future that completes after the collective and after its time is booked (collectives only)."""
+        assert self._future is not None, "a point-to-point work has no future; call wait()"
         return self._future
 
 

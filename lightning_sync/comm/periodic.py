@@ -46,7 +46,7 @@ from lightning_sync.comm.averaging import (
 from lightning_sync.comm.compression import Compressor, NoCompression, resolve_codec
 from lightning_sync.comm.meter import CommMeter
 from lightning_sync.comm.module_policy import POLICY_FIELD, assign_patterns, normalize_module_policy
-from lightning_sync.comm.streaming import OuterSyncWorker, StreamingOptions, new_stream_group
+from lightning_sync.comm.streaming import StreamingOptions, new_stream_group
 from lightning_sync.comm.sync_groups import (
     SyncGroup,
     build_sync_groups,
@@ -194,7 +194,7 @@ class PeriodicAverager:
         self.skip_nonfinite = bool(skip_nonfinite)
         self.timeout_s = timeout_s
         self.clock = clock
-        self._worker: OuterSyncWorker | None = None
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._across_jobs: dict[int, concurrent.futures.Future] = {}
         self.groups: list[SyncGroup] = []
         self.steps = 0
@@ -247,7 +247,7 @@ class PeriodicAverager:
         sync_group = group
         if self.sync_delay > 0:
             sync_group = new_stream_group(group, self.timeout_s)
-            self._worker = OuterSyncWorker()
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-sync")
         new_averager = functools.partial(self._new_averager, meter=meter, sync_group=sync_group)
         self.groups = build_sync_groups(
             named,
@@ -485,10 +485,11 @@ class PeriodicAverager:
         }
 
     def close(self) -> None:
-        """Drops the outer-sync worker thread once its jobs are done (waiting up to ``timeout_s``), so the process
-        group can then be destroyed."""
+        """Waits (up to ``timeout_s``) for the outer-sync worker's jobs and drops it, so the process group can then be
+        destroyed (a job still in a collective when its group is destroyed aborts the process)."""
         if self._worker is not None:
-            self._worker.close(self.timeout_s)
+            concurrent.futures.wait([self._worker.submit(int)], timeout=self.timeout_s)
+            self._worker.shutdown(wait=False)
             self._worker = None
 
     # ------------------------------------------------------------------ adaptive period
