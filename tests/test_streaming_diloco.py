@@ -342,9 +342,9 @@ def _reference_diloco(rank: int, outer: bool, steps: int, period: int) -> torch.
     for step in range(1, steps + 1):
         loop.inner_step()
         if step % period == 0:
-            averager.outer_step_(outer_opt) if outer else averager.average_()
+            averager.sync_(outer_opt)
     if steps % period:
-        averager.outer_step_(outer_opt) if outer else averager.average_()
+        averager.sync_(outer_opt)
     return flat(loop.model)
 
 

@@ -78,9 +78,7 @@ class ComputeTimer:
         """
         if self._started is None:
             return
-        comm = comm_seconds - self._comm_start
-        if overlapped:
-            comm = 0.0
+        comm = 0.0 if overlapped else comm_seconds - self._comm_start
         self._seconds += max(self.clock() - self._started - comm, 0.0)
         self._steps += 1
         self._started = None
@@ -124,12 +122,6 @@ def choose_period(
         return max_every
     # an exact fit (e.g. needed == 3.0000000000000004) is not pushed to the next integer
     return int(min(max(math.ceil(needed - ROUNDING_SLACK), min_every), max_every))
-
-
-def comm_fraction(compute_seconds_per_step: float, comm_seconds_per_sync: float, period: int) -> float:
-    """The share of time spent communicating with this period."""
-    total = period * compute_seconds_per_step + comm_seconds_per_sync
-    return comm_seconds_per_sync / total if total > 0 else 0.0
 
 
 class AdaptivePeriod:

@@ -1,20 +1,12 @@
 """Periodic model averaging: local SGD and DiLoCo's pseudo-gradient, plus buffers and optimizer state.
 
-Nothing here knows of Lightning; when to sync which parameters is
-:class:`~lightning_sync.comm.periodic.PeriodicAverager`'s business. :class:`ModelAverager` keeps the *global copy*
-("anchor") of a fixed list of parameters: identical on every rank, in flat buckets. At a sync each rank's delta from
-the anchor (not its parameters, so that a sparsifying or low-rank codec sees small deltas) is averaged through a
-:class:`~lightning_sync.comm.compression.Compressor`, counted by the meter at its compressed size:
-
-* ``average_`` (local SGD): ``anchor += mean_r(local_r - anchor)``, then every replica loads the anchor;
-* ``outer_step_`` (DiLoCo): the pseudo-gradient ``mean_r(anchor - local_r)`` becomes ``anchor.grad``, an outer
-  optimizer (:data:`OUTER_OPTIMIZER` by default) steps the anchor, and every replica loads it (SGD at ``lr=1``
-  without momentum equals ``average_``).
-
-Both return this rank's squared divergence ``||local_r - mean_r(local_r)||^2``, measured before the replicas are
-overwritten. Buffers (:func:`average_buffers`; torch's ``PeriodicModelAverager`` skips them) and the optimizer's
-floating state (:func:`average_optimizer_state`) are averaged exactly: they are small, and compressing running
-statistics or moments is meaningless.
+:class:`ModelAverager` keeps the *global copy* ("anchor") of a fixed list of parameters, identical on every rank, in
+flat buckets. At a sync each rank's delta from the anchor (so that a sparsifying or low-rank codec sees small
+deltas) is averaged through a :class:`~lightning_sync.comm.compression.Compressor`. Local SGD adds the mean delta to
+the anchor; DiLoCo makes the mean pseudo-gradient ``anchor - local`` the anchor's gradient and steps an outer
+optimizer (:data:`OUTER_OPTIMIZER` by default; SGD at ``lr=1`` without momentum equals local SGD). Every replica
+then loads the anchor. Buffers (:func:`average_buffers`; torch's ``PeriodicModelAverager`` skips them) and the
+optimizer's floating state (:func:`average_optimizer_state`) are averaged exactly.
 """
 
 from __future__ import annotations
@@ -65,21 +57,13 @@ class InFlight:
 
 # ------------------------------------------------------------------------------------------------ small helpers
 def _pack(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        out[offset : offset + n].copy_(t.detach().reshape(-1))
-        offset += n
-    return out
+    return torch.cat([t.detach().reshape(-1) for t in tensors], out=out)
 
 
 def _unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    offset = 0
     with torch.no_grad():
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+        for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(part.view_as(t))
 
 
 def _load_buckets(buckets: Sequence[torch.Tensor], saved: Sequence[torch.Tensor], what: str) -> None:
@@ -214,29 +198,16 @@ class ModelAverager:
         for anchor, bucket_params in zip(self.anchors, self._bucket_params):
             _pack(bucket_params, anchor)
 
-    def average_(self) -> float:
-        """Local SGD: every replica becomes ``anchor + mean(local - anchor)``, which is the new anchor.
+    def sync_(self, outer: torch.optim.Optimizer | None = None) -> float:
+        """Syncs now: local SGD's plain average (``outer=None``), or DiLoCo's step of ``outer``, an optimizer over
+        :attr:`anchors`, on the pseudo-gradient ``mean(anchor - local)``; every replica then loads the anchor.
 
         Returns:
             This rank's squared divergence from the average, ``||local - average||^2``.
         """
-        flight = self.launch_(+1.0, 0)
+        flight = self.launch_(1.0 if outer is None else -1.0, 0)
         squared = self.complete_(flight)
-        self.apply_(flight, None, skip_nonfinite=False)
-        return squared
-
-    def outer_step_(self, outer_optimizer: torch.optim.Optimizer) -> float:
-        """DiLoCo: ``anchor.grad = mean(anchor - local)``, one outer optimizer step, every replica loads the anchor.
-
-        Args:
-            outer_optimizer: an optimizer over :attr:`anchors` (e.g. :data:`OUTER_OPTIMIZER` called on them).
-
-        Returns:
-            This rank's squared divergence from the average, ``||local - average||^2``.
-        """
-        flight = self.launch_(-1.0, 0)
-        squared = self.complete_(flight)
-        self.apply_(flight, outer_optimizer, skip_nonfinite=False)
+        self.apply_(flight, outer, skip_nonfinite=False)
         return squared
 
     # The same sync split in two, so that its collectives can run while inner steps do (streaming DiLoCo):
@@ -250,23 +221,16 @@ class ModelAverager:
             worker: runs the averaging off this thread (``None``: the compressor's collectives are issued now, from
                 this thread).
         """
-        mine: list[torch.Tensor] = []
-        flight = InFlight(launched_at=step, mine=mine, futures=[] if worker is None else None)
-        buckets = []
-        for anchor, bucket, bucket_params in zip(self.anchors, self.delta_buckets(), self._bucket_params):
-            delta = bucket.buffer
-            _pack(bucket_params, delta)
-            delta.sub_(anchor)
+        buckets = self.delta_buckets()
+        mine = []
+        for anchor, bucket, bucket_params in zip(self.anchors, buckets, self._bucket_params):
+            delta = _pack(bucket_params, bucket.buffer).sub_(anchor)
             if sign < 0:
                 delta.neg_()
             mine.append(delta.clone())
-            if flight.futures is not None:
-                flight.futures.append(self.compressor.average(bucket, self.meter, self.group))
-            else:
-                buckets.append(bucket)
         if worker is not None:
-            flight.job = worker.submit(lambda: self._average_buckets(buckets))
-        return flight
+            return InFlight(step, mine, job=worker.submit(self._average_buckets, buckets))
+        return InFlight(step, mine, futures=[self.compressor.average(b, self.meter, self.group) for b in buckets])
 
     def _average_buckets(self, buckets: Sequence[FlatBucket]) -> None:
         """The worker's job: average every bucket and wait (on a GPU, with the buckets' device current in the

@@ -136,21 +136,17 @@ def find_mismatches(
     if bool((prints[:, suspects, 0] != prints[0, suspects, 0]).any()):
         odd = [names[i] for i in suspects if bool((prints[:, i, 0] != prints[0, i, 0]).any())]
         raise ReplicaMismatchError(f"replicas hold tensors of different sizes: {', '.join(odd)}")
-    reference = torch.cat([tensors[i].detach().reshape(-1).to(device, torch.float64) for i in suspects])
-    src = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.broadcast(reference, src=src, group=group)
-    diffs, offset = [], 0
-    for i in suspects:
-        mine, ref = (
-            tensors[i].detach().reshape(-1).to(device, torch.float64),
-            reference[offset : offset + tensors[i].numel()],
-        )
-        mask = _differs(mine, ref)
-        diffs.append((mine[mask] - ref[mask]).abs().max() if bool(mask.any()) else ref.new_zeros(()))
-        offset += tensors[i].numel()
+    mine = [tensors[i].detach().reshape(-1).to(device, torch.float64) for i in suspects]
+    reference = torch.cat(mine)
+    dist.broadcast(reference, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+    refs = reference.split([t.numel() for t in mine])
+    diffs = []
+    for values, ref in zip(mine, refs):
+        mask = _differs(values, ref)
+        diffs.append((values[mask] - ref[mask]).abs().max() if bool(mask.any()) else ref.new_zeros(()))
     every = _gather(torch.stack(diffs), group)  # (world, suspects)
-    mismatches, offset = [], 0
-    for column, i in enumerate(suspects):
+    mismatches = []
+    for column, (i, ref) in enumerate(zip(suspects, refs)):
         per_rank = every[:, column]
         bad = (per_rank > atol) | per_rank.isnan()
         if bool(bad.any()):
@@ -158,8 +154,7 @@ def find_mismatches(
             mismatches.append(TensorMismatch(names[i], ranks, float(per_rank[bad].max())))  # max is NaN if one is
             if resync:
                 with torch.no_grad():
-                    tensors[i].copy_(reference[offset : offset + tensors[i].numel()].view_as(tensors[i]))  # any device
-        offset += tensors[i].numel()
+                    tensors[i].copy_(ref.view_as(tensors[i]))  # any device
     return mismatches
 
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable
 
-from lightning_sync.comm.compression.base import Compressor, FlatBucket, _completed
-from lightning_sync.comm.compression.cast import BF16Compression, CastCompression, FP16Compression, NoCompression
-from lightning_sync.comm.compression.powersgd import PowerSGDCompression, _PowerSGDMemory
-from lightning_sync.comm.compression.quantized import BlockQuantizedCompression, Int4Compression, Int8Compression
+from lightning_sync.comm.compression.base import Compressor, FlatBucket
+from lightning_sync.comm.compression.cast import BF16Compression, FP16Compression, NoCompression
+from lightning_sync.comm.compression.powersgd import PowerSGDCompression
+from lightning_sync.comm.compression.quantized import Int4Compression, Int8Compression
 from lightning_sync.comm.compression.sparseloco import SparseLoCo
 from lightning_sync.comm.compression.topk import TopKCompression
 from lightning_sync.errors import ConfigError, check_choice
@@ -29,8 +29,6 @@ from lightning_sync.errors import ConfigError, check_choice
 __all__ = [
     "CODECS",
     "BF16Compression",
-    "BlockQuantizedCompression",
-    "CastCompression",
     "Compressor",
     "FP16Compression",
     "FlatBucket",
@@ -40,8 +38,6 @@ __all__ = [
     "PowerSGDCompression",
     "SparseLoCo",
     "TopKCompression",
-    "_PowerSGDMemory",
-    "_completed",
     "resolve_codec",
 ]
 

@@ -44,12 +44,8 @@ class FlatBucket:
 
     def views(self) -> list[torch.Tensor]:
         """The tensors of the bucket, as views into ``buffer`` with their own shapes."""
-        out, offset = [], 0
-        for shape in self.shapes:
-            numel = math.prod(shape)
-            out.append(self.buffer[offset : offset + numel].view(shape))
-            offset += numel
-        return out
+        sizes = [math.prod(shape) for shape in self.shapes]
+        return [part.view(shape) for part, shape in zip(self.buffer[: sum(sizes)].split(sizes), self.shapes)]
 
 
 def _completed(value: torch.Tensor) -> torch.futures.Future:

@@ -160,11 +160,8 @@ class PowerSGDCompression(Compressor):
 
             # Orthonormalise each P by Householder QR: orthonormal columns also for a rank-deficient or all-zero P (no
             # division by a vanishing norm, no NaN), and deterministic, so identical on all ranks. Q = M^T @ P, packed.
-            offset = 0
-            for mat in mats:
-                numel = mat.shape[0] * self.rank
-                ps.append(torch.linalg.qr(p_flat[offset : offset + numel].view(mat.shape[0], self.rank))[0])
-                offset += numel
+            for mat, part in zip(mats, p_flat.split([mat.shape[0] * self.rank for mat in mats])):
+                ps.append(torch.linalg.qr(part.view(mat.shape[0], self.rank))[0])
             q_flat = torch.cat([(mat.t() @ p).reshape(-1) for mat, p in zip(mats, ps)])
             q_fut = meter.all_reduce(q_flat, group=group, async_op=True).get_future()
 
@@ -174,19 +171,15 @@ class PowerSGDCompression(Compressor):
             if done is not None:
                 done.value()  # the first failed collective's error (collect_all ends at a failure)
             if rest is not None:
-                offset = 0
-                for i in plain:
-                    numel = views[i].numel()
-                    views[i].copy_(rest[offset : offset + numel].view_as(views[i]))
-                    offset += numel
+                for i, part in zip(plain, rest.split([views[i].numel() for i in plain])):
+                    views[i].copy_(part.view_as(views[i]))
             if q_flat is not None:
                 q_flat.mul_(bucket.scale(world))
                 residual_share = 1.0 / world if bucket.divided else 1.0
-                new_q, new_res, offset = [], [], 0
-                for i, mat, p in zip(compressed, mats, ps):
-                    numel = mat.shape[1] * self.rank
-                    q = q_flat[offset : offset + numel].view(mat.shape[1], self.rank)
-                    offset += numel
+                new_q, new_res = [], []
+                q_parts = q_flat.split([mat.shape[1] * self.rank for mat in mats])
+                for i, mat, p, part in zip(compressed, mats, ps, q_parts):
+                    q = part.view(mat.shape[1], self.rank)
                     approx = p @ q.t()
                     views[i].copy_(approx.view_as(views[i]))
                     new_q.append(q.clone())

@@ -30,33 +30,24 @@ from lightning_sync.comm.compression.base import Compressor, FlatBucket, _comple
 from lightning_sync.comm.meter import CommMeter
 
 BLOCK = 256
-"""Entries per scale. An fp32 scale per 256 entries adds 1/64 byte per entry: int4 is then 0.516 bytes per entry,
-1/7.76 of fp32 (the issue asks for at most 1/7), int8 1/3.94."""
-
-_SCALE_BYTES = 4
+"""Entries per fp32 scale (1/64 byte per entry: int4 takes 1/7.76 of fp32's bytes, int8 1/3.94)."""
 
 
 class BlockQuantizedCompression(Compressor):
-    """Averages a bucket as block-scaled integer codes, reduced in fp32 (see the module docstring).
+    """Averages a bucket as block-scaled integer codes of :attr:`bits` bits, reduced in fp32 (see the module
+    docstring)."""
 
-    Args:
-        bits: 8 or 4.
-    """
-
-    name: ClassVar[str] = "int"
+    bits: ClassVar[int]
     capabilities = frozenset({"across_groups"})
 
-    def __init__(self, bits: int) -> None:
-        super().__init__()
-        if bits not in (4, 8):
-            raise ValueError(f"BlockQuantizedCompression: bits={bits} is not allowed; choose 4 or 8")
-        self.bits = int(bits)
-        self.levels = 2 ** (bits - 1) - 1
+    @property
+    def levels(self) -> int:
+        return 2 ** (self.bits - 1) - 1
 
     # ------------------------------------------------------------------ encoding
     def chunk_bytes(self, entries: int) -> int:
         """Bytes of ``entries`` (a multiple of :data:`BLOCK`) once encoded: codes, then fp32 scales."""
-        return entries * self.bits // 8 + entries // BLOCK * _SCALE_BYTES
+        return entries * self.bits // 8 + entries // BLOCK * 4
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` (fp32, length a multiple of :data:`BLOCK`) as a uint8 tensor: codes, then scales."""
@@ -126,9 +117,7 @@ class Int8Compression(BlockQuantizedCompression):
     """
 
     name = "int8"
-
-    def __init__(self) -> None:
-        super().__init__(8)
+    bits = 8
 
 
 class Int4Compression(BlockQuantizedCompression):
@@ -141,6 +130,4 @@ class Int4Compression(BlockQuantizedCompression):
     """
 
     name = "int4"
-
-    def __init__(self) -> None:
-        super().__init__(4)
+    bits = 4
