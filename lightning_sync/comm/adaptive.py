@@ -6,13 +6,9 @@ communicating. The smallest period that keeps this at or below ``target`` is
 
     ``P = ceil(t_sync * (1 - target) / (target * t_step))``
 
-clamped to ``[min_every, max_every]`` (:func:`choose_period`). :class:`AdaptivePeriod` smooths the measurements
-with an exponential moving average before choosing, so one slow step does not swing the period.
-
-The decision must be identical on every rank, or ranks would sync at different steps and deadlock. So the ranks
-first agree on the inputs: :func:`agree_max` all-reduces the measured times with ``MAX`` (the slowest rank sets the
-pace of a synchronous collective anyway), and every rank then runs the same deterministic update on the same
-numbers.
+clamped to ``[min_every, max_every]`` (:func:`choose_period`), on measurements smoothed by an exponential moving
+average (:class:`AdaptivePeriod`). Every rank must choose the same period, so the ranks first agree on the inputs
+(:func:`agree_max`: the slowest rank's) and run the same deterministic update.
 """
 
 from __future__ import annotations
@@ -49,12 +45,8 @@ class AdaptiveOptions:
 
 
 class ComputeTimer:
-    """Measures the compute seconds per optimizer step: each step's wall time less the communication the meter
-    booked during it.
-
-    Args:
-        clock: returns the current time in seconds (a test passes a fake one and feeds it the durations).
-    """
+    """Measures the compute seconds per optimizer step, by ``clock``: each step's wall time less the communication
+    the meter booked during it."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
@@ -100,17 +92,9 @@ def choose_period(
     min_every: int,
     max_every: int,
 ) -> int:
-    """The smallest period whose share of time spent communicating is at most ``target_comm_fraction``.
-
-    Args:
-        compute_seconds_per_step: seconds of computation per optimizer step (> 0; 0 means "unknown, go long").
-        comm_seconds_per_sync: seconds of communication per sync.
-        target_comm_fraction: in (0, 1].
-        min_every: smallest allowed period (>= 1).
-        max_every: largest allowed period (>= ``min_every``).
-
-    The bounds are not checked here: :class:`AdaptivePeriod`, which owns them, checks them once.
-    """
+    """The smallest period in ``[min_every, max_every]`` whose share of time spent communicating is at most
+    ``target_comm_fraction`` (a compute time of 0 means "unknown, go long"; :class:`AdaptivePeriod` checks the
+    bounds)."""
     comm = max(float(comm_seconds_per_sync), 0.0)
     compute = max(float(compute_seconds_per_step), 0.0)
     if comm == 0.0:
@@ -125,10 +109,7 @@ def choose_period(
 
 
 class AdaptivePeriod:
-    """Tracks smoothed compute and communication times and the period chosen from them.
-
-    Deterministic: the same sequence of :meth:`update` calls gives the same periods, so ranks that feed it agreed
-    numbers (see :func:`agree_max`) hold the same period.
+    """Tracks smoothed compute and communication times and the period chosen from them (deterministically).
 
     Args:
         target_comm_fraction: the share of time to spend communicating, in (0, 1].

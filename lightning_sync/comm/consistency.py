@@ -1,13 +1,10 @@
 """Replica-consistency checks: do all ranks hold the same parameters, buffers and optimizer state?
 
-The cheap path runs at every check: each rank reduces each named tensor to a short float64 fingerprint (its size, a
-plain sum, a sum of squares, and a sum weighted by a fixed pseudo-random pattern that depends on position), and one
-all-gather carries every tensor's fingerprint. Identical replicas give identical fingerprints; a one-ulp difference
-in any element moves the weighted sum. Only when some tensor's fingerprints differ from rank 0's are those tensors
-(and only those) looked at closely: rank 0 broadcasts them, every rank measures its largest absolute difference,
-and one more all-gather says which ranks differ and by how much. Rank 0's copy is then at hand on every rank, so
-``resync`` costs nothing more. The check goes around the communication meter: it is a debugging aid, not part of a
-sync mode's traffic.
+Each rank reduces each named tensor to a float64 fingerprint (size, sum, sum of squares, and a position-weighted
+sum that a one-ulp difference moves), and one all-gather carries them all. Only the tensors whose fingerprints
+differ from rank 0's are then broadcast from rank 0, and one more all-gather says which ranks differ and by how
+much (rank 0's copy is then at hand, so ``resync`` costs nothing more). The check goes around the communication
+meter: it is a debugging aid, not a sync mode's traffic.
 """
 
 from __future__ import annotations
@@ -55,13 +52,8 @@ class TensorMismatch:
 def named_replicated_state(
     module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (), only: Iterable[torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
-    """The floating tensors that a replica holds, by name: parameters, buffers and optimizer state.
-
-    Args:
-        module: names the parameters and buffers (``named_parameters()``, ``named_buffers()``).
-        optimizers: their floating per-parameter state (momentum, Adam moments, ...) is named
-            ``optimizer[i].state[<parameter name>].<key>``; a parameter the module does not name is left out.
-        only: keep just these tensors (matched by identity); ``None``: all of them.
+    """The floating tensors that a replica holds, by name: the module's parameters and buffers, and the optimizers'
+    per-parameter state as ``optimizer[i].state[<parameter name>].<key>``; ``only``: just these tensors (by identity).
     """
     named = {n: t for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_floating_point()}
     for i, optimizer in enumerate(optimizers):
@@ -111,10 +103,7 @@ def find_mismatches(
     atol: float = 0.0,
     resync: bool = False,
 ) -> list[TensorMismatch]:
-    """Compares every rank's ``named`` tensors with rank 0's (call on every rank, with the same names in order).
-
-    One all-gather of per-tensor fingerprints; only if some differ, a broadcast of rank 0's copies of those and an
-    all-gather of each rank's largest difference. The result is the same on every rank.
+    """Compares every rank's ``named`` tensors with rank 0's (call on every rank); the result is the same on all.
 
     Args:
         named: ``{name: tensor}``; every rank must pass the same names, in the same order.
@@ -183,8 +172,6 @@ def _first_difference(mine: list[tuple[str, tuple[int, ...], str]], reference: l
 def check_same_structure(named: Iterable[tuple[str, torch.Tensor]], group: ProcessGroup | None = None) -> None:
     """Checks that every rank's model has the same tensors: names, shapes and dtypes, in the same order (call on
     every rank, before any collective on the tensors themselves, which would fail or hang on a mismatch).
-
-    One ``all_gather_object`` of the names and shapes (bounded by the group's timeout).
 
     Raises:
         ReplicaMismatchError: naming every rank whose model differs from rank 0's, with the first difference and

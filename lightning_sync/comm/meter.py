@@ -16,16 +16,11 @@ collective                     bytes sent                    bytes received
 ``send_to`` / ``recv_from``    ``S`` / ``0``                 ``0`` / ``S``
 ============================  ============================  ============================
 
-A dense ``all_reduce`` runs as a ring on gloo and NCCL (a reduce-scatter, then an all-gather: ``n-1`` chunks of
-``S/n`` each); an ``all_gather`` ring forwards every other rank's block once; a broadcast moves ``n-1`` copies of
-``S`` over the group, booked as the mean per rank. With one rank nothing is counted. ``seconds`` is the time
-collectives are in flight (launch to completion), so overlapped ones count in full, even when backward hid them.
-
-A collective that fails because another rank is frozen or gone raises a
-:class:`~lightning_sync.comm.peer_errors.PeerError` naming that rank (``all_reduce on rank 0 failed: rank 1 did not
-answer within 8 s``); so does :func:`~lightning_sync.comm.peer_errors.wait_future` for a chain of futures built on
-the meter's. The meter knows nothing of Lightning: strategies call :meth:`CommMeter.step` once per optimizer step and
-log the returned :class:`CommStats`.
+An ``all_reduce`` runs as a ring (a reduce-scatter, then an all-gather) on gloo and NCCL; a broadcast is booked as
+the mean per rank. With one rank nothing is counted. ``seconds`` is the time collectives are in flight (launch to
+completion), so overlapped ones count in full. A collective that fails because another rank is frozen or gone
+raises a :class:`~lightning_sync.comm.peer_errors.PeerError` naming that rank. Strategies call
+:meth:`CommMeter.step` once per optimizer step and log the returned :class:`CommStats`.
 """
 
 from __future__ import annotations
@@ -49,11 +44,8 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 def control_device(group: ProcessGroup | None = None) -> torch.device:
-    """Where a small control tensor (sizes, flags, timings) must be for a collective on ``group``.
-
-    The CPU, unless the group's only backend is NCCL, which refuses CPU tensors ("No backend type associated with
-    device type cpu"): then the current CUDA device. Gloo (and a ``"cpu:gloo,cuda:nccl"`` group) takes CPU tensors.
-    """
+    """Where a small control tensor (sizes, flags, timings) must be for a collective on ``group``: the CPU, unless
+    the group's only backend is NCCL, which refuses CPU tensors (then the current CUDA device)."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

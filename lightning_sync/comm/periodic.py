@@ -1,28 +1,24 @@
 """Local SGD and DiLoCo: a periodic averager that owns its schedule (period, warmup, groups, adaptive period).
 
-Nothing here knows of Lightning. As torch's ``PeriodicModelAverager`` does, :class:`PeriodicAverager` checks its
-schedule at construction, so a bad value fails before any process starts. Its owner (a Lightning strategy, or a
-plain training loop) then reports what happened: :meth:`~PeriodicAverager.setup` once the process group exists (it
-splits the model into sync groups, :mod:`lightning_sync.comm.sync_groups`, and takes their global copy);
-:attr:`~PeriodicAverager.in_warmup` before each optimizer step (all-reduce its gradients instead of keeping them
-local); :meth:`~PeriodicAverager.step` after it (averages the buffers after a warmup step, or syncs the groups that
-are due); :meth:`~PeriodicAverager.finish` at the end (syncs every group with unsynced steps).
+:class:`PeriodicAverager` checks its schedule at construction, as torch's ``PeriodicModelAverager`` does, so a bad
+value fails before any process starts. Its owner (a Lightning strategy, or a plain training loop) then calls
+:meth:`~PeriodicAverager.setup` once the process group exists (it splits the model into sync groups,
+:mod:`lightning_sync.comm.sync_groups`), reads :attr:`~PeriodicAverager.in_warmup` before each optimizer step (an
+all-reduce of its gradients instead of a local step), calls :meth:`~PeriodicAverager.step` after it and
+:meth:`~PeriodicAverager.finish` at the end.
 
-Streaming DiLoCo (:mod:`lightning_sync.comm.streaming`): with ``fragments=k`` every sync group is split into up to
+Streaming DiLoCo (:mod:`lightning_sync.comm.streaming`): with ``fragments=k`` each sync group is split into up to
 ``k`` fragments, each with its own global copy, compressor and outer optimizer; fragment ``f`` of a group with
 period ``p`` first syncs after ``(f + 1) * p // k`` steps, then every ``p``. With ``sync_delay=τ`` a fragment's
-outer sync is launched ``τ`` steps before its sync step, runs on a worker thread, and is applied at it, mixed by
-``fragment_alpha``. At their defaults every operation is DiLoCo's (or local SGD's).
-
-``sync_every="auto"``: after each sync of the default group the ranks agree (MAX over ranks) on the measured compute
-seconds per step and the seconds that sync took, and :class:`~lightning_sync.comm.adaptive.AdaptivePeriod` picks the
-next period, identically everywhere.
+outer sync is launched ``τ`` steps before its sync step, on a worker thread, and applied at it, mixed by
+``fragment_alpha``. With ``sync_every="auto"`` the ranks agree (MAX) on the measured compute seconds per step and
+sync seconds after each sync of the default group, and :class:`~lightning_sync.comm.adaptive.AdaptivePeriod` picks
+the next period.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -57,8 +53,7 @@ from lightning_sync.errors import ConfigError, check_range
 
 
 def _check_ranges(sync_every: int | str, warmup_steps: int, bucket_cap_mb: float) -> None:
-    """Checks each knob's own range (at construction, so that a bad value fails before any process starts, as torch's
-    ``PeriodicModelAverager`` checks its period).
+    """Checks each knob's own range.
 
     Raises:
         ConfigError: the first knob out of range, named.
@@ -78,14 +73,8 @@ def _check_streaming(
     min_sync_every: int | None,
     policy: Mapping[str, int],
 ) -> None:
-    """Checks the streaming knobs against each other and against every period a sync group may have.
-
-    Args:
-        streaming: the streaming knobs (fragments, delay, mixing, codec, explicit fragments).
-        new_compressor: makes the compressor of the pseudo-gradients when ``outer_compression`` is ``none``.
-        sync_every: the default group's fixed period, or ``"auto"`` (checked by :func:`_check_ranges`).
-        min_sync_every: the smallest adaptive period with ``sync_every="auto"``, else ``None``.
-        policy: the normalized ``module_sync_every``, ``{pattern: period}``.
+    """Checks the streaming knobs against each other and against every period a sync group may have
+    (``min_sync_every``: the smallest adaptive period, or ``None``; ``policy``: ``{pattern: period}``).
 
     Raises:
         ConfigError: a streaming knob out of range or one that does not fit a period, named as the knob (a period
@@ -133,9 +122,8 @@ class PeriodicAverager:
         warmup_steps: optimizer steps whose gradients the owner all-reduces (as DDP) before the local phase.
         outer: DiLoCo: the averaged pseudo-gradient ``global - local`` goes through ``outer_optimizer`` on the global
             copy; otherwise local SGD's plain average.
-        outer_optimizer: ``outer=True``: a callable from parameters to a ``torch.optim.Optimizer`` (Lightning's
-            ``OptimizerCallable``), called once per fragment on its global copy; ``None``:
-            :data:`~lightning_sync.comm.averaging.OUTER_OPTIMIZER` (SGD at lr 0.7 without momentum).
+        outer_optimizer: ``outer=True``: a callable from parameters to a ``torch.optim.Optimizer``, called once per
+            fragment on its global copy; ``None``: :data:`~lightning_sync.comm.averaging.OUTER_OPTIMIZER`.
         module_sync_every: per-module periods, ``{glob pattern: period}`` (see the module docstring).
         average_optimizer_state: also average the floating optimizer state (momentum, Adam moments) at each sync.
         new_compressor: makes each group's compressor (each keeps its own memory); default: exact averages.
@@ -143,10 +131,9 @@ class PeriodicAverager:
         streaming: streaming DiLoCo's fragments, delay, mixing and codec (default: one fragment, no delay).
         adaptive: ``sync_every="auto"``: the target share of time spent communicating and the period's bounds.
         skip_nonfinite: an averaged pseudo-gradient holding a NaN or Inf skips that group's outer step (on every
-            rank: the average is identical on all).
+            rank alike).
         timeout_s: the longest wait for an outer sync in flight (and the timeout of the worker's process group).
-        clock: returns the current time in seconds; ``sync_every="auto"`` times compute and syncs with it (a test
-            passes a fake one and feeds it the durations).
+        clock: returns the current time in seconds; ``sync_every="auto"`` times compute and syncs with it.
 
     Raises:
         ConfigError: an argument out of range, named as the knob of the same name.
@@ -248,7 +235,12 @@ class PeriodicAverager:
         if self.sync_delay > 0:
             sync_group = new_stream_group(group, self.timeout_s)
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-sync")
-        new_averager = functools.partial(self._new_averager, meter=meter, sync_group=sync_group)
+
+        def new_averager(params: list[nn.Parameter]) -> tuple[ModelAverager, torch.optim.Optimizer | None]:
+            """A fragment's global copy, and DiLoCo's outer optimizer over it (``None`` for local SGD)."""
+            averager = ModelAverager(params, self.new_compressor(), meter, self.bucket_cap_mb, sync_group)
+            return averager, self.outer_optimizer(averager.anchors) if self.outer and averager.anchors else None
+
         self.groups = build_sync_groups(
             named,
             named_buffers,
@@ -260,16 +252,6 @@ class PeriodicAverager:
             new_averager,
             self.fragment_modules,
         )
-
-    def _new_averager(
-        self, params: list[nn.Parameter], meter: CommMeter, sync_group: ProcessGroup | None
-    ) -> tuple[ModelAverager, torch.optim.Optimizer | None]:
-        """A fragment's global copy and averaging, and DiLoCo's outer optimizer over it (``None`` for local SGD)."""
-        averager = ModelAverager(params, self.new_compressor(), meter, self.bucket_cap_mb, sync_group)
-        outer = None
-        if self.outer and averager.anchors:
-            outer = self.outer_optimizer(averager.anchors)
-        return averager, outer
 
     def start_step(self) -> None:
         """Marks the start of an optimizer step's compute (for ``sync_every="auto"``; a no-op while one runs)."""

@@ -17,9 +17,8 @@ class CastCompression(Compressor):
     """Ring all-reduce of the bucket, cast to ``wire_dtype`` for the wire (``None``: sent as it is), then the mean.
 
     The payload is divided by the world size before the sum (unless the owner already did), which also keeps a
-    16-bit sum in range. A payload of at least ``2 * min_chunk_mb`` is sent as ``parallel_chunks`` all-reduces of
-    contiguous slices, launched together: gloo runs concurrent collectives on separate worker threads (two by
-    default), so a large transfer uses more than one core while the rank waits for it. The bytes are the same.
+    16-bit sum in range. A payload of at least ``2 * min_chunk_mb`` goes as ``parallel_chunks`` concurrent
+    all-reduces of slices, which gloo runs on separate threads.
 
     Args:
         parallel_chunks: the most slices one payload is split into (1: never split).

@@ -40,15 +40,11 @@ class PowerSGDCompression(Compressor):
       packed in one buffer and divided by the world size; the approximation ``P @ Q^T`` (= ``P P^T mean(M)``) is
       written back into the bucket and ``residual = M - approximation``.
 
-    So a compressed ``n x m`` matrix puts exactly ``rank * (n + m)`` fp32 values on the wire. ``Q`` is drawn from a
-    generator seeded with ``seed + bucket.index``, or with ``warm_start`` is the previous step's (all-reduced, hence
-    identical) ``Q``, a column that became exactly zero redrawn so the factor cannot collapse. Results are
-    bit-identical on all ranks; with one rank the buffer is returned untouched.
-
-    Every collective is issued from the calling thread, in program order: the ``P`` all-reduce is waited for in
-    :meth:`average`, then the ``Q`` all-reduce is launched and the returned future completes after it. Issuing the
-    second from a completion callback is unsafe on gloo with several buckets in flight: a blocking call there starves
-    gloo's worker threads, an asynchronous one can reach the process group in a different order on different ranks.
+    A compressed ``n x m`` matrix so puts ``rank * (n + m)`` fp32 values on the wire. ``Q`` is drawn from a generator
+    seeded with ``seed + bucket.index``, or with ``warm_start`` is the previous step's (a column that became exactly
+    zero redrawn). Results are bit-identical on all ranks; with one rank the buffer is returned untouched. The ``P``
+    all-reduce is waited for in :meth:`average` and the ``Q`` one issued from the calling thread: from a completion
+    callback it could reach gloo in a different order on different ranks.
 
     Args:
         rank: the rank of the approximation (``>= 1``).
@@ -158,8 +154,7 @@ class PowerSGDCompression(Compressor):
             p_flat = torch.cat([(mat @ q).reshape(-1) for mat, q in zip(mats, qs)])
             meter.all_reduce(p_flat, group=group, async_op=True).wait()
 
-            # Orthonormalise each P by Householder QR: orthonormal columns also for a rank-deficient or all-zero P (no
-            # division by a vanishing norm, no NaN), and deterministic, so identical on all ranks. Q = M^T @ P, packed.
+            # Orthonormalise each P by Householder QR (no NaN for a rank-deficient P, and deterministic); Q = M^T @ P.
             for mat, part in zip(mats, p_flat.split([mat.shape[0] * self.rank for mat in mats])):
                 ps.append(torch.linalg.qr(part.view(mat.shape[0], self.rank))[0])
             q_flat = torch.cat([(mat.t() @ p).reshape(-1) for mat, p in zip(mats, ps)])

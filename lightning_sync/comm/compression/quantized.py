@@ -1,22 +1,13 @@
 """Block-wise int8 / int4 averaging of a bucket, summed in fp32: the outer gradients of streaming DiLoCo.
 
-Encoding. The flat payload is zero-padded to a multiple of ``n * BLOCK`` entries; each block of :data:`BLOCK` entries
-travels as integer codes in ``[-q, q]`` (``q = 2**(bits-1) - 1``: 127 for int8, 7 for int4, two codes per byte) and
-one fp32 scale ``absmax / q``. Rounding is to nearest, so the result is a function of the data alone (no random
-state to checkpoint) and off by at most half a step. A NaN or Inf makes its block's scale, hence its decoded mean on
-every rank, non-finite (the outer step's non-finite check then sees it everywhere).
-
-Collectives (gloo has no reduce-scatter of integer codes that sums in fp32, so it is built from ``all_to_all``):
-
-1. reduce-scatter: ``all_to_all_single`` sends chunk ``j`` of each rank's encoded payload to rank ``j``, which
-   decodes the ``n`` copies, sums them in fp32 and takes the mean;
-2. each rank requantizes its reduced chunk and ``all_gather`` brings every one to every rank. Every chunk is
-   quantized by one rank only, so every rank decodes the same mean, bit for bit.
-
-Each rank sends ``2(n-1)/n`` of the quantized payload, as a ring all-reduce does for fp32. Phase 1 is waited for
-inside :meth:`~BlockQuantizedCompression.average` (phase 2 must be issued from the calling thread, see
-:class:`~lightning_sync.comm.compression.PowerSGDCompression`); to take the whole exchange off the critical path, an
-owner calls it from a worker thread on a process group of its own (:mod:`lightning_sync.comm.streaming`).
+The payload, zero-padded to a multiple of ``n * BLOCK`` entries, travels per block of :data:`BLOCK` entries as
+integer codes in ``[-q, q]`` (``q = 2**(bits-1) - 1``; int4 packs two codes per byte) and one fp32 scale
+``absmax / q``, rounded to nearest (no random state). A NaN or Inf makes its block's decoded mean non-finite on
+every rank. An ``all_to_all_single`` sends chunk ``j`` of each rank's codes to rank ``j``, which sums the ``n``
+copies in fp32; each rank requantizes its reduced chunk and an ``all_gather`` brings every chunk to every rank, so
+every rank decodes the same mean, bit for bit, having sent ``2(n-1)/n`` of the quantized payload. The first phase
+is waited for inside :meth:`~BlockQuantizedCompression.average`: an owner that must not block calls it from a worker
+thread (:mod:`lightning_sync.comm.streaming`).
 """
 
 from __future__ import annotations

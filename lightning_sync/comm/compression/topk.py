@@ -16,18 +16,11 @@ from lightning_sync.errors import check_range
 class TopKCompression(Compressor):
     """Sparsification: each rank sends only its ``k`` largest-magnitude entries, with error feedback.
 
-    Per bucket and call, with ``numel`` entries and ``k = max(1, ceil(density * numel))``:
-
-    1. with error feedback, the residual kept from this bucket's previous call is added to the gradient;
-    2. the ``k`` entries of largest magnitude are picked; their fp32 values and int32 indices are packed (values
-       bit-cast to int32) into one ``2k``-element tensor and exchanged with a single ``all_gather_into_tensor``,
-       so the meter counts exactly ``(n-1) * k * 8`` bytes sent per rank;
-    3. every rank scatter-adds all ranks' contributions into a zeroed fp32 buffer, divides by the world size and
-       writes that estimate of the mean into ``bucket.buffer``. All ranks get bit-identical results.
-    4. with error feedback, the residual becomes ``(gradient + old residual) - what this rank sent``, so nothing is
-       lost, only delayed.
-
-    With one rank the buffer already is the mean and is returned untouched (no residual is kept).
+    Per bucket and call, with ``k = max(1, ceil(density * numel))``: the residual of the bucket's previous call is
+    added (error feedback), and the ``k`` entries of largest magnitude, fp32 values and int32 indices, go in one
+    ``all_gather_into_tensor`` (``(n-1) * k * 8`` bytes sent per rank); every rank scatter-adds all contributions
+    and divides by the world size, bit-identically. The residual becomes what was not sent: nothing is lost, only
+    delayed. With one rank the buffer is returned untouched.
 
     Args:
         density: fraction of the entries sent, in ``(0, 1]``.
@@ -86,8 +79,8 @@ class TopKCompression(Compressor):
         return work.get_future().then(_decode)
 
     def _select(self, acc: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The values and indices of the ``k`` largest entries of ``acc`` (fp32, 1-D, owned) plus ``key``'s residual;
-        with error feedback, ``key``'s residual becomes what stays behind."""
+        """The values and indices of the ``k`` largest entries of ``acc`` (fp32, 1-D, owned) plus ``key``'s residual,
+        which becomes what stays behind (with error feedback)."""
         if self.error_feedback:
             residual = self.residuals.get(key)
             if residual is not None:
