@@ -155,8 +155,7 @@ class AdaptivePeriod:
         return {key: getattr(self, key) for key in ("period", "compute_seconds", "comm_seconds", "updates")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.period, self.updates = int(state["period"]), int(state["updates"])
-        self.compute_seconds, self.comm_seconds = state["compute_seconds"], state["comm_seconds"]
+        vars(self).update(state)
 
 
 def agree_max(values: Sequence[float], meter: CommMeter, group: ProcessGroup | None = None) -> list[float]:

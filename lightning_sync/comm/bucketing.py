@@ -26,6 +26,7 @@ zeros; with ``find_unused_parameters=True`` one that no rank used keeps ``grad=N
 
 from __future__ import annotations
 
+import copy
 import itertools
 import statistics
 import time
@@ -159,18 +160,11 @@ class LaunchTuner:
 
     def state_dict(self) -> dict[str, Any]:
         """The trials so far and the decision (so a resumed run keeps its launch point instead of re-tuning)."""
-        return {
-            "rounds": self.rounds,
-            "times": {k: list(v) for k, v in self.times.items()},
-            "after_backward": self.after_backward,
-            "medians_ms": dict(self.medians_ms),
-        }
+        return copy.deepcopy({key: getattr(self, key) for key in ("rounds", "times", "after_backward", "medians_ms")})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rounds = int(state["rounds"])
-        self.times = {bool(k): list(v) for k, v in state["times"].items()}
-        self.after_backward = state["after_backward"]
-        self.medians_ms = dict(state["medians_ms"])
+        vars(self).update(copy.deepcopy(state))
+        self.times = {bool(k): v for k, v in self.times.items()}
 
     @property
     def deciding(self) -> bool:

@@ -113,21 +113,20 @@ def find_blocks(named: NamedShapes) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ the rules
+def _strided(units: Sequence[int], fragments: int) -> list[list[int]]:
+    """Unit ``u`` joins fragment ``u % k``, ``k = min(fragments, units)``: each fragment's indices into ``units``."""
+    k = max(1, min(fragments, max(units, default=-1) + 1))
+    out: list[list[int]] = [[] for _ in range(k)]
+    for index, unit in enumerate(units):
+        out[unit % k].append(index)
+    return out
+
+
 def layer_fragments(names: Sequence[str], fragments: int) -> list[list[int]]:
     """By layer: layer ``i`` (each parameter's own module, in order of first appearance) joins fragment ``i % k``,
-    with ``k = min(fragments, layers)``.
-
-    Returns:
-        For each fragment, the indices into ``names`` of its parameters (one empty fragment for no names).
-    """
+    with ``k = min(fragments, layers)``; for each fragment, the indices into ``names`` of its parameters."""
     layers: dict[str, int] = {}
-    for name in names:
-        layers.setdefault(layer_of(name), len(layers))
-    k = max(1, min(fragments, len(layers)))
-    out: list[list[int]] = [[] for _ in range(k)]
-    for index, name in enumerate(names):
-        out[layers[layer_of(name)] % k].append(index)
-    return out
+    return _strided([layers.setdefault(layer_of(name), len(layers)) for name in names], fragments)
 
 
 def block_fragments(named: NamedShapes, fragments: int) -> list[list[int]]:
@@ -140,19 +139,14 @@ def block_fragments(named: NamedShapes, fragments: int) -> list[list[int]]:
     names = [name for name, _ in named]
     if fragments <= 1 or not names:
         return [list(range(len(names)))]
-    blocks = find_blocks(named)
+    blocks = {block: i for i, block in enumerate(find_blocks(named))}
     if len(blocks) < 2:
         return layer_fragments(names, fragments)
-    index_of = {block: i for i, block in enumerate(blocks)}
-    k = min(fragments, len(blocks))
-    out: list[list[int]] = [[] for _ in range(k)]
-    current = 0  # the fragment of the last block seen (the first block's before any)
-    for index, name in enumerate(names):
-        block = next((m for m in modules_of(name) if m in index_of), None)
-        if block is not None:
-            current = index_of[block] % k
-        out[current].append(index)
-    return out
+    units, current = [], 0
+    for name in names:
+        current = next((blocks[m] for m in modules_of(name) if m in blocks), current)
+        units.append(current)
+    return _strided(units, fragments)
 
 
 def explicit_fragments(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -192,35 +193,27 @@ class PowerSGDCompression(Compressor):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Step count and, per bucket index, the layout, generator state, ``Q`` factors and residuals (cloned)."""
-        return {
-            "steps": self.steps,
-            "rank": self.rank,
-            "buckets": {
-                i: {
-                    "shapes": [tuple(s) for s in mem.shapes],
-                    "generator": mem.generator.get_state().clone(),
-                    "q": [q.clone() for q in mem.q],
-                    "residuals": [None if r is None else r.clone() for r in mem.residuals],
-                }
-                for i, mem in self._memory.items()
-            },
+        buckets = {
+            i: {
+                "shapes": [tuple(s) for s in m.shapes],
+                "generator": m.generator.get_state(),
+                "q": m.q,
+                "residuals": m.residuals,
+            }
+            for i, m in self._memory.items()
         }
+        return {"steps": self.steps, "rank": self.rank, "buckets": copy.deepcopy(buckets)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if "rank" in state and int(state["rank"]) != self.rank:
             raise ValueError(f"PowerSGDCompression: state was saved with rank {state['rank']}, not {self.rank}")
-        memory: dict[int, _PowerSGDMemory] = {}
-        for i, saved in state.get("buckets", {}).items():
+        self._memory = {}
+        for i, saved in copy.deepcopy(state.get("buckets", {})).items():
             generator = torch.Generator(device="cpu")
-            generator.set_state(saved["generator"].clone())
-            memory[int(i)] = _PowerSGDMemory(
-                shapes=[torch.Size(s) for s in saved["shapes"]],
-                generator=generator,
-                q=[q.clone() for q in saved["q"]],
-                residuals=[None if r is None else r.clone() for r in saved["residuals"]],
-            )
-        self._memory = memory
+            generator.set_state(saved["generator"])
+            shapes = [torch.Size(s) for s in saved["shapes"]]
+            self._memory[int(i)] = _PowerSGDMemory(shapes, generator, saved["q"], saved["residuals"])
 
     @override
     def forget_nonfinite(self) -> None:
