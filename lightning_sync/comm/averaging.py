@@ -180,18 +180,12 @@ class ModelAverager:
         self.compressor = compressor
         self.meter = meter
         self.group = group
-        plans = plan_buckets(self.params, bucket_cap_mb * MIB, bucket_cap_mb * MIB) if self.params else []
+        plans = plan_buckets(self.params, bucket_cap_mb * MIB, bucket_cap_mb * MIB)
         self._bucket_params = [[self.params[i] for i in plan] for plan in plans]
-        self.anchors: list[torch.Tensor] = []
+        self.anchors = [torch.cat([p.detach().reshape(-1) for p in params]) for params in self._bucket_params]
         # the delta buckets: after complete_, the average a sync will apply (a caller may average them further,
         # e.g. across replica groups, before apply_)
-        self.deltas: list[torch.Tensor] = []
-        for bucket_params in self._bucket_params:
-            numel = sum(p.numel() for p in bucket_params)
-            like = bucket_params[0]
-            self.anchors.append(torch.zeros(numel, dtype=like.dtype, device=like.device))
-            self.deltas.append(torch.zeros(numel, dtype=like.dtype, device=like.device))
-        self.reset_anchor_()
+        self.deltas = [torch.zeros_like(anchor) for anchor in self.anchors]
 
     def reset_anchor_(self) -> None:
         """Makes the current parameters the global copy (call when all replicas are identical)."""

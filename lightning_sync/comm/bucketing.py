@@ -366,11 +366,7 @@ class GradientSynchronizer:
         if id(param) in bucket.ready or bucket.future is not None:
             return  # already counted this round (a second backward before finish adds to .grad only)
         bucket.ready.add(id(param))
-        if len(bucket.ready) == len(bucket.params):
-            self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets):
+        while self._next_launch < len(self.buckets):  # launch, in index order, every bucket that is full
             bucket = self.buckets[self._next_launch]
             if len(bucket.ready) < len(bucket.params):
                 return

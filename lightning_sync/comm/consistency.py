@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from lightning_sync.comm.meter import control_device
+from lightning_sync.errors import check_choice
 
-ON_MISMATCH = ("raise", "warn", "resync")
 log = logging.getLogger(__name__)
 
 
@@ -148,14 +148,8 @@ def find_mismatches(
 
 
 # ------------------------------------------------------------------------------------------------ structure
-def _layout(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple[int, ...], str]]:
-    return [(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")) for name, tensor in named]
-
-
 def _first_difference(mine: list[tuple[str, tuple[int, ...], str]], reference: list[Any]) -> str:
-    """How ``mine`` differs from ``reference``, in words ('' when they are the same)."""
-    if mine == reference:
-        return ""
+    """How ``mine`` differs from ``reference``, in words."""
     theirs = {name: (shape, dtype) for name, shape, dtype in reference}
     ours = {name: (shape, dtype) for name, shape, dtype in mine}
     for name, (shape, dtype) in ours.items():
@@ -177,7 +171,7 @@ def check_same_structure(named: Iterable[tuple[str, torch.Tensor]], group: Proce
         ReplicaMismatchError: naming every rank whose model differs from rank 0's, with the first difference and
             the tensor counts.
     """
-    mine = _layout(named)
+    mine = [(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")) for name, tensor in named]
     layouts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(layouts, mine, group=group)
     problems = [
@@ -221,8 +215,7 @@ def check_replicas(
         ReplicaMismatchError: with ``on_mismatch="raise"``, naming the tensors, the ranks and the largest
             difference; or, whatever ``on_mismatch``, when the replicas hold tensors of different sizes.
     """
-    if on_mismatch not in ON_MISMATCH:
-        raise ValueError(f"on_mismatch={on_mismatch!r} is not allowed; choose one of: {', '.join(ON_MISMATCH)}")
+    check_choice("on_mismatch", on_mismatch, ("raise", "warn", "resync"))
     resync = on_mismatch == "resync"
     mismatches = find_mismatches(named, group, atol, resync=resync and pull is None)
     if not mismatches:

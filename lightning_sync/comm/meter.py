@@ -186,10 +186,7 @@ class CommMeter:
     def record(self, bytes_sent: float, bytes_recv: float, seconds: float = 0.0, calls: int = 1) -> None:
         """Books traffic that did not go through the meter's own calls (e.g. a third-party collective)."""
         with self._lock:
-            self._total.bytes_sent += bytes_sent
-            self._total.bytes_recv += bytes_recv
-            self._total.calls += calls
-            self._total.seconds += seconds
+            self._total = self._total + CommStats(bytes_sent, bytes_recv, calls, seconds)
 
     def world_size(self, group: ProcessGroup | None = None) -> int:
         return dist.get_world_size(group if group is not None else self.group)

@@ -41,7 +41,7 @@ from lightning_sync.comm.averaging import (
 )
 from lightning_sync.comm.compression import Compressor, NoCompression, resolve_codec
 from lightning_sync.comm.meter import CommMeter
-from lightning_sync.comm.module_policy import POLICY_FIELD, assign_patterns, normalize_module_policy
+from lightning_sync.comm.module_policy import POLICY_FIELD, normalize_module_policy
 from lightning_sync.comm.streaming import StreamingOptions, new_stream_group
 from lightning_sync.comm.sync_groups import (
     SyncGroup,
@@ -225,9 +225,6 @@ class PeriodicAverager:
         """
         named = list(named_parameters)
         named_buffers = list(named_buffers)
-        param_pattern, buffer_pattern = assign_patterns(
-            [name for name, _ in named], [name for name, _ in named_buffers], self.policy
-        )
         self.meter, self.group = meter, group
         self._all_params = [p for _, p in named if p.requires_grad]
         self._all_buffers = [b for _, b in named_buffers]
@@ -244,8 +241,6 @@ class PeriodicAverager:
         self.groups = build_sync_groups(
             named,
             named_buffers,
-            param_pattern,
-            buffer_pattern,
             self.policy,
             self.fragments,
             self.period,
@@ -272,7 +267,8 @@ class PeriodicAverager:
         Returns:
             The groups synced (applied) now (empty after a warmup step or when none was due).
         """
-        self._measure_compute()
+        if self.meter is not None:  # an outer sync in flight ran its transfer beside this compute: none is taken off
+            self._compute.stop(self.meter.total.seconds, any(group.in_flight is not None for group in self.groups))
         self._warmup_step_done = self.in_warmup
         self.steps += 1
         self.last_synced, self.last_divergence = [], None
@@ -475,11 +471,6 @@ class PeriodicAverager:
             self._worker = None
 
     # ------------------------------------------------------------------ adaptive period
-    def _measure_compute(self) -> None:
-        if self.meter is not None:
-            # with an outer sync in flight, the worker's transfer booked on the meter meanwhile ran beside this compute
-            self._compute.stop(self.meter.total.seconds, any(group.in_flight is not None for group in self.groups))
-
     def _adapt(self, comm_seconds: float) -> None:
         """Chooses the next period from the slowest rank's measurements (identical on every rank)."""
         assert self.adaptive is not None

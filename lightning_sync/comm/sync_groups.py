@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_sync.comm.averaging import InFlight, ModelAverager
 from lightning_sync.comm.fragments import buffer_fragments, split_fragments
-from lightning_sync.comm.module_policy import DEFAULT_GROUP
+from lightning_sync.comm.module_policy import DEFAULT_GROUP, assign_patterns
 from lightning_sync.comm.streaming import stagger_offsets
 
 
@@ -59,8 +59,6 @@ class SyncGroup:
 def build_sync_groups(
     named: Sequence[tuple[str, nn.Parameter]],
     named_buffers: Sequence[tuple[str, torch.Tensor]],
-    param_pattern: Mapping[str, str],
-    buffer_pattern: Mapping[str, str],
     policy: Mapping[str, int],
     fragments: int,
     default_period: int,
@@ -72,17 +70,17 @@ def build_sync_groups(
     Args:
         named: the model's named parameters (only those with ``requires_grad`` join a group).
         named_buffers: the model's named buffers.
-        param_pattern: each matched parameter's pattern (the others join the default group).
-        buffer_pattern: each matched buffer's pattern (the others join the default group).
-        policy: ``{pattern: period}``.
+        policy: ``{pattern: period}`` (the parameters and buffers no pattern matches join the default group).
         fragments: how many fragments to split each group into (at most one per block, or per layer).
         default_period: the default group's period, which staggers its fragments.
         new_averager: makes a fragment's averager and outer optimizer (``None``: local SGD) from its parameters.
         fragment_modules: explicit fragments (module-name patterns, in sync order) instead of the block rule.
 
     Raises:
-        ConfigError: a ``fragment_modules`` pattern matching no parameter, or a parameter in two fragments or none.
+        ConfigError: a ``policy`` pattern matching no parameter, or a name matching two; a ``fragment_modules``
+            pattern matching no parameter, or a parameter in two fragments or none.
     """
+    param_pattern, buffer_pattern = assign_patterns([n for n, _ in named], [n for n, _ in named_buffers], policy)
     groups: list[SyncGroup] = []
     for label, period in [(DEFAULT_GROUP, None), *policy.items()]:
         members = [(n, p) for n, p in named if p.requires_grad and param_pattern.get(n, DEFAULT_GROUP) == label]
