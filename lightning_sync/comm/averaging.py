@@ -31,9 +31,8 @@ from lightning_sync.comm.tuning import MIB
 from lightning_sync.errors import ConfigError
 
 WAIT_GRACE_S = 5.0
-"""Seconds a wait for an outer sync's result may exceed ``timeout_s``: the collective itself fails after
-``timeout_s`` (its process group's timeout) with an error naming the silent peer; the grace lets that error come
-first."""
+"""Seconds a wait for an outer sync's result may exceed ``timeout_s``, so that the collective's own error, naming the
+silent peer, comes first."""
 
 
 @dataclass
@@ -43,8 +42,7 @@ class InFlight:
     Attributes:
         launched_at: the averager's step count when it was launched.
         mine: this rank's pseudo-gradient buckets at launch (for the divergence); ``None`` once complete.
-        futures: the compressor's futures (launched on the calling thread), or
-        job: the worker's future (launched on the worker).
+        futures: the compressor's futures (launched on the calling thread), or ``job``'s (on the worker).
         divergence_sq: this rank's squared divergence from the average, once complete.
     """
 
@@ -74,12 +72,8 @@ def _load_buckets(buckets: Sequence[torch.Tensor], saved: Sequence[torch.Tensor]
 
 
 def average_buffers(tensors: Sequence[torch.Tensor], meter: CommMeter, group: ProcessGroup | None = None) -> None:
-    """Replaces floating ``tensors`` (same list on every rank: a module's buffers, optimizer state) by their exact
-    mean over the group, in place, packed per dtype.
-
-    Non-floating tensors are broadcast from the group's first rank instead (integers have no exact mean; counters
-    such as ``num_batches_tracked`` are equal on all ranks anyway).
-    """
+    """Replaces floating ``tensors`` (the same list on every rank) by their exact mean over the group, in place,
+    packed per dtype; non-floating ones (``num_batches_tracked``) are broadcast from the group's first rank."""
     if meter.world_size(group) == 1:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -105,10 +99,8 @@ def average_buffers(tensors: Sequence[torch.Tensor], meter: CommMeter, group: Pr
 def optimizer_state_tensors(
     optimizers: Iterable[torch.optim.Optimizer], params: Iterable[torch.Tensor]
 ) -> list[torch.Tensor]:
-    """The floating per-parameter state tensors (shaped like their parameter) of ``params``, in a fixed order.
-
-    Scalar state such as Adam's ``step`` is left out: it is equal on every rank, and averaging it could round it.
-    """
+    """The floating per-parameter state tensors (shaped like their parameter) of ``params``, in a fixed order;
+    scalar state such as Adam's ``step`` is left out."""
     params = list(params)
     out: list[torch.Tensor] = []
     for optimizer in optimizers:
@@ -129,10 +121,8 @@ def average_optimizer_state(
     meter: CommMeter,
     group: ProcessGroup | None = None,
 ) -> int:
-    """Averages the floating per-parameter optimizer state of ``params`` over the group (exact mean, in place).
-
-    The ranks first agree on the number of state entries (one 16-byte all-reduce): a rank whose optimizer never saw
-    a gradient for some parameter has less state, and a flat all-reduce of different sizes would hang.
+    """Averages the floating per-parameter optimizer state of ``params`` over the group (exact mean, in place),
+    once the ranks agree on its size (a flat all-reduce of different sizes would hang).
 
     Returns:
         The number of tensors averaged.
@@ -161,8 +151,7 @@ class ModelAverager:
 
     Args:
         params: the parameters (every rank must pass the same list, identical at construction).
-        compressor: averages the delta buckets (its memory is keyed by bucket index, so give each averager its
-            own compressor).
+        compressor: averages the delta buckets (its own: its memory is keyed by bucket index).
         meter: counts the traffic.
         bucket_cap_mb: size of the flat buckets the deltas travel in.
         group: the process group (``None``: default).
@@ -204,16 +193,14 @@ class ModelAverager:
         self.apply_(flight, outer, skip_nonfinite=False)
         return squared
 
-    # The same sync split in two, so that its collectives can run while inner steps do (streaming DiLoCo):
-    # launch_ packs and starts averaging, apply_ (after complete_) steps the global copy and loads it.
+    # The same sync in steps, so that its collectives can run while inner steps do (streaming DiLoCo).
     def launch_(self, sign: float, step: int, worker: concurrent.futures.Executor | None = None) -> InFlight:
         """Packs ``sign * (local - global copy)`` and starts averaging it (on ``worker``, or from this thread).
 
         Args:
             sign: ``-1``: DiLoCo's pseudo-gradient ``global - local``; ``+1``: local SGD's delta.
             step: the owner's step count, kept in the result.
-            worker: runs the averaging off this thread (``None``: the compressor's collectives are issued now, from
-                this thread).
+            worker: runs the averaging off this thread (``None``: the collectives are issued now, from this thread).
         """
         buckets = self.delta_buckets()
         mine = []
@@ -227,8 +214,7 @@ class ModelAverager:
         return InFlight(step, mine, futures=[self.compressor.average(b, self.meter, self.group) for b in buckets])
 
     def _average_buckets(self, buckets: Sequence[FlatBucket]) -> None:
-        """The worker's job: average every bucket and wait (on a GPU, with the buckets' device current in the
-        worker thread, where the current device is not inherited)."""
+        """The worker's job: average every bucket and wait (with the buckets' CUDA device current in the thread)."""
         device = buckets[0].buffer.device if buckets else torch.device("cpu")
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             for future in [self.compressor.average(bucket, self.meter, self.group) for bucket in buckets]:
@@ -272,12 +258,9 @@ class ModelAverager:
         timeout_s: float | None = None,
     ) -> bool:
         """Completes ``flight`` and applies it: the outer step (``outer``; ``None``: local SGD's plain average) on
-        the global copy, then the parameters become ``global.lerp(local, alpha)``, ``global + alpha * (local -
-        global)`` rounded as torchft's ``DiLoCo`` rounds it (``alpha=1`` keeps the local weights exactly).
-
-        With ``skip_nonfinite`` an average holding a NaN or Inf (identical on every rank, so every rank decides the
-        same) skips the outer step: the global copy and the outer optimizer stay as they are and the parameters
-        return to the global copy.
+        the global copy, then the parameters become ``global.lerp(local, alpha)``, rounded as torchft's ``DiLoCo``
+        rounds it. With ``skip_nonfinite`` an average holding a NaN or Inf (on every rank alike) skips the outer
+        step, and the parameters return to the global copy.
 
         Returns:
             Whether the outer step was taken (``False``: skipped).
@@ -317,8 +300,7 @@ class ModelAverager:
             _unpack(anchor, bucket_params)
 
     def flight_state(self, flight: InFlight, timeout_s: float | None = None) -> dict[str, Any]:
-        """``flight`` for a checkpoint: it is drained first (its collective finished), and its average is saved
-        unapplied, so a resumed run applies it at the step the uninterrupted run would."""
+        """``flight`` for a checkpoint: drained, its average saved unapplied (a resumed run applies it on time)."""
         squared = self.complete_(flight, timeout_s)
         return {
             "launched_at": flight.launched_at,
@@ -341,17 +323,15 @@ class ModelAverager:
 
 
 OptimizerCallable = Callable[[Iterable[Any]], torch.optim.Optimizer]
-"""A callable from an iterable of parameters to an optimizer over them: Lightning's ``OptimizerCallable``, as
-``functools.partial(torch.optim.SGD, lr=0.7)``, Hydra's ``_partial_: true`` node or LightningCLI's ``class_path``."""
+"""A callable from parameters to an optimizer over them (Lightning's ``OptimizerCallable``)."""
 
 OUTER_OPTIMIZER: functools.partial[torch.optim.SGD] = functools.partial(torch.optim.SGD, lr=0.7)
-"""The outer optimizer that ``outer_optimizer=None`` stands for, everywhere (``periodic``'s DiLoCo and streaming
-DiLoCo, the fault-tolerant averager, ``ps`` with ``local_steps > 1``): SGD at lr 0.7 without momentum."""
+"""The outer optimizer that ``outer_optimizer=None`` stands for, everywhere: SGD at lr 0.7 without momentum."""
 
 
 def check_optimizer_callable(factory: OptimizerCallable | None, name: str = "outer_optimizer") -> torch.optim.Optimizer:
     """Builds ``factory`` (``None``: :data:`OUTER_OPTIMIZER`) once over a placeholder parameter, so that a value it
-    refuses fails where it is given, before any process starts; torch's optimizers check their own arguments.
+    refuses fails before any process starts.
 
     Example::
 

@@ -309,19 +309,13 @@ class GradientSynchronizer:
         ``find_unused_parameters``, which must see which gradients backward left at ``None``."""
         if not self.gradient_as_bucket_view or self.find_unused_parameters:
             return
-        missing = [p.grad is None for p in self.params]
-        if not any(missing):
-            return
-        every = all(missing)
-        if every:
-            for buffer in self._buffers:
-                buffer.zero_()  # one fill per buffer instead of one per parameter
+        every = all(p.grad is None for p in self.params)
+        for buffer in self._buffers if every else ():
+            buffer.zero_()  # one fill per buffer instead of one per parameter
         for bucket in self.buckets:
             for p, slot in zip(bucket.params, bucket.slots):
                 if p.grad is None:
-                    if not every:
-                        slot.zero_()
-                    p.grad = slot
+                    p.grad = slot if every else slot.zero_()
 
     def _tune(self, now: float) -> None:
         """``auto``, at the start of a round: books the previous round's whole period (its backward and sync, and
@@ -343,15 +337,13 @@ class GradientSynchronizer:
         return {} if self.tuner is None else {"tuner": self.tuner.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.tuner is None or "tuner" not in state:
-            return
-        self.tuner.load_state_dict(state["tuner"])
-        self._round_started = None  # the interrupted round's period is lost, not booked
-        decided = self.tuner.after_backward  # None while still deciding
-        if decided is not None:
-            self.after_backward = decided
-            if self.after_backward:
-                self.remove_hooks()
+        if self.tuner is not None and "tuner" in state:
+            self.tuner.load_state_dict(state["tuner"])
+            self._round_started = None  # the interrupted round's period is lost, not booked
+            if self.tuner.after_backward is not None:  # decided
+                self.after_backward = self.tuner.after_backward
+                if self.after_backward:
+                    self.remove_hooks()
 
     @property
     def launch_point(self) -> str:

@@ -1,24 +1,19 @@
 """Streaming DiLoCo's fragments: which parameters sync together, and in which order the fragments sync.
 
-Nothing here knows of Lightning; everything works on parameter names (and shapes), so a plain training loop and the
-strategy form the same fragments from ``named_parameters()``.
+Everything works on parameter names (and shapes), as ``named_parameters()`` gives them.
 
 **By block** (the default, as the streaming DiLoCo paper and torchft form them). The *repeated blocks* are the
 children of one container with integer-named children (``blocks.0``, ``blocks.1``, ...) holding the same parameter
-names and shapes; of several such containers, the one holding the most parameters. Block ``i`` joins fragment
-``i % k`` (strided, which the paper found better than contiguous), ``k = min(fragments, blocks)``; a block is never
-split. A parameter outside every block joins the fragment of the nearest block before it (the first block's before
-any): embeddings sync with the block that reads them, the final norm and head with the block that feeds them, as in
-torchtitan, and a large embedding or head never makes a fragment of its own.
+names and shapes (of several such containers, the one holding the most parameters). Block ``i`` joins fragment
+``i % k``, ``k = min(fragments, blocks)``; a block is never split. A parameter outside every block joins the
+fragment of the nearest block before it (the first block's before any), as in torchtitan: embeddings sync with the
+block that reads them, the final norm and head with the block that feeds them.
 
-**By layer** (without two repeated blocks, e.g. an MLP of different widths): each parameter's own module is a unit,
-and layer ``i`` joins fragment ``i % k``, ``k = min(fragments, layers)``.
+**By layer** (without two repeated blocks): layer ``i`` (each parameter's own module) joins fragment ``i % k``.
 
 **Explicit** (``fragment_modules``): one entry per fragment, in sync order, each a module-name pattern or a list of
 them, as torchft's ``DiLoCo`` takes a list of modules. Patterns are case-sensitive :mod:`fnmatch` globs (``*`` also
-crosses dots) on module names; a parameter belongs to a pattern matching any module holding it. Every parameter must
-be in exactly one fragment, and every pattern must match one; a shared parameter is named as ``named_parameters()``
-names it.
+crosses dots) on module names; every parameter must be in exactly one fragment, and every pattern must match one.
 """
 
 from __future__ import annotations
@@ -38,10 +33,7 @@ NamedShapes = Sequence[tuple[str, Sequence[int]]]
 
 # ------------------------------------------------------------------------------------------------ the knob
 def normalize_fragment_modules(value: Any, field: str = FRAGMENTS_FIELD) -> tuple[tuple[str, ...], ...] | None:
-    """``fragment_modules`` as a tuple of fragments, each a tuple of patterns (``None`` when unset).
-
-    Accepts a list whose items are a pattern (a one-pattern fragment) or a list of patterns (OmegaConf containers
-    work as well).
+    """``fragment_modules``, a list of patterns or lists of patterns, as a tuple of tuples (``None`` when unset).
 
     Raises:
         ConfigError: not a list, an empty list or fragment, a pattern that is not a non-empty string, or a pattern
@@ -81,12 +73,8 @@ def modules_of(name: str) -> list[str]:
 
 
 def find_blocks(named: NamedShapes) -> list[str]:
-    """The model's repeated blocks, by module name in model order (``[]`` when there are fewer than two).
-
-    A block is a child of a container with an integer name (``blocks.3``, or ``3`` under a top-level
-    ``nn.Sequential``); children of one container with the same parameter names and shapes form a candidate, and
-    the candidate holding the most parameter entries wins (the first in model order on a tie).
-    """
+    """The model's repeated blocks (see the module docstring), by module name in model order (``[]`` when there are
+    fewer than two); the candidate holding the most parameter entries wins, the first in model order on a tie."""
     # (container, signature) -> its children in order, and their entries
     children: dict[str, dict[str, list[tuple[str, tuple[int, ...]]]]] = {}
     numel: dict[str, int] = {}
@@ -192,12 +180,8 @@ def explicit_fragments(
 def split_fragments(
     named: NamedShapes, fragments: int, patterns: Sequence[Sequence[str]] | None = None
 ) -> list[list[int]]:
-    """A sync group's fragments: ``patterns`` (``fragment_modules``) when given, else by block (by layer without
-    repeated blocks).
-
-    Returns:
-        For each fragment, in sync order, the indices into ``named`` of its parameters.
-    """
+    """A sync group's fragments, in sync order, as indices into ``named``: ``patterns`` (``fragment_modules``) when
+    given, else by block (by layer without repeated blocks)."""
     if patterns is not None:
         return explicit_fragments([name for name, _ in named], patterns)
     return block_fragments(named, fragments)

@@ -168,7 +168,7 @@ class CommMeter:
     # ------------------------------------------------------------------ accounting
     @property
     def total(self) -> CommStats:
-        """Everything counted since the meter was made (or last reset)."""
+        """Everything counted since the meter was made."""
         with self._lock:
             return CommStats(**vars(self._total))
 
@@ -177,11 +177,6 @@ class CommMeter:
         now = self.total
         delta, self._last_step = now - self._last_step, now
         return delta
-
-    def reset(self) -> None:
-        with self._lock:
-            self._total = CommStats()
-            self._last_step = CommStats()
 
     def record(self, bytes_sent: float, bytes_recv: float, seconds: float = 0.0, calls: int = 1) -> None:
         """Books traffic that did not go through the meter's own calls (e.g. a third-party collective)."""

@@ -1,10 +1,8 @@
 """``module_sync_every``: per-module sync periods, from config patterns to the parameters they name.
 
-Nothing here knows of Lightning. ``module_sync_every`` is ``{glob pattern: period}``; patterns are :mod:`fnmatch`
-globs (case-sensitive, ``*`` also crosses dots) on full parameter names such as ``net.4.weight``. Each pattern makes
-one sync group with its own period (:class:`~lightning_sync.comm.periodic.PeriodicAverager`); the parameters no
-pattern matches form the default group :data:`DEFAULT_GROUP`, which follows ``sync_every``. A buffer joins the group
-whose pattern matches its name. A pattern matching no parameter, or a parameter matched twice, is a ConfigError.
+``module_sync_every`` is ``{glob pattern: period}``, case-sensitive :mod:`fnmatch` globs (``*`` also crosses dots) on
+full parameter and buffer names such as ``net.4.weight``. Each pattern makes one sync group with its own period; the
+names no pattern matches form the default group :data:`DEFAULT_GROUP`, which follows ``sync_every``.
 """
 
 from __future__ import annotations
