@@ -256,10 +256,9 @@ class PeriodicAverager:
     def step(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[SyncGroup]:
         """Call after every optimizer step, on every rank: syncs what is due.
 
-        After a warmup step (gradients were all-reduced) the buffers are averaged, and after the last one every
-        group's global copy is reset to the (identical) replicas. After a local step the outer syncs in flight
-        whose ``sync_delay`` is up are applied; then every group whose period is up is synced (``sync_delay=0``),
-        or every group ``sync_delay`` steps before its period is up has its outer sync launched.
+        After a warmup step the buffers are averaged (and after the last one the global copies reset). After a local
+        step the outer syncs in flight whose ``sync_delay`` is up are applied; then every group whose period is up
+        is synced, or with ``sync_delay`` has its outer sync launched ``sync_delay`` steps before.
 
         Args:
             optimizers: the optimizers whose state ``average_optimizer_state`` averages.
@@ -309,12 +308,8 @@ class PeriodicAverager:
 
     def _launch(self, group: SyncGroup) -> None:
         """Starts ``group``'s outer sync on the worker thread (``sync_delay > 0``), then its average across replica
-        groups.
-
-        A group that heals at this quorum takes the live groups' schedule with their state, so it launches the
-        fragment they launch now: the one its own step count chose (``group``) may be another, whose average would
-        meet theirs in one collective (gloo: "Received data size doesn't match expected size").
-        """
+        groups. A group that heals at this quorum launches the fragment the live groups launch now, which its own
+        step count may not have chosen."""
         if self._quorum():
             due = [g for g in self.groups if self._launch_due(g)]
             group = due[0] if due else group
@@ -436,14 +431,9 @@ class PeriodicAverager:
         return sum(group.skipped for group in self.groups)
 
     def synced_tensors(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[torch.Tensor]:
-        """What must be identical on every rank right after the last :meth:`step`: everything after a warmup
-        step, the synced groups' parameters (unless ``fragment_alpha`` mixed them with local ones) and floating
-        buffers after a sync, nothing after a local step.
-
-        Args:
-            optimizers: also list their floating per-parameter state of those parameters where it is identical:
-                after a warmup step, and at a sync with ``average_optimizer_state``.
-        """
+        """What must be identical on every rank right after the last :meth:`step`: everything after a warmup step,
+        the synced groups' parameters (unless mixed by ``fragment_alpha``) and floating buffers after a sync, and
+        ``optimizers``' state of those parameters where it is identical (warmup, ``average_optimizer_state``)."""
         if self._warmup_step_done:
             params, buffers = self._all_params, self._all_buffers
         else:

@@ -27,19 +27,16 @@ class StreamingOptions:
     """Streaming DiLoCo: each sync group split into fragments that sync in turn, each in the background.
 
     Args:
-        fragments: split each sync group into this many fragments, strided by block, that sync in turn (at most
-            one per block, or per layer without repeated blocks; ``<=`` every period).
-        sync_delay: steps between the launch of a fragment's outer all-reduce and its apply (``0 <= sync_delay <
-            period // fragments`` for every period).
-        fragment_alpha: on apply, the parameters become ``global.lerp(local, alpha)``, in [0, 1] (1: they keep
-            the local weights, and only the global copy takes the outer step).
+        fragments: split each sync group into this many fragments, strided by block (at most one per block, or per
+            layer without repeated blocks; ``<=`` every period).
+        sync_delay: steps between the launch of a fragment's outer sync and its apply (``< period // fragments``).
+        fragment_alpha: on apply, the parameters become ``global.lerp(local, alpha)``, in [0, 1].
         outer_compression: codec of the pseudo-gradients, an object or a registry name (``"none"``: the
             averager's ``new_compressor``'s).
-        fragment_modules: explicit fragments in sync order, each a module-name pattern or a list of them
-            (:mod:`lightning_sync.comm.fragments`); ``None``: by block. Their number is the number of fragments.
+        fragment_modules: explicit fragments in sync order (:mod:`lightning_sync.comm.fragments`); ``None``: by
+            block.
 
-    The :class:`PeriodicAverager` checks them, against each other and against its periods; ``fragment_modules`` is
-    checked here, when the options are made.
+    The :class:`PeriodicAverager` checks them against its periods; ``fragment_modules`` is checked here.
 
     Raises:
         ConfigError: ``fragment_modules`` is not a list of patterns or lists of patterns, or ``fragments`` is
@@ -66,15 +63,13 @@ class StreamingOptions:
 
 # ------------------------------------------------------------------------------------------------ schedule
 def stagger_offsets(period: int, fragments: int) -> list[int]:
-    """Each fragment's starting count of steps since its last sync, so that fragment ``f`` first syncs after
-    ``(f + 1) * period // fragments`` steps and the fragments take turns every ``period / fragments`` steps
-    (the last one syncs after ``period`` steps, as an unfragmented model does)."""
+    """Each fragment's starting count of steps since its last sync: fragment ``f`` first syncs after
+    ``(f + 1) * period // fragments`` steps, so the fragments take turns every ``period / fragments`` steps."""
     return [period - (f + 1) * period // fragments for f in range(fragments)]
 
 
 def new_stream_group(group: dist.ProcessGroup | None, timeout_s: float | None) -> dist.ProcessGroup:
-    """A process group with the ranks of ``group`` (``None``: all), for the worker's collectives (every rank must
-    call it, in the same order, as for any ``new_group``)."""
+    """A process group with the ranks of ``group`` (``None``: all), for the worker's collectives (a collective call)."""
     ranks = None if group is None else dist.get_process_group_ranks(group)
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     return dist.new_group(ranks=ranks, timeout=timeout)
