@@ -26,7 +26,6 @@ raises a :class:`~lightning_sync.comm.peer_errors.PeerError` naming that rank. S
 from __future__ import annotations
 
 import datetime
-import functools
 import threading
 import time
 from collections.abc import Callable
@@ -88,27 +87,16 @@ class TimedWork:
 
     Args:
         work: the torch.distributed work.
-        book: called once with the seconds from ``started`` until the work completed.
-        started: ``time.perf_counter()`` at launch.
+        meter: books the seconds from ``started`` (``time.perf_counter()`` at launch) until the work completed.
         op: a collective's name: its failure names the peer (point-to-point errors are the caller's).
         group: the collective's process group; only its :class:`~lightning_sync.comm.peer_errors.Peers` are kept
             (the completion callback runs on the backend's thread, see ``Peers``).
-        timeout_s: the group's timeout, named in a :class:`~lightning_sync.comm.peer_errors.PeerError`.
     """
 
-    def __init__(
-        self,
-        work: Any,
-        book: Callable[[float], None],
-        started: float,
-        op: str | None,
-        group: Any,
-        timeout_s: float | None,
-    ) -> None:
+    def __init__(self, work: Any, meter: CommMeter, started: float, op: str | None, group: Any) -> None:
         self._work = work
-        self._book_seconds = book
+        self._meter = meter
         self._started = started
-        self._timeout_s = timeout_s
         self._op = op
         self._peers = Peers.of(group) if op is not None else None
         self._booked = False
@@ -119,13 +107,13 @@ class TimedWork:
 
     def _on_done(self, fut: torch.futures.Future) -> Any:
         self._book()
-        with naming_peer(self._op, self._peers, self._timeout_s):
+        with naming_peer(self._op, self._peers, self._meter.timeout_s):
             return fut.value()
 
     def _book(self) -> None:
         if not self._booked:  # the future's callback, or wait() where there is no future: never both
             self._booked = True
-            self._book_seconds(time.perf_counter() - self._started)
+            self._meter.record(0.0, 0.0, time.perf_counter() - self._started, calls=0)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until the work is done; ``timeout`` (seconds) bounds the wait of a point-to-point work."""
@@ -199,9 +187,8 @@ class CommMeter:
             work = launch()
             if not async_op:
                 work.wait()
-        self.record(sent, recv, calls=1)
-        book = functools.partial(self.record, 0.0, 0.0, calls=0)  # the seconds, at completion
-        return TimedWork(work, book, started, op, group, self.timeout_s)
+        self.record(sent, recv)  # the seconds at completion
+        return TimedWork(work, self, started, op, group)
 
     def _collective(
         self, name: str, tensor: torch.Tensor, group: ProcessGroup | None, per_byte: Callable[[int], float],

@@ -398,9 +398,11 @@ class PeriodicAverager:
         self.last_synced = list(groups) if committed else []
         self.last_divergence = math.sqrt(squared)
         default = [group for group in groups if group.period is None]
-        if self.adaptive is not None and default:
+        if self.adaptive is not None and default:  # the next period, from the slowest rank's measurements
             # one fragment's comm every period/k steps: as much per step as k fragments' every period
-            self._adapt((self.clock() - started) * default[0].fragments)
+            comm = (self.clock() - started) * default[0].fragments
+            self.adaptive.update(*agree_max([self._compute.mean, comm], meter, self.group))
+            self._compute.reset()
         return self.last_divergence
 
     # ------------------------------------------------------------------ across replica groups
@@ -459,14 +461,6 @@ class PeriodicAverager:
             concurrent.futures.wait([self._worker.submit(int)], timeout=self.timeout_s)
             self._worker.shutdown(wait=False)
             self._worker = None
-
-    # ------------------------------------------------------------------ adaptive period
-    def _adapt(self, comm_seconds: float) -> None:
-        """Chooses the next period from the slowest rank's measurements (identical on every rank)."""
-        assert self.adaptive is not None
-        compute, comm = agree_max([self._compute.mean, comm_seconds], self._require_meter(), self.group)
-        self.adaptive.update(compute, comm)
-        self._compute.reset()
 
     def _require_meter(self) -> CommMeter:
         if self.meter is None:
