@@ -53,9 +53,8 @@ class InFlight:
     divergence_sq: float | None = None
 
 
-# ------------------------------------------------------------------------------------------------ small helpers
 def _pack(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors], out=out)
+    return torch.cat([t.detach().reshape(-1).to(out.device) for t in tensors], out=out)
 
 
 def _unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
@@ -102,17 +101,13 @@ def optimizer_state_tensors(
     """The floating per-parameter state tensors (shaped like their parameter) of ``params``, in a fixed order;
     scalar state such as Adam's ``step`` is left out."""
     params = list(params)
-    out: list[torch.Tensor] = []
-    for optimizer in optimizers:
-        for p in params:
-            state = optimizer.state.get(p)
-            if not state:
-                continue
-            for key in sorted(state, key=str):
-                value = state[key]
-                if torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape:
-                    out.append(value)
-    return out
+    return [
+        value
+        for optimizer in optimizers
+        for p in params
+        for _, value in sorted(optimizer.state.get(p, {}).items(), key=lambda item: str(item[0]))
+        if torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape
+    ]
 
 
 def average_optimizer_state(
@@ -145,7 +140,6 @@ def average_optimizer_state(
     return len(tensors)
 
 
-# ------------------------------------------------------------------------------------------------ model averager
 class ModelAverager:
     """The global copy of a fixed list of parameters, and the two ways of syncing replicas to it.
 

@@ -48,7 +48,6 @@ class TensorMismatch:
         return f"{self.name} (ranks {list(self.ranks)}, max |diff| {self.max_abs_diff:.1e})"
 
 
-# ------------------------------------------------------------------------------------------------ names
 def named_replicated_state(
     module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (), only: Iterable[torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
@@ -68,7 +67,6 @@ def named_replicated_state(
     return named
 
 
-# ------------------------------------------------------------------------------------------------ fingerprints
 def tensor_fingerprints(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """A ``(len(tensors), 4)`` float64 matrix on ``device``: each tensor's size, sum, sum of squares and
     position-weighted sum (each computed where its tensor is)."""
@@ -79,9 +77,9 @@ def tensor_fingerprints(tensors: Sequence[torch.Tensor], device: torch.device) -
         weights = 1.0 + torch.frac(
             torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) * 0.6180339887498949
         )
-        sums = torch.stack([flat.sum(), (flat * flat).sum(), (flat * weights).sum()]).cpu()
-        rows.append(torch.cat([torch.tensor([float(flat.numel())], dtype=torch.float64), sums]))
-    return (torch.stack(rows) if rows else torch.zeros(0, 4, dtype=torch.float64)).to(device)
+        sums = [flat.new_tensor(flat.numel()), flat.sum(), flat.square().sum(), (flat * weights).sum()]
+        rows.append(torch.stack(sums).cpu())
+    return torch.stack(rows).to(device)
 
 
 def _gather(mine: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -96,7 +94,6 @@ def _differs(values: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     return (values != reference) & ~(values.isnan() & reference.isnan())
 
 
-# ------------------------------------------------------------------------------------------------ the check
 def find_mismatches(
     named: Mapping[str, torch.Tensor],
     group: ProcessGroup | None = None,
@@ -147,7 +144,6 @@ def find_mismatches(
     return mismatches
 
 
-# ------------------------------------------------------------------------------------------------ structure
 def _first_difference(mine: list[tuple[str, tuple[int, ...], str]], reference: list[Any]) -> str:
     """How ``mine`` differs from ``reference``, in words."""
     theirs = {name: (shape, dtype) for name, shape, dtype in reference}

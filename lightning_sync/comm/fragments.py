@@ -25,14 +25,11 @@ from typing import Any
 
 from lightning_sync.errors import ConfigError
 
-FRAGMENTS_FIELD = "fragment_modules"
-
 NamedShapes = Sequence[tuple[str, Sequence[int]]]
 """``(parameter name, shape)`` in model order."""
 
 
-# ------------------------------------------------------------------------------------------------ the knob
-def normalize_fragment_modules(value: Any, field: str = FRAGMENTS_FIELD) -> tuple[tuple[str, ...], ...] | None:
+def normalize_fragment_modules(value: Any, field: str = "fragment_modules") -> tuple[tuple[str, ...], ...] | None:
     """``fragment_modules``, a list of patterns or lists of patterns, as a tuple of tuples (``None`` when unset).
 
     Raises:
@@ -60,7 +57,6 @@ def normalize_fragment_modules(value: Any, field: str = FRAGMENTS_FIELD) -> tupl
     return tuple(fragments)
 
 
-# ------------------------------------------------------------------------------------------------ names
 def layer_of(name: str) -> str:
     """The module holding parameter (or buffer) ``name``: ``net.4.weight`` -> ``net.4``."""
     return name.rsplit(".", 1)[0] if "." in name else ""
@@ -100,7 +96,6 @@ def find_blocks(named: NamedShapes) -> list[str]:
     return best
 
 
-# ------------------------------------------------------------------------------------------------ the rules
 def _strided(units: Sequence[int], fragments: int) -> list[list[int]]:
     """Unit ``u`` joins fragment ``u % k``, ``k = min(fragments, units)``: each fragment's indices into ``units``."""
     k = max(1, min(fragments, max(units, default=-1) + 1))
@@ -138,7 +133,7 @@ def block_fragments(named: NamedShapes, fragments: int) -> list[list[int]]:
 
 
 def explicit_fragments(
-    names: Sequence[str], patterns: Sequence[Sequence[str]], field: str = FRAGMENTS_FIELD
+    names: Sequence[str], patterns: Sequence[Sequence[str]], field: str = "fragment_modules"
 ) -> list[list[int]]:
     """The fragments ``patterns`` name (see the module docstring), in their order.
 

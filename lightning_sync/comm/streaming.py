@@ -21,7 +21,6 @@ from lightning_sync.comm.fragments import normalize_fragment_modules
 from lightning_sync.errors import ConfigError
 
 
-# ------------------------------------------------------------------------------------------------ options
 @dataclass(frozen=True)
 class StreamingOptions:
     """Streaming DiLoCo: each sync group split into fragments that sync in turn, each in the background.
@@ -61,7 +60,6 @@ class StreamingOptions:
             object.__setattr__(self, "fragments", len(patterns))
 
 
-# ------------------------------------------------------------------------------------------------ schedule
 def stagger_offsets(period: int, fragments: int) -> list[int]:
     """Each fragment's starting count of steps since its last sync: fragment ``f`` first syncs after
     ``(f + 1) * period // fragments`` steps, so the fragments take turns every ``period / fragments`` steps."""

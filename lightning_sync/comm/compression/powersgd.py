@@ -84,7 +84,6 @@ class PowerSGDCompression(Compressor):
         self._memory: dict[int, _PowerSGDMemory] = {}
         self._uncompressed = NoCompression()
 
-    # ------------------------------------------------------------------ layout
     def is_compressed(self, shape: torch.Size) -> bool:
         """Whether a tensor of this shape is sent as rank-``rank`` factors (else it is all-reduced as is)."""
         if len(shape) < 2:
@@ -116,7 +115,6 @@ class PowerSGDCompression(Compressor):
             return q
         return torch.randn(m, self.rank, generator=mem.generator).to(device)
 
-    # ------------------------------------------------------------------ averaging
     def average(self, bucket: FlatBucket, meter: CommMeter, group: ProcessGroup | None = None) -> torch.futures.Future:
         if self.steps < self.start_iter:
             return self._uncompressed.average(bucket, meter, group)
@@ -190,7 +188,6 @@ class PowerSGDCompression(Compressor):
             return _completed(_decode(None))
         return torch.futures.collect_all(pending).then(_decode)
 
-    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Step count and, per bucket index, the layout, generator state, ``Q`` factors and residuals (cloned)."""
         buckets = {

@@ -35,7 +35,6 @@ class BlockQuantizedCompression(Compressor):
     def levels(self) -> int:
         return 2 ** (self.bits - 1) - 1
 
-    # ------------------------------------------------------------------ encoding
     def chunk_bytes(self, entries: int) -> int:
         """Bytes of ``entries`` (a multiple of :data:`BLOCK`) once encoded: codes, then fp32 scales."""
         return entries * self.bits // 8 + entries // BLOCK * 4
@@ -66,7 +65,6 @@ class BlockQuantizedCompression(Compressor):
             codes = packed.view(torch.int8).to(torch.float32)
         return (codes.view(-1, BLOCK) * scales.view(-1, 1)).reshape(-1)
 
-    # ------------------------------------------------------------------ averaging
     def average(self, bucket: FlatBucket, meter: CommMeter, group: ProcessGroup | None = None) -> torch.futures.Future:
         n = meter.world_size(group)
         buffer = bucket.buffer

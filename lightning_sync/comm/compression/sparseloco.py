@@ -104,7 +104,6 @@ class SparseLoCo(Compressor):
         self.levels = 1 if bits is None else 1 << (bits - 1)
         self.errors: dict[int, torch.Tensor] = {}
 
-    # ------------------------------------------------------------------ layout
     def segments(self, shapes: list[torch.Size]) -> list[Segment]:
         """The runs of equal chunks of a bucket with these ``shapes``, in payload order."""
         out, start = [], 0
@@ -124,7 +123,6 @@ class SparseLoCo(Compressor):
         head = 4 * kept if self.bits is None else 4 * self.levels * len(shapes) + -(-kept * self.bits // 8)
         return head + -(-kept * self.index_bits // 8)
 
-    # ------------------------------------------------------------------ encoding
     def _quantize(self, values: torch.Tensor, tensor: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes of ``values`` (sign bit over the level) and the fp32 bin means, ``levels`` per tensor."""
         assert self.bits is not None
@@ -166,7 +164,6 @@ class SparseLoCo(Compressor):
             values = means.gather(1, tensor * self.levels + (codes & (self.levels - 1))) * sign
         return base + unpack_bits(payloads[:, cut:], self.index_bits, kept), values
 
-    # ------------------------------------------------------------------ averaging
     def average(self, bucket: FlatBucket, meter: CommMeter, group: ProcessGroup | None = None) -> torch.futures.Future:
         n = meter.world_size(group)
         buffer = bucket.buffer
