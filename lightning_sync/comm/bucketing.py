@@ -135,8 +135,7 @@ class LaunchTuner:
         trial_rounds: timed rounds per launch point.
         margin: the relative lead a launch point needs to overrule the prior.
         prefer_after_backward: the prior (``None``: :class:`GradientSynchronizer` sets it from ``same_host_cpu``).
-        clock: returns the current time in seconds; :class:`GradientSynchronizer` reads it at the start of every
-            round (a test passes a fake one and feeds it the rounds' durations).
+        clock: returns the current time in seconds, read at the start of every round.
     """
 
     def __init__(
@@ -303,9 +302,8 @@ class GradientSynchronizer:
             self._round_active = True
 
     def _attach_bucket_views(self) -> None:
-        """With ``gradient_as_bucket_view``, a parameter whose gradient was set to ``None`` (``zero_grad``'s default)
-        gets its zeroed bucket slot as ``.grad`` before backward, so backward accumulates straight into the bucket:
-        no fresh gradient allocated per step (page faults on CPU) and no packing copy. Not with
+        """With ``gradient_as_bucket_view``, a parameter without a gradient gets its zeroed bucket slot as ``.grad``
+        before backward, which so accumulates straight into the bucket (no allocation, no packing copy); not with
         ``find_unused_parameters``, which must see which gradients backward left at ``None``."""
         if not self.gradient_as_bucket_view or self.find_unused_parameters:
             return
@@ -318,9 +316,8 @@ class GradientSynchronizer:
                     p.grad = slot if every else slot.zero_()
 
     def _tune(self, now: float) -> None:
-        """``auto``, at the start of a round: books the previous round's whole period (its backward and sync, and
-        all up to this backward: what launching during backward can slow down reaches past the sync), decides once
-        the trials are complete, and sets this round's launch point."""
+        """``auto``, at the start of a round: books the previous round's whole period (up to this backward), decides
+        once the trials are complete, and sets this round's launch point."""
         assert self.tuner is not None
         if (
             self.tuner.deciding
@@ -378,8 +375,7 @@ class GradientSynchronizer:
         else:
             pack_grads(bucket, grads)
             bucket.buffer.div_(self._world)
-        shapes = [p.shape for p in bucket.params]
-        flat = FlatBucket(index=bucket.index, buffer=bucket.buffer, shapes=shapes, divided=True)
+        flat = FlatBucket(bucket.index, bucket.buffer, [p.shape for p in bucket.params], divided=True)
         bucket.future = self.compressor.average(flat, self.meter, self.group)
         return bucket.future
 

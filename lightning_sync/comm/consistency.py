@@ -197,12 +197,10 @@ def check_replicas(
         named: ``{name: tensor}``, the same names in the same order on every rank.
         steps: how many sync steps were taken (for the message).
         on_mismatch: ``raise`` a :class:`ReplicaMismatchError`; ``warn``: log a warning on rank 0 and go on;
-            ``resync``: make the tensors that differ identical again and log what was fixed on rank 0. The
-            authority is ``pull`` when given (e.g. a parameter server's: it rewrites the parameters in place),
-            then rank 0 for whatever still differs.
+            ``resync``: copy the authority's values into the tensors that differ (``pull``'s, then rank 0's).
         group: the process group (default: the world).
         atol: tolerated absolute difference per element.
-        pull: for ``resync``, what restores the parameters from their authority (called on every rank).
+        pull: for ``resync``, restores the parameters in place from their authority (e.g. a parameter server).
 
     Returns:
         The tensors that differed (empty: the replicas agree).

@@ -56,7 +56,5 @@ def compressed_allreduce_hook(state: DDPHookState, bucket: dist.GradBucket) -> t
     """
     state.calls += 1
     parameters = bucket.parameters()
-    shapes = [p.shape for p in parameters]
-    buffer = bucket.buffer()
-    flat = FlatBucket(index=state.bucket_id(parameters), buffer=buffer, shapes=shapes)
+    flat = FlatBucket(state.bucket_id(parameters), bucket.buffer(), [p.shape for p in parameters])
     return state.compressor.average(flat, state.meter, state.group)

@@ -1,9 +1,7 @@
 """Errors of collectives that another rank caused, restated to name that rank.
 
-A collective that fails because another rank is frozen (it did not answer within the group's timeout) or gone (its
-connection closed) raises a :class:`PeerError` naming that rank, e.g. ``all_reduce on rank 0 failed: rank 1 did not
-answer within 8 s``. This module reads the backend's error strings (gloo's wording) to tell those failures from
-others (a shape mismatch, a bad argument), which are left as they are.
+A collective that fails because another rank is frozen or gone raises a :class:`PeerError` naming that rank, e.g.
+``all_reduce on rank 0 failed: rank 1 did not answer within 8 s``, read off the backend's (gloo's) error strings.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ LAUNCH_WARMUP_ROUNDS = 3
 LAUNCH_TRIAL_ROUNDS = 8
 """``bucketing=auto``: timed rounds per launch point."""
 LAUNCH_MARGIN = 0.10
-"""``bucketing=auto``: the relative lead a launch point needs to overrule the device prior: above the trial-to-trial
-noise of step times on a shared CPU machine, so that noise alone does not pick the slower launch point."""
+"""``bucketing=auto``: the relative lead a launch point needs to overrule the device prior (above the trial-to-trial
+noise of step times on a shared CPU machine)."""
 
 PARALLEL_CHUNKS = 2
 """Uncompressed and cast all-reduces: a large payload goes as this many concurrent slices (gloo runs concurrent

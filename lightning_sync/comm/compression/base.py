@@ -73,8 +73,7 @@ class Compressor(ABC):
     """Beyond averaging over a process group: ``point_to_point`` (:meth:`pack` and :meth:`unpack`, for a
     parameter-server push) and ``across_groups`` (:meth:`average` over torchft's process group)."""
     memory: ClassVar[str | None] = None
-    """The attribute holding the codec's error-feedback memory, ``{key: tensor}`` (``None``: none), which
-    :meth:`state_dict` saves and :meth:`forget_nonfinite` cleans."""
+    """The attribute holding the codec's error-feedback memory, ``{key: tensor}`` (``None``: none)."""
 
     def __init__(self) -> None:
         self.steps = 0
