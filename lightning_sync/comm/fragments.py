@@ -190,12 +190,10 @@ def buffer_fragments(names: Sequence[str], split: Sequence[Sequence[int]], buffe
         for i in indices:
             for module in modules_of(names[i]):
                 owners.setdefault(module, set()).add(f)
-    out = []
-    for buffer in buffers:
-        found = [owners[m] for m in modules_of(buffer) if m in owners]
-        single = next((next(iter(s)) for s in found if len(s) == 1), None)
-        out.append(len(split) - 1 if single is None else single)
-    return out
+    return [
+        next((min(owners[m]) for m in modules_of(buffer) if len(owners.get(m, ())) == 1), len(split) - 1)
+        for buffer in buffers
+    ]
 
 
 def describe_fragments(named: NamedShapes, fragments: int, patterns: Sequence[Sequence[str]] | None = None) -> str:
