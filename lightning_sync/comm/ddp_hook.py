@@ -42,11 +42,6 @@ class DDPHookState:
         key = tuple(id(p) for p in parameters)
         return self._bucket_ids.setdefault(key, len(self._bucket_ids))
 
-    @property
-    def num_buckets(self) -> int:
-        """How many distinct buckets the hook has seen (the first step's layout and the rebuilt one)."""
-        return len(self._bucket_ids)
-
 
 def compressed_allreduce_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Averages one DDP gradient bucket over the group through ``state.compressor``.

@@ -205,9 +205,6 @@ class PeriodicAverager:
         """Whether the coming optimizer step is a warmup step (its gradients are all-reduced by the owner)."""
         return self.steps < self.warmup_steps
 
-    def _period_of(self, group: SyncGroup) -> int:
-        return self.period if group.period is None else group.period
-
     # ------------------------------------------------------------------ lifecycle
     def setup(
         self,
@@ -299,12 +296,13 @@ class PeriodicAverager:
 
     def _sync_due(self, group: SyncGroup) -> bool:
         """Whether ``group``'s period is up (``sync_delay=0``: it syncs now)."""
-        return group.since_sync >= self._period_of(group)
+        return group.since_sync >= (self.period if group.period is None else group.period)
 
     def _launch_due(self, group: SyncGroup) -> bool:
         """Whether ``group``'s outer sync is launched now (``sync_delay > 0``): none in flight, and its period is up
         within ``sync_delay`` steps."""
-        return group.in_flight is None and group.since_sync >= self._period_of(group) - self.sync_delay
+        period = self.period if group.period is None else group.period
+        return group.in_flight is None and group.since_sync >= period - self.sync_delay
 
     def _launch(self, group: SyncGroup) -> None:
         """Starts ``group``'s outer sync on the worker thread (``sync_delay > 0``), then its average across replica
@@ -313,7 +311,7 @@ class PeriodicAverager:
         if self._quorum():
             due = [g for g in self.groups if self._launch_due(g)]
             group = due[0] if due else group
-        group.in_flight = group.averager.launch_(self._sign, self.steps, self._worker)
+        group.in_flight = group.averager.launch_(-1.0 if self.outer else 1.0, self.steps, self._worker)
         assert self._worker is not None
         self._across_jobs[id(group)] = self._worker.submit(lambda: self._across(group))
 
@@ -342,7 +340,7 @@ class PeriodicAverager:
             groups = [g for g in self.groups if self._sync_due(g)] or groups
         squared = 0.0
         for group in groups:
-            group.in_flight = group.averager.launch_(self._sign, self.steps)
+            group.in_flight = group.averager.launch_(-1.0 if self.outer else 1.0, self.steps)
             squared += group.averager.complete_(group.in_flight, self.timeout_s)
             self._across(group)
         return self._complete(groups, optimizers, squared, 0.0, started)
@@ -421,11 +419,6 @@ class PeriodicAverager:
     def _commit(self) -> bool:
         """Whether the syncs completing now are applied (``False``: every parameter returns to its global copy)."""
         return True
-
-    @property
-    def _sign(self) -> float:
-        """DiLoCo averages ``global - local`` (a pseudo-gradient), local SGD ``local - global``."""
-        return -1.0 if self.outer else 1.0
 
     @property
     def skipped_outer_steps(self) -> int:

@@ -29,11 +29,8 @@ class BlockQuantizedCompression(Compressor):
     docstring)."""
 
     bits: ClassVar[int]
+    levels: ClassVar[int]  # 2 ** (bits - 1) - 1
     capabilities = frozenset({"across_groups"})
-
-    @property
-    def levels(self) -> int:
-        return 2 ** (self.bits - 1) - 1
 
     def chunk_bytes(self, entries: int) -> int:
         """Bytes of ``entries`` (a multiple of :data:`BLOCK`) once encoded: codes, then fp32 scales."""
@@ -107,6 +104,7 @@ class Int8Compression(BlockQuantizedCompression):
 
     name = "int8"
     bits = 8
+    levels = 127
 
 
 class Int4Compression(BlockQuantizedCompression):
@@ -120,3 +118,4 @@ class Int4Compression(BlockQuantizedCompression):
 
     name = "int4"
     bits = 4
+    levels = 7
