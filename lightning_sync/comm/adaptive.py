@@ -30,8 +30,7 @@ from lightning_sync.errors import check_range
 
 @dataclass(frozen=True)
 class AdaptiveOptions:
-    """``sync_every="auto"``: the bounds and the target of the adaptive period (checked by
-    :class:`~lightning_sync.comm.adaptive.AdaptivePeriod`).
+    """``sync_every="auto"``: the bounds and the target of the adaptive period (checked by :class:`AdaptivePeriod`).
 
     Args:
         target_comm_fraction: the share of time to spend communicating, in (0, 1].
@@ -62,12 +61,8 @@ class ComputeTimer:
             self._comm_start = comm_seconds
 
     def stop(self, comm_seconds: float, overlapped: bool) -> None:
-        """Books the step started by :meth:`start` (nothing if none was); ``comm_seconds``: the meter's total now.
-
-        Args:
-            overlapped: the communication booked meanwhile ran on a worker thread beside this compute, so none of
-                it is taken off.
-        """
+        """Books the step started by :meth:`start` (nothing if none was); ``comm_seconds``: the meter's total now;
+        ``overlapped``: the communication booked meanwhile ran beside this compute, so none of it is taken off."""
         if self._started is None:
             return
         comm = 0.0 if overlapped else comm_seconds - self._comm_start
@@ -118,8 +113,7 @@ class AdaptivePeriod:
         smoothing: weight of the newest measurement in the moving averages, in (0, 1] (1: no smoothing).
 
     Raises:
-        ConfigError: an argument out of range (named by its knob: ``target_comm_fraction``, ``min_sync_every``,
-            ``max_sync_every``).
+        ConfigError: an argument out of range, named by its knob (``min_sync_every`` for ``min_every``, ...).
     """
 
     def __init__(

@@ -166,8 +166,7 @@ class ModelAverager:
         plans = plan_buckets(self.params, bucket_cap_mb * MIB, bucket_cap_mb * MIB)
         self._bucket_params = [[self.params[i] for i in plan] for plan in plans]
         self.anchors = [torch.cat([p.detach().reshape(-1) for p in params]) for params in self._bucket_params]
-        # the delta buckets: after complete_, the average a sync will apply (a caller may average them further,
-        # e.g. across replica groups, before apply_)
+        # the delta buckets: after complete_, the average a sync will apply (a caller may average it further first)
         self.deltas = [torch.zeros_like(anchor) for anchor in self.anchors]
 
     def reset_anchor_(self) -> None:

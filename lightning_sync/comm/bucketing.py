@@ -72,21 +72,6 @@ class GradBucket:
         self.slots = [view.view(p.shape) for p, view in zip(self.params, views)]
 
 
-def pack_grads(bucket: GradBucket, grads: list[torch.Tensor | None]) -> None:
-    """Writes ``grads`` (``None``: zeros) into ``bucket.buffer``, undivided: one ``torch.cat`` when all are present,
-    contiguous and not already in place, else tensor by tensor, skipping gradients that already are their slot."""
-    if all(
-        g is not None and g.is_contiguous() and g.data_ptr() != slot.data_ptr() for g, slot in zip(grads, bucket.slots)
-    ):
-        torch.cat([cast(torch.Tensor, g).view(-1) for g in grads], out=bucket.buffer)  # all present, checked above
-        return
-    for slot, g in zip(bucket.slots, grads):
-        if g is None:
-            slot.zero_()
-        elif g.data_ptr() != slot.data_ptr():
-            slot.copy_(g)
-
-
 def plan_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: float, first_bucket_bytes: float) -> list[list[int]]:
     """Splits parameter indices, in order, into buckets that close once they hold their cap (``first_bucket_bytes``
     for the first) and never mix dtypes or devices. The layout depends on the order and the caps alone, never on
@@ -253,8 +238,7 @@ class GradientSynchronizer:
         if self.tuner is not None and self.tuner.prefer_after_backward is None and self.params:
             cpu = self.params[0].device.type == "cpu"
             self.tuner.prefer_after_backward = cpu and same_host_cpu is not False
-        # Whether this round's buckets launch after backward (flat, naive, and auto when it so decides or tries).
-        self.after_backward = bucketing in ("flat", "naive")
+        self.after_backward = bucketing in ("flat", "naive")  # this round's launch point (auto: tried or decided)
         self._round_started: float | None = None
         self.sync_enabled = True
         self._round_active = False
@@ -364,28 +348,25 @@ class GradientSynchronizer:
 
     # ------------------------------------------------------------------ finish
     def _pack_and_launch(self, bucket: GradBucket) -> torch.futures.Future:
-        """Packs this round's gradients into ``bucket`` (zeros where there is none), divides, and launches it.
-
-        Returns:
-            The launched average's future, also kept as ``bucket.future``.
-        """
+        """Packs this round's gradients into ``bucket`` (zeros where there is none; one ``torch.cat`` when all are
+        present, contiguous and not in place already), divides, and launches it; returns ``bucket.future``."""
         grads = [p.grad for p in bucket.params]
-        if len(grads) == 1 and grads[0] is not None and grads[0].data_ptr() != bucket.slots[0].data_ptr():
-            torch.div(grads[0], self._world, out=bucket.slots[0])  # copy and divide in one pass (same bits)
+        slots = bucket.slots
+        if len(grads) == 1 and grads[0] is not None and grads[0].data_ptr() != slots[0].data_ptr():
+            torch.div(grads[0], self._world, out=slots[0])  # copy and divide in one pass (same bits)
         else:
-            pack_grads(bucket, grads)
+            if all(g is not None and g.is_contiguous() and g.data_ptr() != s.data_ptr() for g, s in zip(grads, slots)):
+                torch.cat([cast(torch.Tensor, g).view(-1) for g in grads], out=bucket.buffer)  # all present
+            else:
+                for slot, g in zip(slots, grads):
+                    if g is None:
+                        slot.zero_()
+                    elif g.data_ptr() != slot.data_ptr():
+                        slot.copy_(g)
             bucket.buffer.div_(self._world)
         flat = FlatBucket(bucket.index, bucket.buffer, [p.shape for p in bucket.params], divided=True)
         bucket.future = self.compressor.average(flat, self.meter, self.group)
         return bucket.future
-
-    def _launch_rest(self) -> None:
-        """Packs and launches, in index order, every bucket not launched yet (each before the next is packed, so
-        packing overlaps the transfers in flight)."""
-        for bucket in self.buckets[self._next_launch :]:
-            future = self._pack_and_launch(bucket)
-            if self.bucketing == "naive":
-                wait_future(future, "gradient all_reduce", self.group)
 
     def finish(self) -> bool:
         """Completes the round: launches every bucket not yet launched, waits for all, writes averages to ``.grad``.
@@ -396,7 +377,10 @@ class GradientSynchronizer:
         if not self._round_active:
             return False
         local_used = [p.grad is not None for p in self.params]
-        self._launch_rest()
+        for bucket in self.buckets[self._next_launch :]:  # each launched before the next is packed
+            future = self._pack_and_launch(bucket)
+            if self.bucketing == "naive":
+                wait_future(future, "gradient all_reduce", self.group)
         if self.find_unused_parameters:  # after every bucket, so all ranks issue the same collectives
             used = torch.tensor(local_used, dtype=torch.float32, device=self.meter.control_device(self.group))
             self.meter.all_reduce(used, group=self.group)

@@ -1,8 +1,7 @@
 """One communication meter for every sync mode.
 
-Every collective that lightning_sync issues goes through a :class:`CommMeter`. The meter calls torch.distributed
-itself, so the bytes it counts are the bytes of the tensors that really go to the process group: a compressed
-payload (fp16, a low-rank factor, top-k values and indices) counts at its compressed size.
+Every collective that lightning_sync issues goes through a :class:`CommMeter`, which calls torch.distributed itself:
+the bytes it counts are those of the tensors that really go to the process group (a compressed payload's).
 
 What is counted, per rank, for a payload of ``S`` bytes on a group of ``n`` ranks:
 
@@ -89,8 +88,7 @@ class TimedWork:
         work: the torch.distributed work.
         meter: books the seconds from ``started`` (``time.perf_counter()`` at launch) until the work completed.
         op: a collective's name: its failure names the peer (point-to-point errors are the caller's).
-        group: the collective's process group; only its :class:`~lightning_sync.comm.peer_errors.Peers` are kept
-            (the completion callback runs on the backend's thread, see ``Peers``).
+        group: the collective's process group (only its :class:`~lightning_sync.comm.peer_errors.Peers` are kept).
     """
 
     def __init__(self, work: Any, meter: CommMeter, started: float, op: str | None, group: Any) -> None:
@@ -223,9 +221,8 @@ class CommMeter:
     def all_to_all_single(
         self, output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False
     ) -> TimedWork:
-        """``dist.all_to_all_single`` with equal splits: block ``j`` of ``tensor`` goes to rank ``j``, and block
-        ``j`` of ``output`` comes from rank ``j``; counted as ``(n-1)/n * S`` sent and received (a rank keeps its
-        own block)."""
+        """``dist.all_to_all_single`` with equal splits: block ``j`` of ``tensor`` goes to rank ``j``, block ``j`` of
+        ``output`` comes from rank ``j``."""
         return self._collective(
             "all_to_all", tensor, group, lambda n: (n - 1) / n, async_op,
             lambda g: dist.all_to_all_single(output, tensor, group=g, async_op=True),
@@ -244,10 +241,8 @@ class CommMeter:
     # go through its group registry, which rejects a group built outside it (``ProcessGroupGloo(store, rank,
     # size)``, as the parameter server does so that one process can hold several members of the same group).
     def send_to(self, tensor: torch.Tensor, group_dst: int, group: Any = None, tag: int = 0) -> TimedWork:
-        """Asynchronous send of ``tensor`` to rank ``group_dst`` of ``group`` (its own rank, not a global one).
-
-        Counted as ``S`` bytes sent when launched. ``tensor`` must stay untouched until the work is waited for.
-        """
+        """Asynchronous send of ``tensor`` (untouched until the work is waited for) to rank ``group_dst`` of
+        ``group`` (its own rank, not a global one), counted as ``S`` bytes sent when launched."""
         group = group if group is not None else self.group
         nbytes = float(tensor.numel() * tensor.element_size())
         return self._run(nbytes, 0.0, True, lambda: group.send([tensor], int(group_dst), int(tag)))

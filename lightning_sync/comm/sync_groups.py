@@ -25,8 +25,7 @@ class SyncGroup:
     """Parameters (and buffers) synced together, with their own period and global copy.
 
     Attributes:
-        label: the ``module_sync_every`` pattern, or ``"*"`` for the parameters no pattern matches; a fragment's
-            label adds ``#f`` (``"*#0"``).
+        label: the ``module_sync_every`` pattern, or ``"*"``; a fragment's label adds ``#f`` (``"*#0"``).
         period: a fixed period, or ``None`` for the default group (which follows ``sync_every``, maybe adaptive).
         params: the parameters (those with ``requires_grad``).
         buffers: the module buffers synced with this group.

@@ -131,7 +131,7 @@ class Compressor(ABC):
             raise ValueError(f"a {self.name} payload of {numel} values has {expected} bytes, got {payload.numel()}")
 
     def advance(self) -> None:
-        """Marks the end of one optimizer step."""
+        """Marks the end of one optimizer step (sync)."""
         self.steps += 1
 
     def state_dict(self) -> dict[str, Any]:
