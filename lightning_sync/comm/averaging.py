@@ -235,9 +235,8 @@ class ModelAverager:
                 ) from None
         for future in flight.futures or []:
             wait_future(future, "outer sync", self.group)
-        squared = 0.0
-        for mine, delta in zip(flight.mine or [], self.deltas):
-            squared += float(mine.sub_(delta).square_().sum(dtype=torch.float64))  # mine is dropped below
+        mine = zip(flight.mine or [], self.deltas)  # dropped below, so subtracted in place
+        squared = sum((float(m.sub_(delta).square_().sum(dtype=torch.float64)) for m, delta in mine), 0.0)
         self.compressor.advance()
         flight.mine, flight.futures, flight.job, flight.divergence_sq = None, None, None, squared
         return squared

@@ -12,28 +12,14 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable
 
-from lightning_sync.comm.compression.base import Compressor, FlatBucket
+from lightning_sync.comm.compression.base import Compressor
+from lightning_sync.comm.compression.base import FlatBucket as FlatBucket
 from lightning_sync.comm.compression.cast import BF16Compression, FP16Compression, NoCompression
 from lightning_sync.comm.compression.powersgd import PowerSGDCompression
 from lightning_sync.comm.compression.quantized import Int4Compression, Int8Compression
 from lightning_sync.comm.compression.sparseloco import SparseLoCo
 from lightning_sync.comm.compression.topk import TopKCompression
 from lightning_sync.errors import ConfigError, check_choice
-
-__all__ = [
-    "CODECS",
-    "BF16Compression",
-    "Compressor",
-    "FP16Compression",
-    "FlatBucket",
-    "Int4Compression",
-    "Int8Compression",
-    "NoCompression",
-    "PowerSGDCompression",
-    "SparseLoCo",
-    "TopKCompression",
-    "resolve_codec",
-]
 
 CODECS: dict[str, type[Compressor]] = {
     codec.name: codec
