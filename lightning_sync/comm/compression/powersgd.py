@@ -130,17 +130,16 @@ class PowerSGDCompression(Compressor):
         plain = [i for i, v in enumerate(views) if not self.is_compressed(v.shape)]
 
         # Remainder: one flat uncompressed all-reduce of the pre-divided tensors.
+        pending: list[torch.futures.Future] = []
         rest: torch.Tensor | None = None
-        rest_fut: torch.futures.Future | None = None
         if plain and sum(views[i].numel() for i in plain) > 0:
             rest = torch.cat([views[i].reshape(-1) for i in plain]).mul_(bucket.scale(world))
-            rest_fut = meter.all_reduce(rest, group=group, async_op=True).get_future()
+            pending.append(meter.all_reduce(rest, group=group, async_op=True).get_future())
 
         # Matrices (plus residuals), and P = M @ Q for all of them packed into one buffer.
         mats: list[torch.Tensor] = []
         ps: list[torch.Tensor] = []
         q_flat: torch.Tensor | None = None
-        q_fut: torch.futures.Future | None = None
         if compressed:
             qs = []
             for slot, i in enumerate(compressed):
@@ -157,9 +156,7 @@ class PowerSGDCompression(Compressor):
             for mat, part in zip(mats, p_flat.split([mat.shape[0] * self.rank for mat in mats])):
                 ps.append(torch.linalg.qr(part.view(mat.shape[0], self.rank))[0])
             q_flat = torch.cat([(mat.t() @ p).reshape(-1) for mat, p in zip(mats, ps)])
-            q_fut = meter.all_reduce(q_flat, group=group, async_op=True).get_future()
-
-        pending = [f for f in (rest_fut, q_fut) if f is not None]
+            pending.append(meter.all_reduce(q_flat, group=group, async_op=True).get_future())
 
         def _decode(done: Any) -> torch.Tensor:
             if done is not None:
