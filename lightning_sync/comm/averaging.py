@@ -81,18 +81,16 @@ def average_buffers(tensors: Sequence[torch.Tensor], meter: CommMeter, group: Pr
             by_dtype.setdefault(t.dtype, []).append(t)
         else:
             meter.broadcast(t.data, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
-    averager = NoCompression()
     pending = []
-    for index, (dtype, group_tensors) in enumerate(by_dtype.items()):
-        numel = sum(t.numel() for t in group_tensors)
-        if numel == 0:
-            continue
-        flat = _pack(group_tensors, torch.empty(numel, dtype=dtype, device=group_tensors[0].device))
-        bucket = FlatBucket(index=index, buffer=flat, shapes=[t.shape for t in group_tensors])
-        pending.append((group_tensors, flat, averager.average(bucket, meter, group)))
-    for group_tensors, flat, future in pending:
+    for index, (dtype, members) in enumerate(by_dtype.items()):
+        numel = sum(t.numel() for t in members)
+        if numel:
+            flat = _pack(members, torch.empty(numel, dtype=dtype, device=members[0].device))
+            future = NoCompression().average(FlatBucket(index, flat, [t.shape for t in members]), meter, group)
+            pending.append((members, flat, future))
+    for members, flat, future in pending:
         wait_future(future, "all_reduce", group)
-        _unpack(flat, group_tensors)
+        _unpack(flat, members)
 
 
 def optimizer_state_tensors(

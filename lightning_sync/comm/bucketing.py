@@ -169,11 +169,8 @@ class LaunchTuner:
 
     def decide(self, meter: CommMeter, group: ProcessGroup | None) -> bool:
         """Sums the ranks' medians (one small all-reduce) and fixes the launch point; returns it."""
-        medians = torch.tensor(
-            [statistics.median(self.times[False]), statistics.median(self.times[True])],
-            dtype=torch.float64,
-            device=meter.control_device(group),
-        )
+        times = [statistics.median(self.times[after]) for after in (False, True)]
+        medians = torch.tensor(times, dtype=torch.float64, device=meter.control_device(group))
         meter.all_reduce(medians, group=group)
         n = meter.world_size(group)
         during, after = (1e3 * medians / n).tolist()
@@ -236,24 +233,20 @@ class GradientSynchronizer:
         self._world = meter.world_size(group)
         self.tuner = (tuner or LaunchTuner()) if bucketing == "auto" and self._world > 1 else None
         if self.tuner is not None and self.tuner.prefer_after_backward is None and self.params:
-            cpu = self.params[0].device.type == "cpu"
-            self.tuner.prefer_after_backward = cpu and same_host_cpu is not False
+            self.tuner.prefer_after_backward = self.params[0].device.type == "cpu" and same_host_cpu is not False
         self.after_backward = bucketing in ("flat", "naive")  # this round's launch point (auto: tried or decided)
         self._round_started: float | None = None
         self.sync_enabled = True
         self._round_active = False
         self._next_launch = 0
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         ordered = list(reversed(self.params))  # backward visits layers last to first
-        if bucketing == "naive":
-            plans = [[i] for i in range(len(ordered))]
-        else:  # one layout for every launch point: it alone decides how a gradient is summed (module docstring)
-            plans = plan_buckets(ordered, bucket_cap_mb * MIB, first_bucket_mb * MIB)
+        # one layout for every launch point: it alone decides how a gradient is summed (naive: a parameter a bucket)
+        caps = (0.0, 0.0) if bucketing == "naive" else (bucket_cap_mb * MIB, first_bucket_mb * MIB)
+        plans = plan_buckets(ordered, *caps)
         self.buckets, self._buffers = make_buckets([[ordered[i] for i in plan] for plan in plans])
         self._where = {id(p): b for b in self.buckets for p in b.params}
-        if bucketing in ("overlap", "auto"):
-            for p in self.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        overlap = bucketing in ("overlap", "auto")
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params if overlap]
 
     @staticmethod
     def check_settings(bucketing: str, bucket_cap_mb: float, first_bucket_mb: float) -> None:

@@ -120,8 +120,6 @@ def block_fragments(named: NamedShapes, fragments: int) -> list[list[int]]:
         For each fragment, the indices into ``named`` of its parameters, in model order.
     """
     names = [name for name, _ in named]
-    if fragments <= 1 or not names:
-        return [list(range(len(names)))]
     blocks = {block: i for i, block in enumerate(find_blocks(named))}
     if len(blocks) < 2:
         return layer_fragments(names, fragments)

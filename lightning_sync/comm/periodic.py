@@ -84,8 +84,7 @@ def _check_streaming(
     check_range("fragments", fragments, low=1, integer=True)
     check_range("sync_delay", sync_delay, low=0, integer=True)
     check_range("fragment_alpha", streaming.fragment_alpha, low=0, high=1)
-    resolve_codec(outer_compression, "outer_compression")
-    base = new_compressor().name
+    base = new_compressor().name  # outer_compression itself is resolved (and checked) by the averager
     if outer_compression != "none" and base != "none":
         raise ConfigError(
             f"outer_compression={outer_compression!r} is not allowed with compression={base!r}; the "

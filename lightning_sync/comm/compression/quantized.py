@@ -43,8 +43,7 @@ class BlockQuantizedCompression(Compressor):
         # to non-finite values (0 * Inf and 0 * NaN are NaN) without a pass of its own to look for them
         scales = blocks.abs().amax(dim=1, keepdim=True) / self.levels
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        codes = torch.round(blocks / safe).nan_to_num_(0.0).clamp_(-self.levels, self.levels).to(torch.int8)
-        codes = codes.reshape(-1)
+        codes = torch.round(blocks / safe).nan_to_num_(0.0).clamp_(-self.levels, self.levels).to(torch.int8).reshape(-1)
         if self.bits == 4:
             nibbles = (codes + 8).to(torch.uint8).view(-1, 2)
             packed = nibbles[:, 0] | (nibbles[:, 1] << 4)
