@@ -38,6 +38,7 @@ Internal: ``--worker NAME`` runs one rank of a two-rank ``collective`` case (the
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import fnmatch
 import functools
@@ -586,7 +587,7 @@ def case_streaming_outer(rank: int, world: int, device: str, port: int) -> dict[
     from lightning_sync.comm.averaging import ModelAverager
     from lightning_sync.comm.compression.quantized import Int4Compression
     from lightning_sync.comm.meter import CommMeter
-    from lightning_sync.comm.streaming import OuterSyncWorker, new_stream_group
+    from lightning_sync.comm.streaming import new_stream_group
 
     torch.manual_seed(0)
     start = [torch.randn(40, 30), torch.randn(30)]
@@ -600,12 +601,12 @@ def case_streaming_outer(rank: int, world: int, device: str, port: int) -> dict[
         for p, d in zip(params, deltas):
             p.add_(d.to(device))
     local = [p.detach().cpu().clone() for p in params]
-    worker = OuterSyncWorker()
+    worker = concurrent.futures.ThreadPoolExecutor(1)
     try:
         flight = averager.launch_(-1.0, 0, worker=worker)
         applied = averager.apply_(flight, outer, alpha=0.5, timeout_s=60.0)
     finally:
-        worker.close()
+        worker.shutdown()
     _check(applied, "the outer step was skipped")
     _on_device([*params, *averager.anchors], device, "the parameters and the global copy")
     mean_delta = [torch.stack(_gather_cpu(d)).mean(dim=0) for d in deltas]

@@ -449,7 +449,7 @@ def _ddp_identical_blocks(rank: int, world_size: int) -> None:
         else:  # one residual per compressed matrix of the bucket
             memory = [saved["residuals"] for saved in comp.state_dict()["buckets"].values()]
         assert len(memory) == buckets, f"{comp.name}: {len(memory)} memory states for {buckets} buckets"
-        assert state.num_buckets == buckets
+        assert len(state._bucket_ids) == buckets
         # Each block's memory is its own: the residuals of the block buckets (the ones of a single block) differ.
         block_numel = _WIDTH * _WIDTH + (_WIDTH if isinstance(comp, TopKCompression) else 0)
         leftovers = [r[0] for r in memory if len(r) == 1 and r[0].numel() == block_numel]

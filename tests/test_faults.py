@@ -29,7 +29,8 @@ from lightning_utils import make_trainer
 
 from lightning_sync import AllReduceStrategy
 from lightning_sync.comm.compression import FlatBucket, NoCompression
-from lightning_sync.comm.meter import CommMeter, PeerError, wait_future
+from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.peer_errors import PeerError, wait_future
 from lightning_sync.examples.data import SyntheticDataModule
 from lightning_sync.examples.models import SyntheticMLP
 

@@ -46,7 +46,7 @@ def test_compressor_memory_forgets_nonfinite_entries():
     assert torch.equal(topk.residuals[0], torch.tensor([1.0, 0.0, 0.0, 2.0]))
 
     powersgd = PowerSGDCompression(rank=1, start_iter=0)
-    from lightning_sync.comm.compression import _PowerSGDMemory
+    from lightning_sync.comm.compression.powersgd import _PowerSGDMemory
 
     good_q = torch.ones(3, 1)
     powersgd._memory = {

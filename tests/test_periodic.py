@@ -22,7 +22,7 @@ from lightning_utils import WORLD, make_trainer
 from torch import nn
 
 from lightning_sync import ConfigError, DDPSyncStrategy, PeriodicSyncStrategy
-from lightning_sync.comm.adaptive import AdaptivePeriod, agree_max, choose_period, comm_fraction
+from lightning_sync.comm.adaptive import AdaptivePeriod, agree_max, choose_period
 from lightning_sync.comm.averaging import ModelAverager, average_buffers, average_optimizer_state
 from lightning_sync.comm.compression import NoCompression, PowerSGDCompression, TopKCompression
 from lightning_sync.comm.meter import CommMeter, ring_all_reduce_bytes
@@ -40,6 +40,12 @@ PAPER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True) 
 # ---------------------------------------------------------------------------------------------------------- helpers
 def flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+
+def comm_fraction(compute_seconds_per_step: float, comm_seconds_per_sync: float, period: int) -> float:
+    """The share of time spent communicating with this period."""
+    total = period * compute_seconds_per_step + comm_seconds_per_sync
+    return comm_seconds_per_sync / total if total > 0 else 0.0
 
 
 def gathered(trainer: pl.Trainer, tensor: torch.Tensor) -> torch.Tensor:
@@ -630,7 +636,7 @@ def _averaging_ranks(rank: int, world_size: int) -> None:
 
     # local SGD: parameters become the mean; divergence is ||local - mean||
     local = perturb(0.5)
-    div_sq = local_sgd.average_()
+    div_sq = local_sgd.sync_()
     means = [s + 0.5 * 1.5 for s in start]  # ranks added 0.5 and 1.0
     for p, m in zip(params, means):
         torch.testing.assert_close(p.detach(), m, rtol=0, atol=1e-6)
@@ -642,13 +648,13 @@ def _averaging_ranks(rank: int, world_size: int) -> None:
     outer = torch.optim.SGD(diloco.anchors, lr=1.0)
     anchor = [p.detach().clone() for p in params]
     perturb(0.25)
-    diloco.outer_step_(outer)
+    diloco.sync_(outer)
     for p, a in zip(params, anchor):
         torch.testing.assert_close(p.detach(), a + 0.25 * 1.5, rtol=0, atol=1e-6)
     nesterov = PAPER(diloco.anchors)
     anchor = [p.detach().clone() for p in params]
     perturb(0.1)
-    diloco.outer_step_(nesterov)
+    diloco.sync_(nesterov)
     # Nesterov SGD, first step: buf = g; update = g + 0.9 * g; p -= 0.7 * 1.9 * g with g = -(0.1 * 1.5)
     for p, a in zip(params, anchor):
         torch.testing.assert_close(p.detach(), a + 0.7 * 1.9 * 0.15, rtol=0, atol=1e-6)

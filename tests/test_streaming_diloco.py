@@ -27,7 +27,8 @@ from lightning_sync.comm.averaging import ModelAverager
 from lightning_sync.comm.compression import FlatBucket, NoCompression
 from lightning_sync.comm.compression.quantized import BLOCK, Int4Compression, Int8Compression
 from lightning_sync.comm.fragments import block_fragments, layer_fragments, split_fragments
-from lightning_sync.comm.meter import CommMeter, PeerError
+from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.peer_errors import PeerError
 from lightning_sync.comm.periodic import AdaptiveOptions, PeriodicAverager, StreamingOptions
 from lightning_sync.comm.streaming import stagger_offsets
 from lightning_sync.config import PeriodicConfig
@@ -341,9 +342,9 @@ def _reference_diloco(rank: int, outer: bool, steps: int, period: int) -> torch.
     for step in range(1, steps + 1):
         loop.inner_step()
         if step % period == 0:
-            averager.outer_step_(outer_opt) if outer else averager.average_()
+            averager.sync_(outer_opt)
     if steps % period:
-        averager.outer_step_(outer_opt) if outer else averager.average_()
+        averager.sync_(outer_opt)
     return flat(loop.model)
 
 

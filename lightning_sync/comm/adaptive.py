@@ -6,13 +6,9 @@ communicating. The smallest period that keeps this at or below ``target`` is
 
     ``P = ceil(t_sync * (1 - target) / (target * t_step))``
 
-clamped to ``[min_every, max_every]`` (:func:`choose_period`). :class:`AdaptivePeriod` smooths the measurements
-with an exponential moving average before choosing, so one slow step does not swing the period.
-
-The decision must be identical on every rank, or ranks would sync at different steps and deadlock. So the ranks
-first agree on the inputs: :func:`agree_max` all-reduces the measured times with ``MAX`` (the slowest rank sets the
-pace of a synchronous collective anyway), and every rank then runs the same deterministic update on the same
-numbers.
+clamped to ``[min_every, max_every]`` (:func:`choose_period`), on measurements smoothed by an exponential moving
+average (:class:`AdaptivePeriod`). Every rank must choose the same period, so the ranks first agree on the inputs
+(:func:`agree_max`: the slowest rank's) and run the same deterministic update.
 """
 
 from __future__ import annotations
@@ -34,8 +30,7 @@ from lightning_sync.errors import check_range
 
 @dataclass(frozen=True)
 class AdaptiveOptions:
-    """``sync_every="auto"``: the bounds and the target of the adaptive period (checked by
-    :class:`~lightning_sync.comm.adaptive.AdaptivePeriod`).
+    """``sync_every="auto"``: the bounds and the target of the adaptive period (checked by :class:`AdaptivePeriod`).
 
     Args:
         target_comm_fraction: the share of time to spend communicating, in (0, 1].
@@ -49,12 +44,8 @@ class AdaptiveOptions:
 
 
 class ComputeTimer:
-    """Measures the compute seconds per optimizer step: each step's wall time less the communication the meter
-    booked during it.
-
-    Args:
-        clock: returns the current time in seconds (a test passes a fake one and feeds it the durations).
-    """
+    """Measures the compute seconds per optimizer step, by ``clock``: each step's wall time less the communication
+    the meter booked during it."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
@@ -70,17 +61,11 @@ class ComputeTimer:
             self._comm_start = comm_seconds
 
     def stop(self, comm_seconds: float, overlapped: bool) -> None:
-        """Books the step started by :meth:`start` (nothing if none was); ``comm_seconds``: the meter's total now.
-
-        Args:
-            overlapped: the communication booked meanwhile ran on a worker thread beside this compute, so none of
-                it is taken off.
-        """
+        """Books the step started by :meth:`start` (nothing if none was); ``comm_seconds``: the meter's total now;
+        ``overlapped``: the communication booked meanwhile ran beside this compute, so none of it is taken off."""
         if self._started is None:
             return
-        comm = comm_seconds - self._comm_start
-        if overlapped:
-            comm = 0.0
+        comm = 0.0 if overlapped else comm_seconds - self._comm_start
         self._seconds += max(self.clock() - self._started - comm, 0.0)
         self._steps += 1
         self._started = None
@@ -102,17 +87,9 @@ def choose_period(
     min_every: int,
     max_every: int,
 ) -> int:
-    """The smallest period whose share of time spent communicating is at most ``target_comm_fraction``.
-
-    Args:
-        compute_seconds_per_step: seconds of computation per optimizer step (> 0; 0 means "unknown, go long").
-        comm_seconds_per_sync: seconds of communication per sync.
-        target_comm_fraction: in (0, 1].
-        min_every: smallest allowed period (>= 1).
-        max_every: largest allowed period (>= ``min_every``).
-
-    The bounds are not checked here: :class:`AdaptivePeriod`, which owns them, checks them once.
-    """
+    """The smallest period in ``[min_every, max_every]`` whose share of time spent communicating is at most
+    ``target_comm_fraction`` (a compute time of 0 means "unknown, go long"; :class:`AdaptivePeriod` checks the
+    bounds)."""
     comm = max(float(comm_seconds_per_sync), 0.0)
     compute = max(float(compute_seconds_per_step), 0.0)
     if comm == 0.0:
@@ -126,17 +103,8 @@ def choose_period(
     return int(min(max(math.ceil(needed - ROUNDING_SLACK), min_every), max_every))
 
 
-def comm_fraction(compute_seconds_per_step: float, comm_seconds_per_sync: float, period: int) -> float:
-    """The share of time spent communicating with this period."""
-    total = period * compute_seconds_per_step + comm_seconds_per_sync
-    return comm_seconds_per_sync / total if total > 0 else 0.0
-
-
 class AdaptivePeriod:
-    """Tracks smoothed compute and communication times and the period chosen from them.
-
-    Deterministic: the same sequence of :meth:`update` calls gives the same periods, so ranks that feed it agreed
-    numbers (see :func:`agree_max`) hold the same period.
+    """Tracks smoothed compute and communication times and the period chosen from them (deterministically).
 
     Args:
         target_comm_fraction: the share of time to spend communicating, in (0, 1].
@@ -145,8 +113,7 @@ class AdaptivePeriod:
         smoothing: weight of the newest measurement in the moving averages, in (0, 1] (1: no smoothing).
 
     Raises:
-        ConfigError: an argument out of range (named by its knob: ``target_comm_fraction``, ``min_sync_every``,
-            ``max_sync_every``).
+        ConfigError: an argument out of range, named by its knob (``min_sync_every`` for ``min_every``, ...).
     """
 
     def __init__(
@@ -182,8 +149,7 @@ class AdaptivePeriod:
         return {key: getattr(self, key) for key in ("period", "compute_seconds", "comm_seconds", "updates")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.period, self.updates = int(state["period"]), int(state["updates"])
-        self.compute_seconds, self.comm_seconds = state["compute_seconds"], state["comm_seconds"]
+        vars(self).update(state)
 
 
 def agree_max(values: Sequence[float], meter: CommMeter, group: ProcessGroup | None = None) -> list[float]:

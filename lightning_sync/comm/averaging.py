@@ -1,20 +1,12 @@
 """Periodic model averaging: local SGD and DiLoCo's pseudo-gradient, plus buffers and optimizer state.
 
-Nothing here knows of Lightning; when to sync which parameters is
-:class:`~lightning_sync.comm.periodic.PeriodicAverager`'s business. :class:`ModelAverager` keeps the *global copy*
-("anchor") of a fixed list of parameters: identical on every rank, in flat buckets. At a sync each rank's delta from
-the anchor (not its parameters, so that a sparsifying or low-rank codec sees small deltas) is averaged through a
-:class:`~lightning_sync.comm.compression.Compressor`, counted by the meter at its compressed size:
-
-* ``average_`` (local SGD): ``anchor += mean_r(local_r - anchor)``, then every replica loads the anchor;
-* ``outer_step_`` (DiLoCo): the pseudo-gradient ``mean_r(anchor - local_r)`` becomes ``anchor.grad``, an outer
-  optimizer (:data:`OUTER_OPTIMIZER` by default) steps the anchor, and every replica loads it (SGD at ``lr=1``
-  without momentum equals ``average_``).
-
-Both return this rank's squared divergence ``||local_r - mean_r(local_r)||^2``, measured before the replicas are
-overwritten. Buffers (:func:`average_buffers`; torch's ``PeriodicModelAverager`` skips them) and the optimizer's
-floating state (:func:`average_optimizer_state`) are averaged exactly: they are small, and compressing running
-statistics or moments is meaningless.
+:class:`ModelAverager` keeps the *global copy* ("anchor") of a fixed list of parameters, identical on every rank, in
+flat buckets. At a sync each rank's delta from the anchor (so that a sparsifying or low-rank codec sees small
+deltas) is averaged through a :class:`~lightning_sync.comm.compression.Compressor`. Local SGD adds the mean delta to
+the anchor; DiLoCo makes the mean pseudo-gradient ``anchor - local`` the anchor's gradient and steps an outer
+optimizer (:data:`OUTER_OPTIMIZER` by default; SGD at ``lr=1`` without momentum equals local SGD). Every replica
+then loads the anchor. Buffers (:func:`average_buffers`; torch's ``PeriodicModelAverager`` skips them) and the
+optimizer's floating state (:func:`average_optimizer_state`) are averaged exactly.
 """
 
 from __future__ import annotations
@@ -30,18 +22,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from lightning_sync.comm.bucket_layout import plan_buckets
+from lightning_sync.comm.bucketing import plan_buckets
 from lightning_sync.comm.compression import Compressor, FlatBucket, NoCompression
-from lightning_sync.comm.meter import CommMeter, PeerError, wait_future
+from lightning_sync.comm.meter import CommMeter
 from lightning_sync.comm.nonfinite import all_finite, probe
-from lightning_sync.comm.streaming import OuterSyncWorker
+from lightning_sync.comm.peer_errors import PeerError, wait_future
 from lightning_sync.comm.tuning import MIB
 from lightning_sync.errors import ConfigError
 
 WAIT_GRACE_S = 5.0
-"""Seconds a wait for an outer sync's result may exceed ``timeout_s``: the collective itself fails after
-``timeout_s`` (its process group's timeout) with an error naming the silent peer; the grace lets that error come
-first."""
+"""Seconds a wait for an outer sync's result may exceed ``timeout_s``, so that the collective's own error, naming the
+silent peer, comes first."""
 
 
 @dataclass
@@ -51,8 +42,7 @@ class InFlight:
     Attributes:
         launched_at: the averager's step count when it was launched.
         mine: this rank's pseudo-gradient buckets at launch (for the divergence); ``None`` once complete.
-        futures: the compressor's futures (launched on the calling thread), or
-        job: the worker's future (launched on the worker).
+        futures: the compressor's futures (launched on the calling thread), or ``job``'s (on the worker).
         divergence_sq: this rank's squared divergence from the average, once complete.
     """
 
@@ -63,23 +53,14 @@ class InFlight:
     divergence_sq: float | None = None
 
 
-# ------------------------------------------------------------------------------------------------ small helpers
 def _pack(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        out[offset : offset + n].copy_(t.detach().reshape(-1))
-        offset += n
-    return out
+    return torch.cat([t.detach().reshape(-1).to(out.device) for t in tensors], out=out)
 
 
 def _unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    offset = 0
     with torch.no_grad():
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+        for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(part.view_as(t))
 
 
 def _load_buckets(buckets: Sequence[torch.Tensor], saved: Sequence[torch.Tensor], what: str) -> None:
@@ -90,12 +71,8 @@ def _load_buckets(buckets: Sequence[torch.Tensor], saved: Sequence[torch.Tensor]
 
 
 def average_buffers(tensors: Sequence[torch.Tensor], meter: CommMeter, group: ProcessGroup | None = None) -> None:
-    """Replaces floating ``tensors`` (same list on every rank: a module's buffers, optimizer state) by their exact
-    mean over the group, in place, packed per dtype.
-
-    Non-floating tensors are broadcast from the group's first rank instead (integers have no exact mean; counters
-    such as ``num_batches_tracked`` are equal on all ranks anyway).
-    """
+    """Replaces floating ``tensors`` (the same list on every rank) by their exact mean over the group, in place,
+    packed per dtype; non-floating ones (``num_batches_tracked``) are broadcast from the group's first rank."""
     if meter.world_size(group) == 1:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -104,39 +81,31 @@ def average_buffers(tensors: Sequence[torch.Tensor], meter: CommMeter, group: Pr
             by_dtype.setdefault(t.dtype, []).append(t)
         else:
             meter.broadcast(t.data, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
-    averager = NoCompression()
     pending = []
-    for index, (dtype, group_tensors) in enumerate(by_dtype.items()):
-        numel = sum(t.numel() for t in group_tensors)
-        if numel == 0:
-            continue
-        flat = _pack(group_tensors, torch.empty(numel, dtype=dtype, device=group_tensors[0].device))
-        bucket = FlatBucket(index=index, buffer=flat, shapes=[t.shape for t in group_tensors])
-        pending.append((group_tensors, flat, averager.average(bucket, meter, group)))
-    for group_tensors, flat, future in pending:
+    for index, (dtype, members) in enumerate(by_dtype.items()):
+        numel = sum(t.numel() for t in members)
+        if numel:
+            flat = _pack(members, torch.empty(numel, dtype=dtype, device=members[0].device))
+            future = NoCompression().average(FlatBucket(index, flat, [t.shape for t in members]), meter, group)
+            pending.append((members, flat, future))
+    for members, flat, future in pending:
         wait_future(future, "all_reduce", group)
-        _unpack(flat, group_tensors)
+        _unpack(flat, members)
 
 
 def optimizer_state_tensors(
     optimizers: Iterable[torch.optim.Optimizer], params: Iterable[torch.Tensor]
 ) -> list[torch.Tensor]:
-    """The floating per-parameter state tensors (shaped like their parameter) of ``params``, in a fixed order.
-
-    Scalar state such as Adam's ``step`` is left out: it is equal on every rank, and averaging it could round it.
-    """
+    """The floating per-parameter state tensors (shaped like their parameter) of ``params``, in a fixed order;
+    scalar state such as Adam's ``step`` is left out."""
     params = list(params)
-    out: list[torch.Tensor] = []
-    for optimizer in optimizers:
-        for p in params:
-            state = optimizer.state.get(p)
-            if not state:
-                continue
-            for key in sorted(state, key=str):
-                value = state[key]
-                if torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape:
-                    out.append(value)
-    return out
+    return [
+        value
+        for optimizer in optimizers
+        for p in params
+        for _, value in sorted(optimizer.state.get(p, {}).items(), key=lambda item: str(item[0]))
+        if torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape
+    ]
 
 
 def average_optimizer_state(
@@ -145,10 +114,8 @@ def average_optimizer_state(
     meter: CommMeter,
     group: ProcessGroup | None = None,
 ) -> int:
-    """Averages the floating per-parameter optimizer state of ``params`` over the group (exact mean, in place).
-
-    The ranks first agree on the number of state entries (one 16-byte all-reduce): a rank whose optimizer never saw
-    a gradient for some parameter has less state, and a flat all-reduce of different sizes would hang.
+    """Averages the floating per-parameter optimizer state of ``params`` over the group (exact mean, in place),
+    once the ranks agree on its size (a flat all-reduce of different sizes would hang).
 
     Returns:
         The number of tensors averaged.
@@ -171,14 +138,12 @@ def average_optimizer_state(
     return len(tensors)
 
 
-# ------------------------------------------------------------------------------------------------ model averager
 class ModelAverager:
     """The global copy of a fixed list of parameters, and the two ways of syncing replicas to it.
 
     Args:
         params: the parameters (every rank must pass the same list, identical at construction).
-        compressor: averages the delta buckets (its memory is keyed by bucket index, so give each averager its
-            own compressor).
+        compressor: averages the delta buckets (its own: its memory is keyed by bucket index).
         meter: counts the traffic.
         bucket_cap_mb: size of the flat buckets the deltas travel in.
         group: the process group (``None``: default).
@@ -196,81 +161,51 @@ class ModelAverager:
         self.compressor = compressor
         self.meter = meter
         self.group = group
-        plans = plan_buckets(self.params, bucket_cap_mb * MIB, bucket_cap_mb * MIB) if self.params else []
+        plans = plan_buckets(self.params, bucket_cap_mb * MIB, bucket_cap_mb * MIB)
         self._bucket_params = [[self.params[i] for i in plan] for plan in plans]
-        self.anchors: list[torch.Tensor] = []
-        # the delta buckets: after complete_, the average a sync will apply (a caller may average them further,
-        # e.g. across replica groups, before apply_)
-        self.deltas: list[torch.Tensor] = []
-        for bucket_params in self._bucket_params:
-            numel = sum(p.numel() for p in bucket_params)
-            like = bucket_params[0]
-            self.anchors.append(torch.zeros(numel, dtype=like.dtype, device=like.device))
-            self.deltas.append(torch.zeros(numel, dtype=like.dtype, device=like.device))
-        self.reset_anchor_()
+        self.anchors = [torch.cat([p.detach().reshape(-1) for p in params]) for params in self._bucket_params]
+        # the delta buckets: after complete_, the average a sync will apply (a caller may average it further first)
+        self.deltas = [torch.zeros_like(anchor) for anchor in self.anchors]
 
     def reset_anchor_(self) -> None:
         """Makes the current parameters the global copy (call when all replicas are identical)."""
         for anchor, bucket_params in zip(self.anchors, self._bucket_params):
             _pack(bucket_params, anchor)
 
-    def average_(self) -> float:
-        """Local SGD: every replica becomes ``anchor + mean(local - anchor)``, which is the new anchor.
+    def sync_(self, outer: torch.optim.Optimizer | None = None) -> float:
+        """Syncs now: local SGD's plain average (``outer=None``), or DiLoCo's step of ``outer``, an optimizer over
+        :attr:`anchors`, on the pseudo-gradient ``mean(anchor - local)``; every replica then loads the anchor.
 
         Returns:
             This rank's squared divergence from the average, ``||local - average||^2``.
         """
-        flight = self.launch_(+1.0, 0)
+        flight = self.launch_(1.0 if outer is None else -1.0, 0)
         squared = self.complete_(flight)
-        self.apply_(flight, None, skip_nonfinite=False)
+        self.apply_(flight, outer, skip_nonfinite=False)
         return squared
 
-    def outer_step_(self, outer_optimizer: torch.optim.Optimizer) -> float:
-        """DiLoCo: ``anchor.grad = mean(anchor - local)``, one outer optimizer step, every replica loads the anchor.
-
-        Args:
-            outer_optimizer: an optimizer over :attr:`anchors` (e.g. :data:`OUTER_OPTIMIZER` called on them).
-
-        Returns:
-            This rank's squared divergence from the average, ``||local - average||^2``.
-        """
-        flight = self.launch_(-1.0, 0)
-        squared = self.complete_(flight)
-        self.apply_(flight, outer_optimizer, skip_nonfinite=False)
-        return squared
-
-    # The same sync split in two, so that its collectives can run while inner steps do (streaming DiLoCo):
-    # launch_ packs and starts averaging, apply_ (after complete_) steps the global copy and loads it.
-    def launch_(self, sign: float, step: int, worker: OuterSyncWorker | None = None) -> InFlight:
+    # The same sync in steps, so that its collectives can run while inner steps do (streaming DiLoCo).
+    def launch_(self, sign: float, step: int, worker: concurrent.futures.Executor | None = None) -> InFlight:
         """Packs ``sign * (local - global copy)`` and starts averaging it (on ``worker``, or from this thread).
 
         Args:
             sign: ``-1``: DiLoCo's pseudo-gradient ``global - local``; ``+1``: local SGD's delta.
             step: the owner's step count, kept in the result.
-            worker: runs the averaging off this thread (``None``: the compressor's collectives are issued now, from
-                this thread).
+            worker: runs the averaging off this thread (``None``: the collectives are issued now, from this thread).
         """
-        mine: list[torch.Tensor] = []
-        flight = InFlight(launched_at=step, mine=mine, futures=[] if worker is None else None)
-        buckets = []
-        for anchor, bucket, bucket_params in zip(self.anchors, self.delta_buckets(), self._bucket_params):
-            delta = bucket.buffer
-            _pack(bucket_params, delta)
-            delta.sub_(anchor)
+        buckets = self.delta_buckets()
+        mine = []
+        for anchor, bucket, bucket_params in zip(self.anchors, buckets, self._bucket_params):
+            delta = _pack(bucket_params, bucket.buffer).sub_(anchor)
             if sign < 0:
                 delta.neg_()
             mine.append(delta.clone())
-            if flight.futures is not None:
-                flight.futures.append(self.compressor.average(bucket, self.meter, self.group))
-            else:
-                buckets.append(bucket)
         if worker is not None:
-            flight.job = worker.submit(lambda: self._average_buckets(buckets))
-        return flight
+            return InFlight(step, mine, job=worker.submit(self._average_buckets, buckets))
+        return InFlight(step, mine, futures=[self.compressor.average(b, self.meter, self.group) for b in buckets])
 
     def _average_buckets(self, buckets: Sequence[FlatBucket]) -> None:
-        """The worker's job: average every bucket and wait (on a GPU, with the buckets' device current in the
-        worker thread, where the current device is not inherited)."""
+        """The worker's job: average every bucket and wait (with the buckets' CUDA device current in the thread)."""
         device = buckets[0].buffer.device if buckets else torch.device("cpu")
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             for future in [self.compressor.average(bucket, self.meter, self.group) for bucket in buckets]:
@@ -298,9 +233,8 @@ class ModelAverager:
                 ) from None
         for future in flight.futures or []:
             wait_future(future, "outer sync", self.group)
-        squared = 0.0
-        for mine, delta in zip(flight.mine or [], self.deltas):
-            squared += float(mine.sub_(delta).square_().sum(dtype=torch.float64))  # mine is dropped below
+        mine = zip(flight.mine or [], self.deltas)  # dropped below, so subtracted in place
+        squared = sum((float(m.sub_(delta).square_().sum(dtype=torch.float64)) for m, delta in mine), 0.0)
         self.compressor.advance()
         flight.mine, flight.futures, flight.job, flight.divergence_sq = None, None, None, squared
         return squared
@@ -314,12 +248,9 @@ class ModelAverager:
         timeout_s: float | None = None,
     ) -> bool:
         """Completes ``flight`` and applies it: the outer step (``outer``; ``None``: local SGD's plain average) on
-        the global copy, then the parameters become ``global.lerp(local, alpha)``, ``global + alpha * (local -
-        global)`` rounded as torchft's ``DiLoCo`` rounds it (``alpha=1`` keeps the local weights exactly).
-
-        With ``skip_nonfinite`` an average holding a NaN or Inf (identical on every rank, so every rank decides the
-        same) skips the outer step: the global copy and the outer optimizer stay as they are and the parameters
-        return to the global copy.
+        the global copy, then the parameters become ``global.lerp(local, alpha)``, rounded as torchft's ``DiLoCo``
+        rounds it. With ``skip_nonfinite`` an average holding a NaN or Inf (on every rank alike) skips the outer
+        step, and the parameters return to the global copy.
 
         Returns:
             Whether the outer step was taken (``False``: skipped).
@@ -359,8 +290,7 @@ class ModelAverager:
             _unpack(anchor, bucket_params)
 
     def flight_state(self, flight: InFlight, timeout_s: float | None = None) -> dict[str, Any]:
-        """``flight`` for a checkpoint: it is drained first (its collective finished), and its average is saved
-        unapplied, so a resumed run applies it at the step the uninterrupted run would."""
+        """``flight`` for a checkpoint: drained, its average saved unapplied (a resumed run applies it on time)."""
         squared = self.complete_(flight, timeout_s)
         return {
             "launched_at": flight.launched_at,
@@ -383,17 +313,15 @@ class ModelAverager:
 
 
 OptimizerCallable = Callable[[Iterable[Any]], torch.optim.Optimizer]
-"""A callable from an iterable of parameters to an optimizer over them: Lightning's ``OptimizerCallable``, as
-``functools.partial(torch.optim.SGD, lr=0.7)``, Hydra's ``_partial_: true`` node or LightningCLI's ``class_path``."""
+"""A callable from parameters to an optimizer over them (Lightning's ``OptimizerCallable``)."""
 
 OUTER_OPTIMIZER: functools.partial[torch.optim.SGD] = functools.partial(torch.optim.SGD, lr=0.7)
-"""The outer optimizer that ``outer_optimizer=None`` stands for, everywhere (``periodic``'s DiLoCo and streaming
-DiLoCo, the fault-tolerant averager, ``ps`` with ``local_steps > 1``): SGD at lr 0.7 without momentum."""
+"""The outer optimizer that ``outer_optimizer=None`` stands for, everywhere: SGD at lr 0.7 without momentum."""
 
 
 def check_optimizer_callable(factory: OptimizerCallable | None, name: str = "outer_optimizer") -> torch.optim.Optimizer:
     """Builds ``factory`` (``None``: :data:`OUTER_OPTIMIZER`) once over a placeholder parameter, so that a value it
-    refuses fails where it is given, before any process starts; torch's optimizers check their own arguments.
+    refuses fails before any process starts.
 
     Example::
 

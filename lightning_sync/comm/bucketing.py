@@ -1,74 +1,126 @@
 """Gradient all-reduce by hand: bucketed and overlapped with backward, or flat, or the textbook per-parameter loop.
 
-:class:`GradientSynchronizer` averages the gradients of a fixed list of parameters over a process group, through a
-:class:`~lightning_sync.comm.compression.Compressor` and a :class:`~lightning_sync.comm.meter.CommMeter`; it knows
-nothing of Lightning. One *round* is one backward pass (or several, with syncing disabled in between) followed by
-:meth:`GradientSynchronizer.finish`:
+:class:`GradientSynchronizer` averages the gradients of a fixed list of parameters over a process group through a
+:class:`~lightning_sync.comm.compression.Compressor` and a :class:`~lightning_sync.comm.meter.CommMeter`. One
+*round* is one backward pass (or several, with syncing disabled in between) followed by
+:meth:`GradientSynchronizer.finish`. Parameters go, in reverse registration order, into buckets of ``bucket_cap_mb``
+(the first one ``first_bucket_mb``, so communication starts early):
 
 ``overlap``
-    Parameters are packed, in reverse registration order, into buckets of ``bucket_cap_mb`` (the first one
-    ``first_bucket_mb``, so communication starts early). When a post-accumulate-grad hook has seen a bucket's last
-    gradient, the bucket is launched asynchronously, strictly in index order, so every rank issues the same sequence
-    of collectives. :meth:`finish` launches what is left, waits for all and writes the averages to ``.grad``.
+    A bucket launches, asynchronously and strictly in index order, once a post-accumulate-grad hook has seen its
+    last gradient; :meth:`~GradientSynchronizer.finish` launches the rest, waits and writes the averages to ``.grad``.
 ``flat``
     The same buckets, launched one after the other right after backward.
 ``naive``
     One blocking average per parameter after backward (the textbook loop; kept to compare against).
 ``auto``
-    The same buckets, launched during backward or right after it, whichever is measured faster on the first rounds
-    (:class:`LaunchTuner`; on CPU gloo's transfers compete with backward for the
-    same cores), agreed by all ranks; a close call goes to the prior: after backward when the ranks share one
-    machine's CPU cores, during backward otherwise (``same_host_cpu``). The decision is in the checkpoint.
+    The same buckets, launched during or after backward, whichever :class:`LaunchTuner` measures faster on the first
+    rounds (on CPU gloo's transfers compete with backward for the cores); a close call goes to after backward when
+    the ranks share one machine's CPU cores (``same_host_cpu``). The decision is in the checkpoint.
 
-The launch point decides only *when* a bucket is sent: ``overlap``, ``flat`` and ``auto`` pack the same buckets
-(:mod:`lightning_sync.comm.bucket_layout`), divide each by the world size and hand each to the compressor as one
-payload, so they agree bit for bit on any number of ranks (on 3 or more, gloo's ring sums an element in an order
-that depends on where it sits in its collective). ``naive`` matches them on 2 ranks only.
-
-Parameters without a gradient on this rank take part with zeros, so no rank waits for a bucket that never fills.
-With ``find_unused_parameters=True`` the ranks also all-reduce a used-mask, and a parameter no rank used keeps
-``grad=None`` (as torch DDP does); otherwise it gets a zero gradient.
+The launch point decides only *when* a bucket is sent, so ``overlap``, ``flat`` and ``auto`` agree bit for bit on
+any number of ranks; ``naive`` matches them on 2 ranks only (on 3 or more, gloo's ring sums an element in an order
+that depends on where it sits in its collective). A parameter without a gradient on this rank takes part with
+zeros; with ``find_unused_parameters=True`` one that no rank used keeps ``grad=None``, as in torch DDP.
 """
 
 from __future__ import annotations
 
+import copy
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 from torch.distributed import ProcessGroup
 
-from lightning_sync.comm.bucket_layout import GradBucket, make_buckets, pack_grads, plan_buckets
 from lightning_sync.comm.compression import Compressor, FlatBucket
-from lightning_sync.comm.meter import CommMeter, wait_future
+from lightning_sync.comm.meter import CommMeter
 from lightning_sync.comm.nonfinite import all_finite, probe
+from lightning_sync.comm.peer_errors import wait_future
 from lightning_sync.comm.tuning import LAUNCH_MARGIN, LAUNCH_TRIAL_ROUNDS, LAUNCH_WARMUP_ROUNDS, MIB
 from lightning_sync.errors import check_choice, check_range
 
 BUCKETINGS = ("auto", "overlap", "flat", "naive")
 
 
+@dataclass
+class GradBucket:
+    """One bucket of gradients: its parameters, and their gradients back to back in one flat buffer.
+
+    Attributes:
+        index: the bucket's place in launch order.
+        params: the parameters, in the order their gradients sit in ``buffer``.
+        buffer: the parameters' gradients back to back.
+        future: this round's average in flight (``None`` before launch).
+        ready: ids of the parameters whose gradient of this round is final.
+        slots: one view of ``buffer`` per parameter, shaped as it.
+    """
+
+    index: int
+    params: list[torch.nn.Parameter]
+    buffer: torch.Tensor
+    future: torch.futures.Future | None = None
+    ready: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        views = self.buffer.split([p.numel() for p in self.params])
+        self.slots = [view.view(p.shape) for p, view in zip(self.params, views)]
+
+
+def plan_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: float, first_bucket_bytes: float) -> list[list[int]]:
+    """Splits parameter indices, in order, into buckets that close once they hold their cap (``first_bucket_bytes``
+    for the first) and never mix dtypes or devices. The layout depends on the order and the caps alone, never on
+    when a bucket is launched: so every launch point sums the same payloads to the same bits."""
+    plans: list[list[int]] = []
+    current: list[int] = []
+    size = 0.0
+    for i, p in enumerate(params):
+        if current and (params[current[0]].dtype != p.dtype or params[current[0]].device != p.device):
+            plans.append(current)
+            current, size = [], 0.0
+        current.append(i)
+        size += p.numel() * p.element_size()
+        if size >= (bucket_cap_bytes if plans else first_bucket_bytes):
+            plans.append(current)
+            current, size = [], 0.0
+    if current:
+        plans.append(current)
+    return plans
+
+
+def make_buckets(plans: list[list[torch.nn.Parameter]]) -> tuple[list[GradBucket], list[torch.Tensor]]:
+    """The buckets, and the buffers they are consecutive slices of: one per run of buckets of one dtype and device
+    (zeroed in one fill)."""
+    buckets: list[GradBucket] = []
+    buffers: list[torch.Tensor] = []
+    for (dtype, device), group in itertools.groupby(plans, key=lambda plan: (plan[0].dtype, plan[0].device)):
+        run = list(group)
+        sizes = [sum(p.numel() for p in plan) for plan in run]
+        buffers.append(torch.zeros(sum(sizes), dtype=dtype, device=device))
+        for plan, part in zip(run, buffers[-1].split(sizes)):
+            buckets.append(GradBucket(len(buckets), plan, part))
+    return buckets, buffers
+
+
 class LaunchTuner:
     """Chooses, by measurement, whether buckets launch during backward or right after it.
 
-    The first ``warmup_rounds`` sync rounds are not timed (allocator and gloo warm-up). The next
-    ``2 * trial_rounds`` alternate the two launch points, timing each round's whole period, from the start of its
-    backward to the start of the next round's backward: overlap trades a slower backward (and whatever else the
-    transfers slow down) against a shorter wait, so only the whole step shows which wins. Then every rank
-    contributes its median per launch point to one all-reduce, and all ranks decide alike on the sums: a launch
-    point that is faster by more than ``margin`` wins; a closer call, within the noise of a shared machine, goes to
-    the ``prefer_after_backward`` prior.
+    After ``warmup_rounds`` untimed rounds, ``2 * trial_rounds`` rounds alternate the two launch points, each timed
+    from the start of its backward to the start of the next (overlap slows backward down and shortens the wait, so
+    only the whole step shows which wins). One all-reduce sums the ranks' medians, and every rank picks alike: the
+    launch point faster by more than ``margin``, or on a closer call the ``prefer_after_backward`` prior.
 
     Args:
         warmup_rounds: rounds left out before the trials.
         trial_rounds: timed rounds per launch point.
         margin: the relative lead a launch point needs to overrule the prior.
         prefer_after_backward: the prior (``None``: :class:`GradientSynchronizer` sets it from ``same_host_cpu``).
-        clock: returns the current time in seconds; :class:`GradientSynchronizer` reads it at the start of every
-            round (a test passes a fake one and feeds it the rounds' durations).
+        clock: returns the current time in seconds, read at the start of every round.
     """
 
     def __init__(
@@ -92,18 +144,11 @@ class LaunchTuner:
 
     def state_dict(self) -> dict[str, Any]:
         """The trials so far and the decision (so a resumed run keeps its launch point instead of re-tuning)."""
-        return {
-            "rounds": self.rounds,
-            "times": {k: list(v) for k, v in self.times.items()},
-            "after_backward": self.after_backward,
-            "medians_ms": dict(self.medians_ms),
-        }
+        return copy.deepcopy({key: getattr(self, key) for key in ("rounds", "times", "after_backward", "medians_ms")})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rounds = int(state["rounds"])
-        self.times = {bool(k): list(v) for k, v in state["times"].items()}
-        self.after_backward = state["after_backward"]
-        self.medians_ms = dict(state["medians_ms"])
+        vars(self).update(copy.deepcopy(state))
+        self.times = {bool(k): v for k, v in self.times.items()}
 
     @property
     def deciding(self) -> bool:
@@ -124,11 +169,8 @@ class LaunchTuner:
 
     def decide(self, meter: CommMeter, group: ProcessGroup | None) -> bool:
         """Sums the ranks' medians (one small all-reduce) and fixes the launch point; returns it."""
-        medians = torch.tensor(
-            [statistics.median(self.times[False]), statistics.median(self.times[True])],
-            dtype=torch.float64,
-            device=meter.control_device(group),
-        )
+        times = [statistics.median(self.times[after]) for after in (False, True)]
+        medians = torch.tensor(times, dtype=torch.float64, device=meter.control_device(group))
         meter.all_reduce(medians, group=group)
         n = meter.world_size(group)
         during, after = (1e3 * medians / n).tolist()
@@ -153,18 +195,14 @@ class GradientSynchronizer:
         bucket_cap_mb: bucket size (every bucketing but ``naive``).
         first_bucket_mb: size of the first bucket (every bucketing but ``naive``).
         find_unused_parameters: all-reduce a used-mask so that parameters no rank used keep ``grad=None``.
-        gradient_as_bucket_view: after a round, make each ``.grad`` a view into its bucket instead of copying the
-            average out (saves one copy of all gradients per step; the next round overwrites those views, so keep a
-            clone if you need a gradient beyond the optimizer step).
+        gradient_as_bucket_view: make each ``.grad`` a view into its bucket instead of copying the average out
+            (the next round overwrites those views).
         group: the process group (``None``: default).
-        tuner: how ``auto`` measures (``None``: a :class:`LaunchTuner` with its
-            defaults).
+        tuner: how ``auto`` measures (``None``: a default :class:`LaunchTuner`).
         same_host_cpu: whether every rank of ``group`` runs on one machine's cores (``None``: assume so for CPU
-            tensors), which sets ``auto``'s prior: there gloo's transfers compete with backward for the same cores
-            (after backward); across machines the NIC and the kernel carry them (during backward).
+            tensors); sets ``auto``'s prior (after backward if so).
         check_finite: in :meth:`finish`, check each bucket for NaN and Inf as soon as its average has arrived, while
-            later buckets are still in flight; the verdict is :attr:`grads_finite` (one ``aminmax`` per bucket
-            instead of one per gradient, and off the critical path but for the last bucket).
+            later buckets are still in flight; the verdict is :attr:`grads_finite`.
     """
 
     def __init__(
@@ -195,25 +233,20 @@ class GradientSynchronizer:
         self._world = meter.world_size(group)
         self.tuner = (tuner or LaunchTuner()) if bucketing == "auto" and self._world > 1 else None
         if self.tuner is not None and self.tuner.prefer_after_backward is None and self.params:
-            cpu = self.params[0].device.type == "cpu"
-            self.tuner.prefer_after_backward = cpu and same_host_cpu is not False
-        # Whether this round's buckets launch after backward (flat, naive, and auto when it so decides or tries).
-        self.after_backward = bucketing in ("flat", "naive")
+            self.tuner.prefer_after_backward = self.params[0].device.type == "cpu" and same_host_cpu is not False
+        self.after_backward = bucketing in ("flat", "naive")  # this round's launch point (auto: tried or decided)
         self._round_started: float | None = None
         self.sync_enabled = True
         self._round_active = False
         self._next_launch = 0
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         ordered = list(reversed(self.params))  # backward visits layers last to first
-        if bucketing == "naive":
-            plans = [[i] for i in range(len(ordered))]
-        else:  # one layout for every launch point: it alone decides how a gradient is summed (module docstring)
-            plans = plan_buckets(ordered, bucket_cap_mb * MIB, first_bucket_mb * MIB)
+        # one layout for every launch point: it alone decides how a gradient is summed (naive: a parameter a bucket)
+        caps = (0.0, 0.0) if bucketing == "naive" else (bucket_cap_mb * MIB, first_bucket_mb * MIB)
+        plans = plan_buckets(ordered, *caps)
         self.buckets, self._buffers = make_buckets([[ordered[i] for i in plan] for plan in plans])
         self._where = {id(p): b for b in self.buckets for p in b.params}
-        if bucketing in ("overlap", "auto"):
-            for p in self.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        overlap = bucketing in ("overlap", "auto")
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params if overlap]
 
     @staticmethod
     def check_settings(bucketing: str, bucket_cap_mb: float, first_bucket_mb: float) -> None:
@@ -238,39 +271,30 @@ class GradientSynchronizer:
 
     def start_round(self) -> None:
         """Marks that a backward pass whose gradients must be synced is about to run (call on every rank)."""
-        if self.sync_enabled:
-            if self.tuner is not None and not self._round_active:
+        if self.sync_enabled and not self._round_active:
+            if self.tuner is not None:
                 self._tune(self.tuner.clock())
-            if not self._round_active:
-                self._attach_bucket_views()
-                self.grads_finite = None
+            self._attach_bucket_views()
+            self.grads_finite = None
             self._round_active = True
 
     def _attach_bucket_views(self) -> None:
-        """With ``gradient_as_bucket_view``, a parameter whose gradient was set to ``None`` (``zero_grad``'s default)
-        gets its zeroed bucket slot as ``.grad`` before backward, so backward accumulates straight into the bucket:
-        no fresh gradient allocated per step (page faults on CPU) and no packing copy. Not with
+        """With ``gradient_as_bucket_view``, a parameter without a gradient gets its zeroed bucket slot as ``.grad``
+        before backward, which so accumulates straight into the bucket (no allocation, no packing copy); not with
         ``find_unused_parameters``, which must see which gradients backward left at ``None``."""
         if not self.gradient_as_bucket_view or self.find_unused_parameters:
             return
-        missing = [p.grad is None for p in self.params]
-        if not any(missing):
-            return
-        every = all(missing)
-        if every:
-            for buffer in self._buffers:
-                buffer.zero_()  # one fill per buffer instead of one per parameter
+        every = all(p.grad is None for p in self.params)
+        for buffer in self._buffers if every else ():
+            buffer.zero_()  # one fill per buffer instead of one per parameter
         for bucket in self.buckets:
             for p, slot in zip(bucket.params, bucket.slots):
                 if p.grad is None:
-                    if not every:
-                        slot.zero_()
-                    p.grad = slot
+                    p.grad = slot if every else slot.zero_()
 
     def _tune(self, now: float) -> None:
-        """``auto``, at the start of a round: books the previous round's whole period (its backward and sync, and
-        all up to this backward: what launching during backward can slow down reaches past the sync), decides once
-        the trials are complete, and sets this round's launch point."""
+        """``auto``, at the start of a round: books the previous round's whole period (up to this backward), decides
+        once the trials are complete, and sets this round's launch point."""
         assert self.tuner is not None
         if (
             self.tuner.deciding
@@ -287,15 +311,13 @@ class GradientSynchronizer:
         return {} if self.tuner is None else {"tuner": self.tuner.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.tuner is None or "tuner" not in state:
-            return
-        self.tuner.load_state_dict(state["tuner"])
-        self._round_started = None  # the interrupted round's period is lost, not booked
-        decided = self.tuner.after_backward  # None while still deciding
-        if decided is not None:
-            self.after_backward = decided
-            if self.after_backward:
-                self.remove_hooks()
+        if self.tuner is not None and "tuner" in state:
+            self.tuner.load_state_dict(state["tuner"])
+            self._round_started = None  # the interrupted round's period is lost, not booked
+            if self.tuner.after_backward is not None:  # decided
+                self.after_backward = self.tuner.after_backward
+                if self.after_backward:
+                    self.remove_hooks()
 
     @property
     def launch_point(self) -> str:
@@ -310,52 +332,34 @@ class GradientSynchronizer:
         if id(param) in bucket.ready or bucket.future is not None:
             return  # already counted this round (a second backward before finish adds to .grad only)
         bucket.ready.add(id(param))
-        if bucket.full:
-            self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets):
+        while self._next_launch < len(self.buckets):  # launch, in index order, every bucket that is full
             bucket = self.buckets[self._next_launch]
-            if not bucket.full:
+            if len(bucket.ready) < len(bucket.params):
                 return
             self._pack_and_launch(bucket)
             self._next_launch += 1
 
     # ------------------------------------------------------------------ finish
     def _pack_and_launch(self, bucket: GradBucket) -> torch.futures.Future:
-        """Packs this round's gradients into ``bucket`` (zeros where there is none), divides, and launches it.
-
-        Returns:
-            The launched average's future, also kept as ``bucket.future``.
-        """
+        """Packs this round's gradients into ``bucket`` (zeros where there is none; one ``torch.cat`` when all are
+        present, contiguous and not in place already), divides, and launches it; returns ``bucket.future``."""
         grads = [p.grad for p in bucket.params]
-        if len(grads) == 1 and grads[0] is not None and grads[0].data_ptr() != bucket.slots[0].data_ptr():
-            torch.div(grads[0], self._world, out=bucket.slots[0])  # copy and divide in one pass (same bits)
+        slots = bucket.slots
+        if len(grads) == 1 and grads[0] is not None and grads[0].data_ptr() != slots[0].data_ptr():
+            torch.div(grads[0], self._world, out=slots[0])  # copy and divide in one pass (same bits)
         else:
-            pack_grads(bucket, grads)
+            if all(g is not None and g.is_contiguous() and g.data_ptr() != s.data_ptr() for g, s in zip(grads, slots)):
+                torch.cat([cast(torch.Tensor, g).view(-1) for g in grads], out=bucket.buffer)  # all present
+            else:
+                for slot, g in zip(slots, grads):
+                    if g is None:
+                        slot.zero_()
+                    elif g.data_ptr() != slot.data_ptr():
+                        slot.copy_(g)
             bucket.buffer.div_(self._world)
-        flat = FlatBucket(index=bucket.index, buffer=bucket.buffer, shapes=bucket.shapes, divided=True)
+        flat = FlatBucket(bucket.index, bucket.buffer, [p.shape for p in bucket.params], divided=True)
         bucket.future = self.compressor.average(flat, self.meter, self.group)
         return bucket.future
-
-    def _launch_rest(self) -> None:
-        """Completes and launches, in index order, every bucket not launched yet; each bucket is launched before the
-        next is packed, so packing overlaps the transfers already in flight."""
-        for bucket in self.buckets[self._next_launch :]:  # the same payloads as during backward: the same bits
-            if bucket.future is None:
-                future = self._pack_and_launch(bucket)
-                if self.bucketing == "naive":
-                    wait_future(future, "gradient all_reduce", self.group)
-        self._next_launch = len(self.buckets)
-
-    def _globally_used(self, local_used: list[bool]) -> list[bool] | None:
-        """Which parameters any rank used (only with ``find_unused_parameters``); issued after every bucket, so
-        all ranks see the same sequence of collectives."""
-        if not self.find_unused_parameters:
-            return None
-        used = torch.tensor(local_used, dtype=torch.float32, device=self.meter.control_device(self.group))
-        self.meter.all_reduce(used, group=self.group)
-        return (used > 0).tolist()
 
     def finish(self) -> bool:
         """Completes the round: launches every bucket not yet launched, waits for all, writes averages to ``.grad``.
@@ -365,9 +369,14 @@ class GradientSynchronizer:
         """
         if not self._round_active:
             return False
-        local_used = [p.grad is not None for p in self.params] if self.find_unused_parameters else []
-        self._launch_rest()
-        used = self._globally_used(local_used)
+        local_used = [p.grad is not None for p in self.params]
+        for bucket in self.buckets[self._next_launch :]:  # each launched before the next is packed
+            future = self._pack_and_launch(bucket)
+            if self.bucketing == "naive":
+                wait_future(future, "gradient all_reduce", self.group)
+        if self.find_unused_parameters:  # after every bucket, so all ranks issue the same collectives
+            used = torch.tensor(local_used, dtype=torch.float32, device=self.meter.control_device(self.group))
+            self.meter.all_reduce(used, group=self.group)
         probes, probed = [], []
         for bucket in self.buckets:
             assert bucket.future is not None
@@ -378,26 +387,22 @@ class GradientSynchronizer:
         if self.check_finite:
             self.grads_finite = all_finite(probes, probed)
         for bucket in self.buckets:
-            for i, p in enumerate(bucket.params):
+            for p, slot in zip(bucket.params, bucket.slots):
                 if self.gradient_as_bucket_view:
-                    p.grad = bucket.slots[i]
+                    p.grad = slot
                 elif p.grad is None:
-                    p.grad = bucket.slots[i].clone()
+                    p.grad = slot.clone()
                 else:
-                    p.grad.copy_(bucket.slots[i])
-        if used is not None:
-            for p, u in zip(self.params, used):
-                if not u:
-                    p.grad = None
-        self._reset_round()
-        return True
-
-    def _reset_round(self) -> None:
-        for bucket in self.buckets:
+                    p.grad.copy_(slot)
             bucket.future = None
             bucket.ready.clear()
+        if self.find_unused_parameters:
+            for p, anywhere in zip(self.params, used.tolist()):
+                if not anywhere:
+                    p.grad = None
         self._next_launch = 0
         self._round_active = False
+        return True
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:

@@ -1,13 +1,10 @@
 """Replica-consistency checks: do all ranks hold the same parameters, buffers and optimizer state?
 
-The cheap path runs at every check: each rank reduces each named tensor to a short float64 fingerprint (its size, a
-plain sum, a sum of squares, and a sum weighted by a fixed pseudo-random pattern that depends on position), and one
-all-gather carries every tensor's fingerprint. Identical replicas give identical fingerprints; a one-ulp difference
-in any element moves the weighted sum. Only when some tensor's fingerprints differ from rank 0's are those tensors
-(and only those) looked at closely: rank 0 broadcasts them, every rank measures its largest absolute difference,
-and one more all-gather says which ranks differ and by how much. Rank 0's copy is then at hand on every rank, so
-``resync`` costs nothing more. The check goes around the communication meter: it is a debugging aid, not part of a
-sync mode's traffic.
+Each rank reduces each named tensor to a float64 fingerprint (size, sum, sum of squares, and a position-weighted
+sum that a one-ulp difference moves), and one all-gather carries them all. Only the tensors whose fingerprints
+differ from rank 0's are then broadcast from rank 0, and one more all-gather says which ranks differ and by how
+much (rank 0's copy is then at hand, so ``resync`` costs nothing more). The check goes around the communication
+meter: it is a debugging aid, not a sync mode's traffic.
 """
 
 from __future__ import annotations
@@ -23,8 +20,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from lightning_sync.comm.meter import control_device
+from lightning_sync.errors import check_choice
 
-ON_MISMATCH = ("raise", "warn", "resync")
 log = logging.getLogger(__name__)
 
 
@@ -51,17 +48,11 @@ class TensorMismatch:
         return f"{self.name} (ranks {list(self.ranks)}, max |diff| {self.max_abs_diff:.1e})"
 
 
-# ------------------------------------------------------------------------------------------------ names
 def named_replicated_state(
     module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (), only: Iterable[torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
-    """The floating tensors that a replica holds, by name: parameters, buffers and optimizer state.
-
-    Args:
-        module: names the parameters and buffers (``named_parameters()``, ``named_buffers()``).
-        optimizers: their floating per-parameter state (momentum, Adam moments, ...) is named
-            ``optimizer[i].state[<parameter name>].<key>``; a parameter the module does not name is left out.
-        only: keep just these tensors (matched by identity); ``None``: all of them.
+    """The floating tensors that a replica holds, by name: the module's parameters and buffers, and the optimizers'
+    per-parameter state as ``optimizer[i].state[<parameter name>].<key>``; ``only``: just these tensors (by identity).
     """
     named = {n: t for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_floating_point()}
     for i, optimizer in enumerate(optimizers):
@@ -76,7 +67,6 @@ def named_replicated_state(
     return named
 
 
-# ------------------------------------------------------------------------------------------------ fingerprints
 def tensor_fingerprints(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """A ``(len(tensors), 4)`` float64 matrix on ``device``: each tensor's size, sum, sum of squares and
     position-weighted sum (each computed where its tensor is)."""
@@ -87,9 +77,9 @@ def tensor_fingerprints(tensors: Sequence[torch.Tensor], device: torch.device) -
         weights = 1.0 + torch.frac(
             torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) * 0.6180339887498949
         )
-        sums = torch.stack([flat.sum(), (flat * flat).sum(), (flat * weights).sum()]).cpu()
-        rows.append(torch.cat([torch.tensor([float(flat.numel())], dtype=torch.float64), sums]))
-    return (torch.stack(rows) if rows else torch.zeros(0, 4, dtype=torch.float64)).to(device)
+        sums = [flat.new_tensor(flat.numel()), flat.sum(), flat.square().sum(), (flat * weights).sum()]
+        rows.append(torch.stack(sums).cpu())
+    return torch.stack(rows).to(device)
 
 
 def _gather(mine: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -104,17 +94,13 @@ def _differs(values: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     return (values != reference) & ~(values.isnan() & reference.isnan())
 
 
-# ------------------------------------------------------------------------------------------------ the check
 def find_mismatches(
     named: Mapping[str, torch.Tensor],
     group: ProcessGroup | None = None,
     atol: float = 0.0,
     resync: bool = False,
 ) -> list[TensorMismatch]:
-    """Compares every rank's ``named`` tensors with rank 0's (call on every rank, with the same names in order).
-
-    One all-gather of per-tensor fingerprints; only if some differ, a broadcast of rank 0's copies of those and an
-    all-gather of each rank's largest difference. The result is the same on every rank.
+    """Compares every rank's ``named`` tensors with rank 0's (call on every rank); the result is the same on all.
 
     Args:
         named: ``{name: tensor}``; every rank must pass the same names, in the same order.
@@ -136,21 +122,17 @@ def find_mismatches(
     if bool((prints[:, suspects, 0] != prints[0, suspects, 0]).any()):
         odd = [names[i] for i in suspects if bool((prints[:, i, 0] != prints[0, i, 0]).any())]
         raise ReplicaMismatchError(f"replicas hold tensors of different sizes: {', '.join(odd)}")
-    reference = torch.cat([tensors[i].detach().reshape(-1).to(device, torch.float64) for i in suspects])
-    src = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.broadcast(reference, src=src, group=group)
-    diffs, offset = [], 0
-    for i in suspects:
-        mine, ref = (
-            tensors[i].detach().reshape(-1).to(device, torch.float64),
-            reference[offset : offset + tensors[i].numel()],
-        )
-        mask = _differs(mine, ref)
-        diffs.append((mine[mask] - ref[mask]).abs().max() if bool(mask.any()) else ref.new_zeros(()))
-        offset += tensors[i].numel()
+    mine = [tensors[i].detach().reshape(-1).to(device, torch.float64) for i in suspects]
+    reference = torch.cat(mine)
+    dist.broadcast(reference, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+    refs = reference.split([t.numel() for t in mine])
+    diffs = []
+    for values, ref in zip(mine, refs):
+        mask = _differs(values, ref)
+        diffs.append((values[mask] - ref[mask]).abs().max() if bool(mask.any()) else ref.new_zeros(()))
     every = _gather(torch.stack(diffs), group)  # (world, suspects)
-    mismatches, offset = [], 0
-    for column, i in enumerate(suspects):
+    mismatches = []
+    for column, (i, ref) in enumerate(zip(suspects, refs)):
         per_rank = every[:, column]
         bad = (per_rank > atol) | per_rank.isnan()
         if bool(bad.any()):
@@ -158,20 +140,12 @@ def find_mismatches(
             mismatches.append(TensorMismatch(names[i], ranks, float(per_rank[bad].max())))  # max is NaN if one is
             if resync:
                 with torch.no_grad():
-                    tensors[i].copy_(reference[offset : offset + tensors[i].numel()].view_as(tensors[i]))  # any device
-        offset += tensors[i].numel()
+                    tensors[i].copy_(ref.view_as(tensors[i]))  # any device
     return mismatches
 
 
-# ------------------------------------------------------------------------------------------------ structure
-def _layout(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple[int, ...], str]]:
-    return [(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")) for name, tensor in named]
-
-
 def _first_difference(mine: list[tuple[str, tuple[int, ...], str]], reference: list[Any]) -> str:
-    """How ``mine`` differs from ``reference``, in words ('' when they are the same)."""
-    if mine == reference:
-        return ""
+    """How ``mine`` differs from ``reference``, in words."""
     theirs = {name: (shape, dtype) for name, shape, dtype in reference}
     ours = {name: (shape, dtype) for name, shape, dtype in mine}
     for name, (shape, dtype) in ours.items():
@@ -189,13 +163,11 @@ def check_same_structure(named: Iterable[tuple[str, torch.Tensor]], group: Proce
     """Checks that every rank's model has the same tensors: names, shapes and dtypes, in the same order (call on
     every rank, before any collective on the tensors themselves, which would fail or hang on a mismatch).
 
-    One ``all_gather_object`` of the names and shapes (bounded by the group's timeout).
-
     Raises:
         ReplicaMismatchError: naming every rank whose model differs from rank 0's, with the first difference and
             the tensor counts.
     """
-    mine = _layout(named)
+    mine = [(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")) for name, tensor in named]
     layouts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(layouts, mine, group=group)
     problems = [
@@ -225,12 +197,10 @@ def check_replicas(
         named: ``{name: tensor}``, the same names in the same order on every rank.
         steps: how many sync steps were taken (for the message).
         on_mismatch: ``raise`` a :class:`ReplicaMismatchError`; ``warn``: log a warning on rank 0 and go on;
-            ``resync``: make the tensors that differ identical again and log what was fixed on rank 0. The
-            authority is ``pull`` when given (e.g. a parameter server's: it rewrites the parameters in place),
-            then rank 0 for whatever still differs.
+            ``resync``: copy the authority's values into the tensors that differ (``pull``'s, then rank 0's).
         group: the process group (default: the world).
         atol: tolerated absolute difference per element.
-        pull: for ``resync``, what restores the parameters from their authority (called on every rank).
+        pull: for ``resync``, restores the parameters in place from their authority (e.g. a parameter server).
 
     Returns:
         The tensors that differed (empty: the replicas agree).
@@ -239,8 +209,7 @@ def check_replicas(
         ReplicaMismatchError: with ``on_mismatch="raise"``, naming the tensors, the ranks and the largest
             difference; or, whatever ``on_mismatch``, when the replicas hold tensors of different sizes.
     """
-    if on_mismatch not in ON_MISMATCH:
-        raise ValueError(f"on_mismatch={on_mismatch!r} is not allowed; choose one of: {', '.join(ON_MISMATCH)}")
+    check_choice("on_mismatch", on_mismatch, ("raise", "warn", "resync"))
     resync = on_mismatch == "resync"
     mismatches = find_mismatches(named, group, atol, resync=resync and pull is None)
     if not mismatches:

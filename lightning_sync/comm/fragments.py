@@ -1,24 +1,19 @@
 """Streaming DiLoCo's fragments: which parameters sync together, and in which order the fragments sync.
 
-Nothing here knows of Lightning; everything works on parameter names (and shapes), so a plain training loop and the
-strategy form the same fragments from ``named_parameters()``.
+Everything works on parameter names (and shapes), as ``named_parameters()`` gives them.
 
 **By block** (the default, as the streaming DiLoCo paper and torchft form them). The *repeated blocks* are the
 children of one container with integer-named children (``blocks.0``, ``blocks.1``, ...) holding the same parameter
-names and shapes; of several such containers, the one holding the most parameters. Block ``i`` joins fragment
-``i % k`` (strided, which the paper found better than contiguous), ``k = min(fragments, blocks)``; a block is never
-split. A parameter outside every block joins the fragment of the nearest block before it (the first block's before
-any): embeddings sync with the block that reads them, the final norm and head with the block that feeds them, as in
-torchtitan, and a large embedding or head never makes a fragment of its own.
+names and shapes (of several such containers, the one holding the most parameters). Block ``i`` joins fragment
+``i % k``, ``k = min(fragments, blocks)``; a block is never split. A parameter outside every block joins the
+fragment of the nearest block before it (the first block's before any), as in torchtitan: embeddings sync with the
+block that reads them, the final norm and head with the block that feeds them.
 
-**By layer** (without two repeated blocks, e.g. an MLP of different widths): each parameter's own module is a unit,
-and layer ``i`` joins fragment ``i % k``, ``k = min(fragments, layers)``.
+**By layer** (without two repeated blocks): layer ``i`` (each parameter's own module) joins fragment ``i % k``.
 
 **Explicit** (``fragment_modules``): one entry per fragment, in sync order, each a module-name pattern or a list of
 them, as torchft's ``DiLoCo`` takes a list of modules. Patterns are case-sensitive :mod:`fnmatch` globs (``*`` also
-crosses dots) on module names; a parameter belongs to a pattern matching any module holding it. Every parameter must
-be in exactly one fragment, and every pattern must match one; a shared parameter is named as ``named_parameters()``
-names it.
+crosses dots) on module names; every parameter must be in exactly one fragment, and every pattern must match one.
 """
 
 from __future__ import annotations
@@ -30,18 +25,12 @@ from typing import Any
 
 from lightning_sync.errors import ConfigError
 
-FRAGMENTS_FIELD = "fragment_modules"
-
 NamedShapes = Sequence[tuple[str, Sequence[int]]]
 """``(parameter name, shape)`` in model order."""
 
 
-# ------------------------------------------------------------------------------------------------ the knob
-def normalize_fragment_modules(value: Any, field: str = FRAGMENTS_FIELD) -> tuple[tuple[str, ...], ...] | None:
-    """``fragment_modules`` as a tuple of fragments, each a tuple of patterns (``None`` when unset).
-
-    Accepts a list whose items are a pattern (a one-pattern fragment) or a list of patterns (OmegaConf containers
-    work as well).
+def normalize_fragment_modules(value: Any, field: str = "fragment_modules") -> tuple[tuple[str, ...], ...] | None:
+    """``fragment_modules``, a list of patterns or lists of patterns, as a tuple of tuples (``None`` when unset).
 
     Raises:
         ConfigError: not a list, an empty list or fragment, a pattern that is not a non-empty string, or a pattern
@@ -68,7 +57,6 @@ def normalize_fragment_modules(value: Any, field: str = FRAGMENTS_FIELD) -> tupl
     return tuple(fragments)
 
 
-# ------------------------------------------------------------------------------------------------ names
 def layer_of(name: str) -> str:
     """The module holding parameter (or buffer) ``name``: ``net.4.weight`` -> ``net.4``."""
     return name.rsplit(".", 1)[0] if "." in name else ""
@@ -81,12 +69,8 @@ def modules_of(name: str) -> list[str]:
 
 
 def find_blocks(named: NamedShapes) -> list[str]:
-    """The model's repeated blocks, by module name in model order (``[]`` when there are fewer than two).
-
-    A block is a child of a container with an integer name (``blocks.3``, or ``3`` under a top-level
-    ``nn.Sequential``); children of one container with the same parameter names and shapes form a candidate, and
-    the candidate holding the most parameter entries wins (the first in model order on a tie).
-    """
+    """The model's repeated blocks (see the module docstring), by module name in model order (``[]`` when there are
+    fewer than two); the candidate holding the most parameter entries wins, the first in model order on a tie."""
     # (container, signature) -> its children in order, and their entries
     children: dict[str, dict[str, list[tuple[str, tuple[int, ...]]]]] = {}
     numel: dict[str, int] = {}
@@ -112,22 +96,20 @@ def find_blocks(named: NamedShapes) -> list[str]:
     return best
 
 
-# ------------------------------------------------------------------------------------------------ the rules
+def _strided(units: Sequence[int], fragments: int) -> list[list[int]]:
+    """Unit ``u`` joins fragment ``u % k``, ``k = min(fragments, units)``: each fragment's indices into ``units``."""
+    k = max(1, min(fragments, max(units, default=-1) + 1))
+    out: list[list[int]] = [[] for _ in range(k)]
+    for index, unit in enumerate(units):
+        out[unit % k].append(index)
+    return out
+
+
 def layer_fragments(names: Sequence[str], fragments: int) -> list[list[int]]:
     """By layer: layer ``i`` (each parameter's own module, in order of first appearance) joins fragment ``i % k``,
-    with ``k = min(fragments, layers)``.
-
-    Returns:
-        For each fragment, the indices into ``names`` of its parameters (one empty fragment for no names).
-    """
+    with ``k = min(fragments, layers)``; for each fragment, the indices into ``names`` of its parameters."""
     layers: dict[str, int] = {}
-    for name in names:
-        layers.setdefault(layer_of(name), len(layers))
-    k = max(1, min(fragments, len(layers)))
-    out: list[list[int]] = [[] for _ in range(k)]
-    for index, name in enumerate(names):
-        out[layers[layer_of(name)] % k].append(index)
-    return out
+    return _strided([layers.setdefault(layer_of(name), len(layers)) for name in names], fragments)
 
 
 def block_fragments(named: NamedShapes, fragments: int) -> list[list[int]]:
@@ -138,25 +120,18 @@ def block_fragments(named: NamedShapes, fragments: int) -> list[list[int]]:
         For each fragment, the indices into ``named`` of its parameters, in model order.
     """
     names = [name for name, _ in named]
-    if fragments <= 1 or not names:
-        return [list(range(len(names)))]
-    blocks = find_blocks(named)
+    blocks = {block: i for i, block in enumerate(find_blocks(named))}
     if len(blocks) < 2:
         return layer_fragments(names, fragments)
-    index_of = {block: i for i, block in enumerate(blocks)}
-    k = min(fragments, len(blocks))
-    out: list[list[int]] = [[] for _ in range(k)]
-    current = 0  # the fragment of the last block seen (the first block's before any)
-    for index, name in enumerate(names):
-        block = next((m for m in modules_of(name) if m in index_of), None)
-        if block is not None:
-            current = index_of[block] % k
-        out[current].append(index)
-    return out
+    units, current = [], 0
+    for name in names:
+        current = next((blocks[m] for m in modules_of(name) if m in blocks), current)
+        units.append(current)
+    return _strided(units, fragments)
 
 
 def explicit_fragments(
-    names: Sequence[str], patterns: Sequence[Sequence[str]], field: str = FRAGMENTS_FIELD
+    names: Sequence[str], patterns: Sequence[Sequence[str]], field: str = "fragment_modules"
 ) -> list[list[int]]:
     """The fragments ``patterns`` name (see the module docstring), in their order.
 
@@ -198,12 +173,8 @@ def explicit_fragments(
 def split_fragments(
     named: NamedShapes, fragments: int, patterns: Sequence[Sequence[str]] | None = None
 ) -> list[list[int]]:
-    """A sync group's fragments: ``patterns`` (``fragment_modules``) when given, else by block (by layer without
-    repeated blocks).
-
-    Returns:
-        For each fragment, in sync order, the indices into ``named`` of its parameters.
-    """
+    """A sync group's fragments, in sync order, as indices into ``named``: ``patterns`` (``fragment_modules``) when
+    given, else by block (by layer without repeated blocks)."""
     if patterns is not None:
         return explicit_fragments([name for name, _ in named], patterns)
     return block_fragments(named, fragments)
@@ -217,12 +188,10 @@ def buffer_fragments(names: Sequence[str], split: Sequence[Sequence[int]], buffe
         for i in indices:
             for module in modules_of(names[i]):
                 owners.setdefault(module, set()).add(f)
-    out = []
-    for buffer in buffers:
-        found = [owners[m] for m in modules_of(buffer) if m in owners]
-        single = next((next(iter(s)) for s in found if len(s) == 1), None)
-        out.append(len(split) - 1 if single is None else single)
-    return out
+    return [
+        next((min(owners[m]) for m in modules_of(buffer) if len(owners.get(m, ())) == 1), len(split) - 1)
+        for buffer in buffers
+    ]
 
 
 def describe_fragments(named: NamedShapes, fragments: int, patterns: Sequence[Sequence[str]] | None = None) -> str:

@@ -1,8 +1,7 @@
 """One communication meter for every sync mode.
 
-Every collective that lightning_sync issues goes through a :class:`CommMeter`. The meter calls torch.distributed
-itself, so the bytes it counts are the bytes of the tensors that really go to the process group: a compressed
-payload (fp16, a low-rank factor, top-k values and indices) counts at its compressed size.
+Every collective that lightning_sync issues goes through a :class:`CommMeter`, which calls torch.distributed itself:
+the bytes it counts are those of the tensors that really go to the process group (a compressed payload's).
 
 What is counted, per rank, for a payload of ``S`` bytes on a group of ``n`` ranks:
 
@@ -16,22 +15,16 @@ collective                     bytes sent                    bytes received
 ``send_to`` / ``recv_from``    ``S`` / ``0``                 ``0`` / ``S``
 ============================  ============================  ============================
 
-A dense ``all_reduce`` runs as a ring on gloo and NCCL (a reduce-scatter, then an all-gather: ``n-1`` chunks of
-``S/n`` each); an ``all_gather`` ring forwards every other rank's block once; a broadcast moves ``n-1`` copies of
-``S`` over the group, booked as the mean per rank. With one rank nothing is counted. ``seconds`` is the time
-collectives are in flight (launch to completion), so overlapped ones count in full, even when backward hid them.
-
-A collective that fails because another rank is frozen or gone raises a
-:class:`~lightning_sync.comm.peer_errors.PeerError` naming that rank (``all_reduce on rank 0 failed: rank 1 did not
-answer within 8 s``); so does :func:`~lightning_sync.comm.peer_errors.wait_future` for a chain of futures built on
-the meter's. The meter knows nothing of Lightning: strategies call :meth:`CommMeter.step` once per optimizer step and
-log the returned :class:`CommStats`.
+An ``all_reduce`` runs as a ring (a reduce-scatter, then an all-gather) on gloo and NCCL; a broadcast is booked as
+the mean per rank. With one rank nothing is counted. ``seconds`` is the time collectives are in flight (launch to
+completion), so overlapped ones count in full. A collective that fails because another rank is frozen or gone
+raises a :class:`~lightning_sync.comm.peer_errors.PeerError` naming that rank. Strategies call
+:meth:`CommMeter.step` once per optimizer step and log the returned :class:`CommStats`.
 """
 
 from __future__ import annotations
 
 import datetime
-import functools
 import threading
 import time
 from collections.abc import Callable
@@ -42,29 +35,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-from lightning_sync.comm.peer_errors import PeerError, Peers, naming_peer, peer_error, wait_future
-
-__all__ = [
-    "CommMeter",
-    "CommStats",
-    "PeerError",
-    "TimedWork",
-    "control_device",
-    "peer_error",
-    "ring_all_reduce_bytes",
-    "wait_future",
-]
+from lightning_sync.comm.peer_errors import Peers, naming_peer
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; older releases have only the first.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def control_device(group: ProcessGroup | None = None) -> torch.device:
-    """Where a small control tensor (sizes, flags, timings) must be for a collective on ``group``.
-
-    The CPU, unless the group's only backend is NCCL, which refuses CPU tensors ("No backend type associated with
-    device type cpu"): then the current CUDA device. Gloo (and a ``"cpu:gloo,cuda:nccl"`` group) takes CPU tensors.
-    """
+    """Where a small control tensor (sizes, flags, timings) must be for a collective on ``group``: the CPU, unless
+    the group's only backend is NCCL, which refuses CPU tensors (then the current CUDA device)."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -102,76 +81,52 @@ def ring_all_reduce_bytes(nbytes: int, world_size: int) -> float:
 
 
 class TimedWork:
-    """The handle of an asynchronous collective: books its time in flight exactly once, and restates a failure a
-    peer caused (:mod:`~lightning_sync.comm.peer_errors`).
+    """The handle of an asynchronous collective: books its time in flight once, and restates a failure a peer caused
+    (:mod:`~lightning_sync.comm.peer_errors`).
 
     Args:
         work: the torch.distributed work.
-        book: called once with the seconds from ``started`` until the work completed.
-        started: ``time.perf_counter()`` at launch.
+        meter: books the seconds from ``started`` (``time.perf_counter()`` at launch) until the work completed.
         op: a collective's name: its failure names the peer (point-to-point errors are the caller's).
-        group: the collective's process group; only its :class:`~lightning_sync.comm.peer_errors.Peers` are kept,
-            never the group (the completion callback runs on the backend's thread, see ``Peers``).
-        timeout_s: the group's timeout, named in a :class:`~lightning_sync.comm.peer_errors.PeerError`.
+        group: the collective's process group (only its :class:`~lightning_sync.comm.peer_errors.Peers` are kept).
     """
 
-    def __init__(
-        self,
-        work: Any,
-        book: Callable[[float], None],
-        started: float,
-        op: str | None,
-        group: Any,
-        timeout_s: float | None,
-    ) -> None:
+    def __init__(self, work: Any, meter: CommMeter, started: float, op: str | None, group: Any) -> None:
         self._work = work
-        self._book_seconds = book
+        self._meter = meter
         self._started = started
-        self._timeout_s = timeout_s
         self._op = op
         self._peers = Peers.of(group) if op is not None else None
         self._booked = False
-        self._lock = threading.Lock()  # the future's callback and wait() may both book
         try:
             self._future: torch.futures.Future | None = work.get_future().then(self._on_done)
-        except RuntimeError:  # some backends' point-to-point works have no future: book the time at wait()
+        except RuntimeError:  # gloo's point-to-point works have no future: book the time at wait()
             self._future = None
 
     def _on_done(self, fut: torch.futures.Future) -> Any:
         self._book()
-        with naming_peer(self._op, self._peers, self._timeout_s):
+        with naming_peer(self._op, self._peers, self._meter.timeout_s):
             return fut.value()
 
     def _book(self) -> None:
-        with self._lock:
-            if self._booked:
-                return
+        if not self._booked:  # the future's callback, or wait() where there is no future: never both
             self._booked = True
-        self._book_seconds(time.perf_counter() - self._started)
+            self._meter.record(0.0, 0.0, time.perf_counter() - self._started, calls=0)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Blocks until the collective is done; ``timeout`` (seconds) bounds the wait on the work itself."""
-        if self._future is None:
-            if timeout is None:
-                self._work.wait()
-            else:
-                self._work.wait(datetime.timedelta(seconds=timeout))
-            self._book()
+        """Blocks until the work is done; ``timeout`` (seconds) bounds the wait of a point-to-point work."""
+        if self._future is not None:
+            self._future.wait()
         elif timeout is None:
-            self._future.wait()
+            self._work.wait()
         else:
-            deadline = time.monotonic() + timeout
-            while not self._future.done():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"collective not done after {timeout} s")
-                time.sleep(0.0005)
-            self._future.wait()
+            self._work.wait(datetime.timedelta(seconds=timeout))
+        self._book()
         return True
 
     def get_future(self) -> torch.futures.Future:
-        """A future that completes after the collective and after its time is booked."""
-        if self._future is None:
-            raise RuntimeError("this work handle has no future; call wait()")
+        """A future that completes after the collective and after its time is booked (collectives only)."""
+        assert self._future is not None, "a point-to-point work has no future; call wait()"
         return self._future
 
 
@@ -199,7 +154,7 @@ class CommMeter:
     # ------------------------------------------------------------------ accounting
     @property
     def total(self) -> CommStats:
-        """Everything counted since the meter was made (or last reset)."""
+        """Everything counted since the meter was made."""
         with self._lock:
             return CommStats(**vars(self._total))
 
@@ -209,18 +164,10 @@ class CommMeter:
         delta, self._last_step = now - self._last_step, now
         return delta
 
-    def reset(self) -> None:
-        with self._lock:
-            self._total = CommStats()
-            self._last_step = CommStats()
-
     def record(self, bytes_sent: float, bytes_recv: float, seconds: float = 0.0, calls: int = 1) -> None:
         """Books traffic that did not go through the meter's own calls (e.g. a third-party collective)."""
         with self._lock:
-            self._total.bytes_sent += bytes_sent
-            self._total.bytes_recv += bytes_recv
-            self._total.calls += calls
-            self._total.seconds += seconds
+            self._total = self._total + CommStats(bytes_sent, bytes_recv, calls, seconds)
 
     def world_size(self, group: ProcessGroup | None = None) -> int:
         return dist.get_world_size(group if group is not None else self.group)
@@ -238,9 +185,8 @@ class CommMeter:
             work = launch()
             if not async_op:
                 work.wait()
-        self.record(sent, recv, calls=1)
-        book = functools.partial(self.record, 0.0, 0.0, calls=0)  # the seconds, at completion
-        return TimedWork(work, book, started, op, group, self.timeout_s)
+        self.record(sent, recv)  # the seconds at completion
+        return TimedWork(work, self, started, op, group)
 
     def _collective(
         self, name: str, tensor: torch.Tensor, group: ProcessGroup | None, per_byte: Callable[[int], float],
@@ -275,9 +221,8 @@ class CommMeter:
     def all_to_all_single(
         self, output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False
     ) -> TimedWork:
-        """``dist.all_to_all_single`` with equal splits: block ``j`` of ``tensor`` goes to rank ``j``, and block
-        ``j`` of ``output`` comes from rank ``j``; counted as ``(n-1)/n * S`` sent and received (a rank keeps its
-        own block)."""
+        """``dist.all_to_all_single`` with equal splits: block ``j`` of ``tensor`` goes to rank ``j``, block ``j`` of
+        ``output`` comes from rank ``j``."""
         return self._collective(
             "all_to_all", tensor, group, lambda n: (n - 1) / n, async_op,
             lambda g: dist.all_to_all_single(output, tensor, group=g, async_op=True),
@@ -296,10 +241,8 @@ class CommMeter:
     # go through its group registry, which rejects a group built outside it (``ProcessGroupGloo(store, rank,
     # size)``, as the parameter server does so that one process can hold several members of the same group).
     def send_to(self, tensor: torch.Tensor, group_dst: int, group: Any = None, tag: int = 0) -> TimedWork:
-        """Asynchronous send of ``tensor`` to rank ``group_dst`` of ``group`` (its own rank, not a global one).
-
-        Counted as ``S`` bytes sent when launched. ``tensor`` must stay untouched until the work is waited for.
-        """
+        """Asynchronous send of ``tensor`` (untouched until the work is waited for) to rank ``group_dst`` of
+        ``group`` (its own rank, not a global one), counted as ``S`` bytes sent when launched."""
         group = group if group is not None else self.group
         nbytes = float(tensor.numel() * tensor.element_size())
         return self._run(nbytes, 0.0, True, lambda: group.send([tensor], int(group_dst), int(tag)))

@@ -1,10 +1,8 @@
 """``module_sync_every``: per-module sync periods, from config patterns to the parameters they name.
 
-Nothing here knows of Lightning. ``module_sync_every`` is ``{glob pattern: period}``; patterns are :mod:`fnmatch`
-globs (case-sensitive, ``*`` also crosses dots) on full parameter names such as ``net.4.weight``. Each pattern makes
-one sync group with its own period (:class:`~lightning_sync.comm.periodic.PeriodicAverager`); the parameters no
-pattern matches form the default group :data:`DEFAULT_GROUP`, which follows ``sync_every``. A buffer joins the group
-whose pattern matches its name. A pattern matching no parameter, or a parameter matched twice, is a ConfigError.
+``module_sync_every`` is ``{glob pattern: period}``, case-sensitive :mod:`fnmatch` globs (``*`` also crosses dots) on
+full parameter and buffer names such as ``net.4.weight``. Each pattern makes one sync group with its own period; the
+names no pattern matches form the default group :data:`DEFAULT_GROUP`, which follows ``sync_every``.
 """
 
 from __future__ import annotations
@@ -67,10 +65,7 @@ def normalize_module_policy(value: Any, field: str = POLICY_FIELD) -> dict[str, 
 def match_module_policy(
     names: Iterable[str], policy: Mapping[str, int], field: str = POLICY_FIELD, what: str = "parameter"
 ) -> dict[str, str]:
-    """Assigns each name to the one pattern of ``policy`` that matches it (fnmatch, case-sensitive).
-
-    Returns:
-        ``{name: pattern}`` for every name matched by a pattern (names matched by none are left out).
+    """``{name: pattern}`` for each name that a pattern of ``policy`` matches (fnmatch, case-sensitive).
 
     Raises:
         ConfigError: a name matched by two patterns.
@@ -88,12 +83,26 @@ def match_module_policy(
     return assigned
 
 
-def validate_module_policy(model: nn.Module | Iterable[str], policy: Any, field: str = POLICY_FIELD) -> dict[str, int]:
-    """Checks a ``module_sync_every`` policy against a model before training (can run before any rank starts).
+def assign_patterns(
+    param_names: Sequence[str], buffer_names: Iterable[str], policy: Mapping[str, int], field: str = POLICY_FIELD
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Each parameter's and each buffer's pattern of ``policy`` (names matched by none are left out).
 
-    Args:
-        model: the model, or an iterable of its parameter names.
-        policy: ``{pattern: period}`` or a list form accepted by :func:`normalize_module_policy`; ``None``: none.
+    Raises:
+        ConfigError: a pattern matches no parameter, or a name matches two.
+    """
+    param_pattern = match_module_policy(param_names, policy, field)
+    for pattern in set(policy) - set(param_pattern.values()):
+        shown = ", ".join(param_names[:6]) + (", ..." if len(param_names) > 6 else "")
+        raise ConfigError(
+            f"{field}: pattern {pattern!r} matches no parameter; patterns are fnmatch globs on full parameter "
+            f"names such as {shown}"
+        )
+    return param_pattern, match_module_policy(buffer_names, policy, field, what="buffer")
+
+
+def validate_module_policy(model: nn.Module, policy: Any, field: str = POLICY_FIELD) -> dict[str, int]:
+    """Checks a ``module_sync_every`` policy against a model before any rank starts.
 
     Returns:
         ``{parameter name: period}`` for every parameter a pattern matches (the others use ``sync_every``).
@@ -101,36 +110,6 @@ def validate_module_policy(model: nn.Module | Iterable[str], policy: Any, field:
     Raises:
         ConfigError: a bad policy, a pattern that matches no parameter, or a parameter matched by two patterns.
     """
-    normalized = normalize_module_policy(policy, field)
-    if normalized is None:
-        return {}
-    names = [name for name, _ in model.named_parameters()] if isinstance(model, nn.Module) else list(model)
-    assigned = match_module_policy(names, normalized, field)
-    check_every_pattern_used(names, normalized, assigned, field)
+    normalized = normalize_module_policy(policy, field) or {}
+    assigned, _ = assign_patterns([name for name, _ in model.named_parameters()], (), normalized, field)
     return {name: normalized[pattern] for name, pattern in assigned.items()}
-
-
-def check_every_pattern_used(
-    names: Sequence[str], policy: Mapping[str, int], assigned: Mapping[str, str], field: str = POLICY_FIELD
-) -> None:
-    """Raises ConfigError for the first pattern of ``policy`` that no name was assigned to."""
-    for pattern in set(policy) - set(assigned.values()):
-        shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-        raise ConfigError(
-            f"{field}: pattern {pattern!r} matches no parameter; patterns are fnmatch globs on full parameter "
-            f"names such as {shown}"
-        )
-
-
-def assign_patterns(
-    param_names: Sequence[str], buffer_names: Iterable[str], policy: Mapping[str, int]
-) -> tuple[dict[str, str], dict[str, str]]:
-    """Each parameter's and each buffer's pattern of ``policy`` (names matched by none are left out).
-
-    Raises:
-        ConfigError: a pattern matches no parameter, or a name matches two.
-    """
-    param_pattern = match_module_policy(param_names, policy)
-    check_every_pattern_used(param_names, policy, param_pattern)
-    buffer_pattern = match_module_policy(buffer_names, policy, what="buffer")
-    return param_pattern, buffer_pattern

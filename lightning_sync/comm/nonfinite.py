@@ -1,18 +1,10 @@
 """Skipping an optimizer step whose gradients hold a NaN or an Inf, on every rank together.
 
-After a gradient all-reduce every rank holds the same averaged gradients, and a NaN or Inf on any rank reaches all
-of them (a sum with a NaN is NaN, with an Inf is Inf or NaN). So each rank can decide alone, on its synced
-gradients, and all ranks decide the same: the all-reduce that syncs the gradients is the collective flag, and no
-extra collective is needed. Where a mode steps without syncing (local SGD's local steps) a rank's replica is its own
-until the next sync, and it skips its own step alone.
-
-Skipping is done by dropping the gradients (``param.grad = None``): PyTorch's optimizers leave a parameter without a
-gradient untouched (no momentum, weight decay or step-count update), whatever the optimizer and however Lightning
-calls ``step``. With AMP's ``GradScaler`` nothing is dropped: the scaler sees the same non-finite gradients on every
-rank, skips the step itself and lowers its scale, as it must.
-
-Every skipped step is said out loud, as a :class:`NonFiniteStepWarning` naming the mode and the step: once, on rank 0,
-for a step every rank skipped together; on the rank itself for a step it skipped alone.
+After a gradient all-reduce a NaN or Inf on any rank reaches every rank's averaged gradients, so each rank decides
+alone and all decide the same, with no extra collective; where a mode steps without syncing (local SGD's local
+steps) a rank skips its own step alone. Skipping drops the gradients (``param.grad = None``), which PyTorch's
+optimizers leave untouched; with AMP's ``GradScaler`` nothing is dropped (the scaler skips the step itself). Every
+skipped step is said out loud, as a :class:`NonFiniteStepWarning`.
 """
 
 from __future__ import annotations
@@ -48,19 +40,14 @@ def grads_are_finite(params: Iterable[torch.Tensor]) -> bool:
 
 
 def probe(tensor: torch.Tensor) -> torch.Tensor:
-    """The float32 sum of a non-empty tensor: one pass, about half an ``aminmax``'s time on a CPU. It is NaN or
-    infinite when an entry is (a sum with a NaN is NaN, with an Inf is Inf or NaN), and also, rarely, when finite
-    entries sum past float32's range; :func:`all_finite` tells the two apart."""
+    """The float32 sum of a non-empty tensor (one pass, half an ``aminmax``'s time on a CPU): non-finite when an
+    entry is, and also, rarely, when finite entries sum past float32's range (:func:`all_finite` tells them apart)."""
     return tensor.detach().sum(dtype=torch.float32)
 
 
 def all_finite(probes: list[torch.Tensor], tensors: Iterable[torch.Tensor]) -> bool:
-    """Whether ``tensors`` hold no NaN and no Inf, given their :func:`probe` (one host sync; ``True`` for none).
-
-    Every probe finite means every entry is. Otherwise each tensor's ``aminmax`` decides exactly (a NaN makes both
-    ends NaN, an Inf one end infinite, and nothing overflows), so a step is never skipped for a large but finite
-    gradient.
-    """
+    """Whether ``tensors`` hold no NaN and no Inf, given their :func:`probe` (one host sync; ``True`` for none):
+    every probe finite, or else every tensor's ``aminmax`` finite (exact, so a large finite gradient passes)."""
     if not probes or bool(torch.stack(probes).isfinite().all()):
         return True
     return bool(torch.stack([torch.stack(torch.aminmax(t.detach())) for t in tensors]).isfinite().all())

@@ -1,9 +1,7 @@
 """Errors of collectives that another rank caused, restated to name that rank.
 
-A collective that fails because another rank is frozen (it did not answer within the group's timeout) or gone (its
-connection closed) raises a :class:`PeerError` naming that rank, e.g. ``all_reduce on rank 0 failed: rank 1 did not
-answer within 8 s``. This module reads the backend's error strings (gloo's wording) to tell those failures from
-others (a shape mismatch, a bad argument), which are left as they are.
+A collective that fails because another rank is frozen or gone raises a :class:`PeerError` naming that rank, e.g.
+``all_reduce on rank 0 failed: rank 1 did not answer within 8 s``, read off the backend's (gloo's) error strings.
 """
 
 from __future__ import annotations
@@ -20,12 +18,9 @@ from torch.distributed import ProcessGroup
 
 
 def rendezvous_timeout_s(timeout_s: float) -> float:
-    """How long ranks (or a ps group's members) have to meet: ``timeout_s``, and at least 60 s.
-
-    Ranks started together reach the rendezvous seconds apart, as each first imports torch and Lightning: on a busy
-    machine three of them took over 16 s. A short ``timeout_s``, chosen to notice a lost peer quickly, would fail
-    such a start; the bound here keeps the start bounded without tying it to that choice.
-    """
+    """How long ranks (or a ps group's members) have to meet: ``timeout_s``, and at least 60 s (ranks started
+    together reach the rendezvous seconds apart, each first importing torch and Lightning, so a short ``timeout_s``
+    chosen to notice a lost peer quickly would fail the start)."""
     return max(float(timeout_s), 60.0)
 
 
@@ -48,9 +43,8 @@ _RESTATED = re.compile(r"^[\w ]+ on rank \d+ failed: ")  # a PeerError's message
 class Peers:
     """The ranks a failed collective's error names, read off its group when the collective is issued.
 
-    A work callback keeps this instead of the process group: a callback runs on the backend's own thread, and if it
-    held the last reference to a group that the program has already destroyed, the group would be freed on that
-    thread, which joins itself (``std::system_error: Resource deadlock avoided``, and the process aborts).
+    A work callback keeps this instead of the group: a callback holding the last reference to a destroyed group
+    would free it on the backend's own thread, which joins itself (``Resource deadlock avoided``, and an abort).
     """
 
     me: int  # this process's global rank
@@ -69,10 +63,8 @@ class Peers:
 def peer_error(
     op: str, group: ProcessGroup | Peers | None, error: BaseException, timeout_s: float | None = None
 ) -> PeerError | None:
-    """``error`` of collective ``op`` restated as a :class:`PeerError` naming the peer, if a peer caused it.
-
-    On 2 ranks the peer is named exactly; on more the backend does not say which rank failed to answer, so the
-    others are listed. An error that already is (or wraps) a :class:`PeerError` message is returned unwrapped.
+    """``error`` of collective ``op`` restated as a :class:`PeerError` naming the peer (on more than 2 ranks, the
+    others), if a peer caused it; an error that wraps a :class:`PeerError` message is returned unwrapped.
 
     Args:
         op: what was running (``"all_reduce"``).
@@ -110,15 +102,8 @@ def names_a_silent_peer(error: PeerError) -> bool:
 
 
 def wait_future(future: torch.futures.Future, op: str, group: ProcessGroup | None = None) -> Any:
-    """``future.wait()``, where a failure that a silent or lost peer caused is raised as a :class:`PeerError`
-    naming that peer (the wait takes as long as the backend takes: gloo fails a collective after the group's
-    timeout).
-
-    Args:
-        future: a future built on the meter's (e.g. a compressor's ``average``).
-        op: what it was, for the message.
-        group: the collective's process group (``None``: default).
-    """
+    """``future.wait()`` (a future built on the meter's), where a failure a silent or lost peer caused is raised as
+    a :class:`PeerError` naming that peer and ``op``, what was running on ``group``."""
     with naming_peer(op, group):
         return future.wait()
 

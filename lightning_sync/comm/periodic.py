@@ -1,28 +1,24 @@
 """Local SGD and DiLoCo: a periodic averager that owns its schedule (period, warmup, groups, adaptive period).
 
-Nothing here knows of Lightning. As torch's ``PeriodicModelAverager`` does, :class:`PeriodicAverager` checks its
-schedule at construction, so a bad value fails before any process starts. Its owner (a Lightning strategy, or a
-plain training loop) then reports what happened: :meth:`~PeriodicAverager.setup` once the process group exists (it
-splits the model into sync groups, :mod:`lightning_sync.comm.sync_groups`, and takes their global copy);
-:attr:`~PeriodicAverager.in_warmup` before each optimizer step (all-reduce its gradients instead of keeping them
-local); :meth:`~PeriodicAverager.step` after it (averages the buffers after a warmup step, or syncs the groups that
-are due); :meth:`~PeriodicAverager.finish` at the end (syncs every group with unsynced steps).
+:class:`PeriodicAverager` checks its schedule at construction, as torch's ``PeriodicModelAverager`` does, so a bad
+value fails before any process starts. Its owner (a Lightning strategy, or a plain training loop) then calls
+:meth:`~PeriodicAverager.setup` once the process group exists (it splits the model into sync groups,
+:mod:`lightning_sync.comm.sync_groups`), reads :attr:`~PeriodicAverager.in_warmup` before each optimizer step (an
+all-reduce of its gradients instead of a local step), calls :meth:`~PeriodicAverager.step` after it and
+:meth:`~PeriodicAverager.finish` at the end.
 
-Streaming DiLoCo (:mod:`lightning_sync.comm.streaming`): with ``fragments=k`` every sync group is split into up to
+Streaming DiLoCo (:mod:`lightning_sync.comm.streaming`): with ``fragments=k`` each sync group is split into up to
 ``k`` fragments, each with its own global copy, compressor and outer optimizer; fragment ``f`` of a group with
 period ``p`` first syncs after ``(f + 1) * p // k`` steps, then every ``p``. With ``sync_delay=τ`` a fragment's
-outer sync is launched ``τ`` steps before its sync step, runs on a worker thread, and is applied at it, mixed by
-``fragment_alpha``. At their defaults every operation is DiLoCo's (or local SGD's).
-
-``sync_every="auto"``: after each sync of the default group the ranks agree (MAX over ranks) on the measured compute
-seconds per step and the seconds that sync took, and :class:`~lightning_sync.comm.adaptive.AdaptivePeriod` picks the
-next period, identically everywhere.
+outer sync is launched ``τ`` steps before its sync step, on a worker thread, and applied at it, mixed by
+``fragment_alpha``. With ``sync_every="auto"`` the ranks agree (MAX) on the measured compute seconds per step and
+sync seconds after each sync of the default group, and :class:`~lightning_sync.comm.adaptive.AdaptivePeriod` picks
+the next period.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -45,8 +41,8 @@ from lightning_sync.comm.averaging import (
 )
 from lightning_sync.comm.compression import Compressor, NoCompression, resolve_codec
 from lightning_sync.comm.meter import CommMeter
-from lightning_sync.comm.module_policy import POLICY_FIELD, assign_patterns, normalize_module_policy
-from lightning_sync.comm.streaming import OuterSyncWorker, StreamingOptions, new_stream_group
+from lightning_sync.comm.module_policy import POLICY_FIELD, normalize_module_policy
+from lightning_sync.comm.streaming import StreamingOptions, new_stream_group
 from lightning_sync.comm.sync_groups import (
     SyncGroup,
     build_sync_groups,
@@ -57,8 +53,7 @@ from lightning_sync.errors import ConfigError, check_range
 
 
 def _check_ranges(sync_every: int | str, warmup_steps: int, bucket_cap_mb: float) -> None:
-    """Checks each knob's own range (at construction, so that a bad value fails before any process starts, as torch's
-    ``PeriodicModelAverager`` checks its period).
+    """Checks each knob's own range.
 
     Raises:
         ConfigError: the first knob out of range, named.
@@ -78,14 +73,8 @@ def _check_streaming(
     min_sync_every: int | None,
     policy: Mapping[str, int],
 ) -> None:
-    """Checks the streaming knobs against each other and against every period a sync group may have.
-
-    Args:
-        streaming: the streaming knobs (fragments, delay, mixing, codec, explicit fragments).
-        new_compressor: makes the compressor of the pseudo-gradients when ``outer_compression`` is ``none``.
-        sync_every: the default group's fixed period, or ``"auto"`` (checked by :func:`_check_ranges`).
-        min_sync_every: the smallest adaptive period with ``sync_every="auto"``, else ``None``.
-        policy: the normalized ``module_sync_every``, ``{pattern: period}``.
+    """Checks the streaming knobs against each other and against every period a sync group may have
+    (``min_sync_every``: the smallest adaptive period, or ``None``; ``policy``: ``{pattern: period}``).
 
     Raises:
         ConfigError: a streaming knob out of range or one that does not fit a period, named as the knob (a period
@@ -95,8 +84,7 @@ def _check_streaming(
     check_range("fragments", fragments, low=1, integer=True)
     check_range("sync_delay", sync_delay, low=0, integer=True)
     check_range("fragment_alpha", streaming.fragment_alpha, low=0, high=1)
-    resolve_codec(outer_compression, "outer_compression")
-    base = new_compressor().name
+    base = new_compressor().name  # outer_compression itself is resolved (and checked) by the averager
     if outer_compression != "none" and base != "none":
         raise ConfigError(
             f"outer_compression={outer_compression!r} is not allowed with compression={base!r}; the "
@@ -133,9 +121,8 @@ class PeriodicAverager:
         warmup_steps: optimizer steps whose gradients the owner all-reduces (as DDP) before the local phase.
         outer: DiLoCo: the averaged pseudo-gradient ``global - local`` goes through ``outer_optimizer`` on the global
             copy; otherwise local SGD's plain average.
-        outer_optimizer: ``outer=True``: a callable from parameters to a ``torch.optim.Optimizer`` (Lightning's
-            ``OptimizerCallable``), called once per fragment on its global copy; ``None``:
-            :data:`~lightning_sync.comm.averaging.OUTER_OPTIMIZER` (SGD at lr 0.7 without momentum).
+        outer_optimizer: ``outer=True``: a callable from parameters to a ``torch.optim.Optimizer``, called once per
+            fragment on its global copy; ``None``: :data:`~lightning_sync.comm.averaging.OUTER_OPTIMIZER`.
         module_sync_every: per-module periods, ``{glob pattern: period}`` (see the module docstring).
         average_optimizer_state: also average the floating optimizer state (momentum, Adam moments) at each sync.
         new_compressor: makes each group's compressor (each keeps its own memory); default: exact averages.
@@ -143,10 +130,9 @@ class PeriodicAverager:
         streaming: streaming DiLoCo's fragments, delay, mixing and codec (default: one fragment, no delay).
         adaptive: ``sync_every="auto"``: the target share of time spent communicating and the period's bounds.
         skip_nonfinite: an averaged pseudo-gradient holding a NaN or Inf skips that group's outer step (on every
-            rank: the average is identical on all).
+            rank alike).
         timeout_s: the longest wait for an outer sync in flight (and the timeout of the worker's process group).
-        clock: returns the current time in seconds; ``sync_every="auto"`` times compute and syncs with it (a test
-            passes a fake one and feeds it the durations).
+        clock: returns the current time in seconds; ``sync_every="auto"`` times compute and syncs with it.
 
     Raises:
         ConfigError: an argument out of range, named as the knob of the same name.
@@ -194,7 +180,7 @@ class PeriodicAverager:
         self.skip_nonfinite = bool(skip_nonfinite)
         self.timeout_s = timeout_s
         self.clock = clock
-        self._worker: OuterSyncWorker | None = None
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._across_jobs: dict[int, concurrent.futures.Future] = {}
         self.groups: list[SyncGroup] = []
         self.steps = 0
@@ -218,9 +204,6 @@ class PeriodicAverager:
         """Whether the coming optimizer step is a warmup step (its gradients are all-reduced by the owner)."""
         return self.steps < self.warmup_steps
 
-    def _period_of(self, group: SyncGroup) -> int:
-        return self.period if group.period is None else group.period
-
     # ------------------------------------------------------------------ lifecycle
     def setup(
         self,
@@ -238,38 +221,28 @@ class PeriodicAverager:
         """
         named = list(named_parameters)
         named_buffers = list(named_buffers)
-        param_pattern, buffer_pattern = assign_patterns(
-            [name for name, _ in named], [name for name, _ in named_buffers], self.policy
-        )
         self.meter, self.group = meter, group
         self._all_params = [p for _, p in named if p.requires_grad]
         self._all_buffers = [b for _, b in named_buffers]
         sync_group = group
         if self.sync_delay > 0:
             sync_group = new_stream_group(group, self.timeout_s)
-            self._worker = OuterSyncWorker()
-        new_averager = functools.partial(self._new_averager, meter=meter, sync_group=sync_group)
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-sync")
+
+        def new_averager(params: list[nn.Parameter]) -> tuple[ModelAverager, torch.optim.Optimizer | None]:
+            """A fragment's global copy, and DiLoCo's outer optimizer over it (``None`` for local SGD)."""
+            averager = ModelAverager(params, self.new_compressor(), meter, self.bucket_cap_mb, sync_group)
+            return averager, self.outer_optimizer(averager.anchors) if self.outer and averager.anchors else None
+
         self.groups = build_sync_groups(
             named,
             named_buffers,
-            param_pattern,
-            buffer_pattern,
             self.policy,
             self.fragments,
             self.period,
             new_averager,
             self.fragment_modules,
         )
-
-    def _new_averager(
-        self, params: list[nn.Parameter], meter: CommMeter, sync_group: ProcessGroup | None
-    ) -> tuple[ModelAverager, torch.optim.Optimizer | None]:
-        """A fragment's global copy and averaging, and DiLoCo's outer optimizer over it (``None`` for local SGD)."""
-        averager = ModelAverager(params, self.new_compressor(), meter, self.bucket_cap_mb, sync_group)
-        outer = None
-        if self.outer and averager.anchors:
-            outer = self.outer_optimizer(averager.anchors)
-        return averager, outer
 
     def start_step(self) -> None:
         """Marks the start of an optimizer step's compute (for ``sync_every="auto"``; a no-op while one runs)."""
@@ -279,10 +252,9 @@ class PeriodicAverager:
     def step(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[SyncGroup]:
         """Call after every optimizer step, on every rank: syncs what is due.
 
-        After a warmup step (gradients were all-reduced) the buffers are averaged, and after the last one every
-        group's global copy is reset to the (identical) replicas. After a local step the outer syncs in flight
-        whose ``sync_delay`` is up are applied; then every group whose period is up is synced (``sync_delay=0``),
-        or every group ``sync_delay`` steps before its period is up has its outer sync launched.
+        After a warmup step the buffers are averaged (and after the last one the global copies reset). After a local
+        step the outer syncs in flight whose ``sync_delay`` is up are applied; then every group whose period is up
+        is synced, or with ``sync_delay`` has its outer sync launched ``sync_delay`` steps before.
 
         Args:
             optimizers: the optimizers whose state ``average_optimizer_state`` averages.
@@ -290,7 +262,8 @@ class PeriodicAverager:
         Returns:
             The groups synced (applied) now (empty after a warmup step or when none was due).
         """
-        self._measure_compute()
+        if self.meter is not None:  # an outer sync in flight ran its transfer beside this compute: none is taken off
+            self._compute.stop(self.meter.total.seconds, any(group.in_flight is not None for group in self.groups))
         self._warmup_step_done = self.in_warmup
         self.steps += 1
         self.last_synced, self.last_divergence = [], None
@@ -322,25 +295,22 @@ class PeriodicAverager:
 
     def _sync_due(self, group: SyncGroup) -> bool:
         """Whether ``group``'s period is up (``sync_delay=0``: it syncs now)."""
-        return group.since_sync >= self._period_of(group)
+        return group.since_sync >= (self.period if group.period is None else group.period)
 
     def _launch_due(self, group: SyncGroup) -> bool:
         """Whether ``group``'s outer sync is launched now (``sync_delay > 0``): none in flight, and its period is up
         within ``sync_delay`` steps."""
-        return group.in_flight is None and group.since_sync >= self._period_of(group) - self.sync_delay
+        period = self.period if group.period is None else group.period
+        return group.in_flight is None and group.since_sync >= period - self.sync_delay
 
     def _launch(self, group: SyncGroup) -> None:
         """Starts ``group``'s outer sync on the worker thread (``sync_delay > 0``), then its average across replica
-        groups.
-
-        A group that heals at this quorum takes the live groups' schedule with their state, so it launches the
-        fragment they launch now: the one its own step count chose (``group``) may be another, whose average would
-        meet theirs in one collective (gloo: "Received data size doesn't match expected size").
-        """
+        groups. A group that heals at this quorum launches the fragment the live groups launch now, which its own
+        step count may not have chosen."""
         if self._quorum():
             due = [g for g in self.groups if self._launch_due(g)]
             group = due[0] if due else group
-        group.in_flight = group.averager.launch_(self._sign, self.steps, self._worker)
+        group.in_flight = group.averager.launch_(-1.0 if self.outer else 1.0, self.steps, self._worker)
         assert self._worker is not None
         self._across_jobs[id(group)] = self._worker.submit(lambda: self._across(group))
 
@@ -369,7 +339,7 @@ class PeriodicAverager:
             groups = [g for g in self.groups if self._sync_due(g)] or groups
         squared = 0.0
         for group in groups:
-            group.in_flight = group.averager.launch_(self._sign, self.steps)
+            group.in_flight = group.averager.launch_(-1.0 if self.outer else 1.0, self.steps)
             squared += group.averager.complete_(group.in_flight, self.timeout_s)
             self._across(group)
         return self._complete(groups, optimizers, squared, 0.0, started)
@@ -425,9 +395,11 @@ class PeriodicAverager:
         self.last_synced = list(groups) if committed else []
         self.last_divergence = math.sqrt(squared)
         default = [group for group in groups if group.period is None]
-        if self.adaptive is not None and default:
+        if self.adaptive is not None and default:  # the next period, from the slowest rank's measurements
             # one fragment's comm every period/k steps: as much per step as k fragments' every period
-            self._adapt((self.clock() - started) * default[0].fragments)
+            comm = (self.clock() - started) * default[0].fragments
+            self.adaptive.update(*agree_max([self._compute.mean, comm], meter, self.group))
+            self._compute.reset()
         return self.last_divergence
 
     # ------------------------------------------------------------------ across replica groups
@@ -448,24 +420,14 @@ class PeriodicAverager:
         return True
 
     @property
-    def _sign(self) -> float:
-        """DiLoCo averages ``global - local`` (a pseudo-gradient), local SGD ``local - global``."""
-        return -1.0 if self.outer else 1.0
-
-    @property
     def skipped_outer_steps(self) -> int:
         """Outer steps skipped so far for a non-finite pseudo-gradient (``skip_nonfinite``), over all groups."""
         return sum(group.skipped for group in self.groups)
 
     def synced_tensors(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[torch.Tensor]:
-        """What must be identical on every rank right after the last :meth:`step`: everything after a warmup
-        step, the synced groups' parameters (unless ``fragment_alpha`` mixed them with local ones) and floating
-        buffers after a sync, nothing after a local step.
-
-        Args:
-            optimizers: also list their floating per-parameter state of those parameters where it is identical:
-                after a warmup step, and at a sync with ``average_optimizer_state``.
-        """
+        """What must be identical on every rank right after the last :meth:`step`: everything after a warmup step,
+        the synced groups' parameters (unless mixed by ``fragment_alpha``) and floating buffers after a sync, and
+        ``optimizers``' state of those parameters where it is identical (warmup, ``average_optimizer_state``)."""
         if self._warmup_step_done:
             params, buffers = self._all_params, self._all_buffers
         else:
@@ -485,24 +447,12 @@ class PeriodicAverager:
         }
 
     def close(self) -> None:
-        """Drops the outer-sync worker thread once its jobs are done (waiting up to ``timeout_s``), so the process
-        group can then be destroyed."""
+        """Waits (up to ``timeout_s``) for the outer-sync worker's jobs and drops it, so the process group can then be
+        destroyed (a job still in a collective when its group is destroyed aborts the process)."""
         if self._worker is not None:
-            self._worker.close(self.timeout_s)
+            concurrent.futures.wait([self._worker.submit(int)], timeout=self.timeout_s)
+            self._worker.shutdown(wait=False)
             self._worker = None
-
-    # ------------------------------------------------------------------ adaptive period
-    def _measure_compute(self) -> None:
-        if self.meter is not None:
-            # with an outer sync in flight, the worker's transfer booked on the meter meanwhile ran beside this compute
-            self._compute.stop(self.meter.total.seconds, any(group.in_flight is not None for group in self.groups))
-
-    def _adapt(self, comm_seconds: float) -> None:
-        """Chooses the next period from the slowest rank's measurements (identical on every rank)."""
-        assert self.adaptive is not None
-        compute, comm = agree_max([self._compute.mean, comm_seconds], self._require_meter(), self.group)
-        self.adaptive.update(compute, comm)
-        self._compute.reset()
 
     def _require_meter(self) -> CommMeter:
         if self.meter is None:

@@ -1,8 +1,6 @@
-"""The sync groups of a periodic averager: how parameters and buffers are laid out in them, and their checkpoint
-state. Nothing here knows of Lightning; :class:`~lightning_sync.comm.periodic.PeriodicAverager` owns the schedule.
-
-A sync group is a ``module_sync_every`` group (:mod:`lightning_sync.comm.module_policy`), or the default group ``"*"``, or,
-with ``fragments > 1``, one of its fragments, strided by block (:mod:`lightning_sync.comm.fragments`).
+"""The sync groups of a periodic averager: a ``module_sync_every`` group (:mod:`lightning_sync.comm.module_policy`),
+the default group ``"*"``, or one of their fragments (:mod:`lightning_sync.comm.fragments`); their layout and their
+checkpoint state.
 """
 
 from __future__ import annotations
@@ -18,18 +16,16 @@ from torch import nn
 
 from lightning_sync.comm.averaging import InFlight, ModelAverager
 from lightning_sync.comm.fragments import buffer_fragments, split_fragments
-from lightning_sync.comm.module_policy import DEFAULT_GROUP
+from lightning_sync.comm.module_policy import DEFAULT_GROUP, assign_patterns
 from lightning_sync.comm.streaming import stagger_offsets
 
 
 @dataclass
 class SyncGroup:
-    """Parameters (and buffers) synced together, with their own period and global copy: a ``module_sync_every``
-    group, or one fragment of it (``fragments > 1``).
+    """Parameters (and buffers) synced together, with their own period and global copy.
 
     Attributes:
-        label: the ``module_sync_every`` pattern, or ``"*"`` for the parameters no pattern matches; a fragment's
-            label adds ``#f`` (``"*#0"``).
+        label: the ``module_sync_every`` pattern, or ``"*"``; a fragment's label adds ``#f`` (``"*#0"``).
         period: a fixed period, or ``None`` for the default group (which follows ``sync_every``, maybe adaptive).
         params: the parameters (those with ``requires_grad``).
         buffers: the module buffers synced with this group.
@@ -62,8 +58,6 @@ class SyncGroup:
 def build_sync_groups(
     named: Sequence[tuple[str, nn.Parameter]],
     named_buffers: Sequence[tuple[str, torch.Tensor]],
-    param_pattern: Mapping[str, str],
-    buffer_pattern: Mapping[str, str],
     policy: Mapping[str, int],
     fragments: int,
     default_period: int,
@@ -75,18 +69,17 @@ def build_sync_groups(
     Args:
         named: the model's named parameters (only those with ``requires_grad`` join a group).
         named_buffers: the model's named buffers.
-        param_pattern: each matched parameter's pattern (the others join the default group).
-        buffer_pattern: each matched buffer's pattern (the others join the default group).
-        policy: ``{pattern: period}``.
+        policy: ``{pattern: period}`` (the parameters and buffers no pattern matches join the default group).
         fragments: how many fragments to split each group into (at most one per block, or per layer).
         default_period: the default group's period, which staggers its fragments.
         new_averager: makes a fragment's averager and outer optimizer (``None``: local SGD) from its parameters.
-        fragment_modules: explicit fragments (module-name patterns, in sync order) instead of the block rule; only
-            without ``policy`` (the averager refuses both together).
+        fragment_modules: explicit fragments (module-name patterns, in sync order) instead of the block rule.
 
     Raises:
-        ConfigError: a ``fragment_modules`` pattern matching no parameter, or a parameter in two fragments or none.
+        ConfigError: a ``policy`` pattern matching no parameter, or a name matching two; a ``fragment_modules``
+            pattern matching no parameter, or a parameter in two fragments or none.
     """
+    param_pattern, buffer_pattern = assign_patterns([n for n, _ in named], [n for n, _ in named_buffers], policy)
     groups: list[SyncGroup] = []
     for label, period in [(DEFAULT_GROUP, None), *policy.items()]:
         members = [(n, p) for n, p in named if p.requires_grad and param_pattern.get(n, DEFAULT_GROUP) == label]
@@ -113,26 +106,20 @@ def build_sync_groups(
 
 
 def groups_state(groups: Sequence[SyncGroup], timeout_s: float | None = None) -> list[dict[str, Any]]:
-    """Each group's step counts, global copy, compressor memory, outer optimizer and outer sync in flight.
-
-    An outer sync in flight is drained (waited for, at most ``timeout_s``) and its average saved unapplied, so the
-    resumed run applies it at the step the uninterrupted run does.
-    """
-    flights = [
-        None if group.in_flight is None else group.averager.flight_state(group.in_flight, timeout_s) for group in groups
-    ]
+    """Each group's step counts, global copy, compressor memory, outer optimizer and outer sync in flight (drained,
+    at most ``timeout_s``, and saved unapplied: the resumed run applies it at the step the uninterrupted run does)."""
     return [
-        {
+        {  # the flight first: draining it advances the compressor
+            "in_flight": None if group.in_flight is None else group.averager.flight_state(group.in_flight, timeout_s),
             "label": group.label,
             "since_sync": group.since_sync,
             "syncs": group.syncs,
             "averager": group.averager.state_dict(),
             "outer": copy.deepcopy(group.outer.state_dict()) if group.outer is not None else None,
-            "in_flight": flight,
             "mixed": group.mixed,
             "skipped": group.skipped,
         }
-        for group, flight in zip(groups, flights)
+        for group in groups
     ]
 
 

@@ -1,7 +1,6 @@
 """Every number in :mod:`lightning_sync.comm` that was chosen by measurement or convention, named once.
 
-Change one here and every algorithm that uses it follows. Each comment says why the number is what it is; the
-measurements behind them are in the commit messages.
+Each docstring says why the number is what it is.
 """
 
 MIB = 1024 * 1024
@@ -16,16 +15,15 @@ LAUNCH_WARMUP_ROUNDS = 3
 LAUNCH_TRIAL_ROUNDS = 8
 """``bucketing=auto``: timed rounds per launch point."""
 LAUNCH_MARGIN = 0.10
-"""``bucketing=auto``: the relative lead a launch point needs to overrule the device prior: above the trial-to-trial
-noise of step times on a shared CPU machine, so that noise alone does not pick the slower launch point."""
+"""``bucketing=auto``: the relative lead a launch point needs to overrule the device prior (above the trial-to-trial
+noise of step times on a shared CPU machine)."""
 
 PARALLEL_CHUNKS = 2
 """Uncompressed and cast all-reduces: a large payload goes as this many concurrent slices (gloo runs concurrent
-collectives on two worker threads by default, so two slices travel in parallel)."""
+collectives on two worker threads by default)."""
 MIN_CHUNK_MB = 4.0
-"""The smallest such slice, in MiB: a payload is split only from 8 MiB. The all-reduce buckets (4 MiB by default) go
-whole: several of them are in flight at once already, so splitting them adds collectives without adding
-parallelism."""
+"""The smallest such slice, in MiB: the all-reduce buckets (4 MiB by default) go whole, as several of them are in
+flight at once already."""
 
 ADAPTIVE_SMOOTHING = 0.5
 """``sync_every=auto``: weight of the newest measurement in the moving averages of compute and comm time."""

@@ -1,16 +1,10 @@
 """Codecs: how a payload is averaged over a process group, shared by every sync mode. One registry.
 
-A codec (a :class:`Compressor`: ``TopKCompression(density=0.01)``, ``PowerSGDCompression(rank=4)``,
-``Int8Compression``/``Int4Compression``, ``FP16Compression``/``BF16Compression``, :class:`SparseLoCo`) averages one
-:class:`FlatBucket` over a process group in place: it owns the encoding, the collectives (through a
-:class:`~lightning_sync.comm.meter.CommMeter`, which so sees the compressed payload) and the decoding; its memory
-(error feedback, PowerSGD's factors) is kept per bucket index and checkpointed.
-
-Every consumer (the bucketed all-reduce, the DDP hook, periodic's outer sync, the sync across torchft groups, the
-parameter server's pushes) takes its codec, an object or a registry name (:data:`CODECS`), through
-:func:`resolve_codec`, which refuses one lacking a capability the consumer needs, before any process starts.
-
-Nothing here knows of Lightning.
+A codec (a :class:`Compressor`) averages one :class:`FlatBucket` over a process group in place: it owns the
+encoding, the collectives (through a :class:`~lightning_sync.comm.meter.CommMeter`, which so counts the compressed
+payload) and the decoding; its memory (error feedback, PowerSGD's factors) is kept per bucket index and
+checkpointed. Every consumer takes its codec, an object or a name of :data:`CODECS`, through :func:`resolve_codec`,
+which refuses one lacking a capability the consumer needs, before any process starts.
 """
 
 from __future__ import annotations
@@ -18,32 +12,14 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable
 
-from lightning_sync.comm.compression.base import Compressor, FlatBucket, _completed
-from lightning_sync.comm.compression.cast import BF16Compression, CastCompression, FP16Compression, NoCompression
-from lightning_sync.comm.compression.powersgd import PowerSGDCompression, _PowerSGDMemory
-from lightning_sync.comm.compression.quantized import BlockQuantizedCompression, Int4Compression, Int8Compression
+from lightning_sync.comm.compression.base import Compressor
+from lightning_sync.comm.compression.base import FlatBucket as FlatBucket
+from lightning_sync.comm.compression.cast import BF16Compression, FP16Compression, NoCompression
+from lightning_sync.comm.compression.powersgd import PowerSGDCompression
+from lightning_sync.comm.compression.quantized import Int4Compression, Int8Compression
 from lightning_sync.comm.compression.sparseloco import SparseLoCo
 from lightning_sync.comm.compression.topk import TopKCompression
 from lightning_sync.errors import ConfigError, check_choice
-
-__all__ = [
-    "CODECS",
-    "BF16Compression",
-    "BlockQuantizedCompression",
-    "CastCompression",
-    "Compressor",
-    "FP16Compression",
-    "FlatBucket",
-    "Int4Compression",
-    "Int8Compression",
-    "NoCompression",
-    "PowerSGDCompression",
-    "SparseLoCo",
-    "TopKCompression",
-    "_PowerSGDMemory",
-    "_completed",
-    "resolve_codec",
-]
 
 CODECS: dict[str, type[Compressor]] = {
     codec.name: codec
@@ -65,7 +41,7 @@ def resolve_codec(
     value: str | Compressor, field: str = "compression", needs: Iterable[str] = ()
 ) -> Callable[[], Compressor]:
     """A function that builds fresh, identical copies of the codec ``value`` (a name of :data:`CODECS` or a
-    :class:`Compressor`), checked now: consumers that keep one codec per bucket group call it once per group.
+    :class:`Compressor`), checked now.
 
     Args:
         field: the knob that chose ``value``, for the error message.

@@ -22,14 +22,11 @@ class FlatBucket:
     """A flat 1-D buffer holding several tensors back to back.
 
     Attributes:
-        index: a stable id of the bucket (the same bucket gets the same index every step); compressor memory is
-            keyed by it.
+        index: a stable id of the bucket, the same every step (compressor memory is keyed by it).
         buffer: the contiguous 1-D buffer.
         shapes: the shapes of the tensors laid out in ``buffer``, in order, with no gaps.
-        divided: the owner already divided ``buffer`` by the world size (fused into its copy into the bucket), so
-            a sum over ranks is the mean and the compressor must not divide again.
-        participants: the mean is over this many ranks, not the whole group (a torchft quorum, where a group
-            that does not take part sends zeros); ``None``: every rank of the group.
+        divided: the owner already divided ``buffer`` by the world size, so a sum over ranks is the mean.
+        participants: the mean is over this many ranks, not the whole group (a torchft quorum); ``None``: all.
     """
 
     index: int
@@ -44,12 +41,8 @@ class FlatBucket:
 
     def views(self) -> list[torch.Tensor]:
         """The tensors of the bucket, as views into ``buffer`` with their own shapes."""
-        out, offset = [], 0
-        for shape in self.shapes:
-            numel = math.prod(shape)
-            out.append(self.buffer[offset : offset + numel].view(shape))
-            offset += numel
-        return out
+        sizes = [math.prod(shape) for shape in self.shapes]
+        return [part.view(shape) for part, shape in zip(self.buffer[: sum(sizes)].split(sizes), self.shapes)]
 
 
 def _completed(value: torch.Tensor) -> torch.futures.Future:
@@ -61,12 +54,8 @@ def _completed(value: torch.Tensor) -> torch.futures.Future:
 class Compressor(ABC):
     """Averages buckets over a process group, possibly compressing what goes on the wire.
 
-    Subclasses implement :meth:`average`. ``steps`` counts completed optimizer steps (syncs); the owner calls
+    Subclasses implement :meth:`average`. ``steps`` counts completed optimizer steps (syncs): the owner calls
     :meth:`advance` once after each, which lets a compressor switch on late (PowerSGD's ``start_iter``).
-
-    A codec says what it can ride beyond :meth:`average` over a process group (which every codec does) in
-    :attr:`capabilities`; a consumer that needs one the codec lacks refuses it before any process starts
-    (:func:`~lightning_sync.comm.compression.resolve_codec`).
 
     Example::
 
@@ -81,11 +70,10 @@ class Compressor(ABC):
 
     name: ClassVar[str]
     capabilities: ClassVar[frozenset[str]] = frozenset()
-    """Beyond averaging over a process group: ``point_to_point`` (:meth:`encode` and :meth:`decode` of a flat
-    payload, for a parameter-server push) and ``across_groups`` (:meth:`average` over torchft's process group)."""
+    """Beyond averaging over a process group: ``point_to_point`` (:meth:`pack` and :meth:`unpack`, for a
+    parameter-server push) and ``across_groups`` (:meth:`average` over torchft's process group)."""
     memory: ClassVar[str | None] = None
-    """The attribute holding the codec's error-feedback memory, ``{key: tensor}`` (``None``: none), which
-    :meth:`state_dict` saves and :meth:`forget_nonfinite` cleans."""
+    """The attribute holding the codec's error-feedback memory, ``{key: tensor}`` (``None``: none)."""
 
     def __init__(self) -> None:
         self.steps = 0
@@ -95,8 +83,7 @@ class Compressor(ABC):
         """Starts averaging ``bucket.buffer`` over ``group`` (all ranks must call it with the same bucket layout).
 
         Returns:
-            A future that resolves to ``bucket.buffer`` once it holds the mean over the group's ranks (or the
-            decompressed estimate of it).
+            A future that resolves to ``bucket.buffer`` once it holds the mean (or the codec's estimate of it).
         """
 
     def _args(self) -> dict[str, Any]:
@@ -108,8 +95,7 @@ class Compressor(ABC):
         return f"{type(self).__name__}({', '.join(f'{n}={v!r}' for n, v in self._args().items())})"
 
     def spec(self) -> dict[str, Any]:
-        """The codec as plain values (its class's import path and :meth:`_args`), to send to a process that rebuilds
-        it with :meth:`from_spec` (a parameter server loads only plain values)."""
+        """The codec as plain values (its class's import path and :meth:`_args`), for :meth:`from_spec`."""
         cls = type(self)
         return {"target": f"{cls.__module__}.{cls.__qualname__}", "args": self._args()}
 
@@ -145,7 +131,7 @@ class Compressor(ABC):
             raise ValueError(f"a {self.name} payload of {numel} values has {expected} bytes, got {payload.numel()}")
 
     def advance(self) -> None:
-        """Marks the end of one optimizer step."""
+        """Marks the end of one optimizer step (sync)."""
         self.steps += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -161,8 +147,7 @@ class Compressor(ABC):
             setattr(self, self.memory, {int(i): t.clone() for i, t in state.get(self.memory, {}).items()})
 
     def forget_nonfinite(self) -> None:
-        """After a step skipped for non-finite gradients: clears what the memory took from them, so that the
-        next steps are not poisoned (the same decision on every rank for memory that is identical on all); here:
-        zeroes the NaN and Inf entries of the :attr:`memory` (each rank's own)."""
+        """After a step skipped for non-finite gradients: zeroes the NaN and Inf entries of the :attr:`memory`, so
+        that they do not poison the next steps."""
         if self.memory is not None:
             zero_nonfinite_(getattr(self, self.memory).values())

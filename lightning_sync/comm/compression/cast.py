@@ -17,9 +17,8 @@ class CastCompression(Compressor):
     """Ring all-reduce of the bucket, cast to ``wire_dtype`` for the wire (``None``: sent as it is), then the mean.
 
     The payload is divided by the world size before the sum (unless the owner already did), which also keeps a
-    16-bit sum in range. A payload of at least ``2 * min_chunk_mb`` is sent as ``parallel_chunks`` all-reduces of
-    contiguous slices, launched together: gloo runs concurrent collectives on separate worker threads (two by
-    default), so a large transfer uses more than one core while the rank waits for it. The bytes are the same.
+    16-bit sum in range. A payload of at least ``2 * min_chunk_mb`` goes as ``parallel_chunks`` concurrent
+    all-reduces of slices, which gloo runs on separate threads.
 
     Args:
         parallel_chunks: the most slices one payload is split into (1: never split).
@@ -36,11 +35,6 @@ class CastCompression(Compressor):
         self.parallel_chunks = int(parallel_chunks)
         self.min_chunk_bytes = min_chunk_mb * MIB
 
-    def _slices(self, wire: torch.Tensor) -> list[torch.Tensor]:
-        nbytes = wire.numel() * wire.element_size()
-        chunks = max(1, min(self.parallel_chunks, int(nbytes // self.min_chunk_bytes)))
-        return list(wire.chunk(chunks)) if chunks > 1 else [wire]
-
     def average(self, bucket: FlatBucket, meter: CommMeter, group: ProcessGroup | None = None) -> torch.futures.Future:
         n = meter.world_size(group)
         buffer = bucket.buffer
@@ -49,7 +43,8 @@ class CastCompression(Compressor):
         wire = buffer if self.wire_dtype is None else buffer.to(self.wire_dtype)
         if not bucket.divided:
             wire.div_(n)
-        futures = [meter.all_reduce(part, group=group, async_op=True).get_future() for part in self._slices(wire)]
+        chunks = max(1, min(self.parallel_chunks, int(wire.numel() * wire.element_size() // self.min_chunk_bytes)))
+        futures = [meter.all_reduce(part, group=group, async_op=True).get_future() for part in wire.chunk(chunks)]
         done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
 
         def _decode(done: torch.futures.Future) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -40,15 +41,11 @@ class PowerSGDCompression(Compressor):
       packed in one buffer and divided by the world size; the approximation ``P @ Q^T`` (= ``P P^T mean(M)``) is
       written back into the bucket and ``residual = M - approximation``.
 
-    So a compressed ``n x m`` matrix puts exactly ``rank * (n + m)`` fp32 values on the wire. ``Q`` is drawn from a
-    generator seeded with ``seed + bucket.index``, or with ``warm_start`` is the previous step's (all-reduced, hence
-    identical) ``Q``, a column that became exactly zero redrawn so the factor cannot collapse. Results are
-    bit-identical on all ranks; with one rank the buffer is returned untouched.
-
-    Every collective is issued from the calling thread, in program order: the ``P`` all-reduce is waited for in
-    :meth:`average`, then the ``Q`` all-reduce is launched and the returned future completes after it. Issuing the
-    second from a completion callback is unsafe on gloo with several buckets in flight: a blocking call there starves
-    gloo's worker threads, an asynchronous one can reach the process group in a different order on different ranks.
+    A compressed ``n x m`` matrix so puts ``rank * (n + m)`` fp32 values on the wire. ``Q`` is drawn from a generator
+    seeded with ``seed + bucket.index``, or with ``warm_start`` is the previous step's (a column that became exactly
+    zero redrawn). Results are bit-identical on all ranks; with one rank the buffer is returned untouched. The ``P``
+    all-reduce is waited for in :meth:`average` and the ``Q`` one issued from the calling thread: from a completion
+    callback it could reach gloo in a different order on different ranks.
 
     Args:
         rank: the rank of the approximation (``>= 1``).
@@ -87,7 +84,6 @@ class PowerSGDCompression(Compressor):
         self._memory: dict[int, _PowerSGDMemory] = {}
         self._uncompressed = NoCompression()
 
-    # ------------------------------------------------------------------ layout
     def is_compressed(self, shape: torch.Size) -> bool:
         """Whether a tensor of this shape is sent as rank-``rank`` factors (else it is all-reduced as is)."""
         if len(shape) < 2:
@@ -119,7 +115,6 @@ class PowerSGDCompression(Compressor):
             return q
         return torch.randn(m, self.rank, generator=mem.generator).to(device)
 
-    # ------------------------------------------------------------------ averaging
     def average(self, bucket: FlatBucket, meter: CommMeter, group: ProcessGroup | None = None) -> torch.futures.Future:
         if self.steps < self.start_iter:
             return self._uncompressed.average(bucket, meter, group)
@@ -135,17 +130,16 @@ class PowerSGDCompression(Compressor):
         plain = [i for i, v in enumerate(views) if not self.is_compressed(v.shape)]
 
         # Remainder: one flat uncompressed all-reduce of the pre-divided tensors.
+        pending: list[torch.futures.Future] = []
         rest: torch.Tensor | None = None
-        rest_fut: torch.futures.Future | None = None
         if plain and sum(views[i].numel() for i in plain) > 0:
             rest = torch.cat([views[i].reshape(-1) for i in plain]).mul_(bucket.scale(world))
-            rest_fut = meter.all_reduce(rest, group=group, async_op=True).get_future()
+            pending.append(meter.all_reduce(rest, group=group, async_op=True).get_future())
 
         # Matrices (plus residuals), and P = M @ Q for all of them packed into one buffer.
         mats: list[torch.Tensor] = []
         ps: list[torch.Tensor] = []
         q_flat: torch.Tensor | None = None
-        q_fut: torch.futures.Future | None = None
         if compressed:
             qs = []
             for slot, i in enumerate(compressed):
@@ -158,35 +152,25 @@ class PowerSGDCompression(Compressor):
             p_flat = torch.cat([(mat @ q).reshape(-1) for mat, q in zip(mats, qs)])
             meter.all_reduce(p_flat, group=group, async_op=True).wait()
 
-            # Orthonormalise each P by Householder QR: orthonormal columns also for a rank-deficient or all-zero P (no
-            # division by a vanishing norm, no NaN), and deterministic, so identical on all ranks. Q = M^T @ P, packed.
-            offset = 0
-            for mat in mats:
-                numel = mat.shape[0] * self.rank
-                ps.append(torch.linalg.qr(p_flat[offset : offset + numel].view(mat.shape[0], self.rank))[0])
-                offset += numel
+            # Orthonormalise each P by Householder QR (no NaN for a rank-deficient P, and deterministic); Q = M^T @ P.
+            for mat, part in zip(mats, p_flat.split([mat.shape[0] * self.rank for mat in mats])):
+                ps.append(torch.linalg.qr(part.view(mat.shape[0], self.rank))[0])
             q_flat = torch.cat([(mat.t() @ p).reshape(-1) for mat, p in zip(mats, ps)])
-            q_fut = meter.all_reduce(q_flat, group=group, async_op=True).get_future()
-
-        pending = [f for f in (rest_fut, q_fut) if f is not None]
+            pending.append(meter.all_reduce(q_flat, group=group, async_op=True).get_future())
 
         def _decode(done: Any) -> torch.Tensor:
             if done is not None:
                 done.value()  # the first failed collective's error (collect_all ends at a failure)
             if rest is not None:
-                offset = 0
-                for i in plain:
-                    numel = views[i].numel()
-                    views[i].copy_(rest[offset : offset + numel].view_as(views[i]))
-                    offset += numel
+                for i, part in zip(plain, rest.split([views[i].numel() for i in plain])):
+                    views[i].copy_(part.view_as(views[i]))
             if q_flat is not None:
                 q_flat.mul_(bucket.scale(world))
                 residual_share = 1.0 / world if bucket.divided else 1.0
-                new_q, new_res, offset = [], [], 0
-                for i, mat, p in zip(compressed, mats, ps):
-                    numel = mat.shape[1] * self.rank
-                    q = q_flat[offset : offset + numel].view(mat.shape[1], self.rank)
-                    offset += numel
+                new_q, new_res = [], []
+                q_parts = q_flat.split([mat.shape[1] * self.rank for mat in mats])
+                for i, mat, p, part in zip(compressed, mats, ps, q_parts):
+                    q = part.view(mat.shape[1], self.rank)
                     approx = p @ q.t()
                     views[i].copy_(approx.view_as(views[i]))
                     new_q.append(q.clone())
@@ -201,38 +185,29 @@ class PowerSGDCompression(Compressor):
             return _completed(_decode(None))
         return torch.futures.collect_all(pending).then(_decode)
 
-    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Step count and, per bucket index, the layout, generator state, ``Q`` factors and residuals (cloned)."""
-        return {
-            "steps": self.steps,
-            "rank": self.rank,
-            "buckets": {
-                i: {
-                    "shapes": [tuple(s) for s in mem.shapes],
-                    "generator": mem.generator.get_state().clone(),
-                    "q": [q.clone() for q in mem.q],
-                    "residuals": [None if r is None else r.clone() for r in mem.residuals],
-                }
-                for i, mem in self._memory.items()
-            },
+        buckets = {
+            i: {
+                "shapes": [tuple(s) for s in m.shapes],
+                "generator": m.generator.get_state(),
+                "q": m.q,
+                "residuals": m.residuals,
+            }
+            for i, m in self._memory.items()
         }
+        return {"steps": self.steps, "rank": self.rank, "buckets": copy.deepcopy(buckets)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if "rank" in state and int(state["rank"]) != self.rank:
             raise ValueError(f"PowerSGDCompression: state was saved with rank {state['rank']}, not {self.rank}")
-        memory: dict[int, _PowerSGDMemory] = {}
-        for i, saved in state.get("buckets", {}).items():
+        self._memory = {}
+        for i, saved in copy.deepcopy(state.get("buckets", {})).items():
             generator = torch.Generator(device="cpu")
-            generator.set_state(saved["generator"].clone())
-            memory[int(i)] = _PowerSGDMemory(
-                shapes=[torch.Size(s) for s in saved["shapes"]],
-                generator=generator,
-                q=[q.clone() for q in saved["q"]],
-                residuals=[None if r is None else r.clone() for r in saved["residuals"]],
-            )
-        self._memory = memory
+            generator.set_state(saved["generator"])
+            shapes = [torch.Size(s) for s in saved["shapes"]]
+            self._memory[int(i)] = _PowerSGDMemory(shapes, generator, saved["q"], saved["residuals"])
 
     @override
     def forget_nonfinite(self) -> None:

@@ -1,22 +1,13 @@
 """Block-wise int8 / int4 averaging of a bucket, summed in fp32: the outer gradients of streaming DiLoCo.
 
-Encoding. The flat payload is zero-padded to a multiple of ``n * BLOCK`` entries; each block of :data:`BLOCK` entries
-travels as integer codes in ``[-q, q]`` (``q = 2**(bits-1) - 1``: 127 for int8, 7 for int4, two codes per byte) and
-one fp32 scale ``absmax / q``. Rounding is to nearest, so the result is a function of the data alone (no random
-state to checkpoint) and off by at most half a step. A NaN or Inf makes its block's scale, hence its decoded mean on
-every rank, non-finite (the outer step's non-finite check then sees it everywhere).
-
-Collectives (gloo has no reduce-scatter of integer codes that sums in fp32, so it is built from ``all_to_all``):
-
-1. reduce-scatter: ``all_to_all_single`` sends chunk ``j`` of each rank's encoded payload to rank ``j``, which
-   decodes the ``n`` copies, sums them in fp32 and takes the mean;
-2. each rank requantizes its reduced chunk and ``all_gather`` brings every one to every rank. Every chunk is
-   quantized by one rank only, so every rank decodes the same mean, bit for bit.
-
-Each rank sends ``2(n-1)/n`` of the quantized payload, as a ring all-reduce does for fp32. Phase 1 is waited for
-inside :meth:`~BlockQuantizedCompression.average` (phase 2 must be issued from the calling thread, see
-:class:`~lightning_sync.comm.compression.PowerSGDCompression`); to take the whole exchange off the critical path, an
-owner calls it from a worker thread on a process group of its own (:mod:`lightning_sync.comm.streaming`).
+The payload, zero-padded to a multiple of ``n * BLOCK`` entries, travels per block of :data:`BLOCK` entries as
+integer codes in ``[-q, q]`` (``q = 2**(bits-1) - 1``; int4 packs two codes per byte) and one fp32 scale
+``absmax / q``, rounded to nearest (no random state). A NaN or Inf makes its block's decoded mean non-finite on
+every rank. An ``all_to_all_single`` sends chunk ``j`` of each rank's codes to rank ``j``, which sums the ``n``
+copies in fp32; each rank requantizes its reduced chunk and an ``all_gather`` brings every chunk to every rank, so
+every rank decodes the same mean, bit for bit, having sent ``2(n-1)/n`` of the quantized payload. The first phase
+is waited for inside :meth:`~BlockQuantizedCompression.average`: an owner that must not block calls it from a worker
+thread (:mod:`lightning_sync.comm.streaming`).
 """
 
 from __future__ import annotations
@@ -30,33 +21,20 @@ from lightning_sync.comm.compression.base import Compressor, FlatBucket, _comple
 from lightning_sync.comm.meter import CommMeter
 
 BLOCK = 256
-"""Entries per scale. An fp32 scale per 256 entries adds 1/64 byte per entry: int4 is then 0.516 bytes per entry,
-1/7.76 of fp32 (the issue asks for at most 1/7), int8 1/3.94."""
-
-_SCALE_BYTES = 4
+"""Entries per fp32 scale (1/64 byte per entry: int4 takes 1/7.76 of fp32's bytes, int8 1/3.94)."""
 
 
 class BlockQuantizedCompression(Compressor):
-    """Averages a bucket as block-scaled integer codes, reduced in fp32 (see the module docstring).
+    """Averages a bucket as block-scaled integer codes of :attr:`bits` bits, reduced in fp32 (see the module
+    docstring)."""
 
-    Args:
-        bits: 8 or 4.
-    """
-
-    name: ClassVar[str] = "int"
+    bits: ClassVar[int]
+    levels: ClassVar[int]  # 2 ** (bits - 1) - 1
     capabilities = frozenset({"across_groups"})
 
-    def __init__(self, bits: int) -> None:
-        super().__init__()
-        if bits not in (4, 8):
-            raise ValueError(f"BlockQuantizedCompression: bits={bits} is not allowed; choose 4 or 8")
-        self.bits = int(bits)
-        self.levels = 2 ** (bits - 1) - 1
-
-    # ------------------------------------------------------------------ encoding
     def chunk_bytes(self, entries: int) -> int:
         """Bytes of ``entries`` (a multiple of :data:`BLOCK`) once encoded: codes, then fp32 scales."""
-        return entries * self.bits // 8 + entries // BLOCK * _SCALE_BYTES
+        return entries * self.bits // 8 + entries // BLOCK * 4
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` (fp32, length a multiple of :data:`BLOCK`) as a uint8 tensor: codes, then scales."""
@@ -65,8 +43,7 @@ class BlockQuantizedCompression(Compressor):
         # to non-finite values (0 * Inf and 0 * NaN are NaN) without a pass of its own to look for them
         scales = blocks.abs().amax(dim=1, keepdim=True) / self.levels
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        codes = torch.round(blocks / safe).nan_to_num_(0.0).clamp_(-self.levels, self.levels).to(torch.int8)
-        codes = codes.reshape(-1)
+        codes = torch.round(blocks / safe).nan_to_num_(0.0).clamp_(-self.levels, self.levels).to(torch.int8).reshape(-1)
         if self.bits == 4:
             nibbles = (codes + 8).to(torch.uint8).view(-1, 2)
             packed = nibbles[:, 0] | (nibbles[:, 1] << 4)
@@ -84,7 +61,6 @@ class BlockQuantizedCompression(Compressor):
             codes = packed.view(torch.int8).to(torch.float32)
         return (codes.view(-1, BLOCK) * scales.view(-1, 1)).reshape(-1)
 
-    # ------------------------------------------------------------------ averaging
     def average(self, bucket: FlatBucket, meter: CommMeter, group: ProcessGroup | None = None) -> torch.futures.Future:
         n = meter.world_size(group)
         buffer = bucket.buffer
@@ -126,9 +102,8 @@ class Int8Compression(BlockQuantizedCompression):
     """
 
     name = "int8"
-
-    def __init__(self) -> None:
-        super().__init__(8)
+    bits = 8
+    levels = 127
 
 
 class Int4Compression(BlockQuantizedCompression):
@@ -141,6 +116,5 @@ class Int4Compression(BlockQuantizedCompression):
     """
 
     name = "int4"
-
-    def __init__(self) -> None:
-        super().__init__(4)
+    bits = 4
+    levels = 7

@@ -48,27 +48,18 @@ def clip_to_median_(values: torch.Tensor) -> torch.Tensor:
 class SparseLoCo(Compressor):
     """Averages a bucket as SparseLoCo does: each rank sends the top-k of every chunk of its error-fed buffer.
 
-    Per call and bucket (memory keyed by ``bucket.index``), on every rank:
+    Per call and bucket, on every rank: ``e = error_decay * e + buffer`` (fp32, kept per ``bucket.index``); each
+    tensor, flattened, is cut into chunks of ``chunk`` entries, of which the ``topk`` of largest ``|e|`` are kept (a
+    shorter chunk of ``len`` entries keeps ``ceil(topk * len / chunk)``, so the payload size follows from the shapes).
+    The kept values are quantized and ``e`` loses what is sent. One ``all_gather_into_tensor`` of the uint8 payloads
+    follows; every rank decodes every rank's contribution (optionally :func:`clip_to_median_`) and ``bucket.buffer``
+    becomes their sum times ``bucket.scale(n)``. With one rank the codec still runs.
 
-    1. ``e = error_decay * e + buffer`` (fp32); each tensor of ``bucket.shapes``, flattened, is cut into chunks of
-       ``chunk`` entries and the ``topk`` entries of largest ``|e|`` of each chunk are kept. A shorter chunk (a
-       tensor's tail, or a tensor smaller than ``chunk``) of ``len`` entries keeps ``ceil(topk * len / chunk)`` (at
-       least 1), so every rank knows every count from the shapes alone and the payload has a fixed size.
-    2. The kept values are quantized (``bits=None``: sent as fp32, exactly) and ``e`` loses what is sent:
-       ``sent + e == error_decay * old e + buffer``.
-    3. One ``all_gather_into_tensor`` of each rank's uint8 payload; every rank decodes every rank's ``s_r``
-       (optionally :func:`clip_to_median_`), and ``bucket.buffer`` becomes ``sum_r s_r * bucket.scale(n)``.
-       With one rank steps 1-2 still run (the codec is the algorithm) and the mean is its own ``s``.
-
-    Quantizer (``bits`` b): a code is a sign bit (the top bit) and a magnitude level of ``b - 1`` bits. Per tensor,
-    the ``L = 2**(b-1)`` levels are equal bins of ``[lo, hi]``, the range of the kept ``|values|``, and each decodes
-    to the mean ``|value|`` of its bin, so the error is at most ``(hi - lo) / L`` (b = 1: sign times the mean
-    ``|value|``). Rounding is deterministic. A NaN or Inf kept (``topk`` ranks NaN first) makes its bin's mean, so
-    the decoded mean on every rank, non-finite; :meth:`forget_nonfinite` clears the error buffers afterwards.
-
-    Payload per rank (uint8, :meth:`payload_nbytes`): the ``L`` fp32 bin means of each tensor (8 bytes at 2 bits;
-    with ``bits=None`` the fp32 values instead), the codes packed at ``bits`` bits, the in-chunk indices packed at
-    ``log2(chunk)`` bits (12 for 4096). Defaults: about 0.22 bit per parameter.
+    Quantizer (``bits`` b): a sign bit and a level of ``b - 1`` bits; per tensor, the ``2**(b-1)`` levels are equal
+    bins of the range of the kept ``|values|``, each decoding to its bin's mean ``|value|`` (``bits=None``: fp32
+    values). A NaN or Inf kept makes the decoded mean non-finite on every rank. The payload (:meth:`payload_nbytes`)
+    holds the bin means, the codes and the in-chunk indices at ``log2(chunk)`` bits: about 0.22 bit per parameter
+    at the defaults.
 
     Args:
         topk: entries kept per full chunk, in ``[1, chunk]``.
@@ -113,7 +104,6 @@ class SparseLoCo(Compressor):
         self.levels = 1 if bits is None else 1 << (bits - 1)
         self.errors: dict[int, torch.Tensor] = {}
 
-    # ------------------------------------------------------------------ layout
     def segments(self, shapes: list[torch.Size]) -> list[Segment]:
         """The runs of equal chunks of a bucket with these ``shapes``, in payload order."""
         out, start = [], 0
@@ -133,7 +123,6 @@ class SparseLoCo(Compressor):
         head = 4 * kept if self.bits is None else 4 * self.levels * len(shapes) + -(-kept * self.bits // 8)
         return head + -(-kept * self.index_bits // 8)
 
-    # ------------------------------------------------------------------ encoding
     def _quantize(self, values: torch.Tensor, tensor: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes of ``values`` (sign bit over the level) and the fp32 bin means, ``levels`` per tensor."""
         assert self.bits is not None
@@ -175,7 +164,6 @@ class SparseLoCo(Compressor):
             values = means.gather(1, tensor * self.levels + (codes & (self.levels - 1))) * sign
         return base + unpack_bits(payloads[:, cut:], self.index_bits, kept), values
 
-    # ------------------------------------------------------------------ averaging
     def average(self, bucket: FlatBucket, meter: CommMeter, group: ProcessGroup | None = None) -> torch.futures.Future:
         n = meter.world_size(group)
         buffer = bucket.buffer

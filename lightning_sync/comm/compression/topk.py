@@ -16,18 +16,11 @@ from lightning_sync.errors import check_range
 class TopKCompression(Compressor):
     """Sparsification: each rank sends only its ``k`` largest-magnitude entries, with error feedback.
 
-    Per bucket and call, with ``numel`` entries and ``k = max(1, ceil(density * numel))``:
-
-    1. with error feedback, the residual kept from this bucket's previous call is added to the gradient;
-    2. the ``k`` entries of largest magnitude are picked; their fp32 values and int32 indices are packed (values
-       bit-cast to int32) into one ``2k``-element tensor and exchanged with a single ``all_gather_into_tensor``,
-       so the meter counts exactly ``(n-1) * k * 8`` bytes sent per rank;
-    3. every rank scatter-adds all ranks' contributions into a zeroed fp32 buffer, divides by the world size and
-       writes that estimate of the mean into ``bucket.buffer``. All ranks get bit-identical results.
-    4. with error feedback, the residual becomes ``(gradient + old residual) - what this rank sent``, so nothing is
-       lost, only delayed.
-
-    With one rank the buffer already is the mean and is returned untouched (no residual is kept).
+    Per bucket and call, with ``k = max(1, ceil(density * numel))``: the residual of the bucket's previous call is
+    added (error feedback), and the ``k`` entries of largest magnitude (:meth:`pack`: int32 indices, fp32 values)
+    go in one ``all_gather_into_tensor`` (``(n-1) * k * 8`` bytes sent per rank); every rank adds all contributions
+    in rank order and divides by the world size, bit-identically. The residual becomes what was not sent: nothing
+    is lost, only delayed. With one rank the buffer is returned untouched.
 
     Args:
         density: fraction of the entries sent, in ``(0, 1]``.
@@ -63,21 +56,15 @@ class TopKCompression(Compressor):
         numel = buffer.numel()
         if n == 1 or numel == 0:
             return _completed(buffer)
-        assert numel < 2**31, "TopKCompression: int32 indices need buckets of fewer than 2**31 entries"
-
-        values, indices = self._select(buffer.detach().reshape(-1).to(torch.float32, copy=True), bucket.index)
-        k = values.numel()
-        payload = torch.cat([values.view(torch.int32), indices.to(torch.int32)])
-        gathered = torch.empty(n * 2 * k, dtype=torch.int32, device=payload.device)
+        payload = self.pack(buffer.detach().reshape(-1).to(torch.float32, copy=True), bucket.index)
+        gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
         work = meter.all_gather_into_tensor(gathered, payload, group=group, async_op=True)
 
         def _decode(done: torch.futures.Future) -> torch.Tensor:
             done.value()  # re-raises the error of a failed all-gather (``gathered`` is garbage then)
-            per_rank = gathered.view(n, 2, k)
-            all_values = per_rank[:, 0, :].reshape(-1).view(torch.float32)
-            all_indices = per_rank[:, 1, :].reshape(-1).to(torch.int64)
             dense = torch.zeros(numel, dtype=torch.float32, device=payload.device)
-            dense.index_add_(0, all_indices, all_values)
+            for part in gathered.view(n, -1):  # rank by rank: the same sum on every rank
+                dense.add_(self.unpack(part, numel))
             if not bucket.divided:
                 dense.div_(n)
             buffer.copy_(dense.view_as(buffer))
@@ -86,8 +73,8 @@ class TopKCompression(Compressor):
         return work.get_future().then(_decode)
 
     def _select(self, acc: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The values and indices of the ``k`` largest entries of ``acc`` (fp32, 1-D, owned) plus ``key``'s residual;
-        with error feedback, ``key``'s residual becomes what stays behind."""
+        """The values and indices of the ``k`` largest entries of ``acc`` (fp32, 1-D, owned) plus ``key``'s residual,
+        which becomes what stays behind (with error feedback)."""
         if self.error_feedback:
             residual = self.residuals.get(key)
             if residual is not None:
@@ -121,6 +108,6 @@ class TopKCompression(Compressor):
         self._check_packed(payload, numel)
         split = self.num_selected(numel) * self._index_dtype(numel).itemsize if numel else 0
         indices = payload[:split].view(self._index_dtype(numel)).to(torch.int64)
-        dense = torch.zeros(numel, dtype=torch.float32)
+        dense = torch.zeros(numel, dtype=torch.float32, device=payload.device)
         dense.index_put_((indices,), payload[split:].view(torch.float32))
         return dense
