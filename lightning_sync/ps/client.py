@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lightning_sync.comm.nonfinite import grads_are_finite
+from lightning_sync.errors import check_range
 from lightning_sync.ps._layout import ShardLayout, as_bytes
 from lightning_sync.ps._protocol import (
     CLIP_NORM,
@@ -56,9 +58,102 @@ from lightning_sync.ps._protocol import (
 from lightning_sync.ps.errors import PSError, PSPeerLostError, PSServerError, PSTimeoutError
 from lightning_sync.ps.group import PSGroup
 from lightning_sync.ps.optim_spec import OptimizerSpec
-from lightning_sync.ps.reply import PSReply
 from lightning_sync.ps.settings import PSConfig
-from lightning_sync.ps.sharding import shard_by_bytes, shard_indices
+
+
+@dataclass(frozen=True)
+class PSReply:
+    """What the servers answered to a pull or a push (one entry per server where it is a tuple).
+
+    Attributes:
+        versions: each server's version (optimizer steps applied to its shard) when it replied.
+        stop: training is over (``max_updates`` reached or a worker asked to stop): stop pushing, then
+            :meth:`PSClient.close`.
+        stop_reason: why, e.g. ``"max_updates=100 reached"`` or ``"worker 1 requested stop"``; ``""`` if not
+            stopped.
+        applied: a push was applied by every server (``False`` for a pull, a push that came after the stop, or
+            a skipped one).
+        skipped: the push was skipped for a NaN or Inf gradient (``skip_nonfinite``): in sync, some worker's, and
+            the step was skipped for every worker; in async and ssp, this worker's. The parameters are unchanged
+            by it.
+        staleness: per server, the staleness of this push (server version when applied minus the version it was
+            computed on; ``0`` in sync); ``-1`` for a pull.
+        clocks: per server, this worker's clock (its pushes applied by that server).
+        min_clocks: per server, the clock of the slowest live worker.
+        server_bytes_recv: per server, everything it received so far (its ingress, all workers), as of the reply.
+        server_bytes_sent: per server, everything it sent so far (its egress), as of the reply.
+        live_workers: per server, the workers it counts as live (not dropped, no goodbye yet).
+        lost_workers: per server, the workers it has dropped (the elastic modes).
+        joins: per server, how many times a dropped worker rejoined it (the elastic modes).
+    """
+
+    versions: tuple[int, ...]
+    stop: bool
+    stop_reason: str
+    applied: bool
+    staleness: tuple[int, ...]
+    clocks: tuple[int, ...]
+    min_clocks: tuple[int, ...]
+    server_bytes_recv: tuple[int, ...]
+    server_bytes_sent: tuple[int, ...]
+    skipped: bool = False
+    live_workers: tuple[int, ...] = ()
+    lost_workers: tuple[int, ...] = ()
+    joins: tuple[int, ...] = ()
+
+    @property
+    def version(self) -> int:
+        """The oldest server version (all equal in sync)."""
+        return min(self.versions)
+
+    @property
+    def stalest(self) -> int:
+        """The largest per-server staleness of this push (what to log as ``ps/staleness``); ``-1`` for a pull."""
+        return max(self.staleness)
+
+
+def shard_by_bytes(sizes: Sequence[int], num_servers: int) -> list[int]:
+    """Assigns each parameter (by its size in bytes) to one of ``num_servers`` servers.
+
+    Greedy "largest first": parameters are taken from the largest to the smallest (ties: lower index first) and
+    each goes to the server holding the fewest bytes so far (ties: fewer tensors, then lower server). Whole tensors
+    only.
+
+    Guarantees:
+        * deterministic: the same sizes give the same assignment on every process;
+        * every server gets at least one parameter;
+        * the gap between the fullest and the emptiest server is at most the size of the largest parameter, and the
+          fullest holds at most ``4/3`` of what the best possible split of whole tensors would put there.
+
+    Args:
+        sizes: size in bytes of each parameter, in the order of the parameter list.
+        num_servers: number of servers, ``1 <= num_servers <= len(sizes)``.
+
+    Returns:
+        For each parameter, in order, the index of its server.
+
+    Raises:
+        ValueError: ``num_servers`` is not an integer >= 1 or exceeds the number of parameters (a server would hold
+            nothing), or a size is negative.
+    """
+    check_range("num_servers", num_servers, low=1, integer=True)
+    sizes = [int(s) for s in sizes]
+    if num_servers > len(sizes):
+        raise ValueError(
+            f"num_servers={num_servers} exceeds the number of parameter tensors ({len(sizes)}); tensors are not "
+            f"split across servers, so use num_servers <= {len(sizes)}"
+        )
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"parameter sizes must be >= 0 bytes, got {sizes}")
+    load = [0] * num_servers
+    count = [0] * num_servers
+    owner = [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        server = min(range(num_servers), key=lambda k: (load[k], count[k], k))
+        owner[index] = server
+        load[server] += sizes[index]
+        count[server] += 1
+    return owner
 
 
 def exchange(
@@ -234,7 +329,7 @@ _SET_BY_THE_INIT = ("max_updates", "withdraw_lost_share")  # PSConfig fields the
 class PSClient:
     """A worker's client of the parameter servers.
 
-    The parameters are sharded over the servers by :func:`~lightning_sync.ps.sharding.shard_by_bytes` (the same
+    The parameters are sharded over the servers by :func:`shard_by_bytes` (the same
     split on every worker, so the models must be identical in shapes and dtypes).
 
     Args:
@@ -266,13 +361,13 @@ class PSClient:
         self.config = config
         self.num_servers = group.num_servers
         self.owner = shard_by_bytes([p.numel() * p.element_size() for p in params], self.num_servers)
-        self.indices = [shard_indices(self.owner, i) for i in range(self.num_servers)]
+        self.indices = [[j for j, k in enumerate(self.owner) if k == i] for i in range(self.num_servers)]
         self.layouts = [ShardLayout.of([params[j] for j in idx]) for idx in self.indices]
         self.codec = config.new_codec()
         # What every worker must agree on; the run's end is worker 0's alone (its INIT sets it on the servers), so a
         # worker added to the run, with another share of the data and so another count of updates, still matches.
         agreed = sorted((k, v) for k, v in config.as_dict().items() if k not in _SET_BY_THE_INIT)
-        settings = repr(agreed) + f"|{spec.optimizer_classes}|{spec.num_groups}|{spec.owner}"
+        settings = repr(agreed) + f"|{spec.classes}|{spec.num_groups}|{spec.owner}"
         self.checksums = [
             checksum(f"{settings}|{idx}|{layout.signature()}") for idx, layout in zip(self.indices, self.layouts)
         ]
@@ -391,7 +486,7 @@ class PSClient:
         spec = self.spec
         if spec.num_optimizers == 1:
             return self.params
-        return [p for p, g in zip(self.params, spec.group_of) if spec.owner_of(g) == optimizer]
+        return [p for p, g in zip(self.params, spec.group_of) if spec.owner[g] == optimizer]
 
     def request_stop(self) -> PSReply:
         """Ends the run for every worker (e.g. early stopping); they learn it at their next push or pull.
@@ -427,16 +522,6 @@ class PSClient:
                 self._exchange(Kind.BYE, check_open=False)
         finally:
             self.group.close()
-
-    def __enter__(self) -> PSClient:
-        return self
-
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        try:
-            self.close()
-        except PSError:
-            if exc_type is None:  # else the error that ended the block is the one to see
-                raise
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

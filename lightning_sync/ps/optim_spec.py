@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
@@ -23,63 +23,37 @@ import torch
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """A picklable recipe of a worker's optimizer.
-
-    A worker with several optimizers (manual optimization: a GAN's generator and discriminator) is described by one
-    spec: the groups of every optimizer, in optimizer order, ``owner`` naming the optimizer of each group.
+    """A picklable recipe of a worker's optimizers (usually one; manual optimization, e.g. a GAN's generator and
+    discriminator, has several).
 
     Attributes:
-        optimizer_class: ``"module:qualname"`` of the (first) optimizer's class (importable on the server).
-        groups: per param group, its hyperparameters (every key but ``params``).
+        classes: per optimizer, ``"module:qualname"`` of its class (importable on the server).
+        groups: per param group of every optimizer, in order, its hyperparameters (every key but ``params``).
         group_of: per parameter of the ordered parameter list, the index of its param group.
-        classes: per optimizer, its class path (``()``: one optimizer, of ``optimizer_class``).
-        owner: per param group, the index of its optimizer (``()``: every group belongs to optimizer 0).
+        owner: per param group, the index of its optimizer.
     """
 
-    optimizer_class: str
+    classes: tuple[str, ...]
     groups: tuple[dict[str, Any], ...]
     group_of: tuple[int, ...]
-    classes: tuple[str, ...] = ()
-    owner: tuple[int, ...] = ()
+    owner: tuple[int, ...]
 
     @property
     def num_groups(self) -> int:
-        """Number of param groups of the worker's optimizers (all of them)."""
         return len(self.groups)
 
     @property
-    def optimizer_classes(self) -> tuple[str, ...]:
-        """The class path of each optimizer."""
-        return self.classes or (self.optimizer_class,)
-
-    @property
     def num_optimizers(self) -> int:
-        return len(self.optimizer_classes)
-
-    def owner_of(self, group: int) -> int:
-        """The optimizer that param group ``group`` belongs to."""
-        return self.owner[group] if self.owner else 0
+        return len(self.classes)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain-value form (``torch.load(weights_only=True)`` can read it back)."""
-        return {
-            "optimizer_class": self.optimizer_class,
-            "groups": [dict(g) for g in self.groups],
-            "group_of": list(self.group_of),
-            "classes": list(self.classes),
-            "owner": list(self.owner),
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> OptimizerSpec:
         """Inverse of :meth:`as_dict`."""
-        return cls(
-            optimizer_class=str(data["optimizer_class"]),
-            groups=tuple(dict(g) for g in data["groups"]),
-            group_of=tuple(int(g) for g in data["group_of"]),
-            classes=tuple(str(c) for c in data.get("classes", ())),
-            owner=tuple(int(o) for o in data.get("owner", ())),
-        )
+        return cls(*(tuple(data[f.name]) for f in fields(cls)))
 
 
 def _import_class(path: str) -> type[torch.optim.Optimizer]:
@@ -154,9 +128,7 @@ def optimizer_spec(
             "pass every parameter the optimizers train"
         )
     classes = tuple(f"{type(o).__module__}:{type(o).__qualname__}" for o in optimizers)
-    if len(optimizers) == 1:
-        return OptimizerSpec(classes[0], tuple(groups), tuple(group_of))
-    return OptimizerSpec(classes[0], tuple(groups), tuple(group_of), classes, tuple(owner))
+    return OptimizerSpec(classes, tuple(groups), tuple(group_of), tuple(owner))
 
 
 def build_shard_optimizer(
@@ -187,13 +159,13 @@ def build_shard_optimizer(
     for p, i in zip(params, indices):
         if not 0 <= i < len(spec.group_of):
             raise ValueError(f"parameter index {i} is outside the spec's {len(spec.group_of)} parameters")
-        if spec.owner_of(spec.group_of[i]) == optimizer:
+        if spec.owner[spec.group_of[i]] == optimizer:
             members.setdefault(spec.group_of[i], []).append(p)
     mirrored = sorted(members)
     if not mirrored:
         return None, []
     groups = [{"params": members[g], **spec.groups[g]} for g in mirrored]
-    optimizer_class = _import_class(spec.optimizer_classes[optimizer])
+    optimizer_class = _import_class(spec.classes[optimizer])
     # Every group carries all its hyperparameters; the first one is also passed as the constructor's defaults so that
     # optimizers with required hyperparameters (no default value) can be built too.
     accepted = inspect.signature(optimizer_class.__init__).parameters
@@ -223,7 +195,7 @@ def scales_learning_rate(spec: OptimizerSpec, optimizer: int = 0) -> bool:
     Either way momentum, weight decay and the Adam moments act once per push, i.e. ``W`` times per sync step's worth
     of samples.
     """
-    path = spec.optimizer_classes[optimizer]
+    path = spec.classes[optimizer]
     name = path.rpartition(":")[2].rpartition(".")[2]
     try:
         mro = [cls.__name__ for cls in _import_class(path).__mro__]

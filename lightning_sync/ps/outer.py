@@ -68,26 +68,19 @@ class DelayedNesterov(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    state["pending"] = torch.zeros_like(p)
-                    state["count"] = 0
-                state["pending"].add_(g)
+                    state.update(pending=torch.zeros_like(p), count=0)
+                if "momentum_buffer" not in state:  # zero: the first is the first sum, as torch's SGD (an older state
+                    state["momentum_buffer"] = torch.zeros_like(p)  # has none before its first)
+                pending, buf = state["pending"].add_(g), state["momentum_buffer"]
                 state["count"] += 1
                 if state["count"] < delay:
                     continue
-                pending, state["count"] = state["pending"], 0
-                if "momentum_buffer" not in state:  # as torch's SGD: the first buffer is the first gradient
-                    state["momentum_buffer"] = pending.clone()
-                    if not nesterov:  # heavy ball: the previous buffer was zero
-                        pending.zero_()
-                        continue
-                    p.add_(state["momentum_buffer"], alpha=-lr * beta)
-                else:
-                    buf = state["momentum_buffer"]
-                    if not nesterov:
-                        p.add_(buf, alpha=-lr * beta)
-                    buf.mul_(beta).add_(pending)
-                    if nesterov:
-                        p.add_(buf, alpha=-lr * beta)
+                state["count"] = 0
+                if not nesterov:
+                    p.add_(buf, alpha=-lr * beta)
+                buf.mul_(beta).add_(pending)
+                if nesterov:
+                    p.add_(buf, alpha=-lr * beta)
                 pending.zero_()
         return loss
 

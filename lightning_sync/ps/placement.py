@@ -29,7 +29,9 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 from typing import Any
 
@@ -54,19 +56,11 @@ class ServerProcesses:
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
 
-    def exit_codes(self) -> list[int | None]:
-        """Each server's exit code, ``None`` while it runs (negative: killed by that signal)."""
-        return [p.poll() for p in self.processes]
-
     def raise_if_failed(self) -> None:
         """Raises :class:`PSError` naming every server that exited with an error."""
-        codes = self.exit_codes()
-        failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+        failed = [f"server {i} (pid {p.pid}) exit code {p.poll()}" for i, p in enumerate(self.processes) if p.poll()]
         if failed:
-            raise PSError(
-                "parameter server process(es) failed: "
-                + ", ".join(f"server {i} (pid {self.processes[i].pid}) exit code {codes[i]}" for i in failed)
-            )
+            raise PSError(f"parameter server process(es) failed: {', '.join(failed)}")
 
     def wait(self, timeout_s: float) -> list[int]:
         """Waits up to ``timeout_s`` for every server to exit; returns the exit codes.
@@ -75,15 +69,11 @@ class ServerProcesses:
             PSTimeoutError: some are still running (they are left running; see :meth:`stop`).
         """
         deadline = time.monotonic() + timeout_s
-        for p in self.processes:
-            try:
-                p.wait(timeout=max(deadline - time.monotonic(), 0.0))
-            except subprocess.TimeoutExpired:
-                pass
-        alive = [i for i, code in enumerate(self.exit_codes()) if code is None]
-        if alive:
-            raise PSTimeoutError(f"server process(es) {alive} still running after {timeout_s:.1f} s")
-        return [int(c) for c in self.exit_codes()]  # type: ignore[arg-type]
+        try:
+            return [p.wait(timeout=max(deadline - time.monotonic(), 0.0)) for p in self.processes]
+        except subprocess.TimeoutExpired:
+            alive = [i for i, p in enumerate(self.processes) if p.poll() is None]
+            raise PSTimeoutError(f"server process(es) {alive} still running after {timeout_s:.1f} s") from None
 
     def stop(self, grace_s: float = 5.0) -> list[int]:
         """Ends every server still running: SIGTERM, then SIGKILL after ``grace_s``. Returns the exit codes.
@@ -92,12 +82,8 @@ class ServerProcesses:
         SIGTERM until it runs again, so without it a frozen server would cost the whole grace before its SIGKILL.
         """
         for p in self.processes:
-            if p.poll() is None:
-                for sig in (signal.SIGTERM, signal.SIGCONT):
-                    try:
-                        p.send_signal(sig)
-                    except ProcessLookupError:
-                        pass
+            p.send_signal(signal.SIGTERM)  # nothing once it has exited
+            p.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + grace_s
         for p in self.processes:
             try:
@@ -176,7 +162,7 @@ def start_server_processes(
 
     def _stop_at_exit() -> None:
         live = reference()
-        if live is not None and None in live.exit_codes():
+        if live is not None:  # servers already gone: nothing to do
             live.stop(grace_s=2.0)
 
     atexit.register(_stop_at_exit)
@@ -184,39 +170,29 @@ def start_server_processes(
 
 
 class ColocatedServer:
-    """Handle on a server loop running in a daemon thread of a worker process (from :func:`start_colocated_server`).
+    """Handle on a server loop running in a daemon thread of a worker process (from :func:`start_colocated_server`),
+    with the interface of :class:`ServerProcesses`.
 
     Attributes:
-        error: the exception the loop ended with, or ``None``.
-        stats: the loop's final stats after a clean end, else ``None``.
+        future: the loop's final stats, or the exception it ended with.
     """
 
-    def __init__(self, server: int, target: Any) -> None:
+    def __init__(self, server: int, target: Callable[[], dict[str, Any]]) -> None:
         self.server = server
-        self.error: BaseException | None = None
-        self.stats: dict[str, Any] | None = None
-        self._target = target
-        self.thread = threading.Thread(target=self._run, name=f"ps-server-{server}", daemon=True)
+        self.future: Future[dict[str, Any]] = Future()
+        threading.Thread(target=self._run, args=(target,), name=f"ps-server-{server}", daemon=True).start()
 
-    def _run(self) -> None:
+    def _run(self, target: Callable[[], dict[str, Any]]) -> None:
         try:
-            self.stats = self._target()
+            self.future.set_result(target())
         except BaseException as exc:  # noqa: BLE001 - kept for the owner to raise in its own thread
-            self.error = exc
+            self.future.set_exception(exc)
 
     def raise_if_failed(self) -> None:
         """Re-raises, in the calling thread, the error the loop ended with (if any)."""
-        if self.error is not None:
-            raise PSError(f"colocated server {self.server} failed: {self.error}") from self.error
-
-    def finish(self, timeout_s: float) -> None:
-        """After the workers' goodbyes: :meth:`join` (same interface as :meth:`ServerProcesses.finish`)."""
-        self.join(timeout_s)
-
-    def stop(self, grace_s: float = 0.0) -> list[int]:
-        """Nothing to do: a gloo wait cannot be interrupted, so the daemon thread ends with its process (or after
-        ``timeout_s`` without requests). Same interface as :meth:`ServerProcesses.stop`."""
-        return []
+        error = self.future.exception() if self.future.done() else None
+        if error is not None:
+            raise PSError(f"colocated server {self.server} failed: {error}") from error
 
     def join(self, timeout_s: float) -> dict[str, Any]:
         """Waits up to ``timeout_s`` for the loop to end (after every worker's goodbye); returns its stats.
@@ -225,12 +201,19 @@ class ColocatedServer:
             PSError: the loop failed.
             PSTimeoutError: the loop is still running.
         """
-        self.thread.join(timeout_s)
-        if self.thread.is_alive():
-            raise PSTimeoutError(f"colocated server {self.server} still running after {timeout_s:.1f} s")
+        try:
+            self.future.exception(timeout_s)
+        except FutureTimeout:
+            raise PSTimeoutError(f"colocated server {self.server} still running after {timeout_s:.1f} s") from None
         self.raise_if_failed()
-        assert self.stats is not None
-        return self.stats
+        return self.future.result()
+
+    finish = join
+
+    def stop(self, grace_s: float = 0.0) -> list[int]:
+        """Nothing to do: a gloo wait cannot be interrupted, so the daemon thread ends with its process (or after
+        ``timeout_s`` without requests)."""
+        return []
 
 
 def start_colocated_server(
@@ -261,12 +244,7 @@ def start_colocated_server(
         run_server, host, port, server, num_workers, num_servers, timeout_s=timeout_s,
         connect_timeout_s=connect_timeout_s, prefix=prefix, spare_workers=spare_workers,
     )  # fmt: skip
-    handle = ColocatedServer(server, target)
-    handle.thread.start()
-    return handle
-
-
-PLACEMENTS = ("dedicated", "colocated")
+    return ColocatedServer(server, target)
 
 
 def start_servers(
@@ -291,10 +269,8 @@ def start_servers(
         A handle with ``raise_if_failed()`` and ``finish(timeout_s)``, or ``None`` when this worker starts none.
 
     Raises:
-        ValueError: an unknown placement, or bad counts.
+        ValueError: bad counts.
     """
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement={placement!r} is not allowed; choose one of {', '.join(PLACEMENTS)}")
     if placement == "dedicated" and worker == 0:
         return start_server_processes(
             host, port, num_workers, num_servers, timeout_s=timeout_s, prefix=prefix, spare_workers=spare_workers

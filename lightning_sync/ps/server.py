@@ -110,7 +110,7 @@ class WorkerChannels:
         self.server = server
         self._inflight: dict[int, list[tuple[Kind, Any]]] = {}  # worker -> sends of its last reply
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (worker, request, data, error) of each receiver
-        self._generation: dict[int, int] = {}  # worker -> the generation of the links it is listened to on
+        self.generation = [0] * group.num_workers  # per worker, the generation of its links (0, +1 per rejoin)
 
     def start(self, workers: Iterable[int]) -> None:
         """Starts one receiving thread per worker of ``workers`` (each first connects its link to that worker)."""
@@ -119,7 +119,7 @@ class WorkerChannels:
 
     def listen(self, worker: int, generation: int) -> None:
         """Starts the receiving thread of ``worker``'s links of ``generation`` (0 at the start, more for a rejoin)."""
-        self._generation[worker] = generation
+        self.generation[worker] = generation
         name = f"lightning_sync-ps-server{self.server}-recv{worker}-g{generation}"
         threading.Thread(target=self._receive_from, args=(worker, generation), name=name, daemon=True).start()
 
@@ -176,7 +176,7 @@ class WorkerChannels:
                     works.append((header.kind, self.group.send(payload, worker, TAG_REPLY_DATA)))
             except PSPeerLostError as exc:
                 self._inflight.pop(worker, None)
-                self._inbox.put((worker, self._generation.get(worker, 0), None, None, exc))
+                self._inbox.put((worker, self.generation[worker], None, None, exc))
                 continue
             self._inflight[worker] = works
 
@@ -251,7 +251,6 @@ class ParameterServer:
         self.max_updates: int | None = None  # the config's, less the lost workers' withdrawn shares
         self._withdrawn: dict[int, float] = {}  # worker -> its share of max_updates withdrawn while it is lost
         self.joins: dict[int, int] = {}  # worker -> how many times it rejoined
-        self.generation = [0] * self.num_workers  # per worker, the generation of its links (0, +1 per rejoin)
         self.vacant = set(range(self.initial_workers, self.num_workers))  # spare slots no worker has taken yet
         for worker in self.vacant:
             self.live[worker] = False
@@ -405,7 +404,7 @@ class ParameterServer:
                     raise self.liveness.silence_error(held, self._waiting_for()) from None
                 continue
             self._watch_joins()
-            if generation != self.generation[worker]:
+            if generation != self.channels.generation[worker]:
                 continue  # a request or error of an earlier generation of a rejoined worker's links
             if not self.live[worker] and (worker in self.lost or worker in self.vacant):
                 if error is not None or request is None or generation == 0:
@@ -440,8 +439,7 @@ class ParameterServer:
         self._joins_checked = now
         for worker in waiting:
             generation = self.group.join_generation(worker)
-            if generation > self.generation[worker]:
-                self.generation[worker] = generation
+            if generation > self.channels.generation[worker]:
                 self.channels.listen(worker, generation)
 
     def _check_silent_workers(self) -> bool:

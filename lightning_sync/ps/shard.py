@@ -56,7 +56,7 @@ class ServerShard:
             built = [build_shard_optimizer(spec, self.params, self.indices, k) for k in range(spec.num_optimizers)]
             self.optimizers = [opt for opt, _ in built]
             self.group_maps = [mirrored for _, mirrored in built]
-            self.owner = [spec.owner_of(spec.group_of[i]) for i in self.indices]  # each shard parameter's optimizer
+            self.owner = [spec.owner[spec.group_of[i]] for i in self.indices]  # each shard parameter's optimizer
             self.scale_lr = [scales_learning_rate(spec, k) for k in range(spec.num_optimizers)]
         self.num_workers = num_workers
         self.version = 0
