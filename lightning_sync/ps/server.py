@@ -1,60 +1,33 @@
 """The server loop that serves the workers one shard (:class:`~lightning_sync.ps.shard.ServerShard`, the state and the
-arithmetic, without communication).
+arithmetic); the same for every placement (a dedicated process, ``python -m lightning_sync.ps``, or a worker's thread).
 
-:class:`ParameterServer` is the loop, the same for every placement (a dedicated process, ``python -m
-lightning_sync.ps``, or a thread of a worker process) and every mode:
+* ``sync``: one gradient per live worker for the current version, averaged in fp32 (in worker order), one step, then
+  every contributor gets the new parameters (a push for another version is refused).
+* ``async``: each push is one step scaled by ``push_scale`` (:func:`~lightning_sync.ps.optim_spec.scales_learning_rate`),
+  answered at once.
+* ``ssp``: as async, but a worker's reply is withheld while its clock is more than ``max_staleness`` ahead of the
+  slowest live worker's.
 
-* ``sync``: the server collects one gradient per live worker for its current version ``t`` (a push for another
-  version is refused), averages them in fp32 (sum in worker order 0..W-1, divided by the number of contributions,
-  ``W`` while every worker is live), steps once (version ``t+1``), then replies to every contributor with the new
-  parameters.
-* ``async``: each push is one optimizer step scaled by ``push_scale`` (its gradient, or for the Adam family its
-  learning rate: :func:`~lightning_sync.ps.optim_spec.scales_learning_rate`), answered at once with the new
-  parameters.
-* ``ssp`` (``max_staleness = s``): applied as in async, but the reply to a worker is withheld while its clock
-  (pushes applied) is more than ``s`` ahead of the slowest live worker's clock; ``s = 0`` is lockstep.
+Stop: at ``max_updates``, or on a worker's stop request, later pushes are not applied and every reply carries the
+stop; the loop returns after every worker's goodbye. With several async servers the last round may reach some shards
+and not others.
 
-In every mode a push's staleness is the server version when it is applied minus the version it was computed on
-(``0`` in sync); the server counts the values per worker and keeps the last one
-(:meth:`~lightning_sync.ps.shard.ServerShard.stats`).
-
-Stop: once the version reaches ``max_updates``, or a worker sends a stop request, later pushes are not applied and
-every reply carries the stop flag and its reason; pending sync gradients and withheld ssp replies are answered with
-it at once. The server keeps serving pulls, state and stats requests until every worker has said goodbye
-(:meth:`PSClient.close`), then the loop returns. In async/ssp with several servers, the push that reaches
-``max_updates`` on one server may arrive after it on another, so the last round can be applied to some shards and
-not to others; every worker still sees the stop at its next reply.
-
-Failure: no worker can stall the loop: each worker has a receiving thread of its own (:class:`WorkerChannels`) that
-hands the loop only complete requests, and replies are launched without waiting for them to be taken. A worker that
-the server is not itself holding back and that completes no request for ``timeout_s``
-(:mod:`~lightning_sync.ps.liveness`), or whose connection closes, is lost, once:
-
-* ``async``, ``ssp`` and ``sync`` with ``elastic`` (:attr:`~lightning_sync.ps.settings.PSConfig.drops_lost_workers`):
-  the worker is dropped (said on stderr). It no longer counts as live: ssp's slowest-worker bound and a sync round
-  are over the live workers, and with ``withdraw_lost_share`` its unused share of ``max_updates`` is withdrawn. Each
-  worker has a link of its own to each server (:mod:`lightning_sync.ps.group`), so no other worker sees an error;
-  ``stats`` lists the lost workers and why. Only if every worker is lost does the loop fail. A dropped worker's rank
-  may come back: a new member of that rank built with ``PSGroup(..., rejoin=True)`` takes the next generation of its
-  links, which the server connects (it looks every :data:`JOIN_POLL_S` while a worker is dropped); at its first
-  request the worker is live again, its clock raised to the slowest live worker's, its withdrawn share given back,
-  and ``stats["joins"]`` counts it.
-* ``sync`` otherwise: the loop raises an error naming it, leaves the message in the store for the peers, and
-  returns control (a dedicated process exits with code 1). A sync step needs every worker; a run that would go on
-  without one must say so (``elastic``).
-
-The loop also fails when no request arrives for ``timeout_s`` after its last request or reply
-(``connect_timeout_s`` before the initial parameters).
+Failure: each worker has a receiving thread of its own (:class:`WorkerChannels`) and replies are never waited for, so
+no worker can stall the loop. A worker silent for ``timeout_s`` that the server is not itself holding back
+(:mod:`~lightning_sync.ps.liveness`), or whose connection closes, is lost: in the elastic modes
+(:attr:`~lightning_sync.ps.settings.PSConfig.drops_lost_workers`) it is dropped and the run goes on with the live ones
+(only losing all fails the loop); its rank may come back on new links (``PSGroup(..., rejoin=True)``), its clock raised
+to the slowest live worker's. Otherwise the loop raises naming it and leaves the message in the store.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import sys
 import threading
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -112,13 +85,9 @@ class WorkerChannels:
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (worker, request, data, error) of each receiver
         self.generation = [0] * group.num_workers  # per worker, the generation of its links (0, +1 per rejoin)
 
-    def start(self, workers: Iterable[int]) -> None:
-        """Starts one receiving thread per worker of ``workers`` (each first connects its link to that worker)."""
-        for worker in workers:
-            self.listen(worker, 0)
-
     def listen(self, worker: int, generation: int) -> None:
-        """Starts the receiving thread of ``worker``'s links of ``generation`` (0 at the start, more for a rejoin)."""
+        """Starts the receiving thread of ``worker``'s links of ``generation`` (0 at the start, more for a rejoin); it
+        first connects them."""
         self.generation[worker] = generation
         name = f"lightning_sync-ps-server{self.server}-recv{worker}-g{generation}"
         threading.Thread(target=self._receive_from, args=(worker, generation), name=name, daemon=True).start()
@@ -133,14 +102,10 @@ class WorkerChannels:
         return self._inbox.get(timeout=timeout_s)
 
     def _receive_from(self, worker: int, generation: int) -> None:
-        """Receiving thread of ``worker``: its requests, each complete (header and data), into the inbox, until its
-        goodbye or an error.
+        """Receiving thread of ``worker``: its complete requests into the inbox, until its goodbye or an error.
 
-        The server loop, not this thread, decides when the worker is lost (after ``timeout_s`` of silence it is not
-        itself the cause of); this thread's waits are only a backstop, longer than any silence the loop tolerates (a
-        gloo wait that times out closes every connection of the member, so it must not end one the loop still
-        serves).
-        """
+        The loop decides when the worker is lost; these waits are only a backstop, longer than any silence the loop
+        tolerates (a gloo wait that times out closes every connection of the member)."""
         backstop = max(self.group.connect_timeout_s, self.group.timeout_s) + 2 * self.group.timeout_s
         try:
             self.group.connect(worker, generation)
@@ -159,15 +124,11 @@ class WorkerChannels:
             self._inbox.put((worker, generation, None, None, exc))
 
     def send(self, replies: list[Reply]) -> None:
-        """Launches the replies without waiting for them to be taken.
-
-        A worker takes a reply's data only once it has every server's reply header, so waiting here could stall
-        this server behind another one (e.g. one holding an ssp reply back). The sends are waited for when the worker
-        sends its next request (:meth:`settle`), by which time it has taken the reply; the tensors sent are never
-        modified meanwhile (packed parameters are a new buffer per version). A worker whose connection closed
-        is reported as its receiving thread reports it, through :meth:`next`, and the other replies still go: the
-        loop decides whether that loses the worker (elastic modes) or the job.
-        """
+        """Launches the replies without waiting for them to be taken: a worker takes a reply's data only once it has
+        every server's header, so waiting could stall this server behind another (one holding an ssp reply back).
+        They are waited for at the worker's next request (:meth:`settle`); the tensors sent are never modified
+        meanwhile. A worker whose connection closed is reported through :meth:`next`, as its receiving thread would,
+        and the other replies still go."""
         for worker, (header, payload) in replies:
             try:
                 self.settle(worker)
@@ -194,10 +155,8 @@ class WorkerChannels:
         """At the end of the loop: waits for every reply still in flight (only goodbye acknowledgements are left; a
         worker gone right after its goodbye is fine)."""
         for worker in list(self._inflight):
-            try:
+            with contextlib.suppress(PSError):
                 self.settle(worker)
-            except PSError:
-                pass
 
 
 class _Refused(Exception):
@@ -304,7 +263,8 @@ class ParameterServer:
             PSPeerLostError: a worker's connection closed while the server was talking to it.
         """
         try:
-            self.channels.start(w for w in range(self.num_workers) if w not in self.vacant)
+            for worker in range(self.initial_workers):
+                self.channels.listen(worker, 0)
             while any(self.live):
                 got = self._next_request()
                 if got is None:  # a worker was dropped meanwhile (elastic modes)
@@ -344,13 +304,7 @@ class ParameterServer:
         if config is not None and shard is not None and config.withdraw_lost_share and config.max_updates:
             self._withdrawn[worker] = max(config.max_updates / self.initial_workers - shard.clocks[worker], 0.0)
             self._update_max_updates()
-        live = sum(self.live)
-        print(
-            f"warning: lightning_sync.ps {self.group.name()} dropped {self.group.name(worker)}: {why}; it goes on "
-            f"with the {live} live worker(s)",
-            file=sys.stderr,
-            flush=True,
-        )
+        self._say(f"dropped {self.group.name(worker)}: {why}; it goes on with the {sum(self.live)} live worker(s)")
         if self.shard is not None:
             self._check_max_updates()
         self._after_change()
@@ -373,12 +327,10 @@ class ParameterServer:
         if self._withdrawn.pop(worker, None) is not None:
             self._update_max_updates()
         how = "joined (a spare slot: a worker added to the run)" if added else f"rejoined (join {self.joins[worker]})"
-        print(
-            f"warning: lightning_sync.ps {self.group.name()}: {self.group.name(worker)} {how}; it serves "
-            f"{sum(self.live)} live worker(s)",
-            file=sys.stderr,
-            flush=True,
-        )
+        self._say(f"{self.group.name(worker)} {how}; it serves {sum(self.live)} live worker(s)")
+
+    def _say(self, news: str) -> None:
+        print(f"warning: lightning_sync.ps {self.group.name()}: {news}", file=sys.stderr, flush=True)
 
     def _update_max_updates(self) -> None:
         assert self.config is not None and self.config.max_updates is not None
