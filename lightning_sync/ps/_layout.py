@@ -3,17 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """``"float32"`` (or ``"torch.float32"``) -> ``torch.float32``."""
-    dtype = getattr(torch, name.replace("torch.", ""), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -57,15 +48,8 @@ class ShardLayout:
         """The layout of these tensors."""
         return cls([t.shape for t in tensors], [t.dtype for t in tensors])
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"shapes": [list(s) for s in self.shapes], "dtypes": [str(d).replace("torch.", "") for d in self.dtypes]}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ShardLayout:
-        return cls(data["shapes"], [dtype_from_name(d) for d in data["dtypes"]])
-
     def signature(self) -> str:
-        """A text form of the layout, for checksums."""
+        """A text form of the layout, for checksums and the server's check of the INIT."""
         return ";".join(f"{list(s)}:{d}" for s, d in zip(self.shapes, self.dtypes))
 
     # ---------------------------------------------------------------- bytes

@@ -349,7 +349,7 @@ class PSClient:
                 init
                 | {
                     "indices": self.indices[i],
-                    "layout": self.layouts[i].as_dict(),
+                    "layout": self.layouts[i].signature(),
                     "params": [self.params[j].detach().to("cpu").clone() for j in self.indices[i]],
                     "checksum": self.checksums[i],
                     "state": None if states is None else states[i],

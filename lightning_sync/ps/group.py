@@ -69,18 +69,6 @@ def connect_store(host: str, port: int, *, is_host: bool, timeout_s: float = 60.
     return dist.TCPStore(host, port, None, bool(is_host), _seconds(timeout_s), wait_for_workers=False)
 
 
-def server_ps_rank(server: int, num_workers: int) -> int:
-    """PS rank of server ``server`` (``num_workers + server``)."""
-    return num_workers + server
-
-
-def describe(ps_rank: int, num_workers: int) -> str:
-    """``"worker 1 (ps rank 1)"`` or ``"server 0 (ps rank 2)"``."""
-    if ps_rank < num_workers:
-        return f"worker {ps_rank} (ps rank {ps_rank})"
-    return f"server {ps_rank - num_workers} (ps rank {ps_rank})"
-
-
 def claim_spare_slot(store: dist.Store, num_workers: int, spare_workers: int, prefix: str = DEFAULT_PREFIX) -> int:
     """The worker rank of a spare slot that no other process has claimed, for a worker added to a running group.
 
@@ -216,11 +204,14 @@ class PSGroup:
 
     def server_rank(self, server: int) -> int:
         """PS rank of server ``server``."""
-        return server_ps_rank(server, self.num_workers)
+        return self.num_workers + server
 
     def name(self, ps_rank: int | None = None) -> str:
-        """How errors name a member (this one by default)."""
-        return describe(self.ps_rank if ps_rank is None else ps_rank, self.num_workers)
+        """How errors name a member (this one by default): ``"worker 1 (ps rank 1)"``, ``"server 0 (ps rank 2)"``."""
+        rank = self.ps_rank if ps_rank is None else ps_rank
+        if rank < self.num_workers:
+            return f"worker {rank} (ps rank {rank})"
+        return f"server {rank - self.num_workers} (ps rank {rank})"
 
     # ---------------------------------------------------------------- transport
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:

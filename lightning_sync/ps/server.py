@@ -34,7 +34,6 @@ import torch
 
 from lightning_sync.comm.compression import Compressor
 from lightning_sync.errors import check_range
-from lightning_sync.ps._layout import ShardLayout
 from lightning_sync.ps._protocol import (
     FLAG_NONFINITE,
     FLAG_NOT_APPLIED,
@@ -56,7 +55,7 @@ from lightning_sync.ps._protocol import (
     to_blob,
 )
 from lightning_sync.ps.errors import PSError, PSPeerLostError
-from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, connect_store, server_ps_rank
+from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, connect_store
 from lightning_sync.ps.liveness import WorkerLiveness
 from lightning_sync.ps.optim_spec import OptimizerSpec
 from lightning_sync.ps.settings import PSConfig
@@ -499,7 +498,7 @@ class ParameterServer:
             spec = OptimizerSpec.from_dict(init["optimizer"])
             outer = config.new_outer_optimizer if config.local_steps > 1 else None
             shard = ServerShard(init["params"], init["indices"], spec, self.num_workers, outer)
-            if shard.layout.signature() != ShardLayout.from_dict(init["layout"]).signature():
+            if shard.layout.signature() != init["layout"]:
                 raise ValueError("the parameters do not match their announced layout")
             if init.get("state") is not None:
                 shard.load_state_dict(init["state"])
@@ -662,7 +661,7 @@ def run_server(
     store = connect_store(host, port, is_host=False, timeout_s=connect)
     group = PSGroup(
         store,
-        server_ps_rank(server, num_workers),
+        num_workers + server,
         num_workers,
         num_servers,
         timeout_s,

@@ -14,8 +14,7 @@ class Straggler:
     does nothing.
 
     Call :meth:`step_start` when a step begins and :meth:`step_end` when it ends (the adapter: in
-    ``on_train_batch_start`` / right after the push, so that the whole step, round trip included, is stretched), or
-    use :meth:`delay` with a step time measured elsewhere.
+    ``on_train_batch_start`` / right after the push, so that the whole step, round trip included, is stretched).
 
     Args:
         worker: this process's worker rank.
@@ -47,31 +46,17 @@ class Straggler:
         self._clock, self._sleep = clock, sleep
         self._started: float | None = None
 
-    @property
-    def active(self) -> bool:
-        """Whether this worker is the one slowed down."""
-        return self.slow_worker == self.worker and self.slowdown > 1.0
-
     def step_start(self) -> None:
         """Marks the start of a step."""
         self._started = self._clock()
 
     def step_end(self) -> float:
-        """Sleeps ``(slowdown - 1) x`` the time since :meth:`step_start` if this is the slow worker.
-
-        Returns:
-            The seconds slept (``0`` on other workers, or without a :meth:`step_start`).
-        """
-        if self._started is None:
+        """Sleeps ``(slowdown - 1) x`` the time since :meth:`step_start` if this is the slow worker; returns the seconds
+        slept (``0`` on other workers, or without a :meth:`step_start`)."""
+        started, self._started = self._started, None
+        extra = 0.0 if started is None else (self.slowdown - 1.0) * (self._clock() - started)
+        if extra <= 0 or self.slow_worker != self.worker:
             return 0.0
-        elapsed, self._started = self._clock() - self._started, None
-        return self.delay(elapsed)
-
-    def delay(self, step_s: float) -> float:
-        """Sleeps ``(slowdown - 1) * step_s`` if this is the slow worker; returns the seconds slept."""
-        if not self.active or step_s <= 0:
-            return 0.0
-        extra = (self.slowdown - 1.0) * step_s
         self._sleep(extra)
         self.slept_s += extra
         return extra
