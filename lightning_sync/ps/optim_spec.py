@@ -1,13 +1,7 @@
-"""The worker's optimizer, described so that a server can rebuild it for its shard.
+"""The worker's optimizer as plain values (:class:`OptimizerSpec`), so that a server can rebuild it for its shard.
 
-A :class:`OptimizerSpec` holds the optimizer class (as an import path), each param group's hyperparameters (``lr``,
-``momentum``, ``weight_decay``, ``betas``, ...) and which group each parameter belongs to. It is made of plain values
-only, so it travels with ``torch.save``/``torch.load(weights_only=True)``.
-
-Learning-rate schedulers keep working: a scheduler changes ``lr`` in the worker's param groups, every push carries
-the pushing worker's current ``lr`` of each group (:func:`current_lrs`), and the server writes it into the matching
-groups of its shard optimizer before stepping. Other hyperparameters (momentum, betas, ...) are fixed at the values
-the spec was taken with.
+Every push carries the worker's current ``lr`` of each group (:func:`current_lrs`), so learning-rate schedulers keep
+working; the other hyperparameters are fixed at the values the spec was taken with.
 """
 
 from __future__ import annotations
@@ -71,14 +65,11 @@ def _import_class(path: str) -> type[torch.optim.Optimizer]:
 def optimizer_spec(
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]
 ) -> OptimizerSpec:
-    """Describes ``optimizer`` (or several) for the servers, with the group of every parameter of ``params``.
-
-    Guarantees: the spec lists the groups in the optimizers' order with their current hyperparameters (tensors
-    cloned), and ``group_of[i]`` is the group holding ``params[i]``.
+    """Describes ``optimizer`` (or several) for the servers: their groups' current hyperparameters (tensors cloned),
+    and ``group_of[i]``, the group holding ``params[i]``.
 
     Args:
-        optimizer: the worker's optimizer, or its optimizers (each parameter in one of them only). Their classes must
-            be importable on the servers by module and name.
+        optimizer: the worker's optimizer, or its optimizers (each parameter in one only), their classes importable.
         params: the ordered parameter list the parameter server trains; exactly the optimizers' parameters.
 
     Raises:
@@ -134,21 +125,17 @@ def optimizer_spec(
 def build_shard_optimizer(
     spec: OptimizerSpec, params: Sequence[torch.Tensor], indices: Sequence[int], optimizer: int = 0
 ) -> tuple[torch.optim.Optimizer | None, list[int]]:
-    """Builds the shard optimizer that mirrors the worker's optimizer number ``optimizer`` (``None`` and ``[]`` if
-    none of the shard's parameters is in it).
-
-    Guarantees: each shard parameter lands in a group with the hyperparameters of its group on the worker; the shard
-    optimizer has one group per worker group that holds shard parameters, in the worker's group order, parameters in
-    ``indices`` order.
+    """Builds the shard optimizer that mirrors the worker's optimizer number ``optimizer``: one group per worker group
+    holding shard parameters, with its hyperparameters, in the worker's order.
 
     Args:
         spec: from :func:`optimizer_spec`.
-        params: the shard's parameters (leaf tensors with ``requires_grad``), in the order of ``indices``.
-        indices: for each shard parameter, its index in the worker's ordered parameter list.
+        params: the shard's parameters (leaf tensors with ``requires_grad``).
+        indices: for each, its index in the worker's ordered parameter list.
 
     Returns:
-        The optimizer, and for each of its param groups the index of the worker group it mirrors (to apply pushed
-        learning rates).
+        The optimizer, and for each of its groups the index of the worker group it mirrors; ``None`` and ``[]`` if it
+        holds none of the shard's parameters.
 
     Raises:
         ValueError: ``params`` and ``indices`` differ in length, or an index is outside the spec.
@@ -182,19 +169,9 @@ SCALE_INVARIANT = frozenset(
 
 def scales_learning_rate(spec: OptimizerSpec, optimizer: int = 0) -> bool:
     """Whether an async or ssp push's ``push_scale`` multiplies the learning rate of the worker's optimizer number
-    ``optimizer`` rather than the pushed gradient.
-
-    * The gradient, for optimizers whose step is linear in it (SGD with or without momentum and Nesterov, and any
-      optimizer :data:`SCALE_INVARIANT` does not name): ``W`` pushes of ``g/W`` move the parameters as far as one
-      sync step of the average.
-    * The learning rate, for scale-invariant ones (:data:`SCALE_INVARIANT` and their subclasses: the Adam family,
-      RMSprop, Adagrad, ...), on whose step a factor on the gradient would cancel: each push moves the parameters
-      by about ``lr * push_scale``. A full ``lr`` per push makes ``W`` such steps per sync step's worth of samples,
-      on gradients up to ``W - 1`` versions stale.
-
-    Either way momentum, weight decay and the Adam moments act once per push, i.e. ``W`` times per sync step's worth
-    of samples.
-    """
+    ``optimizer`` (:data:`SCALE_INVARIANT` ones and their subclasses, on whose step a factor on the gradient would
+    cancel) rather than the pushed gradient (SGD and any other optimizer whose step is linear in it: ``W`` pushes of
+    ``g/W`` move as far as one sync step of the average)."""
     path = spec.classes[optimizer]
     name = path.rpartition(":")[2].rpartition(".")[2]
     try:

@@ -1,22 +1,10 @@
-"""Where servers run: dedicated processes, or threads of the worker processes (colocated). Same loop in both.
+"""Where servers run: dedicated processes (:func:`start_server_processes`, on worker 0, which hosts the store), or
+daemon threads of the first worker processes (:func:`start_colocated_server`), each its own member of the group. Both
+run :func:`~lightning_sync.ps.server.run_server` and return after the last worker's goodbye.
 
-Dedicated (:func:`start_server_processes`, called on worker 0 after it hosts the store)::
-
-    store = connect_store(host, port, is_host=True, timeout_s=60)
-    servers = start_server_processes(host, port, num_workers=W, num_servers=k, timeout_s=60)
-    ...                          # PSGroup / PSClient as usual; servers.raise_if_failed() between steps if wanted
-    client.close()               # every worker: the servers exit by themselves after the last goodbye
-    servers.wait(timeout_s=30)   # exit codes, 0 each; servers.stop() ends them if they do not
-
-Each server is a fresh interpreter, ``python -m lightning_sync.ps`` (:mod:`lightning_sync.ps.__main__`; nothing of
-the worker is inherited). It exits when its parent's connection closes (a killed parent included), when the thread
-that started it ends (the kernel's parent-death signal, SIGKILL, which the server sets itself: a frozen server
-included, see :func:`lightning_sync.ps.__main__.die_with_parent`), on Ctrl-C and SIGTERM at once, and by itself
-when no worker talks to it for ``timeout_s``. An ``atexit`` hook of the parent stops the ones still running.
-
-Colocated (:func:`start_colocated_server`, on worker ``r < k``): server ``r`` runs in a daemon thread of worker
-``r``'s process with its own member of the group (PS rank ``W + r``), so it ends with that process; it also returns
-after the last goodbye and raises (kept in :attr:`ColocatedServer.error`) after ``timeout_s`` without requests.
+A dedicated server, ``python -m lightning_sync.ps``, exits when its parent's connection closes, when the thread that
+started it ends (the parent-death signal, :func:`lightning_sync.ps.__main__.die_with_parent`: a frozen server too), on
+Ctrl-C and SIGTERM, and when no worker talks to it for ``timeout_s``; an ``atexit`` hook stops the ones still running.
 """
 
 from __future__ import annotations
@@ -116,27 +104,13 @@ def start_server_processes(
     python: str | None = None,
     spare_workers: int = 0,
 ) -> ServerProcesses:
-    """Starts ``num_servers`` dedicated server processes that join the PS group through the store at
-    ``host:port`` (hosted by worker 0, e.g. :func:`~lightning_sync.ps.group.connect_store`).
-
-    Guarantees: the processes end as the module docstring says (call from a thread that lives as long as training,
-    e.g. the main thread: the parent-death signal follows the starting thread), with code 0 after every worker's
-    :meth:`~lightning_sync.ps.client.PSClient.close`, 1 after an error (printed on this process's stderr).
+    """Starts ``num_servers`` server processes that join the PS group through the store at ``host:port``; they exit
+    with code 0 after every worker's goodbye, 1 after an error. Call from a thread that lives as long as training:
+    the parent-death signal follows it. The arguments are :func:`~lightning_sync.ps.server.run_server`'s, and:
 
     Args:
-        host: address of the store.
-        port: port of the store.
-        num_workers: number of workers ``W``.
-        num_servers: number of servers ``k``.
-        timeout_s: bound of every wait of the servers after the rendezvous.
-        connect_timeout_s: bound of the rendezvous and of the wait for the initial parameters; ``None``:
-            ``max(timeout_s, 60)`` (a fresh interpreter takes seconds to import torch).
-        prefix: store prefix of the group (as given to the workers' ``PSGroup``).
-        env: environment of the servers (default: this process's, with ``OMP_NUM_THREADS=1`` unless set); each
-            server also gets ``LIGHTNING_SYNC_SERVER_PROCESS=1``.
+        env: environment of the servers (default: this process's, with ``OMP_NUM_THREADS=1`` unless set).
         python: interpreter to run (default: this one).
-        spare_workers: how many of the ``num_workers`` worker ranks, the last ones, are spare slots for workers
-            added to the running job (see :class:`~lightning_sync.ps.server.ParameterServer`).
 
     Raises:
         ValueError: bad counts.
@@ -228,11 +202,8 @@ def start_colocated_server(
     prefix: str = DEFAULT_PREFIX,
     spare_workers: int = 0,
 ) -> ColocatedServer:
-    """Starts server ``server`` (PS rank ``num_workers + server``) in a daemon thread of this process.
-
-    Meant for worker ``server``'s process (``num_servers <= num_workers``); any process works. The thread joins the
-    group through the store at ``host:port`` while this process's worker member joins in parallel. ``spare_workers``:
-    as for :func:`start_server_processes`.
+    """Starts server ``server`` in a daemon thread of this process (meant for worker ``server``'s), which joins the
+    group while this process's worker member does; the arguments are :func:`~lightning_sync.ps.server.run_server`'s.
 
     Raises:
         ValueError: ``server`` is not in ``[0, num_servers)`` or bad counts.
@@ -259,14 +230,11 @@ def start_servers(
     prefix: str = DEFAULT_PREFIX,
     spare_workers: int = 0,
 ) -> Any | None:
-    """Starts the servers that worker ``worker`` is responsible for under ``placement`` (call on every worker).
-
-    ``dedicated``: worker 0 starts all ``num_servers`` processes. ``colocated``: worker ``r < num_servers`` runs
-    server ``r`` in a thread. Every other worker starts nothing. ``num_workers`` counts the ``spare_workers`` slots
-    too (see :func:`start_server_processes`).
+    """Starts the servers that worker ``worker`` is responsible for under ``placement`` (call on every worker):
+    ``dedicated``, worker 0 all the processes; ``colocated``, worker ``r < num_servers`` server ``r`` in a thread.
 
     Returns:
-        A handle with ``raise_if_failed()`` and ``finish(timeout_s)``, or ``None`` when this worker starts none.
+        A handle with ``raise_if_failed()``, ``stop()`` and ``finish(timeout_s)``, or ``None`` if it starts none.
 
     Raises:
         ValueError: bad counts.

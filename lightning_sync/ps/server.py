@@ -644,10 +644,15 @@ def run_server(
     prefix: str = DEFAULT_PREFIX,
     spare_workers: int = 0,
 ) -> dict[str, Any]:
-    """Joins the PS group as server ``server`` through the store at ``host:port`` and serves until the end.
+    """Joins the PS group as server ``server`` of ``num_servers`` through the store at ``host:port`` and serves until
+    every worker's goodbye: the loop of both placements.
 
-    This is the loop both placements run (a dedicated process, a worker's thread). ``num_workers`` counts every
-    worker rank, the ``spare_workers`` slots included (see :class:`ParameterServer`).
+    Args:
+        num_workers: the worker ranks, the last ``spare_workers`` of them free for workers added to the running job.
+        timeout_s: bound of every wait after the rendezvous.
+        connect_timeout_s: bound of the rendezvous and of the wait for the initial parameters (``None``:
+            ``max(timeout_s, 60)``: a fresh interpreter takes seconds to import torch).
+        prefix: the group's store prefix (as the workers' ``PSGroup``'s).
 
     Returns:
         The server's final stats (:meth:`ParameterServer.stats`).
