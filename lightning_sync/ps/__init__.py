@@ -10,7 +10,7 @@ and :mod:`~lightning_sync.ps.elastic` (lost workers), :mod:`~lightning_sync.ps.p
 
 from lightning_sync.ps._protocol import CLIP_ALGORITHMS, Clip
 from lightning_sync.ps.client import PSClient, PSReply, ServerStepOptimizer, shard_by_bytes
-from lightning_sync.ps.elastic import lost_workers_at_end
+from lightning_sync.ps.elastic import servers_at_end
 from lightning_sync.ps.errors import PSError, PSPeerLostError, PSServerError, PSTimeoutError
 from lightning_sync.ps.group import PSGroup, claim_spare_slot, connect_store
 from lightning_sync.ps.optim_spec import (
@@ -47,10 +47,10 @@ __all__ = [
     "claim_spare_slot",
     "connect_store",
     "current_lrs",
-    "lost_workers_at_end",
     "optimizer_spec",
     "run_server",
     "scales_learning_rate",
+    "servers_at_end",
     "shard_by_bytes",
     "start_colocated_server",
     "start_server_processes",

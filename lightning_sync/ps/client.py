@@ -21,6 +21,7 @@ lost or silent server raises a :class:`~lightning_sync.ps.errors.PSError` naming
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +49,6 @@ from lightning_sync.ps._protocol import (
     Request,
     Status,
     StopCode,
-    checksum,
     from_blob,
     stop_reason,
     to_blob,
@@ -306,7 +306,8 @@ class PSClient:
         agreed = sorted((k, v) for k, v in config.as_dict().items() if k not in _SET_BY_THE_INIT)
         settings = repr(agreed) + f"|{spec.classes}|{spec.num_groups}|{spec.owner}"
         self.checksums = [
-            checksum(f"{settings}|{idx}|{layout.signature()}") for idx, layout in zip(self.indices, self.layouts)
+            zlib.crc32(f"{settings}|{idx}|{layout.signature()}".encode())
+            for idx, layout in zip(self.indices, self.layouts)
         ]
         self.versions = [-1] * self.num_servers
         self.stopped = False

@@ -119,19 +119,22 @@ def start_server_processes(
     environ = dict(os.environ if env is None else env)
     environ.setdefault("OMP_NUM_THREADS", "1")
     environ[SERVER_PROCESS_ENV] = "1"  # the server runs on torch alone: no Lightning import (see lightning_sync)
-    processes = []
-    for server in range(num_servers):
-        command = [
-            python or sys.executable, "-m", "lightning_sync.ps",
-            "--host", host, "--port", str(port), "--server", str(server),
-            "--num-workers", str(num_workers), "--num-servers", str(num_servers),
-            "--timeout-s", repr(float(timeout_s)), "--prefix", prefix, "--spare-workers", str(spare_workers),
-            "--parent-pid", str(os.getpid()),
-        ]  # fmt: skip
-        if connect_timeout_s is not None:
-            command += ["--connect-timeout-s", repr(float(connect_timeout_s))]
-        processes.append(subprocess.Popen(command, env=environ))
-    handle = ServerProcesses(processes)
+    arguments = dict(
+        host=host,
+        port=port,
+        num_workers=num_workers,
+        num_servers=num_servers,
+        timeout_s=timeout_s,
+        connect_timeout_s=connect_timeout_s,
+        prefix=prefix,
+        spare_workers=spare_workers,
+        parent_pid=os.getpid(),
+    )
+    options = [part for k, v in arguments.items() if v is not None for part in (f"--{k.replace('_', '-')}", str(v))]
+    command = [python or sys.executable, "-m", "lightning_sync.ps", *options]
+    handle = ServerProcesses(
+        [subprocess.Popen([*command, "--server", str(server)], env=environ) for server in range(num_servers)]
+    )
     reference = weakref.ref(handle)
 
     def _stop_at_exit() -> None:
