@@ -151,60 +151,47 @@ def exchange(
     ranks = [group.server_rank(i) for i in range(len(requests))]
     headers = [torch.zeros(HEADER_SLOTS, dtype=torch.int64) for _ in ranks]
     what = kind.name
-    peer = ranks[0]  # the server being dealt with when an error strikes
     graced = False  # whether the wait that failed already included the grace for a server's report
     failed: tuple[int, str] | None = None  # (ps rank, report) of a peer that had already given up
     try:
-        reply_works = []
-        for i, rank in enumerate(ranks):
-            peer = rank
-            reply_works.append(group.recv(headers[i], rank, TAG_REPLY))
-        header_sends, data_sends = [], []
-        for i, rank in enumerate(ranks):
-            peer = rank
-            payload = payloads[i] if payloads is not None else None
-            header_sends.append((i, group.send(requests[i].header(), rank, TAG_REQUEST)))
-            if payload is not None and requests[i].payload_nbytes:
-                data_sends.append((i, group.send(payload, rank, TAG_REQUEST_DATA)))
+        reply_works = [group.recv(header, rank, TAG_REPLY) for header, rank in zip(headers, ranks)]
+        header_sends = [group.send(request.header(), rank, TAG_REQUEST) for request, rank in zip(requests, ranks)]
+        data_sends = [
+            (rank, group.send(payload, rank, TAG_REQUEST_DATA))
+            for payload, request, rank in zip(payloads or [None] * len(ranks), requests, ranks)
+            if payload is not None and request.payload_nbytes
+        ]
         # asked while the sends are in flight, so a healthy step pays no latency
         failed = group.first_reported_failure(servers_only)
         if failed is not None:
             raise PSPeerLostError(f"{group.name(failed[0])} failed before this {what}: {failed[1]}")
         deadline = time.monotonic() + group.timeout_s
-        for i, work in data_sends:  # a frozen server does not take the data: named after timeout_s
-            peer = ranks[i]
-            group.wait(work, peer, f"it to take the {what}", receiving=False, timeout_s=_left(deadline))
+        for rank, work in data_sends:  # a frozen server does not take the data: named after timeout_s
+            group.wait(work, rank, f"it to take the {what}", receiving=False, timeout_s=_left(deadline))
         deadline = time.monotonic() + reply_timeout
         graced = True
-        for i, work in enumerate(reply_works):
-            peer = ranks[i]
-            group.wait(work, peer, f"the reply to the {what}", receiving=True, timeout_s=_left(deadline))
+        for rank, work in zip(ranks, reply_works):
+            group.wait(work, rank, f"the reply to the {what}", receiving=True, timeout_s=_left(deadline))
         # Each header was taken (its server replied). Waited after the replies: gloo fails every posted receive when
         # a peer's connection closes, but not a send being written, which would wait out timeout_s.
         deadline = time.monotonic() + group.timeout_s
-        for i, work in header_sends:
-            peer = ranks[i]
-            group.wait(work, peer, f"it to take the {what}", receiving=False, timeout_s=_left(deadline))
+        for rank, work in zip(ranks, header_sends):
+            group.wait(work, rank, f"it to take the {what}", receiving=False, timeout_s=_left(deadline))
         replies = [ReplyHeader.parse(h) for h in headers]
-        data_works = []
         buffers: list[torch.Tensor | None] = []
-        for i, reply in enumerate(replies):
-            if reply.payload_nbytes <= 0:
-                buffers.append(None)
-                continue
-            peer = ranks[i]
-            usable = reply.status == Status.OK and reply.payload_nbytes == reply_buffers[i].numel()
-            buffer = reply_buffers[i] if usable else torch.empty(reply.payload_nbytes, dtype=torch.uint8)
-            buffers.append(buffer)
-            data_works.append((i, group.recv(buffer, peer, TAG_REPLY_DATA)))
-        for i, work in data_works:
-            peer = ranks[i]
-            group.wait(work, peer, f"the data of the reply to the {what}", receiving=True)
+        for reply, buffer in zip(replies, reply_buffers):
+            if reply.status != Status.OK or reply.payload_nbytes != buffer.numel():
+                buffer = torch.empty(reply.payload_nbytes, dtype=torch.uint8)
+            buffers.append(buffer if reply.payload_nbytes > 0 else None)
+        data_works = [(rank, group.recv(b, rank, TAG_REPLY_DATA)) for b, rank in zip(buffers, ranks) if b is not None]
+        for rank, work in data_works:
+            group.wait(work, rank, f"the data of the reply to the {what}", receiving=True)
     except PSError as exc:
         if failed is not None:
             raise  # it quotes the peer's own report already
         # a server that gave up writes why just as our wait ends: a grace, unless the reply timeout included it
         patience_s = 0.0 if graced and isinstance(exc, PSTimeoutError) else min(group.timeout_s / 4, 5.0)
+        peer = ranks[0] if exc.peer is None else exc.peer
         reporter, report = report_of(group, peer, patience_s=patience_s, servers_only=servers_only)
         raise type(exc)(f"{exc}; {group.name(reporter)} reported: {report}" if report else str(exc)) from exc
     errors = [

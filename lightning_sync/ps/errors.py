@@ -8,7 +8,9 @@ from __future__ import annotations
 
 
 class PSError(RuntimeError):
-    """Base class of every parameter-server error."""
+    """Base class of every parameter-server error; ``peer``: the PS rank of the peer it concerns, where known."""
+
+    peer: int | None = None
 
 
 class PSTimeoutError(PSError, TimeoutError):

@@ -244,14 +244,18 @@ class PSGroup:
     def _translate(self, exc: BaseException, peer: int | None, what: str, receiving: bool, waited: float) -> PSError:
         text = str(exc)
         who = "no member" if peer is None else self.name(peer)
+        error: PSError
         if "Connection closed" in text or "closed by peer" in text or "Connection reset" in text:
-            return PSPeerLostError(f"{who} closed its connection to {self.name()} ({what}): its process is gone")
-        if "caused pair closure" in text:
-            return PSTimeoutError(f"{self.name()} cannot reach {who} ({what}): an earlier wait timed out")
-        if "imed out" in text or isinstance(exc, TimeoutError):
+            error = PSPeerLostError(f"{who} closed its connection to {self.name()} ({what}): its process is gone")
+        elif "caused pair closure" in text:
+            error = PSTimeoutError(f"{self.name()} cannot reach {who} ({what}): an earlier wait timed out")
+        elif "imed out" in text or isinstance(exc, TimeoutError):
             verb = "sent nothing" if receiving else "took nothing"
-            return PSTimeoutError(f"{who} {verb} for {waited:.1f} s ({self.name()} waiting for {what})")
-        return PSError(f"{self.name()} failed talking to {who} ({what}): {text}")
+            error = PSTimeoutError(f"{who} {verb} for {waited:.1f} s ({self.name()} waiting for {what})")
+        else:
+            error = PSError(f"{self.name()} failed talking to {who} ({what}): {text}")
+        error.peer = peer
+        return error
 
     # ---------------------------------------------------------------- failure reports
     def _best_effort(self, call: Callable[[], Any], default: Any = None) -> Any:

@@ -1,9 +1,6 @@
-"""Async local SGD on the parameter server (as in Liu et al. 2024, "Asynchronous Local-SGD Training for Language
-Modeling"): each worker takes ``local_steps`` steps with its own (inner) optimizer, then pushes its pseudo-gradient,
-the change of its parameters since its last pull; the servers step their outer optimizer (``outer_optimizer``, any
-callable from parameters to a ``torch.optim.Optimizer``, e.g. :class:`DelayedNesterov`) on it and reply with fresh
-parameters. :class:`LocalSteps` is the worker's side.
-"""
+"""Async local SGD on the parameter server (Liu et al. 2024, "Asynchronous Local-SGD Training for Language Modeling"):
+each worker takes ``local_steps`` steps of its own optimizer, then pushes its pseudo-gradient (its change since its last
+pull, :class:`LocalSteps`); the servers step their outer optimizer (e.g. :class:`DelayedNesterov`) on it."""
 
 from __future__ import annotations
 

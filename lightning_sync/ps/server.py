@@ -193,7 +193,7 @@ class ParameterServer:
         self.codec: Compressor | None = None
         self.checksum = 0
         self.num_groups = 0
-        self.push_scales = [1.0]  # async and ssp: factor of a push's step, per worker optimizer (from the INIT)
+        self.push_scale = 1.0  # async and ssp: the factor of a push's step (from the INIT)
         self.initialized_by = -1
         self.liveness = WorkerLiveness(self.num_workers, group.timeout_s, group.connect_timeout_s, group.name)
         self.live = self.liveness.live  # the same list: a goodbye ends a worker's liveness
@@ -231,7 +231,7 @@ class ParameterServer:
         out: dict[str, Any] = {
             "server": self.server,
             "mode": self.config.mode if self.config else None,
-            "push_scale": self.push_scales[0] if len(self.push_scales) == 1 else list(self.push_scales),
+            "push_scale": self.push_scale,
             "initialized": self.shard is not None,
             "stopped": self.stopped,
             "stop_reason": stop_reason(self.stop_code, self.stop_worker, self.max_updates),
@@ -511,8 +511,7 @@ class ParameterServer:
             )
         self.config, self.codec, self.shard = config, config.new_codec(), shard
         self.max_updates = config.max_updates
-        scale = 1.0 / self.initial_workers if config.push_scale is None else float(config.push_scale)  # auto: 1/W
-        self.push_scales = [scale] * (1 if config.local_steps > 1 else spec.num_optimizers)  # > 1: the outer SGD
+        self.push_scale = 1.0 / self.initial_workers if config.push_scale is None else float(config.push_scale)
         self.num_groups = spec.num_groups
         self.checksum = int(init["checksum"])
         self.initialized_by = worker
@@ -535,8 +534,8 @@ class ParameterServer:
         if payload is None or payload.numel() < lr_bytes:
             raise _Refused(f"a push must carry {self.num_groups} learning rates and a gradient")
         lrs = payload[:lr_bytes].view(torch.float64).tolist()
-        if not 0 <= request.optimizer < len(self.push_scales):
-            raise _Refused(f"a push for optimizer {request.optimizer}; the workers have {len(self.push_scales)}")
+        if not 0 <= request.optimizer < len(self.shard.optimizers):
+            raise _Refused(f"a push for optimizer {request.optimizer}; the workers have {len(self.shard.optimizers)}")
         grad = None  # a NaN or Inf gradient stays on its worker: the update is skipped
         if not request.flags & FLAG_NONFINITE:
             try:
@@ -565,10 +564,8 @@ class ParameterServer:
             self.skipped_updates += 1
             self.channels.send([(worker, self._params_reply(Kind.PUSH, worker, FLAG_SKIPPED, staleness))])
             return
-        # One push is one worker's gradient, where a sync step averages W of them: push_scale (auto: 1/W) is what
-        # one push's step counts for, on the gradient or the learning rate (see scales_learning_rate).
-        k = request.optimizer
-        self.shard.apply(grad, lrs, k, request.clip, self.push_scales[k])
+        # a push is one worker's gradient, where a sync step averages W of them: push_scale (auto: 1/W)
+        self.shard.apply(grad, lrs, request.optimizer, request.clip, self.push_scale)
         self.shard.record(worker, staleness)
         self._check_max_updates()
         if self.config.mode == "ssp" and not self.stopped and self._lead(worker) > self.config.max_staleness:

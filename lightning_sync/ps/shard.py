@@ -1,6 +1,5 @@
-"""One server's shard: its authoritative parameters, their optimizer, the version clock, the worker clocks and the
-staleness record, with the arithmetic of a step. No communication (the loop is :mod:`lightning_sync.ps.server`).
-"""
+"""One server's shard and the arithmetic of a step, without communication (the loop is
+:mod:`lightning_sync.ps.server`)."""
 
 from __future__ import annotations
 
@@ -20,7 +19,8 @@ STALENESS_CAP = 1024
 
 
 class ServerShard:
-    """The authoritative parameters of one shard, their optimizer, the version clock and the worker clocks.
+    """The authoritative parameters of one shard, their optimizer, the version clock, the worker clocks and the
+    staleness record.
 
     Args:
         params: initial values of the shard's parameters (copied to CPU; shard order).
@@ -75,16 +75,11 @@ class ServerShard:
         clip: Clip | None = None,
         scale: float = 1.0,
     ) -> None:
-        """One step of the worker's optimizer number ``optimizer`` with ``grad`` (fp32, layout order) at the workers'
-        learning rates ``lrs`` (every group of every optimizer).
-
-        Guarantees: each param group's ``lr`` is set to ``lrs[g]`` of the worker group it mirrors before the step,
-        times ``scale`` for a scale-invariant optimizer (:func:`~lightning_sync.ps.optim_spec.scales_learning_rate`);
-        the gradient of that optimizer's parameters is clipped as ``clip`` says (``torch.nn.utils``' own functions,
-        as Lightning's precision plugins call them), then multiplied by ``scale`` for any other; only that optimizer's
-        parameters change; ``version`` increases by one (also when this shard holds none of its parameters);
-        gradients are cleared after the step.
-        """
+        """One step of the worker's optimizer number ``optimizer`` with ``grad`` (fp32, layout order), each group at
+        the learning rate in ``lrs`` of the worker group it mirrors. ``scale`` multiplies the learning rate of a
+        scale-invariant optimizer (:func:`~lightning_sync.ps.optim_spec.scales_learning_rate`), else the gradient,
+        after ``clip`` (``torch.nn.utils``' functions, as Lightning's). ``version`` increases by one, also when the
+        shard holds none of that optimizer's parameters."""
         if grad.numel() != self.layout.numel:
             raise ValueError(f"gradient has {grad.numel()} entries, the shard {self.layout.numel}")
         if not 0 <= optimizer < len(self.optimizers):
