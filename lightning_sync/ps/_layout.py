@@ -52,7 +52,6 @@ class ShardLayout:
         """A text form of the layout, for checksums and the server's check of the INIT."""
         return ";".join(f"{list(s)}:{d}" for s, d in zip(self.shapes, self.dtypes))
 
-    # ---------------------------------------------------------------- bytes
     def pack(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """A new uint8 buffer with the bytes of ``tensors`` (shard order; ``None`` counts as zeros)."""
         parts = []
@@ -78,7 +77,6 @@ class ShardLayout:
             for view, t in zip(self.views(buffer), tensors):
                 t.copy_(view)
 
-    # ---------------------------------------------------------------- fp32 form
     def flat_fp32(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """A new fp32 vector of all ``tensors`` (``None`` counts as zeros), in layout order."""
         flat = torch.zeros(self.numel, dtype=torch.float32)

@@ -304,7 +304,6 @@ class PSClient:
         self._closed = False
         self._broken: BaseException | None = None
 
-    # ---------------------------------------------------------------- properties
     @property
     def meter(self) -> Any:
         """This worker's :class:`~lightning_sync.comm.meter.CommMeter`: every byte it exchanges with the servers."""
@@ -319,7 +318,6 @@ class PSClient:
         """Exact bytes one push puts on the wire to ``server``: header, learning rates and encoded gradient."""
         return HEADER_BYTES + 8 * self.spec.num_groups + self.codec.packed_nbytes(self.layouts[server].numel)
 
-    # ---------------------------------------------------------------- requests
     def init_servers(self, states: Sequence[dict[str, Any]] | None = None) -> None:
         """Sends each server its shard of this worker's parameters, the optimizer spec and the settings; once, by
         worker 0. With ``states`` (:meth:`server_states` of a checkpoint) each server loads its state in the same
@@ -420,7 +418,6 @@ class PSClient:
         finally:
             self.group.close()
 
-    # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """The worker-side state to checkpoint: the codec's error-feedback residuals."""
         return {"codec": self.codec.state_dict()}
@@ -429,7 +426,6 @@ class PSClient:
         """Restores :meth:`state_dict`."""
         self.codec.load_state_dict(state["codec"])
 
-    # ---------------------------------------------------------------- transport
     def _exchange(
         self,
         kind: Kind,

@@ -171,7 +171,6 @@ class PSGroup:
         if pg is not None:
             self._dropped.append(pg)
 
-    # ---------------------------------------------------------------- identity
     @property
     def world_size(self) -> int:
         return self.num_workers + self.num_servers
@@ -191,7 +190,6 @@ class PSGroup:
             return f"worker {rank} (ps rank {rank})"
         return f"server {rank - self.num_workers} (ps rank {rank})"
 
-    # ---------------------------------------------------------------- transport
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
         """Launches a metered send of a CPU tensor to PS rank ``dst``; wait with :meth:`wait` (whose errors it raises
         if the link is already broken)."""
@@ -257,7 +255,6 @@ class PSGroup:
         error.peer = peer
         return error
 
-    # ---------------------------------------------------------------- failure reports
     def _best_effort(self, call: Callable[[], Any], default: Any = None) -> Any:
         """``call()`` on the store, or ``default`` once a store call failed (its host is gone; each try would log a
         warning): reports and notes are a courtesy, the waits' timeouts bound everything."""

@@ -215,7 +215,6 @@ class ParameterServer:
         self._joins_checked = 0.0
         self.channels = WorkerChannels(group, self.server)
 
-    # ---------------------------------------------------------------- public
     @property
     def stopped(self) -> bool:
         return self.stop_code != StopCode.NONE
@@ -286,7 +285,6 @@ class ParameterServer:
             raise
         return self.stats()
 
-    # ---------------------------------------------------------------- membership (the elastic modes)
     def drop(self, worker: int, why: str) -> None:
         """Drops lost ``worker`` (elastic modes): it no longer counts as live (ssp's slowest worker, a sync round),
         its unanswered requests are forgotten, and with ``withdraw_lost_share`` its unused share of ``max_updates``
@@ -336,7 +334,6 @@ class ParameterServer:
         withdrawn = sum(self._withdrawn.values())
         self.max_updates = max(math.ceil(self.config.max_updates - withdrawn - 1e-9), 1)
 
-    # ---------------------------------------------------------------- receiving
     def _next_request(self) -> tuple[int, Request, torch.Tensor | None] | None:
         """The next complete request of a live worker; ``None`` once a worker was dropped meanwhile (elastic modes:
         a lost worker is dropped, see the module docstring); otherwise raises once a worker is lost."""
@@ -405,7 +402,6 @@ class ParameterServer:
             self.drop(worker, f"sent nothing for {seconds:.1f} s (frozen, dead, or slower than timeout_s)")
         return bool(silent)
 
-    # ---------------------------------------------------------------- replying
     def _reply(
         self, kind: Kind, worker: int, *, payload: torch.Tensor | None = None, flags: int = 0, staleness: int = -1
     ) -> tuple[ReplyHeader, torch.Tensor | None]:
@@ -443,7 +439,6 @@ class ParameterServer:
         assert self.shard is not None
         return self._reply(kind, worker, payload=self.shard.packed(), flags=flags, staleness=staleness)
 
-    # ---------------------------------------------------------------- requests
     def _handle(self, request: Request, worker: int, payload: torch.Tensor | None) -> None:
         kind = request.kind
         if kind == Kind.INIT:
@@ -574,7 +569,6 @@ class ParameterServer:
             self.channels.send([(worker, self._params_reply(Kind.PUSH, worker, staleness=staleness))])
         self._after_change()
 
-    # ---------------------------------------------------------------- mode logic
     def _lead(self, worker: int) -> int:
         assert self.shard is not None
         live = [self.shard.clocks[w] for w in range(self.num_workers) if self.live[w]]
@@ -628,7 +622,6 @@ class ParameterServer:
         return [(w, self._params_reply(Kind.PUSH, w, staleness=0)) for w in contributors]
 
 
-# -------------------------------------------------------------------------------------------------- entry points
 def run_server(
     host: str,
     port: int,

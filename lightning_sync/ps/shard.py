@@ -66,7 +66,6 @@ class ServerShard:
         self._packed: torch.Tensor | None = None
         self._packed_version = -1
 
-    # ---------------------------------------------------------------- arithmetic
     def apply(
         self,
         grad: torch.Tensor,
@@ -122,7 +121,6 @@ class ServerShard:
         self.last_staleness[worker] = int(staleness)
         self.staleness_counts[worker][min(int(staleness), STALENESS_CAP)] += 1
 
-    # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """Parameters, optimizer state, version, worker clocks and the staleness record (all copies; its size does
         not grow with the number of pushes)."""
