@@ -36,12 +36,9 @@ def die_with_parent(parent: int) -> bool:
     """Has the kernel SIGKILL this process when the thread of ``parent`` that started it ends (Linux:
     ``prctl(PR_SET_PDEATHSIG)``); whether ``parent`` is still its parent.
 
-    The failure it handles: the worker that started this server is killed while the server is frozen (SIGSTOP, or a
-    debugger). A running server sees its parent's connections close and exits; a frozen one cannot, and would stay
-    stopped, holding the job's stderr open, for ever; SIGKILL ends a stopped process too
-    (``tests/test_ps_core.py::test_dedicated_server_processes_die_with_their_parent[frozen]`` fails without it). Set
-    here, after ``exec``: in a ``preexec_fn`` it would run between ``fork`` and ``exec`` of a parent with threads,
-    which is unsafe.
+    The failure it handles: the worker that started this server is killed while the server is frozen (SIGSTOP), which
+    cannot see the connections close and would hold the job's stderr open for ever. Set after ``exec``: a
+    ``preexec_fn`` runs between ``fork`` and ``exec`` of a parent with threads, which is unsafe.
     """
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
@@ -55,8 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lightning_sync.ps server {args.server}: the process that started it is gone", file=sys.stderr)
         return 1
 
-    # The loop waits inside gloo, where Python cannot run a KeyboardInterrupt: let Ctrl-C and SIGTERM end the
-    # process at once instead.
+    # the loop waits inside gloo, where Python cannot run a KeyboardInterrupt: Ctrl-C and SIGTERM end it at once
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))

@@ -14,11 +14,8 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class ShardLayout:
-    """The tensors of one shard, flattened into one byte buffer.
-
-    Tensors are laid out by element size, largest first (then in shard order), so every tensor's slice starts at a
-    multiple of its element size and can be viewed in its own dtype without padding: the buffer is exactly the sum
-    of the tensors' bytes. The same order is used for the shard's flat fp32 form (gradients on the server).
+    """The tensors of one shard in one byte buffer, largest element size first (then in shard order), so each slice
+    can be viewed in its own dtype without padding; the shard's flat fp32 form (gradients) has the same order.
 
     Args:
         shapes: shape of each tensor, in shard order.

@@ -288,8 +288,7 @@ class PSClient:
         self.indices = [[j for j, k in enumerate(self.owner) if k == i] for i in range(self.num_servers)]
         self.layouts = [ShardLayout.of([params[j] for j in idx]) for idx in self.indices]
         self.codec = config.new_codec()
-        # What every worker must agree on; the run's end is worker 0's alone (its INIT sets it on the servers), so a
-        # worker added to the run, with another share of the data and so another count of updates, still matches.
+        # what every worker must agree on: not the end, worker 0's alone (a worker added to the run counts its own)
         agreed = sorted((k, v) for k, v in config.as_dict().items() if k not in _SET_BY_THE_INIT)
         settings = repr(agreed) + f"|{spec.classes}|{spec.num_groups}|{spec.owner}"
         self.checksums = [
@@ -303,11 +302,6 @@ class PSClient:
         self._replies = [torch.empty(lay.nbytes, dtype=torch.uint8) for lay in self.layouts]
         self._closed = False
         self._broken: BaseException | None = None
-
-    @property
-    def meter(self) -> Any:
-        """This worker's :class:`~lightning_sync.comm.meter.CommMeter`: every byte it exchanges with the servers."""
-        return self.group.meter
 
     @property
     def shard_nbytes(self) -> list[int]:
@@ -365,7 +359,7 @@ class PSClient:
 
         Raises:
             RuntimeError: no :meth:`pull` before the first push, or the client is closed.
-            ValueError: ``lrs`` does not have one value per param group.
+            ValueError: a bad ``lrs``, ``optimizer`` or ``clip``.
             PSServerError: a server refused the push (e.g. a sync push on an old version).
         """
         lrs = [float(lr) for lr in lrs]
@@ -403,8 +397,7 @@ class PSClient:
         return [from_blob(payload) for _, payload in self._exchange(Kind.GET_STATE) if payload is not None]
 
     def server_stats(self) -> list[dict[str, Any]]:
-        """Each server's stats: version, worker clocks, staleness (last value and histogram per worker), stop state,
-        and its traffic (``bytes_recv``, ``bytes_sent``, ``calls``, ``seconds``)."""
+        """Each server's :meth:`~lightning_sync.ps.server.ParameterServer.stats`."""
         return [from_blob(payload) for _, payload in self._exchange(Kind.STATS) if payload is not None]
 
     def close(self) -> None:

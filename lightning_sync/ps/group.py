@@ -78,12 +78,10 @@ class PSGroup:
 
     Args:
         store: the run's store (e.g. from :func:`connect_store`).
-        ps_rank: this member's rank, ``0 .. num_workers + num_servers - 1``.
-        num_workers: number of worker clients ``W >= 1``.
-        num_servers: number of servers ``k >= 1``.
+        ps_rank: this member's rank among the ``num_workers`` workers, then the ``num_servers`` servers.
         timeout_s: bound of every send/receive wait after the rendezvous.
-        connect_timeout_s: bound of the rendezvous (members may start seconds apart); ``None``:
-            :func:`~lightning_sync.comm.peer_errors.rendezvous_timeout_s`.
+        connect_timeout_s: bound of the rendezvous; ``None``: :func:`~lightning_sync.comm.peer_errors.
+            rendezvous_timeout_s`.
         prefix: store prefix of the group; distinct groups on one store need distinct prefixes.
         meter: meter of this member's traffic; a new one if ``None``.
         rejoin: (a worker) this member takes the place of a lost worker of its rank in a running group, on the next

@@ -153,15 +153,13 @@ def build_shard_optimizer(
         return None, []
     groups = [{"params": members[g], **spec.groups[g]} for g in mirrored]
     optimizer_class = _import_class(spec.classes[optimizer])
-    # Every group carries all its hyperparameters; the first one is also passed as the constructor's defaults so that
-    # optimizers with required hyperparameters (no default value) can be built too.
+    # the first group's hyperparameters are the defaults too, for optimizers with required ones
     accepted = inspect.signature(optimizer_class.__init__).parameters
     defaults = {k: v for k, v in spec.groups[mirrored[0]].items() if k in accepted}  # the groups hold no "params"
     return optimizer_class(groups, **defaults), mirrored
 
 
-#: Optimizers whose step divides by a running measure of the gradient's size (or takes its sign), so that a constant
-#: factor on every gradient leaves the step as it is (up to ``eps``).
+#: Optimizers whose step a constant factor on every gradient leaves as it is (up to ``eps``): the Adam family, ...
 SCALE_INVARIANT = frozenset(
     {"Adam", "AdamW", "Adamax", "NAdam", "RAdam", "SparseAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "Adafactor"}
 )

@@ -90,10 +90,9 @@ class LocalSteps:
         client: the worker's client; its servers run an outer optimizer (``PSConfig.local_steps > 1``).
         local_steps: inner steps per push (>= 1).
         lrs: returns the learning rates a push carries (the servers' outer optimizer ignores them).
-        adaptive: (``local_steps: auto``, the paper's dynamic local updates) after each push, post this worker's
-            seconds per step in the store and scale its interval so that it pushes about as often as the fastest
-            worker: ``round(local_steps * fastest / own seconds per step)``, in ``[1, local_steps]``.
-        clock: returns the current time in seconds; ``adaptive`` times the steps with it (a test passes a fake one).
+        adaptive: (``local_steps: auto``, the paper's dynamic local updates) after each push, scale this worker's
+            interval to push about as often as the fastest worker: ``round(local_steps * fastest / own seconds per
+            step)``, in ``[1, local_steps]`` (speeds posted in the store, timed with ``clock``).
     """
 
     def __init__(

@@ -64,11 +64,8 @@ class ServerProcesses:
             raise PSTimeoutError(f"server process(es) {alive} still running after {timeout_s:.1f} s") from None
 
     def stop(self, grace_s: float = 5.0) -> list[int]:
-        """Ends every server still running: SIGTERM, then SIGKILL after ``grace_s``. Returns the exit codes.
-
-        SIGCONT follows SIGTERM (as systemd does when it stops a unit): a frozen (SIGSTOPped) server holds a pending
-        SIGTERM until it runs again, so without it a frozen server would cost the whole grace before its SIGKILL.
-        """
+        """Ends every server still running: SIGTERM, then SIGKILL after ``grace_s``; returns the exit codes. SIGCONT
+        follows SIGTERM (as systemd's): a frozen server would hold the SIGTERM pending for the whole grace."""
         for p in self.processes:
             p.send_signal(signal.SIGTERM)  # nothing once it has exited
             p.send_signal(signal.SIGCONT)

@@ -3,14 +3,13 @@ arithmetic); the same for every placement (a dedicated process, ``python -m ligh
 
 * ``sync``: one gradient per live worker for the current version, averaged in fp32 (in worker order), one step, then
   every contributor gets the new parameters (a push for another version is refused).
-* ``async``: each push is one step scaled by ``push_scale`` (:func:`~lightning_sync.ps.optim_spec.scales_learning_rate`),
-  answered at once.
+* ``async``: each push is one step, scaled by ``push_scale``
+  (:func:`~lightning_sync.ps.optim_spec.scales_learning_rate`), answered at once.
 * ``ssp``: as async, but a worker's reply is withheld while its clock is more than ``max_staleness`` ahead of the
   slowest live worker's.
 
-Stop: at ``max_updates``, or on a worker's stop request, later pushes are not applied and every reply carries the
-stop; the loop returns after every worker's goodbye. With several async servers the last round may reach some shards
-and not others.
+Stop: at ``max_updates`` or a worker's request; later pushes are not applied, every reply carries it, and the loop
+returns after every worker's goodbye (with several async servers the last round may reach only some shards).
 
 Failure: each worker has a receiving thread of its own (:class:`WorkerChannels`) and replies are never waited for, so
 no worker can stall the loop. A worker silent for ``timeout_s`` that the server is not itself holding back
@@ -70,12 +69,8 @@ Reply = tuple[int, tuple[ReplyHeader, torch.Tensor | None]]
 
 
 class WorkerChannels:
-    """The requests of every worker of ``group`` (from :meth:`start` on) and the replies to them.
-
-    Args:
-        group: the server's member of the PS group.
-        server: the server's index (names the receiving threads).
-    """
+    """The requests of the workers of ``group`` (a receiving thread each, :meth:`listen`) and the replies to them;
+    ``server``, the server's index, names the threads."""
 
     def __init__(self, group: PSGroup, server: int) -> None:
         self.group = group
@@ -92,12 +87,8 @@ class WorkerChannels:
         threading.Thread(target=self._receive_from, args=(worker, generation), name=name, daemon=True).start()
 
     def next(self, timeout_s: float) -> tuple[int, int, Request | None, torch.Tensor | None, BaseException | None]:
-        """The next complete request of any worker, as ``(worker, generation, request, data, None)``, or ``(worker,
-        generation, None, None, error)`` once that worker's receiving failed.
-
-        Raises:
-            queue.Empty: nothing arrived within ``timeout_s``.
-        """
+        """The next ``(worker, generation, request, data, None)``, or ``(worker, generation, None, None, error)`` once
+        that worker's receiving failed; raises ``queue.Empty`` after ``timeout_s``."""
         return self._inbox.get(timeout=timeout_s)
 
     def _receive_from(self, worker: int, generation: int) -> None:
@@ -163,8 +154,7 @@ class _Refused(Exception):
 
 
 class ParameterServer:
-    """The server loop of one PS-group member: one server's state, and its answer to each request (see the module
-    docstring for the modes and the stop).
+    """The server loop of one PS-group member: one server's state, and its answer to each request.
 
     Example::
 
@@ -172,8 +162,7 @@ class ParameterServer:
 
     Args:
         group: this server's member of the PS group (``group.is_server``).
-        spare_workers: how many of the group's worker ranks, the last ones, are spare slots: no worker holds them at
-            the start, and a worker added to the running job takes one (elastic modes; see
+        spare_workers: the last worker ranks of the group, free for workers added to the running job (elastic modes,
             :func:`~lightning_sync.ps.group.claim_spare_slot`).
 
     Raises:
@@ -225,7 +214,8 @@ class ParameterServer:
         return self.config is not None and self.config.drops_lost_workers
 
     def stats(self) -> dict[str, Any]:
-        """What a STATS request returns: the shard's clocks and staleness, stop state and this server's traffic."""
+        """What a STATS request returns: the shard's version, clocks and staleness, who is live, lost or joined, the
+        stop, and this server's traffic (``bytes_recv``, ``bytes_sent``, ``calls``, ``seconds``)."""
         total = self.group.meter.total
         out: dict[str, Any] = {
             "server": self.server,

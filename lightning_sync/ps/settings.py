@@ -33,13 +33,10 @@ class PSConfig:
         push_scale: the knob, with ``None`` for ``auto`` (``1/W``): it multiplies the pushed gradient of SGD-family
             optimizers and the learning rate of scale-invariant ones
             (:func:`~lightning_sync.ps.optim_spec.scales_learning_rate`).
-        outer_optimizer: ``local_steps > 1``: the servers' outer optimizer, a callable from parameters to a
-            ``torch.optim.Optimizer`` (e.g. :class:`~lightning_sync.ps.outer.DelayedNesterov`), kept as the plain-value
-            :class:`~lightning_sync.ps.optim_spec.OptimizerSpec` dict of what it builds, which the servers rebuild over
-            their shards; ``None``: :data:`~lightning_sync.comm.averaging.OUTER_OPTIMIZER`.
-        withdraw_lost_share: when a worker is lost, its unused share of ``max_updates`` (``max_updates / W`` minus the
-            pushes it made) is withdrawn, so the live workers still make their own share and no more (an end given in
-            epochs); without it the live workers make the lost one's updates too (an end given in steps).
+        outer_optimizer: the knob, kept as the :class:`~lightning_sync.ps.optim_spec.OptimizerSpec` dict of what it
+            builds, which the servers rebuild over their shards.
+        withdraw_lost_share: a lost worker's unused share of ``max_updates`` (``max_updates / W`` minus its pushes) is
+            withdrawn, for an end given in epochs; without it the live workers make its updates (an end in steps).
 
     Raises:
         ConfigError: a field is out of range; the message names the field, the value and what is allowed.

@@ -27,8 +27,7 @@ class ServerShard:
         indices: for each, its index in the workers' ordered parameter list.
         spec: the workers' optimizer (:func:`~lightning_sync.ps.optim_spec.optimizer_spec`).
         num_workers: number of workers (size of the clocks).
-        outer: async local SGD (``local_steps > 1``): builds the outer optimizer over the whole shard, which then
-            steps every push instead of ``spec``'s (``None``: the workers' optimizer).
+        outer: (``local_steps > 1``) builds the outer optimizer over the whole shard, which steps instead of ``spec``'s.
 
     Raises:
         ValueError: ``params`` and ``indices`` differ in length, or ``num_workers < 1``.
@@ -115,15 +114,13 @@ class ServerShard:
         return self._packed
 
     def record(self, worker: int, staleness: int) -> None:
-        """Books one applied push of ``worker`` with its staleness (counted under :data:`STALENESS_CAP` from there
-        up; the last value is kept as it is)."""
+        """Books one applied push of ``worker`` with its staleness."""
         self.clocks[worker] += 1
         self.last_staleness[worker] = int(staleness)
         self.staleness_counts[worker][min(int(staleness), STALENESS_CAP)] += 1
 
     def state_dict(self) -> dict[str, Any]:
-        """Parameters, optimizer state, version, worker clocks and the staleness record (all copies; its size does
-        not grow with the number of pushes)."""
+        """Parameters, optimizer state, version, worker clocks and the staleness record (copies, of bounded size)."""
         return {
             "indices": list(self.indices),
             "params": [p.detach().clone() for p in self.params],
@@ -135,11 +132,8 @@ class ServerShard:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores :meth:`state_dict` in place (bit for bit).
-
-        Raises:
-            ValueError: the state belongs to another shard (other parameter indices, shapes or worker count).
-        """
+        """Restores :meth:`state_dict` in place, bit for bit (older forms too); ``ValueError`` if it is another
+        shard's (other parameter indices, shapes or worker count)."""
         if list(state["indices"]) != self.indices:
             raise ValueError(f"state holds parameters {list(state['indices'])}, this shard {self.indices}")
         if len(state["clocks"]) != self.num_workers:

@@ -9,19 +9,14 @@ from lightning_sync.errors import check_range
 
 
 class Straggler:
-    """Sleeps, on the slow worker only, ``slowdown - 1`` times the time its step took, so its step takes
-    ``slowdown`` times as long (``slow_worker=2, slowdown=3.0``: worker 2 is 3x slower). On every other worker it
-    does nothing.
-
-    Call :meth:`step_start` when a step begins and :meth:`step_end` when it ends (the adapter: in
-    ``on_train_batch_start`` / right after the push, so that the whole step, round trip included, is stretched).
+    """Makes the slow worker's steps take ``slowdown`` times as long (``slow_worker=2, slowdown=3.0``: worker 2 is 3x
+    slower) by sleeping at :meth:`step_end`; nothing on the other workers.
 
     Args:
         worker: this process's worker rank.
         slow_worker: the rank of the worker to slow down, or ``None`` for none.
         slowdown: the factor, ``>= 1`` (``1`` does nothing).
-        clock: returns the current time in seconds (a test passes a fake one).
-        sleep: sleeps for the given seconds (a test passes one that advances its fake clock).
+        clock: returns the current time in seconds; ``sleep`` sleeps (a test passes fakes).
 
     Raises:
         ValueError: ``slowdown < 1`` or a rank is negative.
