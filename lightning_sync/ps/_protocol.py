@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-HEADER_SLOTS = 15
+HEADER_SLOTS = 14
 #: Size in bytes of every header on the wire.
 HEADER_BYTES = HEADER_SLOTS * 8
 
@@ -102,7 +102,6 @@ class ReplyHeader:
     flags: int = 0
     payload_nbytes: int = 0
     bytes_recv: int = 0
-    bytes_sent: int = 0
     staleness: int = -1
     stop_code: StopCode = StopCode.NONE
     stop_worker: int = -1

@@ -71,7 +71,7 @@ class PSReply:
             and ssp this worker's.
         staleness: of this push, the server version when applied minus the version it was computed on; ``-1``: a pull.
         clocks: this worker's pushes applied; ``min_clocks``: the slowest live worker's.
-        server_bytes_recv: everything the server received so far (``server_bytes_sent``: sent).
+        server_bytes_recv: everything the server received so far (its ingress).
         live_workers: the workers the server counts as live; ``lost_workers``: dropped; ``joins``: rejoins.
     """
 
@@ -83,7 +83,6 @@ class PSReply:
     clocks: tuple[int, ...]
     min_clocks: tuple[int, ...]
     server_bytes_recv: tuple[int, ...]
-    server_bytes_sent: tuple[int, ...]
     skipped: bool = False
     live_workers: tuple[int, ...] = ()
     lost_workers: tuple[int, ...] = ()
@@ -475,7 +474,6 @@ class PSClient:
             clocks=tuple(h.clock for h, _ in answers),
             min_clocks=tuple(h.min_clock for h, _ in answers),
             server_bytes_recv=tuple(h.bytes_recv for h, _ in answers),
-            server_bytes_sent=tuple(h.bytes_sent for h, _ in answers),
             skipped=skipped,
             live_workers=tuple(h.live_workers for h, _ in answers),
             lost_workers=tuple(h.lost_workers for h, _ in answers),

@@ -409,7 +409,6 @@ class ParameterServer:
             flags=flags,
             payload_nbytes=0 if payload is None else payload.numel(),
             bytes_recv=int(total.bytes_recv),
-            bytes_sent=int(total.bytes_sent),
             staleness=staleness,
             stop_code=self.stop_code,
             stop_worker=self.stop_worker,

@@ -14,7 +14,6 @@ from lightning_sync.comm.compression import Compressor, NoCompression
 from lightning_sync.errors import ConfigError, check_choice, check_range
 from lightning_sync.ps.optim_spec import OptimizerSpec, build_shard_optimizer, optimizer_spec
 
-#: Sync modes of the server loop.
 MODES = ("sync", "async", "ssp")
 
 
