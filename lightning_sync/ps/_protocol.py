@@ -116,9 +116,9 @@ class ReplyHeader:
 
     @classmethod
     def parse(cls, header: torch.Tensor) -> ReplyHeader:
-        v = header.tolist()
-        v[0], v[1], v[8] = Kind(v[0]), Status(v[1]), StopCode(v[8])
-        return cls(*v)
+        reply = cls(*header.tolist())
+        reply.kind, reply.status, reply.stop_code = Kind(reply.kind), Status(reply.status), StopCode(reply.stop_code)
+        return reply
 
 
 def to_blob(obj: Any) -> torch.Tensor:
