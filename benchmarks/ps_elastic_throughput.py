@@ -71,7 +71,7 @@ def _worker(rank: int, args: Any, port: int, start: Any, times: Any, counts: Any
         counts[rank] += 1
     if not client.stopped:
         client.request_stop()
-    lost = ps.lost_workers_at_end(client, args.timeout_s + 5.0)
+    lost = ps.servers_at_end(client, args.timeout_s + 5.0)[0]
     client.close()
     result.put((rank, lost))
 

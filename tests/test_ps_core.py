@@ -201,7 +201,7 @@ def test_shard_by_bytes_is_balanced_deterministic_and_whole():
         load = [sum(s for s, o in zip(sizes, owner) if o == i) for i in range(k)]
         assert sum(load) == sum(sizes) and all(0 <= o < k for o in owner)
         assert max(load) - min(load) <= max(sizes), (k, load)
-        assert all(ps.shard_indices(owner, i) for i in range(k))  # nobody empty
+        assert set(owner) == set(range(k))  # nobody empty
     assert ps.shard_by_bytes([400, 300, 200, 100], 2) == [0, 1, 1, 0]  # 500 / 500
     assert sorted(ps.shard_by_bytes([0, 0, 0], 3)) == [0, 1, 2]
     with pytest.raises(ValueError, match=r"num_servers=5 exceeds the number of parameter tensors \(4\)"):
@@ -241,7 +241,7 @@ def test_optimizer_spec_keeps_groups_and_shard_optimizer_mirrors_them():
     opt = _optimizer(model, "two_groups")
     params = list(model.parameters())
     spec = ps.optimizer_spec(opt, params)
-    assert spec.group_of == (0, 0, 1, 1) and spec.optimizer_class == "torch.optim.sgd:SGD"
+    assert spec.group_of == (0, 0, 1, 1) and spec.classes == ("torch.optim.sgd:SGD",)
     assert ps.OptimizerSpec.from_dict(spec.as_dict()) == spec
     shard_opt, mirrored = ps.build_shard_optimizer(spec, [params[1], params[3]], [1, 3])
     assert mirrored == [0, 1]
@@ -1070,6 +1070,7 @@ def test_a_reply_to_a_closed_worker_is_reported_as_that_workers_error_and_the_ot
     from lightning_sync.ps.server import WorkerChannels
 
     class Group:
+        num_workers = 3
         sent: list[int] = []
 
         def send(self, tensor, worker, tag):

@@ -86,7 +86,7 @@ def _worker(rank: int, port: int, mode: str, how: int, timeout_s: float, pushes:
         times.append(time.monotonic())
         time.sleep(0.01)
     client.request_stop()
-    lost = ps.lost_workers_at_end(client, timeout_s + 5.0)
+    lost = ps.servers_at_end(client, timeout_s + 5.0)[0]
     stats = client.server_stats()[0]
     client.close()
     return {"times": times, "lost": lost, "stats": stats, "version": reply.version}
@@ -147,7 +147,7 @@ def _worker_to_the_end(rank: int, port: int, withdraw: bool) -> dict:
         if client.push(ps.current_lrs(opt)).stop:
             break
         time.sleep(0.02 if rank == 0 else 0.005)  # worker 1 makes more of the updates than worker 0
-    lost = ps.lost_workers_at_end(client, 10.0)
+    lost = ps.servers_at_end(client, 10.0)[0]
     stats = client.server_stats()[0]
     client.close()
     return {"lost": lost, "stats": stats}
@@ -204,7 +204,7 @@ def _push_until_after_the_join(
             break
         time.sleep(0.01)
     client.request_stop()
-    lost = ps.lost_workers_at_end(client, 15.0)
+    lost = ps.servers_at_end(client, 15.0)[0]
     stats = client.server_stats()[0]
     client.close()
     return {"lost": lost, "stats": stats}

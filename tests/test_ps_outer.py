@@ -72,12 +72,12 @@ def _local_worker(rank: int, port: int, mode: str, local_steps: int, steps: int)
     client.pull()
     local = LocalSteps(client, local_steps, lambda: ps.current_lrs(inner))
     local.start()
-    before = client.meter.total
+    before = client.group.meter.total
     for step in range(steps):
         _backward(model, rank, step)
         inner.step()
         local.after_step()
-    sent = client.meter.total.bytes_sent - before.bytes_sent
+    sent = client.group.meter.total.bytes_sent - before.bytes_sent
     client.close()
     if server is not None:
         server.join(10)

@@ -82,40 +82,20 @@ class ParameterServerConfig(StrategyConfig):
     )
 
     def __post_init__(self) -> None:
-        super().__post_init__()  # mode, max_staleness, push_scale and local_steps as numbers: PSConfig's checks
-        if self.elastic is not False and (self.elastic is not True or self.mode != "sync"):
-            raise ConfigError(
-                f"elastic={self.elastic!r} is not allowed with mode={self.mode!r}; it is true or false, for sync "
-                "(async and ssp always drop a lost worker)"
-            )
+        """Checks the knobs and how they combine; ``mode``, and ``max_staleness``, ``push_scale`` and ``local_steps`` as
+        numbers, are :class:`~lightning_sync.ps.settings.PSConfig`'s to check (``algorithms.ps_settings``)."""
+        super().__post_init__()
+        for name in ("elastic", "join"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not allowed; it must be True or False")
         check_range("spare_workers", self.spare_workers, low=0, integer=True)
-        if (self.spare_workers or self.join) and self.mode == "sync":
-            name, value = ("spare_workers", self.spare_workers) if self.spare_workers else ("join", self.join)
-            raise ConfigError(
-                f"{name}={value!r} is not allowed with mode='sync'; a worker is added to a running job in async or ssp"
-            )
-        if self.join is not False and (self.join is not True or not self.spare_workers):
-            raise ConfigError(
-                f"join={self.join!r} is not allowed with spare_workers={self.spare_workers}; a worker joins a job "
-                "started with spare_workers >= 1: give that job's command, spare_workers included"
-            )
         check_range("num_servers", self.num_servers, low=1, integer=True)
         check_choice("placement", self.placement, PS_PLACEMENTS)
         check_range("slow_worker", self.slow_worker, low=-1, integer=True)
         check_range("slowdown", self.slowdown, low=1)
-        if self.mode != "ssp" and self.max_staleness != ParameterServerConfig.max_staleness:
-            raise ConfigError(
-                f"max_staleness={self.max_staleness} is not allowed with mode={self.mode!r}; it is for ssp"
-            )
-        if isinstance(self.push_scale, str) and self.push_scale != "auto":
-            raise ConfigError(f"push_scale={self.push_scale!r} is not allowed; it must be a number > 0, or 'auto'")
-        if self.mode == "sync" and self.push_scale != "auto":
-            raise ConfigError(
-                f"push_scale={self.push_scale!r} is not allowed with mode='sync' (a sync step averages the "
-                "gradients); it is for async and ssp"
-            )
-        if isinstance(self.local_steps, str) and self.local_steps != "auto":
-            raise ConfigError(f"local_steps={self.local_steps!r} is not allowed; it must be an integer >= 1, or 'auto'")
+        for name, value in (("push_scale", self.push_scale), ("local_steps", self.local_steps)):
+            if isinstance(value, str) and value != "auto":
+                raise ConfigError(f"{name}={value!r} is not allowed; it must be a number, or 'auto'")
         if self.local_steps == "auto":
             check_range("max_local_steps", self.max_local_steps, low=2, integer=True)
             if self.mode == "sync":
@@ -123,3 +103,22 @@ class ParameterServerConfig(StrategyConfig):
                     "local_steps='auto' is not allowed with mode='sync' (sync workers keep in step, so the slowest "
                     "sets the pace whatever the counts); it is for async and ssp"
                 )
+        for name, modes, why in _FOR_MODES:  # a knob set away from its default, in a mode that has no use for it
+            value = getattr(self, name)
+            if self.mode not in modes and value != getattr(ParameterServerConfig, name):
+                raise ConfigError(f"{name}={value!r} is not allowed with mode={self.mode!r}; {why}")
+        if self.join and not self.spare_workers:
+            raise ConfigError(
+                "join=True is not allowed with spare_workers=0; a worker joins a job started with spare_workers "
+                ">= 1: give that job's command, spare_workers included"
+            )
+
+
+#: ``(knob, the modes it is for, why)``: each knob that only those modes may set away from its default.
+_FOR_MODES = (
+    ("max_staleness", ("ssp",), "it is for ssp"),
+    ("push_scale", ("async", "ssp"), "a sync step averages the gradients; it is for async and ssp"),
+    ("elastic", ("sync",), "it is for sync (async and ssp always drop a lost worker)"),
+    ("spare_workers", ("async", "ssp"), "a worker is added to a running job in async or ssp"),
+    ("join", ("async", "ssp"), "a worker is added to a running job in async or ssp"),
+)

@@ -5,33 +5,29 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import inspect
 import os
 import signal
 import sys
+from argparse import RawDescriptionHelpFormatter
 from collections.abc import Sequence
 
 import torch
 
 from lightning_sync.ps.errors import PSError
-from lightning_sync.ps.group import DEFAULT_PREFIX
 from lightning_sync.ps.server import run_server
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """One option per argument of :func:`~lightning_sync.ps.server.run_server` (``--num-workers`` for
+    ``num_workers``), and ``--parent-pid``."""
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_sync.ps", description="One parameter server of a lightning_sync PS group."
+        prog="python -m lightning_sync.ps", description=run_server.__doc__, formatter_class=RawDescriptionHelpFormatter
     )
-    parser.add_argument("--host", required=True, help="host of the run's TCPStore (worker 0)")
-    parser.add_argument("--port", type=int, required=True, help="port of the run's TCPStore")
-    parser.add_argument("--server", type=int, required=True, help="index of this server, 0 .. num_servers-1")
-    parser.add_argument("--num-workers", type=int, required=True, help="worker ranks, the spare slots included")
-    parser.add_argument(
-        "--spare-workers", type=int, default=0, help="of them, the last ones free for workers added to the run"
-    )
-    parser.add_argument("--num-servers", type=int, required=True)
-    parser.add_argument("--timeout-s", type=float, required=True, help="bound of every wait after the rendezvous")
-    parser.add_argument("--connect-timeout-s", type=float, default=None, help="bound of the rendezvous")
-    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="store prefix of the PS group")
+    for name, parameter in inspect.signature(run_server).parameters.items():
+        required, default = parameter.default is parameter.empty, parameter.default
+        kind = str if name in ("host", "prefix") else float if name.endswith("_s") else int
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, required=required, default=default)
     parser.add_argument("--parent-pid", type=int, default=None, help="die with this process (the one starting it)")
     return parser.parse_args(argv)
 
@@ -40,12 +36,9 @@ def die_with_parent(parent: int) -> bool:
     """Has the kernel SIGKILL this process when the thread of ``parent`` that started it ends (Linux:
     ``prctl(PR_SET_PDEATHSIG)``); whether ``parent`` is still its parent.
 
-    The failure it handles: the worker that started this server is killed while the server is frozen (SIGSTOP, or a
-    debugger). A running server sees its parent's connections close and exits; a frozen one cannot, and would stay
-    stopped, holding the job's stderr open, for ever; SIGKILL ends a stopped process too
-    (``tests/test_ps_core.py::test_dedicated_server_processes_die_with_their_parent[frozen]`` fails without it). Set
-    here, after ``exec``: in a ``preexec_fn`` it would run between ``fork`` and ``exec`` of a parent with threads,
-    which is unsafe.
+    The failure it handles: the worker that started this server is killed while the server is frozen (SIGSTOP), which
+    cannot see the connections close and would hold the job's stderr open for ever. Set after ``exec``: a
+    ``preexec_fn`` runs between ``fork`` and ``exec`` of a parent with threads, which is unsafe.
     """
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
@@ -59,23 +52,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lightning_sync.ps server {args.server}: the process that started it is gone", file=sys.stderr)
         return 1
 
-    # The loop waits inside gloo, where Python cannot run a KeyboardInterrupt: let Ctrl-C and SIGTERM end the
-    # process at once instead.
+    # the loop waits inside gloo, where Python cannot run a KeyboardInterrupt: Ctrl-C and SIGTERM end it at once
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     try:
-        stats = run_server(
-            args.host,
-            args.port,
-            args.server,
-            args.num_workers,
-            args.num_servers,
-            timeout_s=args.timeout_s,
-            connect_timeout_s=args.connect_timeout_s,
-            prefix=args.prefix,
-            spare_workers=args.spare_workers,
-        )
+        stats = run_server(**{k: v for k, v in vars(args).items() if k != "parent_pid"})
     except (PSError, ValueError) as exc:
         print(f"lightning_sync.ps server {args.server}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -3,17 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """``"float32"`` (or ``"torch.float32"``) -> ``torch.float32``."""
-    dtype = getattr(torch, name.replace("torch.", ""), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -23,11 +14,8 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class ShardLayout:
-    """The tensors of one shard, flattened into one byte buffer.
-
-    Tensors are laid out by element size, largest first (then in shard order), so every tensor's slice starts at a
-    multiple of its element size and can be viewed in its own dtype without padding: the buffer is exactly the sum
-    of the tensors' bytes. The same order is used for the shard's flat fp32 form (gradients on the server).
+    """The tensors of one shard in one byte buffer, largest element size first (then in shard order), so each slice
+    can be viewed in its own dtype without padding; the shard's flat fp32 form (gradients) has the same order.
 
     Args:
         shapes: shape of each tensor, in shard order.
@@ -57,18 +45,10 @@ class ShardLayout:
         """The layout of these tensors."""
         return cls([t.shape for t in tensors], [t.dtype for t in tensors])
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"shapes": [list(s) for s in self.shapes], "dtypes": [str(d).replace("torch.", "") for d in self.dtypes]}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ShardLayout:
-        return cls(data["shapes"], [dtype_from_name(d) for d in data["dtypes"]])
-
     def signature(self) -> str:
-        """A text form of the layout, for checksums."""
+        """A text form of the layout, for checksums and the server's check of the INIT."""
         return ";".join(f"{list(s)}:{d}" for s, d in zip(self.shapes, self.dtypes))
 
-    # ---------------------------------------------------------------- bytes
     def pack(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """A new uint8 buffer with the bytes of ``tensors`` (shard order; ``None`` counts as zeros)."""
         parts = []
@@ -94,7 +74,6 @@ class ShardLayout:
             for view, t in zip(self.views(buffer), tensors):
                 t.copy_(view)
 
-    # ---------------------------------------------------------------- fp32 form
     def flat_fp32(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """A new fp32 vector of all ``tensors`` (``None`` counts as zeros), in layout order."""
         flat = torch.zeros(self.numel, dtype=torch.float32)

@@ -1,31 +1,19 @@
-"""Messages between worker clients and servers (private helper).
-
-Every message is a fixed-size int64 header, then (if the header's ``payload_nbytes`` > 0) one uint8 payload on its
-own tag. Gloo aborts the process when a receive buffer and the data sent differ in size, so payload sizes are only
-ever taken from the header that announces them.
-
-Request header (worker -> server, tag :data:`TAG_REQUEST`; the server waits on it from each worker's link):
-``[kind, worker, version, payload_nbytes, checksum, flags, optimizer, clip_algorithm, clip_value, 0...]``
-(``optimizer``: which of the worker's optimizers a push steps; ``clip_*``: how the server clips that optimizer's
-gradient before the step, ``clip_value`` a float64 in the slot's bits)
-
-Reply header (server -> worker, tag :data:`TAG_REPLY`):
-``[kind, status, version, flags, payload_nbytes, bytes_recv, bytes_sent, staleness, stop_code, stop_worker, clock,
-min_clock, live_workers, lost_workers, joins]`` (the last three: how many workers the server counts as live, how many
-it has dropped, and how many times a dropped worker rejoined)
+"""Messages between worker clients and servers (private helper): a fixed-size int64 header (:class:`Request`,
+:class:`ReplyHeader`, their fields in order), then, if its ``payload_nbytes`` > 0, one uint8 payload on its own tag.
+Gloo aborts the process when a receive buffer and the data sent differ in size, so payload sizes are only ever taken
+from the header that announces them.
 """
 
 from __future__ import annotations
 
 import io
-import zlib
 from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import Any
 
 import torch
 
-HEADER_SLOTS = 15
+HEADER_SLOTS = 14
 #: Size in bytes of every header on the wire.
 HEADER_BYTES = HEADER_SLOTS * 8
 
@@ -77,6 +65,9 @@ class StopCode(IntEnum):
 
 @dataclass
 class Request:
+    """Worker to server (:data:`TAG_REQUEST`); ``optimizer``: the one a push steps; ``clip``: how the server clips its
+    gradient, on the wire as the algorithm and the value's float64 bits."""
+
     kind: Kind
     worker: int
     version: int
@@ -103,13 +94,14 @@ class Request:
 
 @dataclass
 class ReplyHeader:
+    """Server to worker (:data:`TAG_REPLY`); the fields of :class:`~lightning_sync.ps.client.PSReply`, per server."""
+
     kind: Kind
     status: Status = Status.OK
     version: int = 0
     flags: int = 0
     payload_nbytes: int = 0
     bytes_recv: int = 0
-    bytes_sent: int = 0
     staleness: int = -1
     stop_code: StopCode = StopCode.NONE
     stop_worker: int = -1
@@ -124,9 +116,9 @@ class ReplyHeader:
 
     @classmethod
     def parse(cls, header: torch.Tensor) -> ReplyHeader:
-        v = header.tolist()
-        v[0], v[1], v[8] = Kind(v[0]), Status(v[1]), StopCode(v[8])
-        return cls(*v)
+        reply = cls(*header.tolist())
+        reply.kind, reply.status, reply.stop_code = Kind(reply.kind), Status(reply.status), StopCode(reply.stop_code)
+        return reply
 
 
 def to_blob(obj: Any) -> torch.Tensor:
@@ -139,11 +131,6 @@ def to_blob(obj: Any) -> torch.Tensor:
 def from_blob(blob: torch.Tensor) -> Any:
     """Inverse of :func:`to_blob`; only plain values and tensors are accepted (``weights_only``)."""
     return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
-
-
-def checksum(text: str) -> int:
-    """A stable 32-bit checksum of ``text``."""
-    return zlib.crc32(text.encode())
 
 
 def stop_reason(code: StopCode, worker: int, max_updates: Any = None) -> str:

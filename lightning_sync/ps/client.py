@@ -14,21 +14,22 @@ Typical use on worker ``r`` of ``W`` (the adapter does this around Lightning's l
             break
     client.close()                                          # goodbye to every server
 
-The client never calls ``optimizer.step()``: the servers hold the optimizer. Every request goes to all servers at
-once (:func:`exchange`), every wait bounded by the group's ``timeout_s``; a lost or silent server raises
-:class:`~lightning_sync.ps.errors.PSTimeoutError` or :class:`~lightning_sync.ps.errors.PSPeerLostError` naming it
-(with the server's own last words when it left some, :func:`report_of`).
+The servers hold the optimizer. Every request goes to all servers at once (:func:`exchange`), every wait bounded; a
+lost or silent server raises a :class:`~lightning_sync.ps.errors.PSError` naming it (quoting its own report, if any).
 """
 
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lightning_sync.comm.nonfinite import grads_are_finite
+from lightning_sync.errors import check_range
 from lightning_sync.ps._layout import ShardLayout, as_bytes
 from lightning_sync.ps._protocol import (
     CLIP_NORM,
@@ -48,7 +49,6 @@ from lightning_sync.ps._protocol import (
     Request,
     Status,
     StopCode,
-    checksum,
     from_blob,
     stop_reason,
     to_blob,
@@ -56,9 +56,75 @@ from lightning_sync.ps._protocol import (
 from lightning_sync.ps.errors import PSError, PSPeerLostError, PSServerError, PSTimeoutError
 from lightning_sync.ps.group import PSGroup
 from lightning_sync.ps.optim_spec import OptimizerSpec
-from lightning_sync.ps.reply import PSReply
 from lightning_sync.ps.settings import PSConfig
-from lightning_sync.ps.sharding import shard_by_bytes, shard_indices
+
+
+@dataclass(frozen=True)
+class PSReply:
+    """What the servers answered to a pull or a push; each tuple has one entry per server.
+
+    Attributes:
+        versions: each server's version (optimizer steps applied to its shard).
+        stop: training is over (``max_updates`` reached or a worker asked to stop); ``stop_reason`` says which.
+        applied: a push was applied by every server (``False`` for a pull, or a push after the stop or skipped).
+        skipped: the push was skipped for a NaN or Inf gradient: in sync some worker's, for every worker; in async
+            and ssp this worker's.
+        staleness: of this push, the server version when applied minus the version it was computed on; ``-1``: a pull.
+        clocks: this worker's pushes applied; ``min_clocks``: the slowest live worker's.
+        server_bytes_recv: everything the server received so far (its ingress).
+        live_workers: the workers the server counts as live; ``lost_workers``: dropped; ``joins``: rejoins.
+    """
+
+    versions: tuple[int, ...]
+    stop: bool
+    stop_reason: str
+    applied: bool
+    staleness: tuple[int, ...]
+    clocks: tuple[int, ...]
+    min_clocks: tuple[int, ...]
+    server_bytes_recv: tuple[int, ...]
+    skipped: bool = False
+    live_workers: tuple[int, ...] = ()
+    lost_workers: tuple[int, ...] = ()
+    joins: tuple[int, ...] = ()
+
+    @property
+    def version(self) -> int:
+        """The oldest server version (all equal in sync)."""
+        return min(self.versions)
+
+    @property
+    def stalest(self) -> int:
+        """The largest per-server staleness of this push (what to log as ``ps/staleness``); ``-1`` for a pull."""
+        return max(self.staleness)
+
+
+def shard_by_bytes(sizes: Sequence[int], num_servers: int) -> list[int]:
+    """For each parameter (by its size in bytes), the server that holds it: whole tensors, largest first, each to the
+    server holding the fewest bytes so far (ties: fewer tensors, then lower server). Deterministic; every server gets
+    one at least; the fullest and the emptiest differ by at most the largest parameter.
+
+    Raises:
+        ValueError: ``num_servers`` is not an integer in ``[1, len(sizes)]``, or a size is negative.
+    """
+    check_range("num_servers", num_servers, low=1, integer=True)
+    sizes = [int(s) for s in sizes]
+    if num_servers > len(sizes):
+        raise ValueError(
+            f"num_servers={num_servers} exceeds the number of parameter tensors ({len(sizes)}); tensors are not "
+            f"split across servers, so use num_servers <= {len(sizes)}"
+        )
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"parameter sizes must be >= 0 bytes, got {sizes}")
+    load = [0] * num_servers
+    count = [0] * num_servers
+    owner = [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        server = min(range(num_servers), key=lambda k: (load[k], count[k], k))
+        owner[index] = server
+        load[server] += sizes[index]
+        count[server] += 1
+    return owner
 
 
 def exchange(
@@ -70,90 +136,61 @@ def exchange(
     reply_timeout: float,
     servers_only: bool = False,
 ) -> list[tuple[ReplyHeader, torch.Tensor | None]]:
-    """Sends ``requests[i]`` (and ``payloads[i]``) to server ``i``, for every server, and returns each one's reply.
+    """Sends ``requests[i]`` (and ``payloads[i]``, if any) to server ``i``, for every server; returns each one's
+    ``(reply header, reply data or None)``, the data in ``reply_buffers[i]`` where it fits.
 
-    The receives of the replies are launched first, then every request (header, then data). A peer that already gave
-    up left its reason in the store: the exchange stops on it at once rather than wait out ``timeout_s``.
-
-    Args:
-        group: the worker's member of the PS group.
-        kind: the requests' kind (names the request in errors).
-        requests: one request per server, its ``payload_nbytes`` that of its payload.
-        payloads: one payload per server (``None``: none), or ``None`` for no payload at all.
-        reply_buffers: one buffer per server that a successful reply of that size is received into.
-        reply_timeout: seconds to wait for the replies once the requests are taken (:func:`reply_timeout_s`).
-        servers_only: heed only the servers' failure reports (elastic modes: the servers drop a lost worker, and the
-            other workers go on).
-
-    Returns:
-        ``(reply header, reply data or None)`` per server.
+    The receives of the replies are launched first. A peer that already gave up left its reason in the store: the
+    exchange stops on it at once (only the servers' reasons with ``servers_only``, the elastic modes).
 
     Raises:
         PSPeerLostError: a peer had already reported a failure, or a server's connection closed.
-        PSTimeoutError: a server did not take the request or did not reply in time.
+        PSTimeoutError: a server did not take the request, or did not reply within ``reply_timeout``.
         PSServerError: a server refused the request (its message quoted).
     """
     ranks = [group.server_rank(i) for i in range(len(requests))]
     headers = [torch.zeros(HEADER_SLOTS, dtype=torch.int64) for _ in ranks]
     what = kind.name
-    peer = ranks[0]  # the server being dealt with when an error strikes
     graced = False  # whether the wait that failed already included the grace for a server's report
     failed: tuple[int, str] | None = None  # (ps rank, report) of a peer that had already given up
     try:
-        reply_works = []
-        for i, rank in enumerate(ranks):
-            peer = rank
-            reply_works.append(group.recv(headers[i], rank, TAG_REPLY))
-        header_sends, data_sends = [], []
-        for i, rank in enumerate(ranks):
-            peer = rank
-            payload = payloads[i] if payloads is not None else None
-            header_sends.append((i, group.send(requests[i].header(), rank, TAG_REQUEST)))
-            if payload is not None and requests[i].payload_nbytes:
-                data_sends.append((i, group.send(payload, rank, TAG_REQUEST_DATA)))
-        # A peer that already gave up left its reason in the store: stop now rather than wait out timeout_s on
-        # the servers it gave up on (asked while the sends are in flight, so a healthy step pays no latency).
+        reply_works = [group.recv(header, rank, TAG_REPLY) for header, rank in zip(headers, ranks)]
+        header_sends = [group.send(request.header(), rank, TAG_REQUEST) for request, rank in zip(requests, ranks)]
+        data_sends = [
+            (rank, group.send(payload, rank, TAG_REQUEST_DATA))
+            for payload, request, rank in zip(payloads or [None] * len(ranks), requests, ranks)
+            if payload is not None and request.payload_nbytes
+        ]
+        # asked while the sends are in flight, so a healthy step pays no latency
         failed = group.first_reported_failure(servers_only)
         if failed is not None:
             raise PSPeerLostError(f"{group.name(failed[0])} failed before this {what}: {failed[1]}")
         deadline = time.monotonic() + group.timeout_s
-        for i, work in data_sends:  # a frozen server does not take the data: named after timeout_s
-            peer = ranks[i]
-            group.wait(work, peer, f"it to take the {what}", receiving=False, timeout_s=_left(deadline))
+        for rank, work in data_sends:  # a frozen server does not take the data: named after timeout_s
+            group.wait(work, rank, f"it to take the {what}", receiving=False, timeout_s=_left(deadline))
         deadline = time.monotonic() + reply_timeout
         graced = True
-        for i, work in enumerate(reply_works):
-            peer = ranks[i]
-            group.wait(work, peer, f"the reply to the {what}", receiving=True, timeout_s=_left(deadline))
-        # Each header was taken (its server replied): these waits return at once. They come after the replies
-        # because gloo does not fail a send that was being written when the peer's connection closed (one
-        # queued after a reset write) when it sees the close, while it fails every posted receive: waited
-        # first, a header sent to a killed server would wait out timeout_s instead of raising at once.
+        for rank, work in zip(ranks, reply_works):
+            group.wait(work, rank, f"the reply to the {what}", receiving=True, timeout_s=_left(deadline))
+        # Each header was taken (its server replied). Waited after the replies: gloo fails every posted receive when
+        # a peer's connection closes, but not a send being written, which would wait out timeout_s.
         deadline = time.monotonic() + group.timeout_s
-        for i, work in header_sends:
-            peer = ranks[i]
-            group.wait(work, peer, f"it to take the {what}", receiving=False, timeout_s=_left(deadline))
+        for rank, work in zip(ranks, header_sends):
+            group.wait(work, rank, f"it to take the {what}", receiving=False, timeout_s=_left(deadline))
         replies = [ReplyHeader.parse(h) for h in headers]
-        data_works = []
         buffers: list[torch.Tensor | None] = []
-        for i, reply in enumerate(replies):
-            if reply.payload_nbytes <= 0:
-                buffers.append(None)
-                continue
-            peer = ranks[i]
-            usable = reply.status == Status.OK and reply.payload_nbytes == reply_buffers[i].numel()
-            buffer = reply_buffers[i] if usable else torch.empty(reply.payload_nbytes, dtype=torch.uint8)
-            buffers.append(buffer)
-            data_works.append((i, group.recv(buffer, peer, TAG_REPLY_DATA)))
-        for i, work in data_works:
-            peer = ranks[i]
-            group.wait(work, peer, f"the data of the reply to the {what}", receiving=True)
+        for reply, buffer in zip(replies, reply_buffers):
+            if reply.status != Status.OK or reply.payload_nbytes != buffer.numel():
+                buffer = torch.empty(reply.payload_nbytes, dtype=torch.uint8)
+            buffers.append(buffer if reply.payload_nbytes > 0 else None)
+        data_works = [(rank, group.recv(b, rank, TAG_REPLY_DATA)) for b, rank in zip(buffers, ranks) if b is not None]
+        for rank, work in data_works:
+            group.wait(work, rank, f"the data of the reply to the {what}", receiving=True)
     except PSError as exc:
         if failed is not None:
             raise  # it quotes the peer's own report already
-        # A server that gave up on another worker writes why just as our own wait ends: give it the grace,
-        # unless a timed-out wait for replies has just given it (waiting twice only delays the error).
+        # a server that gave up writes why just as our wait ends: a grace, unless the reply timeout included it
         patience_s = 0.0 if graced and isinstance(exc, PSTimeoutError) else min(group.timeout_s / 4, 5.0)
+        peer = ranks[0] if exc.peer is None else exc.peer
         reporter, report = report_of(group, peer, patience_s=patience_s, servers_only=servers_only)
         raise type(exc)(f"{exc}; {group.name(reporter)} reported: {report}" if report else str(exc)) from exc
     errors = [
@@ -167,18 +204,10 @@ def exchange(
 
 
 def reply_timeout_s(group: PSGroup, kind: Kind, initialized: bool, drops_lost_workers: bool = False) -> float:
-    """How long to wait for replies.
-
-    Before the servers hold parameters (INIT, first pulls: ``initialized`` is ``False`` while this worker has
-    pulled no version yet) a reply may wait for worker 0's INIT: ``connect_timeout_s``. Otherwise ``timeout_s`` plus
-    a grace of a quarter of it (at most 5 s): a server that gives up on a silent worker after ``timeout_s`` then
-    closes its connections, and the waiting workers hear its reason instead of timing out at the same moment.
-
-    Where the servers drop a lost worker and go on (``drops_lost_workers``: ssp's bound and an elastic sync round
-    hold a reply until the slowest live worker pushes), the reply may wait for that worker's drop: ``timeout_s``
-    after its last request, which may come up to ``timeout_s`` after this request was sent. So the wait is twice
-    ``timeout_s`` plus the grace.
-    """
+    """How long to wait for replies: ``connect_timeout_s`` before this worker's first pull (a reply may wait for
+    worker 0's INIT); else ``timeout_s`` plus a grace in which a server that gave up on a silent worker reports why;
+    twice ``timeout_s`` where the servers drop a lost worker (a reply held for the slowest live worker may wait for
+    its drop, ``timeout_s`` after its last request)."""
     if kind == Kind.INIT or (kind == Kind.PULL and not initialized):
         return group.connect_timeout_s
     grace = min(group.timeout_s / 4, 5.0)
@@ -186,9 +215,8 @@ def reply_timeout_s(group: PSGroup, kind: Kind, initialized: bool, drops_lost_wo
 
 
 def report_of(group: PSGroup, ps_rank: int, patience_s: float, servers_only: bool = False) -> tuple[int, str | None]:
-    """``(rank, message)``: the failure message server ``ps_rank`` left in the store (it may write it just after
-    closing its connections), waiting up to ``patience_s`` for it; failing that, another member's, which ends
-    the wait at once (e.g. a lost worker reported by the launcher, which then stopped the servers)."""
+    """``(rank, message)``: the failure server ``ps_rank`` reported in the store, waiting up to ``patience_s`` for it;
+    failing that, another member's (``None`` if none)."""
     deadline = time.monotonic() + patience_s
     while True:
         report = group.reported_failure(ps_rank)
@@ -205,16 +233,8 @@ def _left(deadline: float) -> float:
 
 
 class ServerStepOptimizer:
-    """The worker's optimizer, with ``step`` replaced by a push: a drop-in for code that calls
-    ``optimizer.step(closure)`` (a training loop, or Lightning's precision plugins).
-
-    ``step(closure)`` runs the closure (forward, backward, and whatever the caller wraps in it, such as clipping),
-    then calls ``push(optimizer)``; the local optimizer never steps. Every other attribute is the optimizer's.
-
-    Args:
-        optimizer: the worker's optimizer (its ``param_groups`` carry the learning rates to push).
-        push: pushes the gradients, e.g. ``lambda opt: client.push(current_lrs(opt))``.
-    """
+    """The worker's optimizer whose ``step(closure)`` runs the closure, then ``push(optimizer)`` (e.g. ``lambda opt:
+    client.push(current_lrs(opt))``) instead of stepping; every other attribute is the optimizer's."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, push: Callable[[torch.optim.Optimizer], Any]) -> None:
         self._optimizer, self._push = optimizer, push
@@ -232,20 +252,18 @@ _SET_BY_THE_INIT = ("max_updates", "withdraw_lost_share")  # PSConfig fields the
 
 
 class PSClient:
-    """A worker's client of the parameter servers.
-
-    The parameters are sharded over the servers by :func:`~lightning_sync.ps.sharding.shard_by_bytes` (the same
-    split on every worker, so the models must be identical in shapes and dtypes).
+    """A worker's client of the parameter servers (the module docstring shows its use).
 
     Args:
-        group: this worker's member of the PS group (a worker rank).
-        params: the ordered parameters the servers train (the model's tensors, updated in place by every reply).
-        spec: the optimizer recipe, :func:`~lightning_sync.ps.optim_spec.optimizer_spec` of the same ``params``.
+        group: this worker's member of the PS group.
+        params: the ordered parameters the servers train (sharded by :func:`shard_by_bytes`, updated in place by every
+            reply; identical shapes and dtypes on every worker).
+        spec: :func:`~lightning_sync.ps.optim_spec.optimizer_spec` of the same ``params``.
         config: the run's settings (identical on every worker).
 
     Raises:
-        ValueError: ``group`` is a server's member, ``params`` is empty, a parameter is not floating point,
-            ``spec`` describes another number of parameters, or there are more servers than parameter tensors.
+        ValueError: ``group`` is a server's member, ``params`` is empty or not floating point, ``spec`` describes
+            another number of parameters, or there are more servers than parameter tensors.
     """
 
     def __init__(self, group: PSGroup, params: Sequence[torch.Tensor], spec: OptimizerSpec, config: PSConfig) -> None:
@@ -266,15 +284,15 @@ class PSClient:
         self.config = config
         self.num_servers = group.num_servers
         self.owner = shard_by_bytes([p.numel() * p.element_size() for p in params], self.num_servers)
-        self.indices = [shard_indices(self.owner, i) for i in range(self.num_servers)]
+        self.indices = [[j for j, k in enumerate(self.owner) if k == i] for i in range(self.num_servers)]
         self.layouts = [ShardLayout.of([params[j] for j in idx]) for idx in self.indices]
         self.codec = config.new_codec()
-        # What every worker must agree on; the run's end is worker 0's alone (its INIT sets it on the servers), so a
-        # worker added to the run, with another share of the data and so another count of updates, still matches.
+        # what every worker must agree on: not the end, worker 0's alone (a worker added to the run counts its own)
         agreed = sorted((k, v) for k, v in config.as_dict().items() if k not in _SET_BY_THE_INIT)
-        settings = repr(agreed) + f"|{spec.optimizer_classes}|{spec.num_groups}|{spec.owner}"
+        settings = repr(agreed) + f"|{spec.classes}|{spec.num_groups}|{spec.owner}"
         self.checksums = [
-            checksum(f"{settings}|{idx}|{layout.signature()}") for idx, layout in zip(self.indices, self.layouts)
+            zlib.crc32(f"{settings}|{idx}|{layout.signature()}".encode())
+            for idx, layout in zip(self.indices, self.layouts)
         ]
         self.versions = [-1] * self.num_servers
         self.stopped = False
@@ -283,12 +301,6 @@ class PSClient:
         self._replies = [torch.empty(lay.nbytes, dtype=torch.uint8) for lay in self.layouts]
         self._closed = False
         self._broken: BaseException | None = None
-
-    # ---------------------------------------------------------------- properties
-    @property
-    def meter(self) -> Any:
-        """This worker's :class:`~lightning_sync.comm.meter.CommMeter`: every byte it exchanges with the servers."""
-        return self.group.meter
 
     @property
     def shard_nbytes(self) -> list[int]:
@@ -299,13 +311,10 @@ class PSClient:
         """Exact bytes one push puts on the wire to ``server``: header, learning rates and encoded gradient."""
         return HEADER_BYTES + 8 * self.spec.num_groups + self.codec.packed_nbytes(self.layouts[server].numel)
 
-    # ---------------------------------------------------------------- requests
     def init_servers(self, states: Sequence[dict[str, Any]] | None = None) -> None:
-        """Sends each server its shard of this worker's parameters, the optimizer spec and the settings.
-
-        Called once, by worker 0, before training; pulls that other workers send earlier are answered right after.
-        With ``states`` (from :meth:`server_states` of a checkpoint), each server then loads its state, in the
-        same request, so no worker can pull the un-restored parameters.
+        """Sends each server its shard of this worker's parameters, the optimizer spec and the settings; once, by
+        worker 0. With ``states`` (:meth:`server_states` of a checkpoint) each server loads its state in the same
+        request, so no worker can pull the un-restored parameters.
 
         Raises:
             PSServerError: a server was already initialized, or refused the state.
@@ -313,55 +322,43 @@ class PSClient:
         """
         if states is not None and len(states) != self.num_servers:
             raise ValueError(f"states has {len(states)} entries, expected one per server ({self.num_servers})")
-        payloads = []
-        for i in range(self.num_servers):
-            payloads.append(
-                to_blob(
-                    {
-                        "config": self.config.as_dict(),
-                        "optimizer": self.spec.as_dict(),
-                        "indices": self.indices[i],
-                        "layout": self.layouts[i].as_dict(),
-                        "params": [self.params[j].detach().to("cpu").clone() for j in self.indices[i]],
-                        "checksum": self.checksums[i],
-                        "state": None if states is None else states[i],
-                    }
-                )
+        init = {"config": self.config.as_dict(), "optimizer": self.spec.as_dict()}
+        payloads = [
+            to_blob(
+                init
+                | {
+                    "indices": self.indices[i],
+                    "layout": self.layouts[i].signature(),
+                    "params": [self.params[j].detach().to("cpu").clone() for j in self.indices[i]],
+                    "checksum": self.checksums[i],
+                    "state": None if states is None else states[i],
+                }
             )
+            for i in range(self.num_servers)
+        ]
         self._exchange(Kind.INIT, payloads)
 
     def pull(self) -> PSReply:
-        """Copies every server's current parameters into ``params`` (in place) without pushing.
-
-        Guarantees: on return the model holds the servers' parameters at the returned versions. A pull sent before
-        worker 0's :meth:`init_servers` waits for it (up to the servers' ``connect_timeout_s``).
-        """
+        """Copies every server's current parameters into ``params`` (in place); before worker 0's
+        :meth:`init_servers` it waits for it."""
         return self._to_reply(self._exchange(Kind.PULL), push=False)
 
     def push(self, lrs: Sequence[float], optimizer: int = 0, clip: Clip | None = None) -> PSReply:
-        """Pushes the gradients (``p.grad``; ``None`` counts as zeros) and receives the new parameters in place.
-
-        With ``skip_nonfinite`` (the default) a gradient holding a NaN or Inf is not sent (nor fed to the codec's
-        error feedback): the push carries a flag instead, and the servers skip the update (see
-        :attr:`PSReply.skipped`).
-
-        Guarantees: on return the model holds the parameters the servers replied with (sync: the step that
-        averaged every worker's gradient; async: the step with this gradient, or newer; ssp: the same, possibly held
-        back until the slowest worker is within ``max_staleness``). If the run had stopped, the push was not
-        applied (``applied`` is ``False``) and the parameters are the final ones.
+        """Pushes the gradients (``p.grad``; ``None`` counts as zeros) and receives the new parameters in place: sync,
+        the step that averaged every worker's; async, the step with this gradient or newer; ssp, the same, held back
+        while this worker leads by more than ``max_staleness``. With ``skip_nonfinite`` a NaN or Inf gradient is not
+        sent (nor fed to the codec's error feedback), and the servers skip the update.
 
         Args:
-            lrs: the worker's current learning rate of each param group (:func:`~lightning_sync.ps.optim_spec.
-                current_lrs`; every optimizer's), written into the servers' param groups before they step.
-            optimizer: with several optimizers (see :func:`~lightning_sync.ps.optim_spec.optimizer_spec`), the index
-                of the one that steps: the servers step only its parameters (the others' gradients are ignored).
-            clip: gradient clipping for the servers to apply to that optimizer's gradient before the step (in sync
-                to the average, as DDP clips the all-reduced gradient). ``norm`` needs one server: a shard's norm is
-                not the model's.
+            lrs: the current learning rate of each param group of every optimizer (:func:`~lightning_sync.ps.
+                optim_spec.current_lrs`), set on the servers' groups before they step.
+            optimizer: with several optimizers, the index of the one that steps (the others' gradients are ignored).
+            clip: the clipping the servers apply to that optimizer's gradient (in sync to the average, as DDP's);
+                ``norm`` needs one server: a shard's norm is not the model's.
 
         Raises:
             RuntimeError: no :meth:`pull` before the first push, or the client is closed.
-            ValueError: ``lrs`` does not have one value per param group.
+            ValueError: a bad ``lrs``, ``optimizer`` or ``clip``.
             PSServerError: a server refused the push (e.g. a sync push on an old version).
         """
         lrs = [float(lr) for lr in lrs]
@@ -377,7 +374,8 @@ class PSClient:
                 "a shard, and a shard's norm is not the model's; clip by value, or use one server"
             )
         lr_bytes = as_bytes(torch.tensor(lrs, dtype=torch.float64))
-        if self.config.skip_nonfinite and not grads_are_finite(self._stepped_params(optimizer)):
+        stepped = [p for p, g in zip(self.params, self.spec.group_of) if self.spec.owner[g] == optimizer]
+        if self.config.skip_nonfinite and not grads_are_finite(stepped):
             payloads = [lr_bytes] * self.num_servers
             answers = self._exchange(Kind.PUSH, payloads, FLAG_NONFINITE, optimizer=optimizer)
             return self._to_reply(answers, push=True)
@@ -387,38 +385,22 @@ class PSClient:
             payloads.append(torch.cat([lr_bytes, self.codec.pack(self.layouts[i].flat_fp32(grads), i)]))
         return self._to_reply(self._exchange(Kind.PUSH, payloads, optimizer=optimizer, clip=clip), push=True)
 
-    def _stepped_params(self, optimizer: int) -> list[torch.Tensor]:
-        spec = self.spec
-        if spec.num_optimizers == 1:
-            return self.params
-        return [p for p, g in zip(self.params, spec.group_of) if spec.owner_of(g) == optimizer]
-
     def request_stop(self) -> PSReply:
-        """Ends the run for every worker (e.g. early stopping); they learn it at their next push or pull.
-
-        Guarantees: every server has stopped when this returns; no later push is applied.
-        """
+        """Ends the run for every worker (e.g. early stopping): every server has stopped when this returns; the other
+        workers learn it at their next request."""
         return self._to_reply(self._exchange(Kind.STOP), push=False)
 
     def server_states(self) -> list[dict[str, Any]]:
-        """Every server's shard state (parameters, optimizer state, version, worker clocks), for a checkpoint.
-
-        Called by one worker (worker 0) between steps. In sync mode, a state fetched after every worker's reply
-        to the same step resumes bit for bit.
-        """
-        return [from_blob(_payload(answer)) for answer in self._exchange(Kind.GET_STATE)]
+        """Every server's shard state, for a checkpoint (fetched by worker 0 between steps; in sync it resumes bit for
+        bit)."""
+        return [from_blob(payload) for _, payload in self._exchange(Kind.GET_STATE) if payload is not None]
 
     def server_stats(self) -> list[dict[str, Any]]:
-        """Each server's stats: version, worker clocks, staleness (last value and histogram per worker), stop state,
-        and its traffic (``bytes_recv``, ``bytes_sent``, ``calls``, ``seconds``)."""
-        return [from_blob(_payload(answer)) for answer in self._exchange(Kind.STATS)]
+        """Each server's :meth:`~lightning_sync.ps.server.ParameterServer.stats`."""
+        return [from_blob(payload) for _, payload in self._exchange(Kind.STATS) if payload is not None]
 
     def close(self) -> None:
-        """Says goodbye to every server (they stop waiting for this worker) and leaves the group. Idempotent.
-
-        After a transport error the goodbye is skipped (the servers are gone or will time out) and only the group
-        is left.
-        """
+        """Says goodbye to every server (skipped after a transport error) and leaves the group. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -428,17 +410,6 @@ class PSClient:
         finally:
             self.group.close()
 
-    def __enter__(self) -> PSClient:
-        return self
-
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        try:
-            self.close()
-        except PSError:
-            if exc_type is None:  # else the error that ended the block is the one to see
-                raise
-
-    # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """The worker-side state to checkpoint: the codec's error-feedback residuals."""
         return {"codec": self.codec.state_dict()}
@@ -447,7 +418,6 @@ class PSClient:
         """Restores :meth:`state_dict`."""
         self.codec.load_state_dict(state["codec"])
 
-    # ---------------------------------------------------------------- transport
     def _exchange(
         self,
         kind: Kind,
@@ -461,13 +431,11 @@ class PSClient:
             raise RuntimeError(f"{kind.name} on a closed PSClient")
         if self._broken is not None:
             raise RuntimeError(f"{kind.name} after an earlier error of this PSClient: {self._broken}")
-        requests = []
-        for i in range(self.num_servers):
-            payload = payloads[i] if payloads is not None else None
-            nbytes = 0 if payload is None else payload.numel()
-            requests.append(
-                Request(kind, self.worker, self.versions[i], nbytes, self.checksums[i], flags, optimizer, clip)
-            )
+        sizes = [0 if p is None else p.numel() for p in payloads or [None] * self.num_servers]
+        requests = [
+            Request(kind, self.worker, version, nbytes, check, flags, optimizer, clip)
+            for version, nbytes, check in zip(self.versions, sizes, self.checksums)
+        ]
         timeout = reply_timeout_s(
             self.group, kind, initialized=min(self.versions) >= 0, drops_lost_workers=self.config.drops_lost_workers
         )
@@ -506,7 +474,6 @@ class PSClient:
             clocks=tuple(h.clock for h, _ in answers),
             min_clocks=tuple(h.min_clock for h, _ in answers),
             server_bytes_recv=tuple(h.bytes_recv for h, _ in answers),
-            server_bytes_sent=tuple(h.bytes_sent for h, _ in answers),
             skipped=skipped,
             live_workers=tuple(h.live_workers for h, _ in answers),
             lost_workers=tuple(h.lost_workers for h, _ in answers),
@@ -514,10 +481,3 @@ class PSClient:
         )
         self.last_reply = reply
         return reply
-
-
-def _payload(answer: tuple[ReplyHeader, torch.Tensor | None]) -> torch.Tensor:
-    """The payload of a reply that always carries one (a server's state or stats)."""
-    payload = answer[1]
-    assert payload is not None, f"a {answer[0].kind.name} reply without payload"
-    return payload

@@ -1,14 +1,13 @@
-"""Errors raised by the parameter server and its clients.
-
-Every error that comes from a lost or silent peer names that peer as ``worker r (ps rank r)`` or
-``server i (ps rank W+i)``, so a log line says which process to look at.
-"""
+"""Errors raised by the parameter server and its clients; one from a lost or silent peer names it (``worker r (ps
+rank r)``, ``server i (ps rank W+i)``)."""
 
 from __future__ import annotations
 
 
 class PSError(RuntimeError):
-    """Base class of every parameter-server error."""
+    """Base class of every parameter-server error; ``peer``: the PS rank of the peer it concerns, where known."""
+
+    peer: int | None = None
 
 
 class PSTimeoutError(PSError, TimeoutError):

@@ -1,19 +1,9 @@
-"""The parameter-server process group: ``num_workers + num_servers`` members on a c10d store, point-to-point only.
+"""The parameter-server process group: ``W`` worker ranks, then ``k`` server ranks, on a c10d store.
 
-PS ranks ``0 .. W-1`` are the worker clients, ``W .. W+k-1`` the servers. Workers talk only to servers, so the
-group is a set of links, one per (worker, server) pair: a two-member ``ProcessGroupGloo`` on a ``PrefixStore`` of its
-own (``<prefix>/gloo/w<w>/s<i>``), never the default process group. Losing a worker breaks only its own links: the
-servers can drop it and serve the others (the elastic modes, see :mod:`lightning_sync.ps.server`). A worker connects
-to every server when its member is built; a server connects to worker ``w`` with :meth:`PSGroup.connect` (its
-receiving thread of that worker does). One process can hold several members (a worker and its colocated server
-thread). Every byte goes through a :class:`CommMeter`; every wait is bounded by ``timeout_s`` and raises an error
-naming the peer.
-
-The transport is gloo, messages matched by tag; tensors on the wire are CPU tensors (the client copies to and from
-the model's own device).
-
-A gloo wait that times out closes the connection of that link (gloo's own behaviour), so a timeout is always fatal to
-the link that hit it: it is reported, never retried.
+Workers talk only to servers, so the group is a set of links, one per (worker, server) pair: a two-member
+``ProcessGroupGloo`` on a ``PrefixStore`` of its own, never the default process group; losing a worker breaks only its
+own links. Messages are CPU tensors matched by tag, metered by a :class:`CommMeter`; every wait is bounded and raises
+an error naming the peer. A gloo wait that times out closes its link, so a timeout is reported, never retried.
 """
 
 from __future__ import annotations
@@ -53,13 +43,8 @@ def check_counts(num_workers: int, num_servers: int) -> None:
 
 
 def connect_store(host: str, port: int, *, is_host: bool, timeout_s: float = 60.0) -> dist.TCPStore:
-    """The run's ``TCPStore``: hosted by worker 0 (``is_host=True``), joined as a client by everyone else.
-
-    Args:
-        host: address of worker 0's machine.
-        port: TCP port of the store.
-        is_host: start the store server in this process.
-        timeout_s: how long store operations (the group rendezvous) may wait.
+    """The run's ``TCPStore`` at ``host:port``: hosted by worker 0 (``is_host=True``), joined by everyone else; its
+    operations (the group rendezvous) wait up to ``timeout_s``.
 
     Raises:
         ValueError: bad ``port`` or ``timeout_s``.
@@ -69,24 +54,9 @@ def connect_store(host: str, port: int, *, is_host: bool, timeout_s: float = 60.
     return dist.TCPStore(host, port, None, bool(is_host), _seconds(timeout_s), wait_for_workers=False)
 
 
-def server_ps_rank(server: int, num_workers: int) -> int:
-    """PS rank of server ``server`` (``num_workers + server``)."""
-    return num_workers + server
-
-
-def describe(ps_rank: int, num_workers: int) -> str:
-    """``"worker 1 (ps rank 1)"`` or ``"server 0 (ps rank 2)"``."""
-    if ps_rank < num_workers:
-        return f"worker {ps_rank} (ps rank {ps_rank})"
-    return f"server {ps_rank - num_workers} (ps rank {ps_rank})"
-
-
 def claim_spare_slot(store: dist.Store, num_workers: int, spare_workers: int, prefix: str = DEFAULT_PREFIX) -> int:
-    """The worker rank of a spare slot that no other process has claimed, for a worker added to a running group.
-
-    The servers of a group started with ``spare_workers`` slots (the last worker ranks, ``num_workers`` counting
-    them) serve nobody there until a worker takes one: it claims a slot here (one store ``add``: no two processes
-    get the same), then builds its member with ``PSGroup(store, rank, num_workers, ..., rejoin=True)``.
+    """The worker rank of a spare slot (the last ``spare_workers`` of ``num_workers``) that no other process has claimed
+    (one store ``add``), for a worker added to a running group; it then builds ``PSGroup(..., rejoin=True)``.
 
     Raises:
         PSError: every spare slot is taken.
@@ -103,24 +73,19 @@ def claim_spare_slot(store: dist.Store, num_workers: int, spare_workers: int, pr
 
 
 class PSGroup:
-    """One member's handle on the PS group.
-
-    A worker's construction is its rendezvous with every server: it returns once each server has connected its link
-    to it (:meth:`connect`), or raises after ``connect_timeout_s``. A server's connects nothing by itself.
+    """One member's handle on the PS group. A worker's construction connects its link to every server; a server
+    connects each worker's with :meth:`connect`. One process may hold several members (a colocated server).
 
     Args:
         store: the run's store (e.g. from :func:`connect_store`).
-        ps_rank: this member's rank, ``0 .. num_workers + num_servers - 1``.
-        num_workers: number of worker clients ``W >= 1``.
-        num_servers: number of servers ``k >= 1``.
+        ps_rank: this member's rank among the ``num_workers`` workers, then the ``num_servers`` servers.
         timeout_s: bound of every send/receive wait after the rendezvous.
-        connect_timeout_s: bound of the rendezvous (members may start seconds apart); ``None``:
-            :func:`~lightning_sync.comm.peer_errors.rendezvous_timeout_s`.
+        connect_timeout_s: bound of the rendezvous; ``None``: :func:`~lightning_sync.comm.peer_errors.
+            rendezvous_timeout_s`.
         prefix: store prefix of the group; distinct groups on one store need distinct prefixes.
         meter: meter of this member's traffic; a new one if ``None``.
-        rejoin: (a worker) this member takes the place of a lost worker of the same rank in a running group: its
-            links are new ones (the next generation of that rank's links, see :meth:`join_generation`), which each
-            server connects once it has dropped the lost one.
+        rejoin: (a worker) this member takes the place of a lost worker of its rank in a running group, on the next
+            generation of that rank's links (:meth:`join_generation`).
 
     Raises:
         ValueError: an argument is out of range.
@@ -169,8 +134,8 @@ class PSGroup:
                 self.connect(self.server_rank(server), self.generation)
 
     def connect(self, peer: int, generation: int = 0) -> None:
-        """Builds the link to ``peer`` (a server of a worker, a worker of a server); returns once both ends joined.
-        ``generation``: which of the worker's links (0, then one more per rejoin of its rank).
+        """Builds the link of ``generation`` (0, +1 per rejoin of the worker's rank) to ``peer``, on the other side;
+        returns once both ends joined.
 
         Raises:
             ValueError: ``peer`` is not on the other side (a worker links to servers only, a server to workers).
@@ -194,18 +159,16 @@ class PSGroup:
         self._links[peer] = pg
 
     def join_generation(self, worker: int) -> int:
-        """How many times a worker of rank ``worker`` has rejoined (``rejoin=True``) so far: the generation of its
-        newest links (best effort: ``0`` once the store is gone)."""
+        """The generation of ``worker``'s newest links: how many times its rank rejoined (``0`` once the store is
+        gone)."""
         return int(self._best_effort(lambda: self._joins.add(f"w{worker}", 0), 0))
 
     def drop(self, peer: int) -> None:
-        """Forgets the link to ``peer`` (a lost worker): never used again, and not shut down, since a receive of it
-        may still be waiting (it ends with its own timeout)."""
+        """Forgets the link to ``peer`` (a lost worker), without shutting it down: a receive may still wait on it."""
         pg = self._links.pop(peer, None)
         if pg is not None:
             self._dropped.append(pg)
 
-    # ---------------------------------------------------------------- identity
     @property
     def world_size(self) -> int:
         return self.num_workers + self.num_servers
@@ -216,42 +179,33 @@ class PSGroup:
 
     def server_rank(self, server: int) -> int:
         """PS rank of server ``server``."""
-        return server_ps_rank(server, self.num_workers)
+        return self.num_workers + server
 
     def name(self, ps_rank: int | None = None) -> str:
-        """How errors name a member (this one by default)."""
-        return describe(self.ps_rank if ps_rank is None else ps_rank, self.num_workers)
+        """How errors name a member (this one by default): ``"worker 1 (ps rank 1)"``, ``"server 0 (ps rank 2)"``."""
+        rank = self.ps_rank if ps_rank is None else ps_rank
+        if rank < self.num_workers:
+            return f"worker {rank} (ps rank {rank})"
+        return f"server {rank - self.num_workers} (ps rank {rank})"
 
-    # ---------------------------------------------------------------- transport
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
-        """Launches a metered send of a CPU tensor to PS rank ``dst``; wait with :meth:`wait`.
-
-        Raises:
-            PSPeerLostError: the connection to ``dst`` is already closed (as the other errors of :meth:`wait`).
-        """
+        """Launches a metered send of a CPU tensor to PS rank ``dst``; wait with :meth:`wait` (whose errors it raises
+        if the link is already broken)."""
         try:
             return self.meter.send_to(tensor, 1 - int(self.is_server), self._link(dst), tag)
         except RuntimeError as exc:
             raise self._translate(exc, dst, "a send", False, 0.0) from exc
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
-        """Launches a metered receive from PS rank ``src``; wait with :meth:`wait`.
-
-        Raises:
-            PSPeerLostError: the connection to ``src`` is already closed (as the other errors of :meth:`wait`).
-        """
+        """Launches a metered receive from PS rank ``src``; as :meth:`send`."""
         try:
             return self.meter.recv_from(tensor, 1 - int(self.is_server), self._link(src), tag)
         except RuntimeError as exc:
             raise self._translate(exc, src, "a receive", True, 0.0) from exc
 
     def receive(self, tensor: torch.Tensor, src: int, tag: int, what: str, *, timeout_s: float | None = None) -> None:
-        """Receives a CPU tensor from PS rank ``src`` and waits for it (bounded as :meth:`wait`); the bytes are booked
-        on the meter once they have arrived, so a receive posted long before its message does not count it ahead.
-
-        Raises:
-            PSTimeoutError, PSPeerLostError: as :meth:`wait`.
-        """
+        """Receives a CPU tensor from PS rank ``src`` and waits for it (as :meth:`wait`); metered once it arrived, so a
+        receive posted long before its message does not count it ahead."""
         started = time.perf_counter()
         try:
             work = self._link(src).recv([tensor], 1 - int(self.is_server), int(tag))
@@ -286,19 +240,22 @@ class PSGroup:
     def _translate(self, exc: BaseException, peer: int | None, what: str, receiving: bool, waited: float) -> PSError:
         text = str(exc)
         who = "no member" if peer is None else self.name(peer)
+        error: PSError
         if "Connection closed" in text or "closed by peer" in text or "Connection reset" in text:
-            return PSPeerLostError(f"{who} closed its connection to {self.name()} ({what}): its process is gone")
-        if "caused pair closure" in text:
-            return PSTimeoutError(f"{self.name()} cannot reach {who} ({what}): an earlier wait timed out")
-        if "imed out" in text or isinstance(exc, TimeoutError):
+            error = PSPeerLostError(f"{who} closed its connection to {self.name()} ({what}): its process is gone")
+        elif "caused pair closure" in text:
+            error = PSTimeoutError(f"{self.name()} cannot reach {who} ({what}): an earlier wait timed out")
+        elif "imed out" in text or isinstance(exc, TimeoutError):
             verb = "sent nothing" if receiving else "took nothing"
-            return PSTimeoutError(f"{who} {verb} for {waited:.1f} s ({self.name()} waiting for {what})")
-        return PSError(f"{self.name()} failed talking to {who} ({what}): {text}")
+            error = PSTimeoutError(f"{who} {verb} for {waited:.1f} s ({self.name()} waiting for {what})")
+        else:
+            error = PSError(f"{self.name()} failed talking to {who} ({what}): {text}")
+        error.peer = peer
+        return error
 
-    # ---------------------------------------------------------------- failure reports
     def _best_effort(self, call: Callable[[], Any], default: Any = None) -> Any:
-        """``call()`` on the store, or ``default`` once a store call failed (its host is gone, and each try would log
-        a warning): the reports and notes are a courtesy, the waits' own timeouts still bound everything."""
+        """``call()`` on the store, or ``default`` once a store call failed (its host is gone; each try would log a
+        warning): reports and notes are a courtesy, the waits' timeouts bound everything."""
         if self._store_lost:
             return default
         try:
@@ -308,8 +265,7 @@ class PSGroup:
             return default
 
     def report_failure(self, message: str) -> None:
-        """Best effort: leaves ``message`` in the store so that peers can quote why this member stopped, and counts it
-        (:meth:`first_reported_failure` reads the count in one store round trip)."""
+        """Best effort: leaves ``message`` in the store so that peers can quote why this member stopped."""
 
         def report() -> None:
             self._reports.set(str(self.ps_rank), message)
@@ -318,12 +274,8 @@ class PSGroup:
         self._best_effort(report)
 
     def first_reported_failure(self, servers_only: bool = False) -> tuple[int, str] | None:
-        """``(ps_rank, message)`` of another member that has reported a failure, if any (the lowest rank); with
-        ``servers_only``, of a server (in the elastic modes a worker's failure is no concern of the other workers).
-
-        One store round trip when none has (the usual case), so a member can ask before every exchange and stop at
-        once instead of waiting ``timeout_s`` on a peer already known to be gone.
-        """
+        """``(ps_rank, message)`` of the lowest other member (server, with ``servers_only``) that reported a failure, if
+        any; one store round trip when none has, so a member can ask before every exchange."""
         if not self._best_effort(lambda: self._reports.add(_FAILURE_COUNT_KEY, 0), 0):
             return None
         for rank in range(self.num_workers if servers_only else 0, self.world_size):
@@ -340,8 +292,7 @@ class PSGroup:
         )
 
     def post(self, key: str, value: float) -> None:
-        """Best effort: leaves ``value`` under ``key`` for this member in the store (e.g. a worker's measured speed);
-        peers read it with :meth:`posted` and never wait for it."""
+        """Best effort: leaves ``value`` under ``key`` for this member (e.g. a worker's speed), for :meth:`posted`."""
         self._best_effort(lambda: self._notes.set(f"{key}/{self.ps_rank}", repr(float(value))))
 
     def posted(self, key: str, ps_ranks: range) -> dict[int, float]:
@@ -357,8 +308,7 @@ class PSGroup:
         return out
 
     def close(self) -> None:
-        """Drops this member's connections (pending operations of peers on them fail); dropped links are left as they
-        are (see :meth:`drop`)."""
+        """Shuts this member's links down (peers' pending operations on them fail), not the dropped ones."""
         self._closed = True
         links, self._links = self._links, {}
         for pg in links.values():

@@ -1,11 +1,6 @@
-"""When a parameter server declares a worker lost: the bookkeeping of who was heard from when.
-
-A live worker that the server is not itself holding back (a pending sync gradient, a withheld ssp reply, a pull
-waiting for the initial parameters) and that completes no request for ``timeout_s`` is lost. So is every worker once
-the server neither heard a request nor sent a reply for ``timeout_s`` (``connect_timeout_s`` before the initial
-parameters). This module only decides and words it; the server loop (:mod:`lightning_sync.ps.server`) raises and
-reports.
-"""
+"""When a parameter server declares a worker lost: a live worker it is not itself holding back (a pending sync
+gradient, a withheld ssp reply, a deferred pull) that completes no request for ``timeout_s``; every worker once no
+request or reply went for that long (``connect_timeout_s`` before the initial parameters). The server loop acts."""
 
 from __future__ import annotations
 
@@ -44,9 +39,8 @@ class WorkerLiveness:
         self.last_exchange = now
 
     def heard(self, worker: int) -> None:
-        """``worker`` completed a request now, or (as :meth:`answered`) the server answered it: its silence, and the
-        server's wait for the next request, count from here. A worker whose reply was held back (ssp's bound, a sync
-        round waiting for a lost peer) sent nothing while it waited, and must not be taken for lost on its release."""
+        """``worker`` completed a request now, or (as :meth:`answered`) the server answered it (a worker whose reply
+        was held back sent nothing meanwhile): its silence, and the wait for the next request, count from here."""
         self.last_contact[worker] = self.last_exchange = self._clock()
 
     answered = heard
@@ -86,12 +80,7 @@ class WorkerLiveness:
         }
 
     def check(self, initialized: bool, held: Collection[int]) -> None:
-        """Raises when some live worker not in ``held`` was silent for more than ``timeout_s`` (none is checked before
-        the initial parameters).
-
-        Raises:
-            PSTimeoutError: naming each silent worker and how long it was silent.
-        """
+        """Raises :class:`PSTimeoutError` naming each worker :meth:`silent` finds, and for how long."""
         silent = self.silent(initialized, held)
         if silent:
             names = "; ".join(f"{self._name(w)} sent nothing for {s:.1f} s" for w, s in silent.items())
@@ -101,8 +90,8 @@ class WorkerLiveness:
             )
 
     def silence_error(self, held: Collection[int], context: str) -> PSTimeoutError:
-        """The error once no request at all arrived within :meth:`bound`: names the live workers not in ``held``
-        (all live ones if every one is held), longest silent first; ``context`` says what the server waited for."""
+        """The error once no request at all arrived within :meth:`bound`, naming the live workers not in ``held`` (all
+        if every one is), longest silent first; ``context``: what the server waited for."""
         now = self._clock()
         live = [w for w in range(len(self.live)) if self.live[w]]
         suspects = sorted([w for w in live if w not in held] or live, key=lambda w: self.last_contact[w])

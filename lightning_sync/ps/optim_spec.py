@@ -1,13 +1,7 @@
-"""The worker's optimizer, described so that a server can rebuild it for its shard.
+"""The worker's optimizer as plain values (:class:`OptimizerSpec`), so that a server can rebuild it for its shard.
 
-A :class:`OptimizerSpec` holds the optimizer class (as an import path), each param group's hyperparameters (``lr``,
-``momentum``, ``weight_decay``, ``betas``, ...) and which group each parameter belongs to. It is made of plain values
-only, so it travels with ``torch.save``/``torch.load(weights_only=True)``.
-
-Learning-rate schedulers keep working: a scheduler changes ``lr`` in the worker's param groups, every push carries
-the pushing worker's current ``lr`` of each group (:func:`current_lrs`), and the server writes it into the matching
-groups of its shard optimizer before stepping. Other hyperparameters (momentum, betas, ...) are fixed at the values
-the spec was taken with.
+Every push carries the worker's current ``lr`` of each group (:func:`current_lrs`), so learning-rate schedulers keep
+working; the other hyperparameters are fixed at the values the spec was taken with.
 """
 
 from __future__ import annotations
@@ -15,7 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
@@ -23,63 +17,37 @@ import torch
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """A picklable recipe of a worker's optimizer.
-
-    A worker with several optimizers (manual optimization: a GAN's generator and discriminator) is described by one
-    spec: the groups of every optimizer, in optimizer order, ``owner`` naming the optimizer of each group.
+    """A picklable recipe of a worker's optimizers (usually one; manual optimization, e.g. a GAN's generator and
+    discriminator, has several).
 
     Attributes:
-        optimizer_class: ``"module:qualname"`` of the (first) optimizer's class (importable on the server).
-        groups: per param group, its hyperparameters (every key but ``params``).
+        classes: per optimizer, ``"module:qualname"`` of its class (importable on the server).
+        groups: per param group of every optimizer, in order, its hyperparameters (every key but ``params``).
         group_of: per parameter of the ordered parameter list, the index of its param group.
-        classes: per optimizer, its class path (``()``: one optimizer, of ``optimizer_class``).
-        owner: per param group, the index of its optimizer (``()``: every group belongs to optimizer 0).
+        owner: per param group, the index of its optimizer.
     """
 
-    optimizer_class: str
+    classes: tuple[str, ...]
     groups: tuple[dict[str, Any], ...]
     group_of: tuple[int, ...]
-    classes: tuple[str, ...] = ()
-    owner: tuple[int, ...] = ()
+    owner: tuple[int, ...]
 
     @property
     def num_groups(self) -> int:
-        """Number of param groups of the worker's optimizers (all of them)."""
         return len(self.groups)
 
     @property
-    def optimizer_classes(self) -> tuple[str, ...]:
-        """The class path of each optimizer."""
-        return self.classes or (self.optimizer_class,)
-
-    @property
     def num_optimizers(self) -> int:
-        return len(self.optimizer_classes)
-
-    def owner_of(self, group: int) -> int:
-        """The optimizer that param group ``group`` belongs to."""
-        return self.owner[group] if self.owner else 0
+        return len(self.classes)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain-value form (``torch.load(weights_only=True)`` can read it back)."""
-        return {
-            "optimizer_class": self.optimizer_class,
-            "groups": [dict(g) for g in self.groups],
-            "group_of": list(self.group_of),
-            "classes": list(self.classes),
-            "owner": list(self.owner),
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> OptimizerSpec:
         """Inverse of :meth:`as_dict`."""
-        return cls(
-            optimizer_class=str(data["optimizer_class"]),
-            groups=tuple(dict(g) for g in data["groups"]),
-            group_of=tuple(int(g) for g in data["group_of"]),
-            classes=tuple(str(c) for c in data.get("classes", ())),
-            owner=tuple(int(o) for o in data.get("owner", ())),
-        )
+        return cls(*(tuple(data[f.name]) for f in fields(cls)))
 
 
 def _import_class(path: str) -> type[torch.optim.Optimizer]:
@@ -97,14 +65,11 @@ def _import_class(path: str) -> type[torch.optim.Optimizer]:
 def optimizer_spec(
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]
 ) -> OptimizerSpec:
-    """Describes ``optimizer`` (or several) for the servers, with the group of every parameter of ``params``.
-
-    Guarantees: the spec lists the groups in the optimizers' order with their current hyperparameters (tensors
-    cloned), and ``group_of[i]`` is the group holding ``params[i]``.
+    """Describes ``optimizer`` (or several) for the servers: their groups' current hyperparameters (tensors cloned),
+    and ``group_of[i]``, the group holding ``params[i]``.
 
     Args:
-        optimizer: the worker's optimizer, or its optimizers (each parameter in one of them only). Their classes must
-            be importable on the servers by module and name.
+        optimizer: the worker's optimizer, or its optimizers (each parameter in one only), their classes importable.
         params: the ordered parameter list the parameter server trains; exactly the optimizers' parameters.
 
     Raises:
@@ -154,29 +119,23 @@ def optimizer_spec(
             "pass every parameter the optimizers train"
         )
     classes = tuple(f"{type(o).__module__}:{type(o).__qualname__}" for o in optimizers)
-    if len(optimizers) == 1:
-        return OptimizerSpec(classes[0], tuple(groups), tuple(group_of))
-    return OptimizerSpec(classes[0], tuple(groups), tuple(group_of), classes, tuple(owner))
+    return OptimizerSpec(classes, tuple(groups), tuple(group_of), tuple(owner))
 
 
 def build_shard_optimizer(
     spec: OptimizerSpec, params: Sequence[torch.Tensor], indices: Sequence[int], optimizer: int = 0
 ) -> tuple[torch.optim.Optimizer | None, list[int]]:
-    """Builds the shard optimizer that mirrors the worker's optimizer number ``optimizer`` (``None`` and ``[]`` if
-    none of the shard's parameters is in it).
-
-    Guarantees: each shard parameter lands in a group with the hyperparameters of its group on the worker; the shard
-    optimizer has one group per worker group that holds shard parameters, in the worker's group order, parameters in
-    ``indices`` order.
+    """Builds the shard optimizer that mirrors the worker's optimizer number ``optimizer``: one group per worker group
+    holding shard parameters, with its hyperparameters, in the worker's order.
 
     Args:
         spec: from :func:`optimizer_spec`.
-        params: the shard's parameters (leaf tensors with ``requires_grad``), in the order of ``indices``.
-        indices: for each shard parameter, its index in the worker's ordered parameter list.
+        params: the shard's parameters (leaf tensors with ``requires_grad``).
+        indices: for each, its index in the worker's ordered parameter list.
 
     Returns:
-        The optimizer, and for each of its param groups the index of the worker group it mirrors (to apply pushed
-        learning rates).
+        The optimizer, and for each of its groups the index of the worker group it mirrors; ``None`` and ``[]`` if it
+        holds none of the shard's parameters.
 
     Raises:
         ValueError: ``params`` and ``indices`` differ in length, or an index is outside the spec.
@@ -187,22 +146,20 @@ def build_shard_optimizer(
     for p, i in zip(params, indices):
         if not 0 <= i < len(spec.group_of):
             raise ValueError(f"parameter index {i} is outside the spec's {len(spec.group_of)} parameters")
-        if spec.owner_of(spec.group_of[i]) == optimizer:
+        if spec.owner[spec.group_of[i]] == optimizer:
             members.setdefault(spec.group_of[i], []).append(p)
     mirrored = sorted(members)
     if not mirrored:
         return None, []
     groups = [{"params": members[g], **spec.groups[g]} for g in mirrored]
-    optimizer_class = _import_class(spec.optimizer_classes[optimizer])
-    # Every group carries all its hyperparameters; the first one is also passed as the constructor's defaults so that
-    # optimizers with required hyperparameters (no default value) can be built too.
+    optimizer_class = _import_class(spec.classes[optimizer])
+    # the first group's hyperparameters are the defaults too, for optimizers with required ones
     accepted = inspect.signature(optimizer_class.__init__).parameters
     defaults = {k: v for k, v in spec.groups[mirrored[0]].items() if k in accepted}  # the groups hold no "params"
     return optimizer_class(groups, **defaults), mirrored
 
 
-#: Optimizers whose step divides by a running measure of the gradient's size (or takes its sign), so that a constant
-#: factor on every gradient leaves the step as it is (up to ``eps``).
+#: Optimizers whose step a constant factor on every gradient leaves as it is (up to ``eps``): the Adam family, ...
 SCALE_INVARIANT = frozenset(
     {"Adam", "AdamW", "Adamax", "NAdam", "RAdam", "SparseAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "Adafactor"}
 )
@@ -210,20 +167,10 @@ SCALE_INVARIANT = frozenset(
 
 def scales_learning_rate(spec: OptimizerSpec, optimizer: int = 0) -> bool:
     """Whether an async or ssp push's ``push_scale`` multiplies the learning rate of the worker's optimizer number
-    ``optimizer`` rather than the pushed gradient.
-
-    * The gradient, for optimizers whose step is linear in it (SGD with or without momentum and Nesterov, and any
-      optimizer :data:`SCALE_INVARIANT` does not name): ``W`` pushes of ``g/W`` move the parameters as far as one
-      sync step of the average.
-    * The learning rate, for scale-invariant ones (:data:`SCALE_INVARIANT` and their subclasses: the Adam family,
-      RMSprop, Adagrad, ...), on whose step a factor on the gradient would cancel: each push moves the parameters
-      by about ``lr * push_scale``. A full ``lr`` per push makes ``W`` such steps per sync step's worth of samples,
-      on gradients up to ``W - 1`` versions stale.
-
-    Either way momentum, weight decay and the Adam moments act once per push, i.e. ``W`` times per sync step's worth
-    of samples.
-    """
-    path = spec.optimizer_classes[optimizer]
+    ``optimizer`` (:data:`SCALE_INVARIANT` ones and their subclasses, on whose step a factor on the gradient would
+    cancel) rather than the pushed gradient (SGD and any other optimizer whose step is linear in it: ``W`` pushes of
+    ``g/W`` move as far as one sync step of the average)."""
+    path = spec.classes[optimizer]
     name = path.rpartition(":")[2].rpartition(".")[2]
     try:
         mro = [cls.__name__ for cls in _import_class(path).__mro__]

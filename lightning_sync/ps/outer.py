@@ -1,9 +1,6 @@
-"""Async local SGD on the parameter server (as in Liu et al. 2024, "Asynchronous Local-SGD Training for Language
-Modeling"): each worker takes ``local_steps`` steps with its own (inner) optimizer, then pushes its pseudo-gradient,
-the change of its parameters since its last pull; the servers step their outer optimizer (``outer_optimizer``, any
-callable from parameters to a ``torch.optim.Optimizer``, e.g. :class:`DelayedNesterov`) on it and reply with fresh
-parameters. :class:`LocalSteps` is the worker's side.
-"""
+"""Async local SGD on the parameter server (Liu et al. 2024, "Asynchronous Local-SGD Training for Language Modeling"):
+each worker takes ``local_steps`` steps of its own optimizer, then pushes its pseudo-gradient (its change since its last
+pull, :class:`LocalSteps`); the servers step their outer optimizer (e.g. :class:`DelayedNesterov`) on it."""
 
 from __future__ import annotations
 
@@ -68,26 +65,19 @@ class DelayedNesterov(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    state["pending"] = torch.zeros_like(p)
-                    state["count"] = 0
-                state["pending"].add_(g)
+                    state.update(pending=torch.zeros_like(p), count=0)
+                if "momentum_buffer" not in state:  # zero: the first is the first sum, as torch's SGD (an older state
+                    state["momentum_buffer"] = torch.zeros_like(p)  # has none before its first)
+                pending, buf = state["pending"].add_(g), state["momentum_buffer"]
                 state["count"] += 1
                 if state["count"] < delay:
                     continue
-                pending, state["count"] = state["pending"], 0
-                if "momentum_buffer" not in state:  # as torch's SGD: the first buffer is the first gradient
-                    state["momentum_buffer"] = pending.clone()
-                    if not nesterov:  # heavy ball: the previous buffer was zero
-                        pending.zero_()
-                        continue
-                    p.add_(state["momentum_buffer"], alpha=-lr * beta)
-                else:
-                    buf = state["momentum_buffer"]
-                    if not nesterov:
-                        p.add_(buf, alpha=-lr * beta)
-                    buf.mul_(beta).add_(pending)
-                    if nesterov:
-                        p.add_(buf, alpha=-lr * beta)
+                state["count"] = 0
+                if not nesterov:
+                    p.add_(buf, alpha=-lr * beta)
+                buf.mul_(beta).add_(pending)
+                if nesterov:
+                    p.add_(buf, alpha=-lr * beta)
                 pending.zero_()
         return loss
 
@@ -100,10 +90,9 @@ class LocalSteps:
         client: the worker's client; its servers run an outer optimizer (``PSConfig.local_steps > 1``).
         local_steps: inner steps per push (>= 1).
         lrs: returns the learning rates a push carries (the servers' outer optimizer ignores them).
-        adaptive: (``local_steps: auto``, the paper's dynamic local updates) after each push, post this worker's
-            seconds per step in the store and scale its interval so that it pushes about as often as the fastest
-            worker: ``round(local_steps * fastest / own seconds per step)``, in ``[1, local_steps]``.
-        clock: returns the current time in seconds; ``adaptive`` times the steps with it (a test passes a fake one).
+        adaptive: (``local_steps: auto``, the paper's dynamic local updates) after each push, scale this worker's
+            interval to push about as often as the fastest worker: ``round(local_steps * fastest / own seconds per
+            step)``, in ``[1, local_steps]`` (speeds posted in the store, timed with ``clock``).
     """
 
     def __init__(

@@ -1,22 +1,10 @@
-"""Where servers run: dedicated processes, or threads of the worker processes (colocated). Same loop in both.
+"""Where servers run: dedicated processes (:func:`start_server_processes`, on worker 0, which hosts the store), or
+daemon threads of the first worker processes (:func:`start_colocated_server`), each its own member of the group. Both
+run :func:`~lightning_sync.ps.server.run_server` and return after the last worker's goodbye.
 
-Dedicated (:func:`start_server_processes`, called on worker 0 after it hosts the store)::
-
-    store = connect_store(host, port, is_host=True, timeout_s=60)
-    servers = start_server_processes(host, port, num_workers=W, num_servers=k, timeout_s=60)
-    ...                          # PSGroup / PSClient as usual; servers.raise_if_failed() between steps if wanted
-    client.close()               # every worker: the servers exit by themselves after the last goodbye
-    servers.wait(timeout_s=30)   # exit codes, 0 each; servers.stop() ends them if they do not
-
-Each server is a fresh interpreter, ``python -m lightning_sync.ps`` (:mod:`lightning_sync.ps.__main__`; nothing of
-the worker is inherited). It exits when its parent's connection closes (a killed parent included), when the thread
-that started it ends (the kernel's parent-death signal, SIGKILL, which the server sets itself: a frozen server
-included, see :func:`lightning_sync.ps.__main__.die_with_parent`), on Ctrl-C and SIGTERM at once, and by itself
-when no worker talks to it for ``timeout_s``. An ``atexit`` hook of the parent stops the ones still running.
-
-Colocated (:func:`start_colocated_server`, on worker ``r < k``): server ``r`` runs in a daemon thread of worker
-``r``'s process with its own member of the group (PS rank ``W + r``), so it ends with that process; it also returns
-after the last goodbye and raises (kept in :attr:`ColocatedServer.error`) after ``timeout_s`` without requests.
+A dedicated server, ``python -m lightning_sync.ps``, exits when its parent's connection closes, when the thread that
+started it ends (the parent-death signal, :func:`lightning_sync.ps.__main__.die_with_parent`: a frozen server too), on
+Ctrl-C and SIGTERM, and when no worker talks to it for ``timeout_s``; an ``atexit`` hook stops the ones still running.
 """
 
 from __future__ import annotations
@@ -29,7 +17,9 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 from typing import Any
 
@@ -54,19 +44,11 @@ class ServerProcesses:
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
 
-    def exit_codes(self) -> list[int | None]:
-        """Each server's exit code, ``None`` while it runs (negative: killed by that signal)."""
-        return [p.poll() for p in self.processes]
-
     def raise_if_failed(self) -> None:
         """Raises :class:`PSError` naming every server that exited with an error."""
-        codes = self.exit_codes()
-        failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+        failed = [f"server {i} (pid {p.pid}) exit code {p.poll()}" for i, p in enumerate(self.processes) if p.poll()]
         if failed:
-            raise PSError(
-                "parameter server process(es) failed: "
-                + ", ".join(f"server {i} (pid {self.processes[i].pid}) exit code {codes[i]}" for i in failed)
-            )
+            raise PSError(f"parameter server process(es) failed: {', '.join(failed)}")
 
     def wait(self, timeout_s: float) -> list[int]:
         """Waits up to ``timeout_s`` for every server to exit; returns the exit codes.
@@ -75,29 +57,18 @@ class ServerProcesses:
             PSTimeoutError: some are still running (they are left running; see :meth:`stop`).
         """
         deadline = time.monotonic() + timeout_s
-        for p in self.processes:
-            try:
-                p.wait(timeout=max(deadline - time.monotonic(), 0.0))
-            except subprocess.TimeoutExpired:
-                pass
-        alive = [i for i, code in enumerate(self.exit_codes()) if code is None]
-        if alive:
-            raise PSTimeoutError(f"server process(es) {alive} still running after {timeout_s:.1f} s")
-        return [int(c) for c in self.exit_codes()]  # type: ignore[arg-type]
+        try:
+            return [p.wait(timeout=max(deadline - time.monotonic(), 0.0)) for p in self.processes]
+        except subprocess.TimeoutExpired:
+            alive = [i for i, p in enumerate(self.processes) if p.poll() is None]
+            raise PSTimeoutError(f"server process(es) {alive} still running after {timeout_s:.1f} s") from None
 
     def stop(self, grace_s: float = 5.0) -> list[int]:
-        """Ends every server still running: SIGTERM, then SIGKILL after ``grace_s``. Returns the exit codes.
-
-        SIGCONT follows SIGTERM (as systemd does when it stops a unit): a frozen (SIGSTOPped) server holds a pending
-        SIGTERM until it runs again, so without it a frozen server would cost the whole grace before its SIGKILL.
-        """
+        """Ends every server still running: SIGTERM, then SIGKILL after ``grace_s``; returns the exit codes. SIGCONT
+        follows SIGTERM (as systemd's): a frozen server would hold the SIGTERM pending for the whole grace."""
         for p in self.processes:
-            if p.poll() is None:
-                for sig in (signal.SIGTERM, signal.SIGCONT):
-                    try:
-                        p.send_signal(sig)
-                    except ProcessLookupError:
-                        pass
+            p.send_signal(signal.SIGTERM)  # nothing once it has exited
+            p.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + grace_s
         for p in self.processes:
             try:
@@ -130,27 +101,13 @@ def start_server_processes(
     python: str | None = None,
     spare_workers: int = 0,
 ) -> ServerProcesses:
-    """Starts ``num_servers`` dedicated server processes that join the PS group through the store at
-    ``host:port`` (hosted by worker 0, e.g. :func:`~lightning_sync.ps.group.connect_store`).
-
-    Guarantees: the processes end as the module docstring says (call from a thread that lives as long as training,
-    e.g. the main thread: the parent-death signal follows the starting thread), with code 0 after every worker's
-    :meth:`~lightning_sync.ps.client.PSClient.close`, 1 after an error (printed on this process's stderr).
+    """Starts ``num_servers`` server processes that join the PS group through the store at ``host:port``; they exit
+    with code 0 after every worker's goodbye, 1 after an error. Call from a thread that lives as long as training:
+    the parent-death signal follows it. The arguments are :func:`~lightning_sync.ps.server.run_server`'s, and:
 
     Args:
-        host: address of the store.
-        port: port of the store.
-        num_workers: number of workers ``W``.
-        num_servers: number of servers ``k``.
-        timeout_s: bound of every wait of the servers after the rendezvous.
-        connect_timeout_s: bound of the rendezvous and of the wait for the initial parameters; ``None``:
-            ``max(timeout_s, 60)`` (a fresh interpreter takes seconds to import torch).
-        prefix: store prefix of the group (as given to the workers' ``PSGroup``).
-        env: environment of the servers (default: this process's, with ``OMP_NUM_THREADS=1`` unless set); each
-            server also gets ``LIGHTNING_SYNC_SERVER_PROCESS=1``.
+        env: environment of the servers (default: this process's, with ``OMP_NUM_THREADS=1`` unless set).
         python: interpreter to run (default: this one).
-        spare_workers: how many of the ``num_workers`` worker ranks, the last ones, are spare slots for workers
-            added to the running job (see :class:`~lightning_sync.ps.server.ParameterServer`).
 
     Raises:
         ValueError: bad counts.
@@ -159,24 +116,27 @@ def start_server_processes(
     environ = dict(os.environ if env is None else env)
     environ.setdefault("OMP_NUM_THREADS", "1")
     environ[SERVER_PROCESS_ENV] = "1"  # the server runs on torch alone: no Lightning import (see lightning_sync)
-    processes = []
-    for server in range(num_servers):
-        command = [
-            python or sys.executable, "-m", "lightning_sync.ps",
-            "--host", host, "--port", str(port), "--server", str(server),
-            "--num-workers", str(num_workers), "--num-servers", str(num_servers),
-            "--timeout-s", repr(float(timeout_s)), "--prefix", prefix, "--spare-workers", str(spare_workers),
-            "--parent-pid", str(os.getpid()),
-        ]  # fmt: skip
-        if connect_timeout_s is not None:
-            command += ["--connect-timeout-s", repr(float(connect_timeout_s))]
-        processes.append(subprocess.Popen(command, env=environ))
-    handle = ServerProcesses(processes)
+    arguments = dict(
+        host=host,
+        port=port,
+        num_workers=num_workers,
+        num_servers=num_servers,
+        timeout_s=timeout_s,
+        connect_timeout_s=connect_timeout_s,
+        prefix=prefix,
+        spare_workers=spare_workers,
+        parent_pid=os.getpid(),
+    )
+    options = [part for k, v in arguments.items() if v is not None for part in (f"--{k.replace('_', '-')}", str(v))]
+    command = [python or sys.executable, "-m", "lightning_sync.ps", *options]
+    handle = ServerProcesses(
+        [subprocess.Popen([*command, "--server", str(server)], env=environ) for server in range(num_servers)]
+    )
     reference = weakref.ref(handle)
 
     def _stop_at_exit() -> None:
         live = reference()
-        if live is not None and None in live.exit_codes():
+        if live is not None:  # servers already gone: nothing to do
             live.stop(grace_s=2.0)
 
     atexit.register(_stop_at_exit)
@@ -184,39 +144,29 @@ def start_server_processes(
 
 
 class ColocatedServer:
-    """Handle on a server loop running in a daemon thread of a worker process (from :func:`start_colocated_server`).
+    """Handle on a server loop running in a daemon thread of a worker process (from :func:`start_colocated_server`),
+    with the interface of :class:`ServerProcesses`.
 
     Attributes:
-        error: the exception the loop ended with, or ``None``.
-        stats: the loop's final stats after a clean end, else ``None``.
+        future: the loop's final stats, or the exception it ended with.
     """
 
-    def __init__(self, server: int, target: Any) -> None:
+    def __init__(self, server: int, target: Callable[[], dict[str, Any]]) -> None:
         self.server = server
-        self.error: BaseException | None = None
-        self.stats: dict[str, Any] | None = None
-        self._target = target
-        self.thread = threading.Thread(target=self._run, name=f"ps-server-{server}", daemon=True)
+        self.future: Future[dict[str, Any]] = Future()
+        threading.Thread(target=self._run, args=(target,), name=f"ps-server-{server}", daemon=True).start()
 
-    def _run(self) -> None:
+    def _run(self, target: Callable[[], dict[str, Any]]) -> None:
         try:
-            self.stats = self._target()
+            self.future.set_result(target())
         except BaseException as exc:  # noqa: BLE001 - kept for the owner to raise in its own thread
-            self.error = exc
+            self.future.set_exception(exc)
 
     def raise_if_failed(self) -> None:
         """Re-raises, in the calling thread, the error the loop ended with (if any)."""
-        if self.error is not None:
-            raise PSError(f"colocated server {self.server} failed: {self.error}") from self.error
-
-    def finish(self, timeout_s: float) -> None:
-        """After the workers' goodbyes: :meth:`join` (same interface as :meth:`ServerProcesses.finish`)."""
-        self.join(timeout_s)
-
-    def stop(self, grace_s: float = 0.0) -> list[int]:
-        """Nothing to do: a gloo wait cannot be interrupted, so the daemon thread ends with its process (or after
-        ``timeout_s`` without requests). Same interface as :meth:`ServerProcesses.stop`."""
-        return []
+        error = self.future.exception() if self.future.done() else None
+        if error is not None:
+            raise PSError(f"colocated server {self.server} failed: {error}") from error
 
     def join(self, timeout_s: float) -> dict[str, Any]:
         """Waits up to ``timeout_s`` for the loop to end (after every worker's goodbye); returns its stats.
@@ -225,12 +175,19 @@ class ColocatedServer:
             PSError: the loop failed.
             PSTimeoutError: the loop is still running.
         """
-        self.thread.join(timeout_s)
-        if self.thread.is_alive():
-            raise PSTimeoutError(f"colocated server {self.server} still running after {timeout_s:.1f} s")
+        try:
+            self.future.exception(timeout_s)
+        except FutureTimeout:
+            raise PSTimeoutError(f"colocated server {self.server} still running after {timeout_s:.1f} s") from None
         self.raise_if_failed()
-        assert self.stats is not None
-        return self.stats
+        return self.future.result()
+
+    finish = join
+
+    def stop(self, grace_s: float = 0.0) -> list[int]:
+        """Nothing to do: a gloo wait cannot be interrupted, so the daemon thread ends with its process (or after
+        ``timeout_s`` without requests)."""
+        return []
 
 
 def start_colocated_server(
@@ -245,11 +202,8 @@ def start_colocated_server(
     prefix: str = DEFAULT_PREFIX,
     spare_workers: int = 0,
 ) -> ColocatedServer:
-    """Starts server ``server`` (PS rank ``num_workers + server``) in a daemon thread of this process.
-
-    Meant for worker ``server``'s process (``num_servers <= num_workers``); any process works. The thread joins the
-    group through the store at ``host:port`` while this process's worker member joins in parallel. ``spare_workers``:
-    as for :func:`start_server_processes`.
+    """Starts server ``server`` in a daemon thread of this process (meant for worker ``server``'s), which joins the
+    group while this process's worker member does; the arguments are :func:`~lightning_sync.ps.server.run_server`'s.
 
     Raises:
         ValueError: ``server`` is not in ``[0, num_servers)`` or bad counts.
@@ -261,12 +215,7 @@ def start_colocated_server(
         run_server, host, port, server, num_workers, num_servers, timeout_s=timeout_s,
         connect_timeout_s=connect_timeout_s, prefix=prefix, spare_workers=spare_workers,
     )  # fmt: skip
-    handle = ColocatedServer(server, target)
-    handle.thread.start()
-    return handle
-
-
-PLACEMENTS = ("dedicated", "colocated")
+    return ColocatedServer(server, target)
 
 
 def start_servers(
@@ -281,20 +230,15 @@ def start_servers(
     prefix: str = DEFAULT_PREFIX,
     spare_workers: int = 0,
 ) -> Any | None:
-    """Starts the servers that worker ``worker`` is responsible for under ``placement`` (call on every worker).
-
-    ``dedicated``: worker 0 starts all ``num_servers`` processes. ``colocated``: worker ``r < num_servers`` runs
-    server ``r`` in a thread. Every other worker starts nothing. ``num_workers`` counts the ``spare_workers`` slots
-    too (see :func:`start_server_processes`).
+    """Starts the servers that worker ``worker`` is responsible for under ``placement`` (call on every worker):
+    ``dedicated``, worker 0 all the processes; ``colocated``, worker ``r < num_servers`` server ``r`` in a thread.
 
     Returns:
-        A handle with ``raise_if_failed()`` and ``finish(timeout_s)``, or ``None`` when this worker starts none.
+        A handle with ``raise_if_failed()``, ``stop()`` and ``finish(timeout_s)``, or ``None`` if it starts none.
 
     Raises:
-        ValueError: an unknown placement, or bad counts.
+        ValueError: bad counts.
     """
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement={placement!r} is not allowed; choose one of {', '.join(PLACEMENTS)}")
     if placement == "dedicated" and worker == 0:
         return start_server_processes(
             host, port, num_workers, num_servers, timeout_s=timeout_s, prefix=prefix, spare_workers=spare_workers

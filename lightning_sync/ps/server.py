@@ -1,67 +1,38 @@
 """The server loop that serves the workers one shard (:class:`~lightning_sync.ps.shard.ServerShard`, the state and the
-arithmetic, without communication).
+arithmetic); the same for every placement (a dedicated process, ``python -m lightning_sync.ps``, or a worker's thread).
 
-:class:`ParameterServer` is the loop, the same for every placement (a dedicated process, ``python -m
-lightning_sync.ps``, or a thread of a worker process) and every mode:
+* ``sync``: one gradient per live worker for the current version, averaged in fp32 (in worker order), one step, then
+  every contributor gets the new parameters (a push for another version is refused).
+* ``async``: each push is one step, scaled by ``push_scale``
+  (:func:`~lightning_sync.ps.optim_spec.scales_learning_rate`), answered at once.
+* ``ssp``: as async, but a worker's reply is withheld while its clock is more than ``max_staleness`` ahead of the
+  slowest live worker's.
 
-* ``sync``: the server collects one gradient per live worker for its current version ``t`` (a push for another
-  version is refused), averages them in fp32 (sum in worker order 0..W-1, divided by the number of contributions,
-  ``W`` while every worker is live), steps once (version ``t+1``), then replies to every contributor with the new
-  parameters.
-* ``async``: each push is one optimizer step scaled by ``push_scale`` (its gradient, or for the Adam family its
-  learning rate: :func:`~lightning_sync.ps.optim_spec.scales_learning_rate`), answered at once with the new
-  parameters.
-* ``ssp`` (``max_staleness = s``): applied as in async, but the reply to a worker is withheld while its clock
-  (pushes applied) is more than ``s`` ahead of the slowest live worker's clock; ``s = 0`` is lockstep.
+Stop: at ``max_updates`` or a worker's request; later pushes are not applied, every reply carries it, and the loop
+returns after every worker's goodbye (with several async servers the last round may reach only some shards).
 
-In every mode a push's staleness is the server version when it is applied minus the version it was computed on
-(``0`` in sync); the server counts the values per worker and keeps the last one
-(:meth:`~lightning_sync.ps.shard.ServerShard.stats`).
-
-Stop: once the version reaches ``max_updates``, or a worker sends a stop request, later pushes are not applied and
-every reply carries the stop flag and its reason; pending sync gradients and withheld ssp replies are answered with
-it at once. The server keeps serving pulls, state and stats requests until every worker has said goodbye
-(:meth:`PSClient.close`), then the loop returns. In async/ssp with several servers, the push that reaches
-``max_updates`` on one server may arrive after it on another, so the last round can be applied to some shards and
-not to others; every worker still sees the stop at its next reply.
-
-Failure: no worker can stall the loop: each worker has a receiving thread of its own (:class:`WorkerChannels`) that
-hands the loop only complete requests, and replies are launched without waiting for them to be taken. A worker that
-the server is not itself holding back and that completes no request for ``timeout_s``
-(:mod:`~lightning_sync.ps.liveness`), or whose connection closes, is lost, once:
-
-* ``async``, ``ssp`` and ``sync`` with ``elastic`` (:attr:`~lightning_sync.ps.settings.PSConfig.drops_lost_workers`):
-  the worker is dropped (said on stderr). It no longer counts as live: ssp's slowest-worker bound and a sync round
-  are over the live workers, and with ``withdraw_lost_share`` its unused share of ``max_updates`` is withdrawn. Each
-  worker has a link of its own to each server (:mod:`lightning_sync.ps.group`), so no other worker sees an error;
-  ``stats`` lists the lost workers and why. Only if every worker is lost does the loop fail. A dropped worker's rank
-  may come back: a new member of that rank built with ``PSGroup(..., rejoin=True)`` takes the next generation of its
-  links, which the server connects (it looks every :data:`JOIN_POLL_S` while a worker is dropped); at its first
-  request the worker is live again, its clock raised to the slowest live worker's, its withdrawn share given back,
-  and ``stats["joins"]`` counts it.
-* ``sync`` otherwise: the loop raises an error naming it, leaves the message in the store for the peers, and
-  returns control (a dedicated process exits with code 1). A sync step needs every worker; a run that would go on
-  without one must say so (``elastic``).
-
-The loop also fails when no request arrives for ``timeout_s`` after its last request or reply
-(``connect_timeout_s`` before the initial parameters).
+Failure: each worker has a receiving thread of its own (:class:`WorkerChannels`) and replies are never waited for, so
+no worker can stall the loop. A worker silent for ``timeout_s`` that the server is not itself holding back
+(:mod:`~lightning_sync.ps.liveness`), or whose connection closes, is lost: in the elastic modes
+(:attr:`~lightning_sync.ps.settings.PSConfig.drops_lost_workers`) it is dropped and the run goes on with the live ones
+(only losing all fails the loop); its rank may come back on new links (``PSGroup(..., rejoin=True)``), its clock raised
+to the slowest live worker's. Otherwise the loop raises naming it and leaves the message in the store.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import sys
 import threading
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from lightning_sync.comm.compression import Compressor
 from lightning_sync.errors import check_range
-from lightning_sync.ps._layout import ShardLayout
 from lightning_sync.ps._protocol import (
     FLAG_NONFINITE,
     FLAG_NOT_APPLIED,
@@ -83,7 +54,7 @@ from lightning_sync.ps._protocol import (
     to_blob,
 )
 from lightning_sync.ps.errors import PSError, PSPeerLostError
-from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, connect_store, server_ps_rank
+from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, connect_store
 from lightning_sync.ps.liveness import WorkerLiveness
 from lightning_sync.ps.optim_spec import OptimizerSpec
 from lightning_sync.ps.settings import PSConfig
@@ -98,49 +69,33 @@ Reply = tuple[int, tuple[ReplyHeader, torch.Tensor | None]]
 
 
 class WorkerChannels:
-    """The requests of every worker of ``group`` (from :meth:`start` on) and the replies to them.
-
-    Args:
-        group: the server's member of the PS group.
-        server: the server's index (names the receiving threads).
-    """
+    """The requests of the workers of ``group`` (a receiving thread each, :meth:`listen`) and the replies to them;
+    ``server``, the server's index, names the threads."""
 
     def __init__(self, group: PSGroup, server: int) -> None:
         self.group = group
         self.server = server
         self._inflight: dict[int, list[tuple[Kind, Any]]] = {}  # worker -> sends of its last reply
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (worker, request, data, error) of each receiver
-        self._generation: dict[int, int] = {}  # worker -> the generation of the links it is listened to on
-
-    def start(self, workers: Iterable[int]) -> None:
-        """Starts one receiving thread per worker of ``workers`` (each first connects its link to that worker)."""
-        for worker in workers:
-            self.listen(worker, 0)
+        self.generation = [0] * group.num_workers  # per worker, the generation of its links (0, +1 per rejoin)
 
     def listen(self, worker: int, generation: int) -> None:
-        """Starts the receiving thread of ``worker``'s links of ``generation`` (0 at the start, more for a rejoin)."""
-        self._generation[worker] = generation
+        """Starts the receiving thread of ``worker``'s links of ``generation`` (0 at the start, more for a rejoin); it
+        first connects them."""
+        self.generation[worker] = generation
         name = f"lightning_sync-ps-server{self.server}-recv{worker}-g{generation}"
         threading.Thread(target=self._receive_from, args=(worker, generation), name=name, daemon=True).start()
 
     def next(self, timeout_s: float) -> tuple[int, int, Request | None, torch.Tensor | None, BaseException | None]:
-        """The next complete request of any worker, as ``(worker, generation, request, data, None)``, or ``(worker,
-        generation, None, None, error)`` once that worker's receiving failed.
-
-        Raises:
-            queue.Empty: nothing arrived within ``timeout_s``.
-        """
+        """The next ``(worker, generation, request, data, None)``, or ``(worker, generation, None, None, error)`` once
+        that worker's receiving failed; raises ``queue.Empty`` after ``timeout_s``."""
         return self._inbox.get(timeout=timeout_s)
 
     def _receive_from(self, worker: int, generation: int) -> None:
-        """Receiving thread of ``worker``: its requests, each complete (header and data), into the inbox, until its
-        goodbye or an error.
+        """Receiving thread of ``worker``: its complete requests into the inbox, until its goodbye or an error.
 
-        The server loop, not this thread, decides when the worker is lost (after ``timeout_s`` of silence it is not
-        itself the cause of); this thread's waits are only a backstop, longer than any silence the loop tolerates (a
-        gloo wait that times out closes every connection of the member, so it must not end one the loop still
-        serves).
-        """
+        The loop decides when the worker is lost; these waits are only a backstop, longer than any silence the loop
+        tolerates (a gloo wait that times out closes every connection of the member)."""
         backstop = max(self.group.connect_timeout_s, self.group.timeout_s) + 2 * self.group.timeout_s
         try:
             self.group.connect(worker, generation)
@@ -159,15 +114,11 @@ class WorkerChannels:
             self._inbox.put((worker, generation, None, None, exc))
 
     def send(self, replies: list[Reply]) -> None:
-        """Launches the replies without waiting for them to be taken.
-
-        A worker takes a reply's data only once it has every server's reply header, so waiting here could stall
-        this server behind another one (e.g. one holding an ssp reply back). The sends are waited for when the worker
-        sends its next request (:meth:`settle`), by which time it has taken the reply; the tensors sent are never
-        modified meanwhile (packed parameters are a new buffer per version). A worker whose connection closed
-        is reported as its receiving thread reports it, through :meth:`next`, and the other replies still go: the
-        loop decides whether that loses the worker (elastic modes) or the job.
-        """
+        """Launches the replies without waiting for them to be taken: a worker takes a reply's data only once it has
+        every server's header, so waiting could stall this server behind another (one holding an ssp reply back).
+        They are waited for at the worker's next request (:meth:`settle`); the tensors sent are never modified
+        meanwhile. A worker whose connection closed is reported through :meth:`next`, as its receiving thread would,
+        and the other replies still go."""
         for worker, (header, payload) in replies:
             try:
                 self.settle(worker)
@@ -176,7 +127,7 @@ class WorkerChannels:
                     works.append((header.kind, self.group.send(payload, worker, TAG_REPLY_DATA)))
             except PSPeerLostError as exc:
                 self._inflight.pop(worker, None)
-                self._inbox.put((worker, self._generation.get(worker, 0), None, None, exc))
+                self._inbox.put((worker, self.generation[worker], None, None, exc))
                 continue
             self._inflight[worker] = works
 
@@ -194,10 +145,8 @@ class WorkerChannels:
         """At the end of the loop: waits for every reply still in flight (only goodbye acknowledgements are left; a
         worker gone right after its goodbye is fine)."""
         for worker in list(self._inflight):
-            try:
+            with contextlib.suppress(PSError):
                 self.settle(worker)
-            except PSError:
-                pass
 
 
 class _Refused(Exception):
@@ -205,8 +154,7 @@ class _Refused(Exception):
 
 
 class ParameterServer:
-    """The server loop of one PS-group member: one server's state, and its answer to each request (see the module
-    docstring for the modes and the stop).
+    """The server loop of one PS-group member: one server's state, and its answer to each request.
 
     Example::
 
@@ -214,8 +162,7 @@ class ParameterServer:
 
     Args:
         group: this server's member of the PS group (``group.is_server``).
-        spare_workers: how many of the group's worker ranks, the last ones, are spare slots: no worker holds them at
-            the start, and a worker added to the running job takes one (elastic modes; see
+        spare_workers: the last worker ranks of the group, free for workers added to the running job (elastic modes,
             :func:`~lightning_sync.ps.group.claim_spare_slot`).
 
     Raises:
@@ -235,7 +182,7 @@ class ParameterServer:
         self.codec: Compressor | None = None
         self.checksum = 0
         self.num_groups = 0
-        self.push_scales = [1.0]  # async and ssp: factor of a push's step, per worker optimizer (from the INIT)
+        self.push_scale = 1.0  # async and ssp: the factor of a push's step (from the INIT)
         self.initialized_by = -1
         self.liveness = WorkerLiveness(self.num_workers, group.timeout_s, group.connect_timeout_s, group.name)
         self.live = self.liveness.live  # the same list: a goodbye ends a worker's liveness
@@ -251,14 +198,12 @@ class ParameterServer:
         self.max_updates: int | None = None  # the config's, less the lost workers' withdrawn shares
         self._withdrawn: dict[int, float] = {}  # worker -> its share of max_updates withdrawn while it is lost
         self.joins: dict[int, int] = {}  # worker -> how many times it rejoined
-        self.generation = [0] * self.num_workers  # per worker, the generation of its links (0, +1 per rejoin)
         self.vacant = set(range(self.initial_workers, self.num_workers))  # spare slots no worker has taken yet
         for worker in self.vacant:
             self.live[worker] = False
         self._joins_checked = 0.0
         self.channels = WorkerChannels(group, self.server)
 
-    # ---------------------------------------------------------------- public
     @property
     def stopped(self) -> bool:
         return self.stop_code != StopCode.NONE
@@ -269,12 +214,13 @@ class ParameterServer:
         return self.config is not None and self.config.drops_lost_workers
 
     def stats(self) -> dict[str, Any]:
-        """What a STATS request returns: the shard's clocks and staleness, stop state and this server's traffic."""
+        """What a STATS request returns: the shard's version, clocks and staleness, who is live, lost or joined, the
+        stop, and this server's traffic (``bytes_recv``, ``bytes_sent``, ``calls``, ``seconds``)."""
         total = self.group.meter.total
         out: dict[str, Any] = {
             "server": self.server,
             "mode": self.config.mode if self.config else None,
-            "push_scale": self.push_scales[0] if len(self.push_scales) == 1 else list(self.push_scales),
+            "push_scale": self.push_scale,
             "initialized": self.shard is not None,
             "stopped": self.stopped,
             "stop_reason": stop_reason(self.stop_code, self.stop_worker, self.max_updates),
@@ -305,7 +251,8 @@ class ParameterServer:
             PSPeerLostError: a worker's connection closed while the server was talking to it.
         """
         try:
-            self.channels.start(w for w in range(self.num_workers) if w not in self.vacant)
+            for worker in range(self.initial_workers):
+                self.channels.listen(worker, 0)
             while any(self.live):
                 got = self._next_request()
                 if got is None:  # a worker was dropped meanwhile (elastic modes)
@@ -328,7 +275,6 @@ class ParameterServer:
             raise
         return self.stats()
 
-    # ---------------------------------------------------------------- membership (the elastic modes)
     def drop(self, worker: int, why: str) -> None:
         """Drops lost ``worker`` (elastic modes): it no longer counts as live (ssp's slowest worker, a sync round),
         its unanswered requests are forgotten, and with ``withdraw_lost_share`` its unused share of ``max_updates``
@@ -345,13 +291,7 @@ class ParameterServer:
         if config is not None and shard is not None and config.withdraw_lost_share and config.max_updates:
             self._withdrawn[worker] = max(config.max_updates / self.initial_workers - shard.clocks[worker], 0.0)
             self._update_max_updates()
-        live = sum(self.live)
-        print(
-            f"warning: lightning_sync.ps {self.group.name()} dropped {self.group.name(worker)}: {why}; it goes on "
-            f"with the {live} live worker(s)",
-            file=sys.stderr,
-            flush=True,
-        )
+        self._say(f"dropped {self.group.name(worker)}: {why}; it goes on with the {sum(self.live)} live worker(s)")
         if self.shard is not None:
             self._check_max_updates()
         self._after_change()
@@ -374,19 +314,16 @@ class ParameterServer:
         if self._withdrawn.pop(worker, None) is not None:
             self._update_max_updates()
         how = "joined (a spare slot: a worker added to the run)" if added else f"rejoined (join {self.joins[worker]})"
-        print(
-            f"warning: lightning_sync.ps {self.group.name()}: {self.group.name(worker)} {how}; it serves "
-            f"{sum(self.live)} live worker(s)",
-            file=sys.stderr,
-            flush=True,
-        )
+        self._say(f"{self.group.name(worker)} {how}; it serves {sum(self.live)} live worker(s)")
+
+    def _say(self, news: str) -> None:
+        print(f"warning: lightning_sync.ps {self.group.name()}: {news}", file=sys.stderr, flush=True)
 
     def _update_max_updates(self) -> None:
         assert self.config is not None and self.config.max_updates is not None
         withdrawn = sum(self._withdrawn.values())
         self.max_updates = max(math.ceil(self.config.max_updates - withdrawn - 1e-9), 1)
 
-    # ---------------------------------------------------------------- receiving
     def _next_request(self) -> tuple[int, Request, torch.Tensor | None] | None:
         """The next complete request of a live worker; ``None`` once a worker was dropped meanwhile (elastic modes:
         a lost worker is dropped, see the module docstring); otherwise raises once a worker is lost."""
@@ -405,7 +342,7 @@ class ParameterServer:
                     raise self.liveness.silence_error(held, self._waiting_for()) from None
                 continue
             self._watch_joins()
-            if generation != self.generation[worker]:
+            if generation != self.channels.generation[worker]:
                 continue  # a request or error of an earlier generation of a rejoined worker's links
             if not self.live[worker] and (worker in self.lost or worker in self.vacant):
                 if error is not None or request is None or generation == 0:
@@ -440,8 +377,7 @@ class ParameterServer:
         self._joins_checked = now
         for worker in waiting:
             generation = self.group.join_generation(worker)
-            if generation > self.generation[worker]:
-                self.generation[worker] = generation
+            if generation > self.channels.generation[worker]:
                 self.channels.listen(worker, generation)
 
     def _check_silent_workers(self) -> bool:
@@ -456,7 +392,6 @@ class ParameterServer:
             self.drop(worker, f"sent nothing for {seconds:.1f} s (frozen, dead, or slower than timeout_s)")
         return bool(silent)
 
-    # ---------------------------------------------------------------- replying
     def _reply(
         self, kind: Kind, worker: int, *, payload: torch.Tensor | None = None, flags: int = 0, staleness: int = -1
     ) -> tuple[ReplyHeader, torch.Tensor | None]:
@@ -474,7 +409,6 @@ class ParameterServer:
             flags=flags,
             payload_nbytes=0 if payload is None else payload.numel(),
             bytes_recv=int(total.bytes_recv),
-            bytes_sent=int(total.bytes_sent),
             staleness=staleness,
             stop_code=self.stop_code,
             stop_worker=self.stop_worker,
@@ -494,7 +428,6 @@ class ParameterServer:
         assert self.shard is not None
         return self._reply(kind, worker, payload=self.shard.packed(), flags=flags, staleness=staleness)
 
-    # ---------------------------------------------------------------- requests
     def _handle(self, request: Request, worker: int, payload: torch.Tensor | None) -> None:
         kind = request.kind
         if kind == Kind.INIT:
@@ -549,7 +482,7 @@ class ParameterServer:
             spec = OptimizerSpec.from_dict(init["optimizer"])
             outer = config.new_outer_optimizer if config.local_steps > 1 else None
             shard = ServerShard(init["params"], init["indices"], spec, self.num_workers, outer)
-            if shard.layout.signature() != ShardLayout.from_dict(init["layout"]).signature():
+            if shard.layout.signature() != init["layout"]:
                 raise ValueError("the parameters do not match their announced layout")
             if init.get("state") is not None:
                 shard.load_state_dict(init["state"])
@@ -562,8 +495,7 @@ class ParameterServer:
             )
         self.config, self.codec, self.shard = config, config.new_codec(), shard
         self.max_updates = config.max_updates
-        scale = 1.0 / self.initial_workers if config.push_scale is None else float(config.push_scale)  # auto: 1/W
-        self.push_scales = [scale] * (1 if config.local_steps > 1 else spec.num_optimizers)  # > 1: the outer SGD
+        self.push_scale = 1.0 / self.initial_workers if config.push_scale is None else float(config.push_scale)
         self.num_groups = spec.num_groups
         self.checksum = int(init["checksum"])
         self.initialized_by = worker
@@ -586,8 +518,8 @@ class ParameterServer:
         if payload is None or payload.numel() < lr_bytes:
             raise _Refused(f"a push must carry {self.num_groups} learning rates and a gradient")
         lrs = payload[:lr_bytes].view(torch.float64).tolist()
-        if not 0 <= request.optimizer < len(self.push_scales):
-            raise _Refused(f"a push for optimizer {request.optimizer}; the workers have {len(self.push_scales)}")
+        if not 0 <= request.optimizer < len(self.shard.optimizers):
+            raise _Refused(f"a push for optimizer {request.optimizer}; the workers have {len(self.shard.optimizers)}")
         grad = None  # a NaN or Inf gradient stays on its worker: the update is skipped
         if not request.flags & FLAG_NONFINITE:
             try:
@@ -616,10 +548,8 @@ class ParameterServer:
             self.skipped_updates += 1
             self.channels.send([(worker, self._params_reply(Kind.PUSH, worker, FLAG_SKIPPED, staleness))])
             return
-        # One push is one worker's gradient, where a sync step averages W of them: push_scale (auto: 1/W) is what
-        # one push's step counts for, on the gradient or the learning rate (see scales_learning_rate).
-        k = request.optimizer
-        self.shard.apply(grad, lrs, k, request.clip, self.push_scales[k])
+        # a push is one worker's gradient, where a sync step averages W of them: push_scale (auto: 1/W)
+        self.shard.apply(grad, lrs, request.optimizer, request.clip, self.push_scale)
         self.shard.record(worker, staleness)
         self._check_max_updates()
         if self.config.mode == "ssp" and not self.stopped and self._lead(worker) > self.config.max_staleness:
@@ -628,7 +558,6 @@ class ParameterServer:
             self.channels.send([(worker, self._params_reply(Kind.PUSH, worker, staleness=staleness))])
         self._after_change()
 
-    # ---------------------------------------------------------------- mode logic
     def _lead(self, worker: int) -> int:
         assert self.shard is not None
         live = [self.shard.clocks[w] for w in range(self.num_workers) if self.live[w]]
@@ -682,7 +611,6 @@ class ParameterServer:
         return [(w, self._params_reply(Kind.PUSH, w, staleness=0)) for w in contributors]
 
 
-# -------------------------------------------------------------------------------------------------- entry points
 def run_server(
     host: str,
     port: int,
@@ -695,10 +623,15 @@ def run_server(
     prefix: str = DEFAULT_PREFIX,
     spare_workers: int = 0,
 ) -> dict[str, Any]:
-    """Joins the PS group as server ``server`` through the store at ``host:port`` and serves until the end.
+    """Joins the PS group as server ``server`` of ``num_servers`` through the store at ``host:port`` and serves until
+    every worker's goodbye: the loop of both placements.
 
-    This is the loop both placements run (a dedicated process, a worker's thread). ``num_workers`` counts every
-    worker rank, the ``spare_workers`` slots included (see :class:`ParameterServer`).
+    Args:
+        num_workers: the worker ranks, the last ``spare_workers`` of them free for workers added to the running job.
+        timeout_s: bound of every wait after the rendezvous.
+        connect_timeout_s: bound of the rendezvous and of the wait for the initial parameters (``None``:
+            ``max(timeout_s, 60)``: a fresh interpreter takes seconds to import torch).
+        prefix: the group's store prefix (as the workers' ``PSGroup``'s).
 
     Returns:
         The server's final stats (:meth:`ParameterServer.stats`).
@@ -712,7 +645,7 @@ def run_server(
     store = connect_store(host, port, is_host=False, timeout_s=connect)
     group = PSGroup(
         store,
-        server_ps_rank(server, num_workers),
+        num_workers + server,
         num_workers,
         num_servers,
         timeout_s,

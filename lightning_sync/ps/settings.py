@@ -1,9 +1,5 @@
-"""What a worker tells the parameter server about the run: sync mode, staleness bound, end, compression.
-
-:class:`PSConfig` is built on every worker (identically); worker 0 sends it to each server with the initial
-parameters, and every later request carries a checksum of it, so a worker started with other settings is refused
-with a message instead of corrupting the run.
-"""
+"""What a worker tells the parameter server about the run. Worker 0 sends it to each server with the initial
+parameters; every later request carries a checksum of it, so a worker started with other settings is refused."""
 
 from __future__ import annotations
 
@@ -18,7 +14,6 @@ from lightning_sync.comm.compression import Compressor, NoCompression
 from lightning_sync.errors import ConfigError, check_choice, check_range
 from lightning_sync.ps.optim_spec import OptimizerSpec, build_shard_optimizer, optimizer_spec
 
-#: Sync modes of the server loop.
 MODES = ("sync", "async", "ssp")
 
 
@@ -26,36 +21,21 @@ MODES = ("sync", "async", "ssp")
 class PSConfig:
     """Settings of one parameter-server run, identical on every worker.
 
+    ``mode``, ``max_staleness``, ``skip_nonfinite``, ``local_steps`` and ``elastic`` are the knobs of
+    :class:`~lightning_sync.config.ParameterServerConfig` of those names (``local_steps`` a number here).
+
     Args:
-        mode: ``"sync"`` (the server averages one gradient from every worker, steps once, then replies to all),
-            ``"async"`` (every push is applied as it arrives and answered at once) or ``"ssp"`` (applied as in
-            async, but a worker's reply is withheld while it is more than ``max_staleness`` pushes ahead of the
-            slowest live worker).
-        max_staleness: the ssp bound ``s >= 0`` (``0`` is lockstep). Ignored by the other modes.
         max_updates: the server version (optimizer steps applied) at which training ends, or ``None`` for no limit.
             In async and ssp every push is one update, so ``W`` workers doing ``n`` steps each make ``W * n``.
         codec: how pushed gradients travel: a ``point_to_point`` codec's
             :meth:`~lightning_sync.comm.compression.Compressor.spec` (``None``: uncompressed fp32).
-        skip_nonfinite: a worker whose gradient holds a NaN or Inf pushes none (its codec's memory untouched) and
-            the servers skip: in sync the whole step, for every worker; in async and ssp that push.
-        push_scale: async and ssp: the factor of each push's step, a number > 0, or ``None`` for ``1/W``; it
-            multiplies the pushed gradient of SGD-family optimizers and the learning rate of scale-invariant ones
-            (:func:`~lightning_sync.ps.optim_spec.scales_learning_rate`). Ignored in sync, where a step averages the
-            ``W`` gradients.
-        local_steps: ``1``: workers push gradients and the servers step the workers' optimizer. ``H > 1`` (async
-            local SGD, :mod:`~lightning_sync.ps.outer`): each worker steps its own optimizer ``H`` times, then pushes
-            its pseudo-gradient, and the servers step ``outer_optimizer`` on it.
-        outer_optimizer: ``local_steps > 1``: the servers' outer optimizer, a callable from parameters to a
-            ``torch.optim.Optimizer`` (Lightning's ``OptimizerCallable``; in async and ssp e.g.
-            :class:`~lightning_sync.ps.outer.DelayedNesterov` with ``delay=W``, momentum once per ``W`` pushes), kept
-            as the :class:`~lightning_sync.ps.optim_spec.OptimizerSpec` of what it builds (plain values: that travels
-            to the servers, whose processes rebuild it over their shards; its class must be importable there), or
-            such a spec's dict; ``None``: :data:`~lightning_sync.comm.averaging.OUTER_OPTIMIZER`.
-        elastic: ``sync`` only: a lost worker is dropped and the step averages the live workers' pushes, rather than
-            ending the run. ``async`` and ``ssp`` are always elastic (see :mod:`lightning_sync.ps.server`).
-        withdraw_lost_share: when a worker is lost, its unused share of ``max_updates`` (``max_updates / W`` minus the
-            pushes it made) is withdrawn, so the live workers still make their own share and no more (an end given in
-            epochs); without it the live workers make the lost one's updates too (an end given in steps).
+        push_scale: the knob, with ``None`` for ``auto`` (``1/W``): it multiplies the pushed gradient of SGD-family
+            optimizers and the learning rate of scale-invariant ones
+            (:func:`~lightning_sync.ps.optim_spec.scales_learning_rate`).
+        outer_optimizer: the knob, kept as the :class:`~lightning_sync.ps.optim_spec.OptimizerSpec` dict of what it
+            builds, which the servers rebuild over their shards.
+        withdraw_lost_share: a lost worker's unused share of ``max_updates`` (``max_updates / W`` minus its pushes) is
+            withdrawn, for an end given in epochs; without it the live workers make its updates (an end in steps).
 
     Raises:
         ConfigError: a field is out of range; the message names the field, the value and what is allowed.

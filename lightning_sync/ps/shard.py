@@ -1,6 +1,5 @@
-"""One server's shard: its authoritative parameters, their optimizer, the version clock, the worker clocks and the
-staleness record, with the arithmetic of a step. No communication (the loop is :mod:`lightning_sync.ps.server`).
-"""
+"""One server's shard and the arithmetic of a step, without communication (the loop is
+:mod:`lightning_sync.ps.server`)."""
 
 from __future__ import annotations
 
@@ -20,15 +19,15 @@ STALENESS_CAP = 1024
 
 
 class ServerShard:
-    """The authoritative parameters of one shard, their optimizer, the version clock and the worker clocks.
+    """The authoritative parameters of one shard, their optimizer, the version clock, the worker clocks and the
+    staleness record.
 
     Args:
         params: initial values of the shard's parameters (copied to CPU; shard order).
         indices: for each, its index in the workers' ordered parameter list.
         spec: the workers' optimizer (:func:`~lightning_sync.ps.optim_spec.optimizer_spec`).
         num_workers: number of workers (size of the clocks).
-        outer: async local SGD (``local_steps > 1``): builds the outer optimizer over the whole shard, which then
-            steps every push instead of ``spec``'s (``None``: the workers' optimizer).
+        outer: (``local_steps > 1``) builds the outer optimizer over the whole shard, which steps instead of ``spec``'s.
 
     Raises:
         ValueError: ``params`` and ``indices`` differ in length, or ``num_workers < 1``.
@@ -56,7 +55,7 @@ class ServerShard:
             built = [build_shard_optimizer(spec, self.params, self.indices, k) for k in range(spec.num_optimizers)]
             self.optimizers = [opt for opt, _ in built]
             self.group_maps = [mirrored for _, mirrored in built]
-            self.owner = [spec.owner_of(spec.group_of[i]) for i in self.indices]  # each shard parameter's optimizer
+            self.owner = [spec.owner[spec.group_of[i]] for i in self.indices]  # each shard parameter's optimizer
             self.scale_lr = [scales_learning_rate(spec, k) for k in range(spec.num_optimizers)]
         self.num_workers = num_workers
         self.version = 0
@@ -66,7 +65,6 @@ class ServerShard:
         self._packed: torch.Tensor | None = None
         self._packed_version = -1
 
-    # ---------------------------------------------------------------- arithmetic
     def apply(
         self,
         grad: torch.Tensor,
@@ -75,16 +73,11 @@ class ServerShard:
         clip: Clip | None = None,
         scale: float = 1.0,
     ) -> None:
-        """One step of the worker's optimizer number ``optimizer`` with ``grad`` (fp32, layout order) at the workers'
-        learning rates ``lrs`` (every group of every optimizer).
-
-        Guarantees: each param group's ``lr`` is set to ``lrs[g]`` of the worker group it mirrors before the step,
-        times ``scale`` for a scale-invariant optimizer (:func:`~lightning_sync.ps.optim_spec.scales_learning_rate`);
-        the gradient of that optimizer's parameters is clipped as ``clip`` says (``torch.nn.utils``' own functions,
-        as Lightning's precision plugins call them), then multiplied by ``scale`` for any other; only that optimizer's
-        parameters change; ``version`` increases by one (also when this shard holds none of its parameters);
-        gradients are cleared after the step.
-        """
+        """One step of the worker's optimizer number ``optimizer`` with ``grad`` (fp32, layout order), each group at
+        the learning rate in ``lrs`` of the worker group it mirrors. ``scale`` multiplies the learning rate of a
+        scale-invariant optimizer (:func:`~lightning_sync.ps.optim_spec.scales_learning_rate`), else the gradient,
+        after ``clip`` (``torch.nn.utils``' functions, as Lightning's). ``version`` increases by one, also when the
+        shard holds none of that optimizer's parameters."""
         if grad.numel() != self.layout.numel:
             raise ValueError(f"gradient has {grad.numel()} entries, the shard {self.layout.numel}")
         if not 0 <= optimizer < len(self.optimizers):
@@ -121,16 +114,13 @@ class ServerShard:
         return self._packed
 
     def record(self, worker: int, staleness: int) -> None:
-        """Books one applied push of ``worker`` with its staleness (counted under :data:`STALENESS_CAP` from there
-        up; the last value is kept as it is)."""
+        """Books one applied push of ``worker`` with its staleness."""
         self.clocks[worker] += 1
         self.last_staleness[worker] = int(staleness)
         self.staleness_counts[worker][min(int(staleness), STALENESS_CAP)] += 1
 
-    # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """Parameters, optimizer state, version, worker clocks and the staleness record (all copies; its size does
-        not grow with the number of pushes)."""
+        """Parameters, optimizer state, version, worker clocks and the staleness record (copies, of bounded size)."""
         return {
             "indices": list(self.indices),
             "params": [p.detach().clone() for p in self.params],
@@ -142,11 +132,8 @@ class ServerShard:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores :meth:`state_dict` in place (bit for bit).
-
-        Raises:
-            ValueError: the state belongs to another shard (other parameter indices, shapes or worker count).
-        """
+        """Restores :meth:`state_dict` in place, bit for bit (older forms too); ``ValueError`` if it is another
+        shard's (other parameter indices, shapes or worker count)."""
         if list(state["indices"]) != self.indices:
             raise ValueError(f"state holds parameters {list(state['indices'])}, this shard {self.indices}")
         if len(state["clocks"]) != self.num_workers:

@@ -9,20 +9,14 @@ from lightning_sync.errors import check_range
 
 
 class Straggler:
-    """Sleeps, on the slow worker only, ``slowdown - 1`` times the time its step took, so its step takes
-    ``slowdown`` times as long (``slow_worker=2, slowdown=3.0``: worker 2 is 3x slower). On every other worker it
-    does nothing.
-
-    Call :meth:`step_start` when a step begins and :meth:`step_end` when it ends (the adapter: in
-    ``on_train_batch_start`` / right after the push, so that the whole step, round trip included, is stretched), or
-    use :meth:`delay` with a step time measured elsewhere.
+    """Makes the slow worker's steps take ``slowdown`` times as long (``slow_worker=2, slowdown=3.0``: worker 2 is 3x
+    slower) by sleeping at :meth:`step_end`; nothing on the other workers.
 
     Args:
         worker: this process's worker rank.
         slow_worker: the rank of the worker to slow down, or ``None`` for none.
         slowdown: the factor, ``>= 1`` (``1`` does nothing).
-        clock: returns the current time in seconds (a test passes a fake one).
-        sleep: sleeps for the given seconds (a test passes one that advances its fake clock).
+        clock: returns the current time in seconds; ``sleep`` sleeps (a test passes fakes).
 
     Raises:
         ValueError: ``slowdown < 1`` or a rank is negative.
@@ -47,31 +41,17 @@ class Straggler:
         self._clock, self._sleep = clock, sleep
         self._started: float | None = None
 
-    @property
-    def active(self) -> bool:
-        """Whether this worker is the one slowed down."""
-        return self.slow_worker == self.worker and self.slowdown > 1.0
-
     def step_start(self) -> None:
         """Marks the start of a step."""
         self._started = self._clock()
 
     def step_end(self) -> float:
-        """Sleeps ``(slowdown - 1) x`` the time since :meth:`step_start` if this is the slow worker.
-
-        Returns:
-            The seconds slept (``0`` on other workers, or without a :meth:`step_start`).
-        """
-        if self._started is None:
+        """Sleeps ``(slowdown - 1) x`` the time since :meth:`step_start` if this is the slow worker; returns the seconds
+        slept (``0`` on other workers, or without a :meth:`step_start`)."""
+        started, self._started = self._started, None
+        extra = 0.0 if started is None else (self.slowdown - 1.0) * (self._clock() - started)
+        if extra <= 0 or self.slow_worker != self.worker:
             return 0.0
-        elapsed, self._started = self._clock() - self._started, None
-        return self.delay(elapsed)
-
-    def delay(self, step_s: float) -> float:
-        """Sleeps ``(slowdown - 1) * step_s`` if this is the slow worker; returns the seconds slept."""
-        if not self.active or step_s <= 0:
-            return 0.0
-        extra = (self.slowdown - 1.0) * step_s
         self._sleep(extra)
         self.slept_s += extra
         return extra

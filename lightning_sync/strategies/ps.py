@@ -536,7 +536,7 @@ class ReplyMetrics:
         self._logged: tuple[int, tuple[int, ...]] | None = None  # version and servers' ingress at the last one
 
     def of(self, reply: Any) -> dict[str, float]:
-        """The metrics of ``reply`` (a :class:`~lightning_sync.ps.reply.PSReply`), to be logged now."""
+        """The metrics of ``reply`` (a :class:`~lightning_sync.ps.client.PSReply`), to be logged now."""
         metrics = {"ps/version": float(reply.version)}
         if reply.stalest >= 0 and self.staleness:
             metrics["ps/staleness"] = float(reply.stalest)
