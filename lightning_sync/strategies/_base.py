@@ -6,8 +6,10 @@ teardown come from it) that connects the algorithms of :mod:`lightning_sync.comm
 
 from __future__ import annotations
 
+import atexit
 import gc
 import inspect
+import os
 import textwrap
 import warnings
 from collections.abc import Callable, Generator, Iterator, Mapping
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -27,15 +30,15 @@ from lightning_sync.comm.compression import Compressor
 from lightning_sync.comm.consistency import TensorMismatch, check_replicas, check_same_structure, named_replicated_state
 from lightning_sync.comm.meter import CommMeter, CommStats
 from lightning_sync.comm.nonfinite import NonFiniteStepWarning, drop_grads, grads_are_finite, skipped_step_message
-from lightning_sync.comm.peer_errors import PeerError, naming_peer
+from lightning_sync.comm.peer_errors import PeerError, naming_peer, rendezvous_timeout_s
 from lightning_sync.config import StrategyConfig, knob_docs
 from lightning_sync.errors import ConfigError
+from lightning_sync.ft.config import as_fault_tolerance, require_torchft
 from lightning_sync.strategies import _checkpoint
 from lightning_sync.strategies._gradients import GradientAllReduce
 from lightning_sync.strategies._launcher import configure_launcher
 from lightning_sync.strategies._lightning import LightningDDPHooks, insert_callback_first
 from lightning_sync.strategies._metrics import SyncMetricsLogger
-from lightning_sync.strategies._rendezvous import join_default_group
 
 LIGHTNING_ARGUMENTS: dict[str, str] = {
     "accelerator": "Lightning's accelerator (``None``: the Trainer's).",
@@ -92,6 +95,47 @@ def _args_section(strategy: type) -> str:
     return "\n".join(lines)
 
 
+def join_default_group(strategy: Any) -> None:
+    """Joins the default process group through a ``TCPStore`` that waits :func:`rendezvous_timeout_s` for the ranks
+    and then ``timeout_s`` for any key; the group's collectives wait ``timeout_s``. Lightning then leaves the group.
+
+    Under torchrun the agent's store outlives a restart, so each attempt's keys are prefixed by its restart count: a
+    restarted rank would otherwise read a peer's address from the failed attempt ("Gloo connectFullMesh failed",
+    torch issue #135712; ``tests/test_restart.py``).
+
+    Args:
+        strategy: a lightning_sync strategy whose world ranks are set (``set_world_ranks``).
+    """
+    if dist.is_initialized():
+        return
+    env, timeout_s = strategy.cluster_environment, strategy.config.timeout_s
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        env.main_address,
+        env.main_port,
+        strategy.world_size,
+        is_master=strategy.global_rank == 0 and not agent_store,
+        timeout=timedelta(seconds=rendezvous_timeout_s(timeout_s)),
+        wait_for_workers=True,
+        multi_tenant=True,  # as torch's env:// rendezvous: other stores of this process may share the port
+    )
+    store.set_timeout(timedelta(seconds=timeout_s))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = env.main_address, str(env.main_port)  # as Lightning does
+    device = strategy.root_device
+    backend = strategy.process_group_backend or dist.get_default_backend_for_device(device)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"lightning_sync/attempt_{attempt}", store),
+        rank=strategy.global_rank,
+        world_size=strategy.world_size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=None if device.type == "cpu" else device,
+    )
+    if backend == "nccl":  # as Lightning does: torch warns at exit about an NCCL group left alive
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+
+
 class SyncStrategyBase(LightningDDPHooks):
     """Base of the lightning_sync strategies.
 
@@ -117,12 +161,12 @@ class SyncStrategyBase(LightningDDPHooks):
         config: the validated config.
         meter: the communication meter (made in :meth:`setup_environment`, once the process group exists).
         gradients: the hand-made gradient all-reduce, where the mode has one (``None``: torch DDP, or none).
+        fault_tolerance: the ``fault_tolerance`` knob of ``allreduce`` and ``periodic`` (``None``: none): the
+            strategy's ranks are one replica group of :mod:`lightning_sync.ft`.
         skipped_steps: optimizer steps skipped because the gradients held a NaN or Inf (``skip_nonfinite``).
     """
 
     config_class: ClassVar[type[StrategyConfig]] = StrategyConfig
-    skips_nonfinite_steps: ClassVar[bool] = True
-    """Whether ``skip_nonfinite`` applies to this mode (see :mod:`lightning_sync.comm.nonfinite`)."""
     strategy_name: ClassVar[str] = ""
     """The name registered with Lightning's ``StrategyRegistry`` (the first docstring line is its description)."""
     config: Any  # a config_class instance: each mode reads its own knobs
@@ -135,6 +179,9 @@ class SyncStrategyBase(LightningDDPHooks):
         self.gradients: GradientAllReduce | None = None  # a mode's _check_algorithm_knobs may build it
         try:
             self.config = self.config_class.from_arguments(arguments)
+            self.fault_tolerance = as_fault_tolerance(getattr(self.config, "fault_tolerance", None))
+            if self.fault_tolerance is not None:
+                require_torchft()  # a one-line error naming the lightning-sync[ft] extra
             self._check_algorithm_knobs()
         except ConfigError as error:
             raise error.under("strategy") from None
@@ -179,9 +226,19 @@ class SyncStrategyBase(LightningDDPHooks):
         """Lightning's launcher for the start method, Hydra-aware for ``popen`` (see ``_launcher``)."""
         configure_launcher(self, super().configure_launcher)
 
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """With fault tolerance, this group's ranks read shard ``replica_group`` of ``num_replica_groups``."""
+        kwargs, ft = super().distributed_sampler_kwargs, self.fault_tolerance
+        if ft is None:
+            return kwargs
+        size = int(kwargs["num_replicas"])
+        return dict(kwargs, num_replicas=size * ft.num_replica_groups, rank=ft.replica_group * size + kwargs["rank"])
+
     @override
     def setup_distributed(self) -> None:
-        """Joins the process group (:func:`~lightning_sync.strategies._rendezvous.join_default_group`: the ranks
+        """Joins the process group (:func:`join_default_group`: the ranks
         meet within ``rendezvous_timeout_s(timeout_s)``), then sets up as Lightning does."""
         self.set_world_ranks()
         join_default_group(self)
@@ -320,7 +377,7 @@ class SyncStrategyBase(LightningDDPHooks):
     def _skipping_nonfinite(self, closure: Callable[[], Any], optimizer: Optimizer) -> Callable[[], Any]:
         """``closure``, then, if the (synced) gradients hold a NaN or Inf, the step is skipped and counted (see
         :mod:`lightning_sync.comm.nonfinite`; with a GradScaler the scaler skips it)."""
-        if not (self.config.skip_nonfinite and self.skips_nonfinite_steps):
+        if not self.config.skip_nonfinite:
             return closure
 
         def run() -> Any:
@@ -381,7 +438,7 @@ class SyncStrategyBase(LightningDDPHooks):
             return metrics
         steps, self._steps_unlogged = self._steps_unlogged, 0
         metrics.update({key: value / steps for key, value in self.meter.step().as_metrics().items()})
-        if self.config.skip_nonfinite and self.skips_nonfinite_steps:
+        if self.config.skip_nonfinite:
             metrics["sync/skipped_steps"] = float(self.skipped_steps)
         return metrics
 
@@ -409,15 +466,24 @@ class SyncStrategyBase(LightningDDPHooks):
                 raise
             raise PeerError(f"{error}; {cause}") from error.__cause__
 
+    @property
+    def _detached(self) -> bool:
+        """Whether Lightning's collectives act on this rank alone now (``ps`` async/ssp; read by the benchmark's
+        timer): each returns this rank's own value, and ``reduce_boolean_decision`` its own decision."""
+        return False
+
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        """Lightning's barrier; a silent or lost rank is named."""
-        with self._naming_lost_peer("barrier"):
-            super().barrier(*args, **kwargs)
+        """Lightning's barrier (none while :attr:`_detached`); a silent or lost rank is named."""
+        if not self._detached:
+            with self._naming_lost_peer("barrier"):
+                super().barrier(*args, **kwargs)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Lightning's broadcast; a silent or lost rank is named."""
+        if self._detached:
+            return obj
         with self._naming_lost_peer("broadcast"):
             return super().broadcast(obj, src)
 
@@ -425,12 +491,17 @@ class SyncStrategyBase(LightningDDPHooks):
     def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         """Lightning's reduce (``self.log(sync_dist=True)``, ``reduce_boolean_decision``); a silent or lost rank is
         named."""
+        if self._detached:
+            return tensor
         with self._naming_lost_peer("reduce"):
             return super().reduce(tensor, *args, **kwargs)
 
     @override
     def all_gather(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's all_gather; a silent or lost rank is named."""
+        """Lightning's all_gather (this rank's tensor as the only row while :attr:`_detached`); a silent or lost rank
+        is named."""
+        if self._detached:
+            return tensor.unsqueeze(0)
         with self._naming_lost_peer("all_gather"):
             return super().all_gather(tensor, *args, **kwargs)
 

@@ -13,7 +13,6 @@ from lightning_sync.algorithms import build_parts
 from lightning_sync.comm.compression import Compressor
 from lightning_sync.config import AllReduceConfig
 from lightning_sync.strategies._base import SyncStrategyBase
-from lightning_sync.strategies._fault_tolerance import fault_tolerance_of, replica_group_shard
 from lightning_sync.strategies._gradients import GradientAllReduce
 
 
@@ -70,8 +69,7 @@ class AllReduceStrategy(SyncStrategyBase):
         cfg = self.config
         new_compressor = build_parts(cfg).new_compressor
         assert new_compressor is not None  # set for every gradient-syncing mode
-        check_finite = cfg.skip_nonfinite and self.skips_nonfinite_steps
-        self.gradients = GradientAllReduce(cfg, new_compressor, check_finite, fault_tolerance_of(cfg.fault_tolerance))
+        self.gradients = GradientAllReduce(cfg, new_compressor, self.fault_tolerance)
 
     @override
     def configure_ddp(self) -> None:
@@ -81,13 +79,6 @@ class AllReduceStrategy(SyncStrategyBase):
         ``requires_grad`` belongs to exactly one bucket.
         """
         self._setup_gradients()
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """With fault tolerance, this group's ranks read shard ``replica_group`` of ``num_replica_groups``."""
-        assert self.gradients is not None
-        return replica_group_shard(super().distributed_sampler_kwargs, self.gradients.fault_tolerance)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

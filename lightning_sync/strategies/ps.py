@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -17,9 +20,10 @@ from lightning.pytorch.plugins import CheckpointIO, ClusterEnvironment, Precisio
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
+from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_sync.algorithms import build_parts, ps_settings
+from lightning_sync.algorithms import ps_settings
 from lightning_sync.comm.averaging import OptimizerCallable
 from lightning_sync.comm.compression import Compressor
 from lightning_sync.comm.peer_errors import PeerError, names_a_silent_peer
@@ -38,11 +42,18 @@ from lightning_sync.ps import (
     optimizer_spec,
     start_servers,
 )
+from lightning_sync.ps.elastic import servers_at_end
 from lightning_sync.ps.outer import LocalSteps
 from lightning_sync.strategies._base import SyncStrategyBase
-from lightning_sync.strategies._detached import Detachment
-from lightning_sync.strategies._lightning import restore_clip_gradients, route_clip_gradients, set_global_step
-from lightning_sync.strategies._ps_membership import Membership, check_join_address, publish_fit, running_fit
+from lightning_sync.strategies._lightning import (
+    loop_limits,
+    restore_clip_gradients,
+    route_clip_gradients,
+    set_global_step,
+    set_loop_limits,
+)
+
+_FIT_KEY = "lightning_sync/ps/fit"  # "<prefix> <worker ranks> <spare slots> <servers>" of the running fit, for join
 
 
 class ParameterServerStrategy(SyncStrategyBase):
@@ -55,7 +66,7 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     ``sync`` keeps the workers in lockstep. In ``async`` and ``ssp`` the servers' version counts the steps
     (``max_steps=N``: N pushes; ``max_epochs=E``: E epochs' worth of samples) and the workers never wait for each
-    other (:class:`~lightning_sync.strategies._detached.Detachment`). Logged: ``ps/*`` (see :class:`ReplyMetrics`).
+    other (:class:`Detachment`). Logged: ``ps/*`` (see :class:`ReplyMetrics`).
 
     Example::
 
@@ -68,7 +79,6 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     config_class = ParameterServerConfig
     strategy_name = "sync_ps"
-    skips_nonfinite_steps = True  # the push carries the check and the servers skip (see _skipping_nonfinite)
 
     def __init__(
         self,
@@ -116,7 +126,8 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     @override
     def _check_algorithm_knobs(self) -> None:
-        build_parts(self.config)
+        """Builds the servers' settings (``max_updates`` is added once training starts)."""
+        self._settings = ps_settings(self.config)
 
     @property
     def tolerates_lost_ranks(self) -> bool:
@@ -136,8 +147,8 @@ class ParameterServerStrategy(SyncStrategyBase):
         return self.membership.added
 
     @property
+    @override
     def _detached(self) -> bool:
-        """Whether Lightning's collectives act on this rank alone now (read by the benchmark's timer)."""
         return self._detachment.detached
 
     # ------------------------------------------------------------------ launch and setup
@@ -146,8 +157,13 @@ class ParameterServerStrategy(SyncStrategyBase):
         """Checks the placement and ``slow_worker`` against the number of ranks (before any rank starts). A worker
         added to a running job (``join``) launches nothing: it is one process, which needs the job's address."""
         world, cfg = self.num_processes * self.num_nodes, self.config
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+        if cfg.join and missing:
+            raise ConfigError(
+                f"strategy.join=true needs {' and '.join(missing)} in the environment: the address and port of "
+                "the running job's rank 0 (start that job with MASTER_PORT set, and give this process the same)"
+            )
         if cfg.join:
-            check_join_address()
             return
         if cfg.placement == "colocated" and cfg.num_servers > world:
             raise ConfigError(
@@ -163,9 +179,8 @@ class ParameterServerStrategy(SyncStrategyBase):
         """Joins the process group as the base does. A worker added with ``join`` is a world of its own instead:
         Lightning's default process group needs every rank at once, so its collectives act on itself; it samples
         the whole training set."""
-        if self.config.join and not dist.is_initialized():
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        self._detachment.alone = self.config.join
+        if self.config.join:
+            self._detachment.go_alone()
         super().setup_distributed()
 
     @override
@@ -174,27 +189,19 @@ class ParameterServerStrategy(SyncStrategyBase):
         lets the servers' version end the run and keeps validation metrics local to each worker."""
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            self._check_module(trainer)
+            if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
+                raise ConfigError(
+                    "strategy=ps does not support precision='16-mixed': each worker's GradScaler would "
+                    "never see the servers' steps; use 32 or bf16-mixed"
+                )
             if self.tolerates_lost_ranks:  # the workers run apart: no Lightning collective among them
                 self._detachment.hand_the_end_to_the_mode(trainer)
         super().setup(trainer)
         if fitting:
             self._join_servers()
-            if self._local_steps == 1:  # with local steps the workers' own optimizers step, and clip
-                self._clip_on_the_servers()
-
-    def _clip_on_the_servers(self) -> None:
-        """Gradient clipping goes with the optimizer's next push, and the servers clip
-        (:class:`ServerClips`). :meth:`teardown` puts the plugin's own back."""
-        self._clips = ServerClips()
-        route_clip_gradients(self.precision_plugin, self._clips.record)
-
-    def _check_module(self, trainer: pl.Trainer) -> None:
-        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
-            raise ConfigError(
-                "strategy=ps does not support precision='16-mixed': each worker's GradScaler would "
-                "never see the servers' steps; use 32 or bf16-mixed"
-            )
+            if self._local_steps == 1:  # the servers clip (ServerClips); with local steps the workers' optimizers
+                self._clips = ServerClips()  # step, and clip. teardown puts the plugin's own back
+                route_clip_gradients(self.precision_plugin, self._clips.record)
 
     def _join_servers(self) -> None:
         """Agrees on a store prefix for this fit, starts this rank's servers, and joins the PS group (worker ranks:
@@ -207,7 +214,8 @@ class ParameterServerStrategy(SyncStrategyBase):
         members = self.membership
         members.ps_rank = self.global_rank
         if cfg.join:  # the fit's group is running: its prefix and layout are in the store, its servers are up
-            prefix, workers, spares, servers = running_fit(store)
+            prefix, *counts = store.get(_FIT_KEY).decode().split()  # (waits for rank 0 within the store's timeout)
+            workers, spares, servers = map(int, counts)
             members.ps_rank = claim_spare_slot(store, workers, spares, prefix)
         else:
             prefix = f"lightning_sync/ps/{self.broadcast(uuid.uuid4().hex)}"
@@ -215,8 +223,8 @@ class ParameterServerStrategy(SyncStrategyBase):
                 cfg.placement, self.global_rank, host, port, workers, servers, timeout_s=cfg.timeout_s,
                 prefix=prefix, spare_workers=spares,
             )  # fmt: skip
-            if self.global_rank == 0:
-                publish_fit(store, prefix, workers, spares, servers)
+            if self.global_rank == 0:  # for the workers that take part late
+                store.set(_FIT_KEY, f"{prefix} {workers} {spares} {servers}")
         members.first_workers = workers - spares
         self._group = PSGroup(
             store, members.ps_rank, workers, servers, cfg.timeout_s, prefix=prefix, meter=self.meter, rejoin=cfg.join
@@ -226,8 +234,7 @@ class ParameterServerStrategy(SyncStrategyBase):
     @property
     def _local_steps(self) -> int:
         """Inner steps per push (``auto``: the fastest worker's, ``max_local_steps``)."""
-        cfg = self.config
-        return cfg.max_local_steps if cfg.local_steps == "auto" else cfg.local_steps
+        return self._settings.local_steps
 
     @override
     def configure_ddp(self) -> None:
@@ -255,8 +262,9 @@ class ParameterServerStrategy(SyncStrategyBase):
         spec = optimizer_spec(self.optimizers, params)
         # an end in epochs counts the live workers' samples: a lost worker's unused share of the updates is withdrawn
         withdraw = by_epochs and self.config.mode != "sync"  # a sync round is one batch of each live worker already
-        settings = ps_settings(self.config, max_updates)
-        settings = dataclasses.replace(settings, elastic=self.config.elastic, withdraw_lost_share=withdraw)
+        settings = dataclasses.replace(
+            self._settings, max_updates=max_updates, elastic=self.config.elastic, withdraw_lost_share=withdraw
+        )
         self.client = PSClient(self._group, params, spec, settings)
         if self.membership.ps_rank == 0:
             self.client.init_servers(self._resume_state.get("servers"))
@@ -365,7 +373,7 @@ class ParameterServerStrategy(SyncStrategyBase):
             time.sleep(0.2)
         return None if reported is None else f"{group.name(reported[0])} reported: {reported[1]}"
 
-    # ------------------------------------------------------------------ Lightning's collectives, while detached
+    # ------------------------------------------------------------------ Lightning's view while detached
     @property
     @override
     def world_size(self) -> int:
@@ -381,32 +389,6 @@ class ParameterServerStrategy(SyncStrategyBase):
             return {"num_replicas": 1, "rank": 0}
         return super().distributed_sampler_kwargs
 
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        """No wait while detached."""
-        if not self._detachment.detached:
-            super().barrier(*args, **kwargs)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """This rank's own object while detached."""
-        return obj if self._detachment.detached else super().broadcast(obj, src)
-
-    @override
-    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        """This rank's own value while detached."""
-        return tensor if self._detachment.detached else super().reduce(tensor, *args, **kwargs)
-
-    @override
-    def all_gather(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        """This rank's own tensor, as the only row, while detached."""
-        return tensor.unsqueeze(0) if self._detachment.detached else super().all_gather(tensor, *args, **kwargs)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """This rank's own decision while detached."""
-        return decision if self._detachment.detached else super().reduce_boolean_decision(decision, all=all)
-
     # ------------------------------------------------------------------ the end, and checkpoints
     @override
     def on_train_end(self) -> None:
@@ -418,7 +400,7 @@ class ParameterServerStrategy(SyncStrategyBase):
         """Ends the servers' run, then the ranks meet and attach again. Called first in ``on_train_end`` by
         :class:`~lightning_sync.callbacks.SyncMetricsLogger` (the other callbacks may use collectives there), then by
         :meth:`on_train_end` (a no-op). After a lost rank, or on a worker added with ``join``, the rank stays a world
-        of its own (:attr:`~lightning_sync.strategies._ps_membership.Membership.can_attach`)."""
+        of its own (:attr:`Membership.can_attach`)."""
         self._end_mode_run()
         if self._detachment.detached and self.membership.can_attach:
             self._detachment.detached = False
@@ -550,3 +532,111 @@ class ReplyMetrics:
                 metrics[f"ps/server{i}_ingress_per_update"] = (now - then) / (reply.version - self._logged[0])
         self._logged = (reply.version, reply.server_bytes_recv)
         return metrics
+
+
+class Detachment:
+    """Whether this rank's Lightning collectives act on it alone now, and what the fit changed for that.
+
+    Lightning ties the ranks together through the strategy's collectives (``barrier``, ``broadcast``,
+    ``all_gather``, ``reduce``, ``reduce_boolean_decision``) and a per-batch SIGTERM-flag broadcast whenever
+    ``world_size > 1``. While :attr:`detached` (the parameter server's async and ssp), the collectives return the
+    rank's own value and ``world_size`` reads 1, so no rank issues one the others would have to match; every rank
+    leaves the phase at the same point of the program.
+    """
+
+    def __init__(self) -> None:
+        self.detached = False  # the strategy's collectives act on this rank alone
+        self.alone = False  # this rank is a world of its own for the rest of the job (joined late, or a rank was lost)
+        self._loop_limits: tuple[pl.Trainer, Any, int | None] | None = None  # the fit's own, while the mode ends it
+        self._metric_syncs: list[tuple[Metric, Callable[[], bool]]] = []  # each metric's own distributed_available_fn
+
+    @property
+    def in_fit(self) -> bool:
+        """Whether a fit whose ranks run apart is under way (from :meth:`hand_the_end_to_the_mode` to :meth:`restore`)."""
+        return self._loop_limits is not None
+
+    @property
+    def max_epochs(self) -> int | None:
+        """The fit's own ``max_epochs`` while the mode ends the run (``None`` otherwise)."""
+        return None if self._loop_limits is None else self._loop_limits[2]
+
+    def hand_the_end_to_the_mode(self, trainer: pl.Trainer) -> None:
+        """For a fit whose ranks will detach: no epoch limit (the mode ends the run by setting ``should_stop``), and
+        the module's torchmetrics keep their values local while detached. :meth:`restore` undoes both."""
+        self._loop_limits = (trainer, *loop_limits(trainer))
+        set_loop_limits(trainer, limit_val_batches=self._loop_limits[1], max_epochs=-1)
+        self._keep_metrics_local(trainer.lightning_module)
+
+    def restore(self) -> None:
+        """Puts back the loop limits and the metrics' own ``distributed_available_fn``."""
+        if self._loop_limits is not None:
+            trainer, limit_val, max_epochs = self._loop_limits
+            set_loop_limits(trainer, limit_val, max_epochs)
+            self._loop_limits = None
+        for metric, available in self._metric_syncs:
+            metric.distributed_available_fn = available
+        self._metric_syncs = []
+
+    def _keep_metrics_local(self, module: pl.LightningModule) -> None:
+        """A torchmetrics ``Metric`` syncs its state across ranks in ``compute()`` through ``torch.distributed``
+        itself, not through the strategy: while detached, each of the module's metrics reads as not distributed
+        (through its documented ``distributed_available_fn``), so it computes this rank's value and waits for no
+        one."""
+        self._metric_syncs = [(m, m.distributed_available_fn) for m in module.modules() if isinstance(m, Metric)]
+        for metric, available in self._metric_syncs:
+            metric.distributed_available_fn = functools.partial(_unless_detached, self, available)
+
+    def go_alone(self) -> None:
+        """For the rest of the job this rank is a world of its own (joined late, or a rank was lost): the default
+        process group, if any, is replaced by a one-member group (Lightning's own calls on it, e.g. a test's
+        module-state broadcast, then wait for no one), collectives stay local and every dataloader covers the whole
+        dataset."""
+        self.alone = True
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _unless_detached(detachment: Detachment, available: Callable[[], bool]) -> bool:
+    return not detachment.detached and available()
+
+
+class Membership:
+    """Who takes part in the ``ps`` fit: this worker's rank in the PS group, the workers the fit started with, and
+    at the end, the workers the servers dropped (and why) and took in a spare slot, by worker rank.
+
+    Args:
+        elastic: whether a lost worker leaves the job running (then :meth:`take_at_end` asks the servers).
+        late: whether this process is a worker added to a running fit with ``join``.
+    """
+
+    def __init__(self, elastic: bool, late: bool) -> None:
+        self.elastic, self.late = elastic, late
+        self.ps_rank = -1  # this worker's rank in the PS group: its global rank, or (join) the spare slot it took
+        self.first_workers = 0  # the workers the fit started with (the PS group's worker ranks before the spare slots)
+        self.lost: dict[int, str] = {}  # elastic modes: the workers the servers dropped, and why
+        self.added: list[int] = []  # the workers added to the run in a spare slot (their ranks)
+
+    @property
+    def can_attach(self) -> bool:
+        """Whether the ranks can meet again after the fit. After a lost worker the survivors stay apart: a collective
+        would wait for the lost rank. A worker added in a spare slot is in no one's default process group: it stays
+        apart, and the others attach as usual."""
+        return not (self.lost or self.late)
+
+    def take_at_end(self, client: Any, timeout_s: float) -> None:
+        """After the stop, before the goodbye (elastic modes): who was lost once every worker is accounted for
+        (:func:`~lightning_sync.ps.elastic.servers_at_end`), and the servers' joins: a join in a spare slot (a
+        rank of ``first_workers`` or more) is an added worker. Worker 0 names each in a warning."""
+        if not self.elastic:
+            return
+        grace = timeout_s + min(timeout_s / 4, 5.0) + 5.0
+        self.lost, stats = servers_at_end(client, grace)
+        joined = {int(worker) for server in stats for worker in server.get("joins", {})}
+        self.added = sorted(w for w in joined if w >= self.first_workers)
+        if self.ps_rank == 0 and self.lost:
+            names = "; ".join(f"worker {w} (rank {w}): {why}" for w, why in self.lost.items())
+            warnings.warn(f"the ps run ended on the live workers; lost: {names}", stacklevel=2)
+        if self.ps_rank == 0 and self.added:
+            names = ", ".join(f"worker {w}" for w in self.added)
+            warnings.warn(f"the ps run took in workers added to it: {names}", stacklevel=2)
