@@ -13,7 +13,7 @@ from lightning_sync.callbacks.report import SyncReport
 from lightning_sync.callbacks.step_clock import StepClock, read_step_clock
 from lightning_sync.callbacks.straggler import StragglerCallback
 from lightning_sync.callbacks.summary import read_summary
-from lightning_sync.strategies._metrics import SyncMetricsLogger
+from lightning_sync.strategies._base import SyncMetricsLogger
 
 __all__ = [
     "DivergenceGuard",

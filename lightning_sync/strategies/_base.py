@@ -32,13 +32,11 @@ from lightning_sync.comm.meter import CommMeter, CommStats
 from lightning_sync.comm.nonfinite import NonFiniteStepWarning, drop_grads, grads_are_finite, skipped_step_message
 from lightning_sync.comm.peer_errors import PeerError, naming_peer, rendezvous_timeout_s
 from lightning_sync.config import StrategyConfig, knob_docs
-from lightning_sync.errors import ConfigError
+from lightning_sync.errors import CheckpointError, ConfigError
 from lightning_sync.ft.config import as_fault_tolerance, require_torchft
-from lightning_sync.strategies import _checkpoint
 from lightning_sync.strategies._gradients import GradientAllReduce
 from lightning_sync.strategies._launcher import configure_launcher
 from lightning_sync.strategies._lightning import LightningDDPHooks, insert_callback_first
-from lightning_sync.strategies._metrics import SyncMetricsLogger
 
 LIGHTNING_ARGUMENTS: dict[str, str] = {
     "accelerator": "Lightning's accelerator (``None``: the Trainer's).",
@@ -136,6 +134,105 @@ def join_default_group(strategy: Any) -> None:
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 
 
+_CHECKPOINT_KEY = "lightning_sync"
+_WEIGHTS_ONLY_HINT = (
+    "to start a new run from its weights only, load them into the module (e.g. Module.load_from_checkpoint) and fit "
+    "without ckpt_path"
+)
+
+
+def sync_state_path(checkpoint_path: str | Path, rank: int) -> Path:
+    """The file holding rank ``rank``'s sync state, next to the checkpoint ``checkpoint_path`` (a symlink, as
+    ``ModelCheckpoint(save_last="link")`` writes for ``last.ckpt``, is followed to the file it names)."""
+    path = Path(checkpoint_path)
+    if path.is_symlink():
+        path = path.resolve()
+    return path.with_name(f"{path.name}.rank{rank}.pt")
+
+
+def _read_checkpoint(path: Path, load: Callable[[], Any]) -> Any:
+    """``load()``, the reading of ``path``.
+
+    Raises:
+        CheckpointError: the file is missing, truncated, corrupt or not a PyTorch checkpoint.
+    """
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist (or is not a file)")
+    try:
+        return load()
+    except Exception as error:  # torch.load raises many types for a truncated or foreign file
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} cannot be read ({type(error).__name__}: {error}); the file is truncated, "
+            "corrupt or not a PyTorch checkpoint"
+        ) from error
+
+
+def _check_resumable(checkpoint: Any, path: Path, strategy: str, ranks: int, rank: int) -> Path:
+    """Checks that Lightning's ``checkpoint`` (read from ``path``) was saved by a ``strategy`` run of ``ranks``
+    ranks, with rank ``rank``'s sync-state file next to it.
+
+    Returns:
+        That file (:func:`sync_state_path`).
+
+    Raises:
+        CheckpointError: it is not a Lightning checkpoint, has no lightning_sync state, was saved by another
+            strategy or another number of ranks, or the rank's file is missing.
+    """
+    if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint:
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a Lightning checkpoint (no 'state_dict')")
+    saved = checkpoint.get(_CHECKPOINT_KEY)
+    if saved is None:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has no lightning_sync state (it was saved by another strategy, e.g. "
+            f"Lightning's own), so this {strategy!r} run cannot resume from it; {_WEIGHTS_ONLY_HINT}"
+        )
+    if saved.get("strategy") != strategy:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was saved by strategy {saved.get('strategy')!r}, this run uses "
+            f"{strategy!r}; resume with the same strategy, or {_WEIGHTS_ONLY_HINT}"
+        )
+    if saved.get("world_size") != ranks:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was saved by {saved.get('world_size')} ranks, this run has "
+            f"{ranks}; resume with the same number of ranks, or {_WEIGHTS_ONLY_HINT}"
+        )
+    own = sync_state_path(path, rank)
+    if not own.is_file():
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has no sync state of rank {rank}: {str(own)!r} does not exist "
+            "(each rank writes its own file next to the checkpoint; copy or move them together)"
+        )
+    return own
+
+
+class SyncMetricsLogger(pl.Callback):
+    """Logs a lightning_sync strategy's metrics (``comm/*``, ``sync/*``) after each training batch.
+
+    Logs ``trainer.strategy.step_metrics(write)`` with ``LightningModule.log_dict`` (on step, not synced across ranks);
+    ``write``: whether the logger writes this step (``global_step`` a multiple of ``log_every_n_steps``, or the end).
+    """
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step_metrics = getattr(trainer.strategy, "step_metrics", None)
+        if step_metrics is None:
+            return
+        every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning's logger connector
+        metrics = step_metrics((every > 0 and trainer.global_step % every == 0) or trainer.should_stop)
+        if metrics:
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """First among the callbacks' ``on_train_end``: a strategy whose ranks ran apart (``ps`` async/ssp) ends
+        that run and has the ranks meet again, so the other callbacks' ``on_train_end`` may use collectives."""
+        end_detached_run = getattr(trainer.strategy, "end_detached_run", None)
+        if end_detached_run is not None:
+            end_detached_run()
+
+
 class SyncStrategyBase(LightningDDPHooks):
     """Base of the lightning_sync strategies.
 
@@ -146,8 +243,7 @@ class SyncStrategyBase(LightningDDPHooks):
 
     A mode holds its algorithm objects and this class forwards Lightning's hooks to them (a mode that all-reduces
     gradients by hand sets :attr:`gradients`). Every mode gets here the replica checks (:meth:`check_replicas`),
-    Lightning's collectives with a lost peer named, and per-rank sync state in checkpoints
-    (:mod:`~lightning_sync.strategies._checkpoint`).
+    Lightning's collectives with a lost peer named, and per-rank sync state in checkpoints (:meth:`save_checkpoint`).
 
     Args:
         arguments: the mode's constructor arguments, by name: one per field of ``config_class`` and one per
@@ -259,7 +355,7 @@ class SyncStrategyBase(LightningDDPHooks):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         """Sets up the model and optimizers, restores sync state from a checkpoint being resumed, and adds the
-        :class:`~lightning_sync.strategies._metrics.SyncMetricsLogger` callback (first, so that the other callbacks'
+        :class:`SyncMetricsLogger` callback (first, so that the other callbacks'
         batch-end hooks see this step's ``comm/*`` and ``sync/*``).
 
         Raises:
@@ -426,7 +522,7 @@ class SyncStrategyBase(LightningDDPHooks):
     # ------------------------------------------------------------------ metrics
     def step_metrics(self, write: bool) -> dict[str, float]:
         """The metrics to log after a training batch (called by
-        :class:`~lightning_sync.strategies._metrics.SyncMetricsLogger`): ``ft/*`` with fault tolerance, and
+        :class:`SyncMetricsLogger`): ``ft/*`` with fault tolerance, and
         ``comm/*``.
 
         Args:
@@ -529,7 +625,7 @@ class SyncStrategyBase(LightningDDPHooks):
         the authority)."""
         return None
 
-    # ------------------------------------------------------------------ checkpoint (see _checkpoint)
+    # ------------------------------------------------------------------ checkpoint
     def _active_compressor(self) -> Compressor | None:
         """The compressor whose memory belongs in checkpoints (``None``: none yet, or the mode has none)."""
         return None if self.gradients is None else self.gradients.compressor
@@ -587,13 +683,16 @@ class SyncStrategyBase(LightningDDPHooks):
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
         """Rank 0 writes Lightning's checkpoint, marked with the strategy and the number of ranks; every rank writes
-        its own sync state next to it (:func:`~lightning_sync.strategies._checkpoint.sync_state_path`). Called on
+        its own sync state next to it (:func:`sync_state_path`). Called on
         every rank (Lightning's ``Trainer.save_checkpoint`` waits at a barrier afterwards); no rank sends its state
         to another."""
         # not world_size, which a detached fit (ps) reports as 1
-        _checkpoint.mark(checkpoint, self.strategy_name, self.num_nodes * self.num_processes)
+        checkpoint[_CHECKPOINT_KEY] = {
+            "strategy": self.strategy_name,
+            "world_size": self.num_nodes * self.num_processes,
+        }
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        own = _checkpoint.sync_state_path(filepath, self.global_rank)
+        own = sync_state_path(filepath, self.global_rank)
         self.checkpoint_io.save_checkpoint(self.sync_state_dict(), own)
 
     @override
@@ -601,7 +700,7 @@ class SyncStrategyBase(LightningDDPHooks):
         """Rank 0 removes Lightning's file, every rank its own sync-state file (``ModelCheckpoint`` calls this on
         every rank)."""
         super().remove_checkpoint(filepath)
-        self.checkpoint_io.remove_checkpoint(_checkpoint.sync_state_path(filepath, self.global_rank))
+        self.checkpoint_io.remove_checkpoint(sync_state_path(filepath, self.global_rank))
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -614,9 +713,9 @@ class SyncStrategyBase(LightningDDPHooks):
                 saved by another strategy or another number of ranks.
         """
         path = Path(checkpoint_path)
-        checkpoint = _checkpoint.read(path, lambda: super(SyncStrategyBase, self).load_checkpoint(path, weights_only))
-        own = _checkpoint.check_resumable(checkpoint, path, self.strategy_name, self.world_size, self.global_rank)
-        self._pending_sync_state = _checkpoint.read(
+        checkpoint = _read_checkpoint(path, lambda: super(SyncStrategyBase, self).load_checkpoint(path, weights_only))
+        own = _check_resumable(checkpoint, path, self.strategy_name, self.world_size, self.global_rank)
+        self._pending_sync_state = _read_checkpoint(
             own, lambda: self.checkpoint_io.load_checkpoint(own, weights_only=weights_only is not False)
         )
         self._pending_optimizer_states = self._pending_sync_state.get("optimizer_states")

@@ -17,8 +17,8 @@ What is used, and where Lightning defines it:
   where a hook of ours is given (``_check_can_spawn_children``, ``_set_num_threads_if_needed`` and ``procs`` used as
   Lightning's do); ``procs`` is also read by :func:`launcher_children`, ``kill`` used as it is.
 - ``launcher.launch``: replaced on one launcher instance by :func:`replace_launch`.
-- ``Trainer.limit_val_batches``, ``Trainer.fit_loop.max_epochs`` and ``Trainer.accumulate_grad_batches``: written
-  during ``fit`` by :func:`set_loop_limits` and :func:`set_accumulate_grad_batches`.
+- ``Trainer.fit_loop.max_epochs`` and ``Trainer.accumulate_grad_batches``: written during ``fit`` by
+  :func:`set_max_epochs` and :func:`set_accumulate_grad_batches`.
 - ``Trainer.callbacks``: a callback inserted first by :func:`insert_callback_first`.
 - ``Precision.clip_gradients``: replaced on the strategy's plugin instance by :func:`route_clip_gradients` and put
   back by :func:`restore_clip_gradients`.
@@ -61,7 +61,6 @@ PRIVATE_NAMES = (
 UNSTABLE_USES = (
     "launcher.procs",
     "launcher.launch (replaced)",
-    "Trainer.limit_val_batches (written)",
     "Trainer.fit_loop.max_epochs (written)",
     "Trainer.accumulate_grad_batches (written)",
     "Trainer.callbacks.insert",
@@ -162,14 +161,8 @@ def replace_launch(launcher: Any, launch: Callable[..., Any]) -> None:
     launcher.launch = launch
 
 
-def loop_limits(trainer: pl.Trainer) -> tuple[Any, int | None]:
-    """``(limit_val_batches, fit_loop.max_epochs)`` of ``trainer``, as :func:`set_loop_limits` takes them."""
-    return trainer.limit_val_batches, trainer.fit_loop.max_epochs
-
-
-def set_loop_limits(trainer: pl.Trainer, limit_val_batches: Any, max_epochs: int | None) -> None:
-    """Sets the Trainer's validation batch limit and its fit loop's epoch limit (``-1``: none), during ``fit``."""
-    trainer.limit_val_batches = limit_val_batches
+def set_max_epochs(trainer: pl.Trainer, max_epochs: int | None) -> None:
+    """Sets the fit loop's epoch limit (``-1``: none), during ``fit``."""
     trainer.fit_loop.max_epochs = max_epochs
 
 

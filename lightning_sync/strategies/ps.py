@@ -46,11 +46,10 @@ from lightning_sync.ps.elastic import servers_at_end
 from lightning_sync.ps.outer import LocalSteps
 from lightning_sync.strategies._base import SyncStrategyBase
 from lightning_sync.strategies._lightning import (
-    loop_limits,
     restore_clip_gradients,
     route_clip_gradients,
     set_global_step,
-    set_loop_limits,
+    set_max_epochs,
 )
 
 _FIT_KEY = "lightning_sync/ps/fit"  # "<prefix> <worker ranks> <spare slots> <servers>" of the running fit, for join
@@ -199,8 +198,8 @@ class ParameterServerStrategy(SyncStrategyBase):
         super().setup(trainer)
         if fitting:
             self._join_servers()
-            if self._local_steps == 1:  # the servers clip (ServerClips); with local steps the workers' optimizers
-                self._clips = ServerClips()  # step, and clip. teardown puts the plugin's own back
+            if self._settings.local_steps == 1:  # the servers clip (ServerClips); teardown puts the plugin's own
+                self._clips = ServerClips()  # back. With local steps the workers' own optimizers step, and clip
                 route_clip_gradients(self.precision_plugin, self._clips.record)
 
     def _join_servers(self) -> None:
@@ -231,11 +230,6 @@ class ParameterServerStrategy(SyncStrategyBase):
         )
         self._straggler = Straggler(members.ps_rank, cfg.slow_worker if cfg.slow_worker >= 0 else None, cfg.slowdown)
 
-    @property
-    def _local_steps(self) -> int:
-        """Inner steps per push (``auto``: the fastest worker's, ``max_local_steps``)."""
-        return self._settings.local_steps
-
     @override
     def configure_ddp(self) -> None:
         """Keeps the module unwrapped: the pull at the start of training makes the replicas identical."""
@@ -255,8 +249,9 @@ class ParameterServerStrategy(SyncStrategyBase):
             max_updates = int(epochs) * int(trainer.num_training_batches) * per_batch * len(self.optimizers)
             if self.config.mode == "sync" and not module.automatic_optimization and not self.config.elastic:
                 max_updates = None  # steps per batch are the module's: Lightning's own loop ends a lockstep run
-        if max_updates is not None and self._local_steps > 1:  # one push per local_steps worker steps (auto: the
-            max_updates = -(-max_updates // self._local_steps)  # fastest worker's count)
+        local_steps = self._settings.local_steps  # auto: the fastest worker's count
+        if max_updates is not None and local_steps > 1:  # one push per local_steps worker steps
+            max_updates = -(-max_updates // local_steps)
         params = [p for p in module.parameters() if p.requires_grad]
         assert self._group is not None
         spec = optimizer_spec(self.optimizers, params)
@@ -272,11 +267,11 @@ class ParameterServerStrategy(SyncStrategyBase):
             self.client.load_state_dict(self._resume_state["client"])
         self.last_reply = self.client.pull()
         if self.config.join:  # the step count the servers keep for this worker: its pushes applied, raised to the
-            set_global_step(trainer, max(self.last_reply.clocks) * self._local_steps)  # slowest live worker's
-        if self._local_steps > 1:
+            set_global_step(trainer, max(self.last_reply.clocks) * local_steps)  # slowest live worker's
+        if local_steps > 1:
             adaptive = self.config.local_steps == "auto"
             lrs = lambda: current_lrs(self.optimizers)  # noqa: E731
-            self._local = LocalSteps(self.client, self._local_steps, lrs, adaptive=adaptive)
+            self._local = LocalSteps(self.client, local_steps, lrs, adaptive=adaptive)
             self._local.start()
         self._detachment.detached = self.tolerates_lost_ranks
 
@@ -300,13 +295,13 @@ class ParameterServerStrategy(SyncStrategyBase):
     def _optimizer_to_step(self, optimizer: Optimizer) -> Any:
         """The optimizer with a push in place of ``step``: ``on_before_optimizer_step`` and clipping see this
         worker's gradients, which are then pushed, and the model then holds the servers' fresh parameters."""
-        return optimizer if self._local_steps > 1 else ServerStepOptimizer(optimizer, self._push)
+        return optimizer if self._settings.local_steps > 1 else ServerStepOptimizer(optimizer, self._push)
 
     @override
     def _skipping_nonfinite(self, closure: Callable[[], Any], optimizer: Optimizer) -> Callable[[], Any]:
         """The closure as it is: the push carries the check and the servers skip (:meth:`_push` counts it). With
         local steps, an inner step is skipped on the worker, as in the other modes."""
-        if self._local_steps > 1:
+        if self._settings.local_steps > 1:
             return super()._skipping_nonfinite(closure, optimizer)
         return closure
 
@@ -547,32 +542,31 @@ class Detachment:
     def __init__(self) -> None:
         self.detached = False  # the strategy's collectives act on this rank alone
         self.alone = False  # this rank is a world of its own for the rest of the job (joined late, or a rank was lost)
-        self._loop_limits: tuple[pl.Trainer, Any, int | None] | None = None  # the fit's own, while the mode ends it
+        self._fit: tuple[pl.Trainer, int | None] | None = None  # the trainer and its max_epochs, while the mode ends it
         self._metric_syncs: list[tuple[Metric, Callable[[], bool]]] = []  # each metric's own distributed_available_fn
 
     @property
     def in_fit(self) -> bool:
         """Whether a fit whose ranks run apart is under way (from :meth:`hand_the_end_to_the_mode` to :meth:`restore`)."""
-        return self._loop_limits is not None
+        return self._fit is not None
 
     @property
     def max_epochs(self) -> int | None:
         """The fit's own ``max_epochs`` while the mode ends the run (``None`` otherwise)."""
-        return None if self._loop_limits is None else self._loop_limits[2]
+        return None if self._fit is None else self._fit[1]
 
     def hand_the_end_to_the_mode(self, trainer: pl.Trainer) -> None:
         """For a fit whose ranks will detach: no epoch limit (the mode ends the run by setting ``should_stop``), and
         the module's torchmetrics keep their values local while detached. :meth:`restore` undoes both."""
-        self._loop_limits = (trainer, *loop_limits(trainer))
-        set_loop_limits(trainer, limit_val_batches=self._loop_limits[1], max_epochs=-1)
+        self._fit = (trainer, trainer.max_epochs)
+        set_max_epochs(trainer, -1)
         self._keep_metrics_local(trainer.lightning_module)
 
     def restore(self) -> None:
-        """Puts back the loop limits and the metrics' own ``distributed_available_fn``."""
-        if self._loop_limits is not None:
-            trainer, limit_val, max_epochs = self._loop_limits
-            set_loop_limits(trainer, limit_val, max_epochs)
-            self._loop_limits = None
+        """Puts back the epoch limit and the metrics' own ``distributed_available_fn``."""
+        if self._fit is not None:
+            set_max_epochs(*self._fit)
+            self._fit = None
         for metric, available in self._metric_syncs:
             metric.distributed_available_fn = available
         self._metric_syncs = []
