@@ -20,6 +20,7 @@ The Lightning internals used are reached through :mod:`lightning_sync.strategies
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing
 import os
@@ -54,18 +55,11 @@ def _hydra_in_use() -> bool:
 
 def _config_flags(argv: Sequence[str]) -> list[str]:
     """The config-selecting flags of ``argv`` (``-cn x``, ``--config-dir=y``), kept for the child."""
-    kept: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        name = arg.split("=", 1)[0]
-        if name in _HYDRA_CONFIG_FLAGS:
-            takes_next = "=" not in arg and i + 1 < len(argv)
-            kept.extend(argv[i : i + 2] if takes_next else [arg])
-            i += 2 if takes_next else 1
-        else:
-            i += 1
-    return kept
+    return [
+        arg
+        for i, arg in enumerate(argv)
+        if arg.split("=", 1)[0] in _HYDRA_CONFIG_FLAGS or (i > 0 and argv[i - 1] in _HYDRA_CONFIG_FLAGS)
+    ]
 
 
 def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
@@ -77,15 +71,10 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
 
     hydra_cfg = HydraConfig.get()
     spec = getattr(__main__, "__spec__", None)
-    if spec is None:
-        command = [sys.executable, to_absolute_path(sys.argv[0])]
-    else:
-        command = [sys.executable, "-m", spec.name]
-    command += _config_flags(sys.argv[1:])
-    command += list(hydra_cfg.overrides.task)
-    output_dir = hydra_cfg.runtime.output_dir
+    command = [sys.executable, *([to_absolute_path(sys.argv[0])] if spec is None else ["-m", spec.name])]
+    command += [*_config_flags(sys.argv[1:]), *hydra_cfg.overrides.task]
     command += [
-        f"hydra.run.dir={output_dir}",
+        f"hydra.run.dir={hydra_cfg.runtime.output_dir}",
         f"hydra.job.name={hydra_cfg.job.name}_rank{local_rank}",
         "hydra.output_subdir=null",
         "hydra/hydra_logging=disabled",
@@ -175,15 +164,9 @@ def kill_if_stopped(pid: int, who: str) -> None:
     fields = stat_fields(pid)
     if fields is None or fields[0] != "T":
         return
-    print(
-        f"error: {who}, pid {pid}, is frozen (stopped by a signal): killing it so that the job ends",
-        file=sys.stderr,
-        flush=True,
-    )
-    try:
+    print(f"error: {who}, pid {pid}, is frozen (stopped by a signal): killing it so that the job ends", file=sys.stderr)
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _stopped_sibling_ranks() -> list[int]:
@@ -200,12 +183,10 @@ def _stopped_sibling_ranks() -> list[int]:
         fields = stat_fields(pid)
         if fields is None or fields[0] != "T" or int(fields[1]) != parent:
             continue
-        try:
+        with contextlib.suppress(OSError):
             theirs = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if theirs == mine or (theirs.endswith(spawned) and mine.endswith(spawned)):
-            found.append(pid)
+            if theirs == mine or (theirs.endswith(spawned) and mine.endswith(spawned)):
+                found.append(pid)
     return found
 
 

@@ -6,24 +6,8 @@ nowhere else (``make lint`` fails on a private Lightning name or an :data:`UNSTA
 pytest turns a ``DeprecationWarning`` naming one into an error). Verified for :data:`LIGHTNING_VERIFIED`; a new
 Lightning release is checked against this module first.
 
-What is used, and where Lightning defines it:
-
-- ``DDPStrategy._configure_launcher`` and ``DDPStrategy._register_ddp_hooks``: overridden, forwarded to
-  :meth:`LightningDDPHooks.configure_launcher` and :meth:`LightningDDPHooks.register_ddp_hooks`.
-- ``DDPStrategy._launcher`` and ``DDPStrategy._start_method``: set by :func:`set_launcher`, read by
-  :func:`start_method`.
-- ``lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher``: the ``popen`` launcher,
-  subclassed by :class:`PopenLauncher`, whose ``_call_children_scripts`` and ``launch`` are Lightning's, restated
-  where a hook of ours is given (``_check_can_spawn_children``, ``_set_num_threads_if_needed`` and ``procs`` used as
-  Lightning's do); ``procs`` is also read by :func:`launcher_children`, ``kill`` used as it is.
-- ``launcher.launch``: replaced on one launcher instance by :func:`replace_launch`.
-- ``Trainer.fit_loop.max_epochs`` and ``Trainer.accumulate_grad_batches``: written during ``fit`` by
-  :func:`set_max_epochs` and :func:`set_accumulate_grad_batches`.
-- ``Trainer.callbacks``: a callback inserted first by :func:`insert_callback_first`.
-- ``Precision.clip_gradients``: replaced on the strategy's plugin instance by :func:`route_clip_gradients` and put
-  back by :func:`restore_clip_gradients`.
-- The fit loop's step counters (``fit_loop.epoch_loop``'s optimizer step progress, automatic and manual, and its
-  ``_batches_that_stepped``): written by :func:`set_global_step` before a joining rank's first batch.
+What is used is listed in :data:`PRIVATE_NAMES` and :data:`UNSTABLE_USES`; each function or class below says
+which Lightning attribute it reads, writes or overrides.
 """
 
 from __future__ import annotations
