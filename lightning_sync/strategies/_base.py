@@ -355,8 +355,7 @@ class SyncStrategyBase(LightningDDPHooks):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         """Sets up the model and optimizers, restores sync state from a checkpoint being resumed, and adds the
-        :class:`SyncMetricsLogger` callback (first, so that the other callbacks'
-        batch-end hooks see this step's ``comm/*`` and ``sync/*``).
+        :class:`SyncMetricsLogger` callback (first: the other callbacks' batch-end hooks see this step's metrics).
 
         Raises:
             ReplicaMismatchError: the ranks' models have different parameters or buffers (names, shapes, dtypes);
@@ -479,7 +478,9 @@ class SyncStrategyBase(LightningDDPHooks):
         def run() -> Any:
             output = closure()
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            if not self._synced_grads_finite(params):
+            # the synchronizer's verdict on this round, taken once (it checked each bucket as it arrived), or else
+            verdict = None if self.gradients is None else self.gradients.take_finite_verdict()  # the gradients' own
+            if not (grads_are_finite(params) if verdict is None else verdict):
                 self._count_skipped_step(alone=not self._syncs_gradients)
                 if getattr(self.precision_plugin, "scaler", None) is None:
                     drop_grads(params)
@@ -507,12 +508,6 @@ class SyncStrategyBase(LightningDDPHooks):
             warnings.warn(skipped_step_message(mode, step, self.global_rank), NonFiniteStepWarning, stacklevel=2)
         else:
             rank_zero_warn(skipped_step_message(mode, step), category=NonFiniteStepWarning)
-
-    def _synced_grads_finite(self, params: list[nn.Parameter]) -> bool:
-        """Whether the (synced) gradients of ``params`` hold no NaN or Inf: :attr:`gradients`' verdict on this
-        round, taken once (it checked each bucket as it arrived), or else the gradients' own."""
-        verdict = None if self.gradients is None else self.gradients.take_finite_verdict()
-        return grads_are_finite(params) if verdict is None else verdict
 
     def on_sync_step_end(self) -> None:
         """Called after every optimizer step that the strategy took: advances the compressors' step counts."""
@@ -658,7 +653,6 @@ class SyncStrategyBase(LightningDDPHooks):
         if self.gradients is not None:
             state["synchronizer"] = self.gradients.state_dict()
         if not self.keeps_replicas_identical:
-            assert self.lightning_module is not None
             state["module_state"] = self.lightning_module.state_dict()
             state["optimizer_states"] = [opt.state_dict() for opt in self.optimizers]
         return state
@@ -669,7 +663,6 @@ class SyncStrategyBase(LightningDDPHooks):
         self._sync_steps = int(state["sync_steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         if "module_state" in state:
-            assert self.lightning_module is not None
             self.lightning_module.load_state_dict(state["module_state"])
         self._comm_resumed = CommStats(**state.get("comm", {}))
         compressor = self._active_compressor()
@@ -709,8 +702,7 @@ class SyncStrategyBase(LightningDDPHooks):
         strategy is set up.
 
         Raises:
-            CheckpointError: a file is missing or unreadable, or the checkpoint has no lightning_sync state, or was
-                saved by another strategy or another number of ranks.
+            CheckpointError: see :func:`_read_checkpoint` and :func:`_check_resumable`.
         """
         path = Path(checkpoint_path)
         checkpoint = _read_checkpoint(path, lambda: super(SyncStrategyBase, self).load_checkpoint(path, weights_only))

@@ -73,11 +73,7 @@ class AllReduceStrategy(SyncStrategyBase):
 
     @override
     def configure_ddp(self) -> None:
-        """Keeps the module unwrapped: broadcasts rank 0's state and builds the gradient synchronizer.
-
-        Guarantees: afterwards every rank holds rank 0's parameters and buffers, and each parameter with
-        ``requires_grad`` belongs to exactly one bucket.
-        """
+        """Keeps the module unwrapped (see :meth:`~lightning_sync.strategies._base.SyncStrategyBase._setup_gradients`)."""
         self._setup_gradients()
 
     @override

@@ -174,12 +174,7 @@ class PeriodicSyncStrategy(SyncStrategyBase):
     @override
     def configure_ddp(self) -> None:
         """Broadcasts rank 0's state, builds the gradient synchronizer (``gradient`` mode, warmup) and sets up the
-        averager's groups.
-
-        Raises:
-            ConfigError: ``module_sync_every`` has a pattern that matches no parameter, or a parameter matched by
-                two patterns.
-        """
+        averager's groups (a bad ``module_sync_every`` pattern raises ``ConfigError``, as :meth:`validate_model`)."""
         self._setup_gradients()
         assert self.model is not None and self.meter is not None
         if self._parts.fault_tolerant_averager is not None:

@@ -429,17 +429,14 @@ class ParameterServerStrategy(SyncStrategyBase):
     def _authority_pull(self) -> Any | None:
         """The servers hold the authoritative parameters: ``on_mismatch="resync"`` pulls them (with local steps, the
         next interval starts from them)."""
-        if self.client is None:
-            return None
-        client, local = self.client, self._local
+        return None if self.client is None else self._pull_from_servers
 
-        def pull() -> Any:
-            reply = client.pull()
-            if local is not None:
-                local.start()
-            return reply
-
-        return pull
+    def _pull_from_servers(self) -> Any:
+        assert self.client is not None
+        reply = self.client.pull()
+        if self._local is not None:
+            self._local.start()
+        return reply
 
     @override
     def check_replicas(self, atol: float = 0.0) -> list[Any]:
@@ -530,14 +527,9 @@ class ReplyMetrics:
 
 
 class Detachment:
-    """Whether this rank's Lightning collectives act on it alone now, and what the fit changed for that.
-
-    Lightning ties the ranks together through the strategy's collectives (``barrier``, ``broadcast``,
-    ``all_gather``, ``reduce``, ``reduce_boolean_decision``) and a per-batch SIGTERM-flag broadcast whenever
-    ``world_size > 1``. While :attr:`detached` (the parameter server's async and ssp), the collectives return the
-    rank's own value and ``world_size`` reads 1, so no rank issues one the others would have to match; every rank
-    leaves the phase at the same point of the program.
-    """
+    """Whether this rank's Lightning collectives act on it alone now (``ps`` async/ssp: then they return the rank's
+    own value and ``world_size`` reads 1, so no rank issues one the others would have to match), and what the fit
+    changed for that."""
 
     def __init__(self) -> None:
         self.detached = False  # the strategy's collectives act on this rank alone
@@ -560,7 +552,12 @@ class Detachment:
         the module's torchmetrics keep their values local while detached. :meth:`restore` undoes both."""
         self._fit = (trainer, trainer.max_epochs)
         set_max_epochs(trainer, -1)
-        self._keep_metrics_local(trainer.lightning_module)
+        # a torchmetrics Metric syncs its state in compute() through torch.distributed itself, not the strategy:
+        # while detached, each reads as not distributed (its documented distributed_available_fn), waiting for no one
+        module = trainer.lightning_module
+        self._metric_syncs = [(m, m.distributed_available_fn) for m in module.modules() if isinstance(m, Metric)]
+        for metric, available in self._metric_syncs:
+            metric.distributed_available_fn = functools.partial(_unless_detached, self, available)
 
     def restore(self) -> None:
         """Puts back the epoch limit and the metrics' own ``distributed_available_fn``."""
@@ -570,15 +567,6 @@ class Detachment:
         for metric, available in self._metric_syncs:
             metric.distributed_available_fn = available
         self._metric_syncs = []
-
-    def _keep_metrics_local(self, module: pl.LightningModule) -> None:
-        """A torchmetrics ``Metric`` syncs its state across ranks in ``compute()`` through ``torch.distributed``
-        itself, not through the strategy: while detached, each of the module's metrics reads as not distributed
-        (through its documented ``distributed_available_fn``), so it computes this rank's value and waits for no
-        one."""
-        self._metric_syncs = [(m, m.distributed_available_fn) for m in module.modules() if isinstance(m, Metric)]
-        for metric, available in self._metric_syncs:
-            metric.distributed_available_fn = functools.partial(_unless_detached, self, available)
 
     def go_alone(self) -> None:
         """For the rest of the job this rank is a world of its own (joined late, or a rank was lost): the default
