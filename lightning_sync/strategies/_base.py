@@ -67,11 +67,10 @@ def freeze_startup_heap() -> None:
 def release_startup_heap() -> None:
     """Returns the frozen objects to the collector, once the last fit that froze them has released them."""
     global _frozen_fits
-    if _frozen_fits == 0:
-        return
-    _frozen_fits -= 1
-    if _frozen_fits == 0:
-        gc.unfreeze()
+    if _frozen_fits > 0:
+        _frozen_fits -= 1
+        if _frozen_fits == 0:
+            gc.unfreeze()
 
 
 def _args_section(strategy: type) -> str:

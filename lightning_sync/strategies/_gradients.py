@@ -25,15 +25,13 @@ def replica_group_link(strategy: ParallelStrategy, config: FaultTolerance) -> Re
     """This rank's link to the other replica groups (joins the lighthouse; rank 0 of the group first checks that one
     answers within ``timeout_s``); a healing group pulls the LightningModule's and the optimizers' state."""
     link = ReplicaGroupLink(config, group_rank=strategy.global_rank, group_world_size=strategy.world_size)
+    module = strategy.lightning_module
+    assert module is not None
 
     def save() -> dict[str, Any]:
-        module = strategy.lightning_module
-        assert module is not None
         return {"model": module.state_dict(), "optimizers": [o.state_dict() for o in strategy.optimizers]}
 
     def load(state: dict[str, Any]) -> None:
-        module = strategy.lightning_module
-        assert module is not None
         module.load_state_dict(state["model"])
         for optimizer, saved in zip(strategy.optimizers, state["optimizers"]):
             optimizer.load_state_dict(saved)

@@ -120,7 +120,7 @@ class ParameterServerStrategy(SyncStrategyBase):
         self._clips = ServerClips()  # the clipping each optimizer's next push asks the servers for
         self._local: LocalSteps | None = None  # local_steps > 1: the worker's side of async local SGD
         self._detachment = Detachment()  # async/ssp: the collectives act on this rank alone during the fit
-        self.membership = Membership(elastic=self.tolerates_lost_ranks, late=self.config.join)
+        self.membership = Membership(elastic=self.tolerates_lost_ranks)
         self._reply_metrics = ReplyMetrics(staleness=self.config.mode != "sync", elastic=self.tolerates_lost_ranks)
 
     @override
@@ -394,10 +394,11 @@ class ParameterServerStrategy(SyncStrategyBase):
     def end_detached_run(self) -> None:
         """Ends the servers' run, then the ranks meet and attach again. Called first in ``on_train_end`` by
         :class:`~lightning_sync.callbacks.SyncMetricsLogger` (the other callbacks may use collectives there), then by
-        :meth:`on_train_end` (a no-op). After a lost rank, or on a worker added with ``join``, the rank stays a world
-        of its own (:attr:`Membership.can_attach`)."""
+        :meth:`on_train_end` (a no-op). After a lost rank the survivors stay apart, each a world of its own (a
+        collective would wait for the lost rank); so does a worker added with ``join``, which is in no one's default
+        process group (the others attach as usual)."""
         self._end_mode_run()
-        if self._detachment.detached and self.membership.can_attach:
+        if self._detachment.detached and not (self.membership.lost or self.config.join):
             self._detachment.detached = False
             self.barrier("lightning_sync.attach")
         elif self._detachment.detached:
@@ -589,22 +590,14 @@ class Membership:
 
     Args:
         elastic: whether a lost worker leaves the job running (then :meth:`take_at_end` asks the servers).
-        late: whether this process is a worker added to a running fit with ``join``.
     """
 
-    def __init__(self, elastic: bool, late: bool) -> None:
-        self.elastic, self.late = elastic, late
+    def __init__(self, elastic: bool) -> None:
+        self.elastic = elastic
         self.ps_rank = -1  # this worker's rank in the PS group: its global rank, or (join) the spare slot it took
         self.first_workers = 0  # the workers the fit started with (the PS group's worker ranks before the spare slots)
         self.lost: dict[int, str] = {}  # elastic modes: the workers the servers dropped, and why
         self.added: list[int] = []  # the workers added to the run in a spare slot (their ranks)
-
-    @property
-    def can_attach(self) -> bool:
-        """Whether the ranks can meet again after the fit. After a lost worker the survivors stay apart: a collective
-        would wait for the lost rank. A worker added in a spare slot is in no one's default process group: it stays
-        apart, and the others attach as usual."""
-        return not (self.lost or self.late)
 
     def take_at_end(self, client: Any, timeout_s: float) -> None:
         """After the stop, before the goodbye (elastic modes): who was lost once every worker is accounted for
