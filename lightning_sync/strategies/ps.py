@@ -65,7 +65,7 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     ``sync`` keeps the workers in lockstep. In ``async`` and ``ssp`` the servers' version counts the steps
     (``max_steps=N``: N pushes; ``max_epochs=E``: E epochs' worth of samples) and the workers never wait for each
-    other (:class:`Detachment`). Logged: ``ps/*`` (see :class:`ReplyMetrics`).
+    other (:class:`Detachment`). Logged: ``ps/*`` (see :meth:`step_metrics`).
 
     Example::
 
@@ -117,11 +117,11 @@ class ParameterServerStrategy(SyncStrategyBase):
         self._group: PSGroup | None = None
         self._resume_state: dict[str, Any] = {}
         self._straggler: Straggler | None = None
-        self._clips = ServerClips()  # the clipping each optimizer's next push asks the servers for
+        self._clips: dict[int, Clip] = {}  # by id(optimizer): the clipping its next push asks the servers for
         self._local: LocalSteps | None = None  # local_steps > 1: the worker's side of async local SGD
         self._detachment = Detachment()  # async/ssp: the collectives act on this rank alone during the fit
         self.membership = Membership(elastic=self.tolerates_lost_ranks)
-        self._reply_metrics = ReplyMetrics(staleness=self.config.mode != "sync", elastic=self.tolerates_lost_ranks)
+        self._logged: tuple[int, tuple[int, ...]] | None = None  # version and servers' ingress at the last ps/* log
 
     @override
     def _check_algorithm_knobs(self) -> None:
@@ -198,9 +198,9 @@ class ParameterServerStrategy(SyncStrategyBase):
         super().setup(trainer)
         if fitting:
             self._join_servers()
-            if self._settings.local_steps == 1:  # the servers clip (ServerClips); teardown puts the plugin's own
-                self._clips = ServerClips()  # back. With local steps the workers' own optimizers step, and clip
-                route_clip_gradients(self.precision_plugin, self._clips.record)
+            if self._settings.local_steps == 1:  # the servers clip (_record_clip); teardown puts the plugin's own
+                self._clips = {}  # back. With local steps the workers' own optimizers step, and clip
+                route_clip_gradients(self.precision_plugin, self._record_clip)
 
     def _join_servers(self) -> None:
         """Agrees on a store prefix for this fit, starts this rank's servers, and joins the PS group (worker ranks:
@@ -323,8 +323,19 @@ class ParameterServerStrategy(SyncStrategyBase):
             return  # optimization: several opt.step() per batch); the model holds the final parameters
         self._prepare_push()
         index = next((i for i, opt in enumerate(self.optimizers) if opt is optimizer), 0)
-        clip = self._clips.pop(optimizer)
+        clip = self._clips.pop(id(optimizer), None)
         self._take_reply(self.client.push(current_lrs(self.optimizers), index, clip))
+
+    def _record_clip(self, optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
+        """Stands in for the precision plugin's ``clip_gradients``: the clipping goes with ``optimizer``'s next push
+        (none for ``clip_val`` ``None`` or ``<= 0``), and the servers clip what they step with (in sync the average of
+        the workers' gradients, as DDP clips the all-reduced gradient)."""
+        if clip_val is None or float(clip_val) <= 0:
+            return
+        algorithm = CLIP_ALGORITHMS[str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm))]
+        if isinstance(optimizer, LightningOptimizer):  # manual optimization hands the wrapper in
+            optimizer = optimizer.optimizer
+        self._clips[id(optimizer)] = Clip(algorithm, float(clip_val))
 
     def _prepare_push(self) -> None:
         assert self.client is not None
@@ -346,11 +357,24 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     @override
     def step_metrics(self, write: bool) -> dict[str, float]:
-        """``comm/*`` as the base logs them, plus the replies' ``ps/*`` (see
-        :class:`ReplyMetrics`)."""
-        metrics = super().step_metrics(write)
-        if write and self.last_reply is not None:
-            metrics.update(self._reply_metrics.of(self.last_reply))
+        """``comm/*`` as the base logs them, plus, when written, the last reply's ``ps/version``; ``ps/staleness``
+        (async, ssp); each server's ingress per update since the last written reply; and in the elastic modes, the
+        workers each server counts as live, has dropped, and the rejoins it accepted."""
+        metrics, reply = super().step_metrics(write), self.last_reply
+        if not write or reply is None:
+            return metrics
+        metrics["ps/version"] = float(reply.version)
+        if reply.stalest >= 0 and self.config.mode != "sync":
+            metrics["ps/staleness"] = float(reply.stalest)
+        if self.tolerates_lost_ranks:
+            for i, (live, lost, joins) in enumerate(zip(reply.live_workers, reply.lost_workers, reply.joins)):
+                metrics[f"ps/server{i}_live_workers"] = float(live)
+                metrics[f"ps/server{i}_lost_workers"] = float(lost)
+                metrics[f"ps/server{i}_joins"] = float(joins)
+        if self._logged is not None and reply.version > self._logged[0]:
+            for i, (now, then) in enumerate(zip(reply.server_bytes_recv, self._logged[1])):
+                metrics[f"ps/server{i}_ingress_per_update"] = (now - then) / (reply.version - self._logged[0])
+        self._logged = (reply.version, reply.server_bytes_recv)
         return metrics
 
     @override
@@ -471,60 +495,6 @@ class ParameterServerStrategy(SyncStrategyBase):
         elif servers is not None:
             servers.finish(self.config.timeout_s)
         super().teardown()
-
-
-class ServerClips:
-    """The clipping each optimizer's next push asks the servers for: the Trainer's clipping is not done on the
-    worker; the servers clip what they step with (in sync the average of the workers' gradients, as DDP clips the
-    all-reduced gradient)."""
-
-    def __init__(self) -> None:
-        self._by_optimizer: dict[int, Clip] = {}
-
-    def record(self, optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
-        """Stands in for the precision plugin's ``clip_gradients``: keeps the clipping for ``optimizer``'s next push
-        (none for ``clip_val`` ``None`` or ``<= 0``)."""
-        if clip_val is None or float(clip_val) <= 0:
-            return
-        algorithm = CLIP_ALGORITHMS[str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm))]
-        if isinstance(optimizer, LightningOptimizer):  # manual optimization hands the wrapper in
-            optimizer = optimizer.optimizer
-        self._by_optimizer[id(optimizer)] = Clip(algorithm, float(clip_val))
-
-    def pop(self, optimizer: Any) -> Clip | None:
-        """The clipping for ``optimizer``'s push now (``None``: none asked), forgotten after."""
-        return self._by_optimizer.pop(id(optimizer), None)
-
-
-class ReplyMetrics:
-    """``ps/*`` metrics of each logged reply: ``ps/version``; ``ps/staleness`` (async, ssp); each server's ingress
-    per update since the last logged reply; and in the elastic modes, the workers each server counts as live, has
-    dropped, and the rejoins it accepted.
-
-    Args:
-        staleness: log ``ps/staleness`` (async and ssp; in sync it is always 0).
-        elastic: log ``ps/server<i>_live_workers``, ``ps/server<i>_lost_workers`` and ``ps/server<i>_joins``.
-    """
-
-    def __init__(self, staleness: bool, elastic: bool) -> None:
-        self.staleness, self.elastic = staleness, elastic
-        self._logged: tuple[int, tuple[int, ...]] | None = None  # version and servers' ingress at the last one
-
-    def of(self, reply: Any) -> dict[str, float]:
-        """The metrics of ``reply`` (a :class:`~lightning_sync.ps.reply.PSReply`), to be logged now."""
-        metrics = {"ps/version": float(reply.version)}
-        if reply.stalest >= 0 and self.staleness:
-            metrics["ps/staleness"] = float(reply.stalest)
-        if self.elastic:
-            for i, (live, lost, joins) in enumerate(zip(reply.live_workers, reply.lost_workers, reply.joins)):
-                metrics[f"ps/server{i}_live_workers"] = float(live)
-                metrics[f"ps/server{i}_lost_workers"] = float(lost)
-                metrics[f"ps/server{i}_joins"] = float(joins)
-        if self._logged is not None and reply.version > self._logged[0]:
-            for i, (now, then) in enumerate(zip(reply.server_bytes_recv, self._logged[1])):
-                metrics[f"ps/server{i}_ingress_per_update"] = (now - then) / (reply.version - self._logged[0])
-        self._logged = (reply.version, reply.server_bytes_recv)
-        return metrics
 
 
 class Detachment:
