@@ -156,13 +156,13 @@ class ParameterServerStrategy(SyncStrategyBase):
         """Checks the placement and ``slow_worker`` against the number of ranks (before any rank starts). A worker
         added to a running job (``join``) launches nothing: it is one process, which needs the job's address."""
         world, cfg = self.num_processes * self.num_nodes, self.config
-        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
-        if cfg.join and missing:
-            raise ConfigError(
-                f"strategy.join=true needs {' and '.join(missing)} in the environment: the address and port of "
-                "the running job's rank 0 (start that job with MASTER_PORT set, and give this process the same)"
-            )
         if cfg.join:
+            missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+            if missing:
+                raise ConfigError(
+                    f"strategy.join=true needs {' and '.join(missing)} in the environment: the address and port of "
+                    "the running job's rank 0 (start that job with MASTER_PORT set, and give this process the same)"
+                )
             return
         if cfg.placement == "colocated" and cfg.num_servers > world:
             raise ConfigError(
