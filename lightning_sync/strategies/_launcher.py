@@ -2,18 +2,19 @@
 
 - Under Hydra, Lightning's ``popen`` launcher re-runs ``sys.argv`` in every child, so a ``hydra -m`` child re-runs the
   whole sweep (Lightning issue #15689): each child runs :func:`hydra_job_command`, the parent's job only
-  (``tests/test_cli.py``).
+  (``test_multirun_gives_one_sweep_folder``).
 - A lost child rank of a ``ps`` job that tolerates it (``async``, ``ssp``, elastic ``sync``) would make Lightning's
   observer SIGKILL every rank: :class:`ChildObserver` names it and lets the job go on (``tests/test_ps_elastic_kill.py``).
   A lost worker comes back the way a new one joins: its supervisor runs the ``strategy.join=true`` command again.
 - A rank stopped by a signal (SIGSTOP, SIGTSTP) never times out itself, and torch and Lightning end the other ranks
   with signals it does not act on. Its peers' collectives fail after ``timeout_s``, naming it; each failing rank then
   SIGKILLs the stopped ranks it can see (:func:`kill_frozen_ranks`): a ``popen`` main process its stopped children
-  (Lightning kills them only on ``KeyboardInterrupt``); a ``popen`` child its parent, the job's main process
-  (:data:`LAUNCHER_PID_ENV`; ``test_frozen_main_process_is_killed_by_its_child_rank``); a ``fork``/``spawn`` rank its
-  stopped siblings (torch's join SIGKILLs them only 30 s after its SIGTERM;
-  ``test_fork_rank_frozen_mid_run_is_named_and_killed``). Only state ``T`` in ``/proc/<pid>/stat`` is killed, never a
-  running process nor one stopped by a debugger (``t``); without ``/proc`` nothing is found.
+  (Lightning kills them only on ``KeyboardInterrupt``; ``test_lost_rank_fails_the_job_in_time_and_leaves_no_process``);
+  a ``popen`` child its parent, the job's main process (:data:`LAUNCHER_PID_ENV`;
+  ``test_frozen_main_process_is_killed_by_its_child_rank``); a ``fork``/``spawn`` rank its stopped siblings (torch's
+  join SIGKILLs them only 30 s after its SIGTERM; ``test_fork_rank_frozen_mid_run_is_named_and_killed``). Only state
+  ``T`` in ``/proc/<pid>/stat`` is killed, never a running process nor one stopped by a debugger (``t``); without
+  ``/proc`` nothing is found.
 
 The Lightning internals used are reached through :mod:`lightning_sync.strategies._lightning`.
 """
