@@ -4,7 +4,7 @@ An interpreter that imported torch and Lightning runs full collections over seve
 it exits: about a second of CPU per rank, server and launcher, for memory the system takes back anyway.
 :func:`skip_final_collection` registers an exit handler that freezes every object (``gc.freeze``) so those passes
 find nothing to walk; handlers registered after it run first, and only reference cycles alive at exit are left
-unfinalized, as after a crash.
+unfinalized, as after a crash (``test_an_app_process_exits_without_collecting_the_heap``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_sync._proc import stat_fields
+from lightning_sync.strategies._launcher import stat_fields
 
 HAS_PROC = Path("/proc/self/cmdline").exists()
 

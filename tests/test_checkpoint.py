@@ -38,7 +38,7 @@ from lightning_sync import (
 from lightning_sync.errors import CheckpointError
 from lightning_sync.examples.data import DigitsDataModule
 from lightning_sync.examples.models import DigitsClassifier
-from lightning_sync.strategies._checkpoint import sync_state_path
+from lightning_sync.strategies._base import sync_state_path
 
 pytestmark = pytest.mark.e2e
 

@@ -31,7 +31,7 @@ from lightning_sync.comm.periodic import AdaptiveOptions, PeriodicAverager
 from lightning_sync.config import PeriodicConfig
 from lightning_sync.examples.data import DigitsDataModule
 from lightning_sync.examples.models import DigitsClassifier
-from lightning_sync.strategies._checkpoint import sync_state_path
+from lightning_sync.strategies._base import sync_state_path
 
 TIMEOUT = pytest.mark.timeout(120)
 PAPER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)  # DiLoCo's outer optimizer

@@ -20,7 +20,7 @@ from lightning_sync import ConfigError, ParameterServerStrategy
 from lightning_sync.examples.data import DigitsDataModule
 from lightning_sync.examples.models import DigitsClassifier
 from lightning_sync.ps._protocol import HEADER_BYTES
-from lightning_sync.strategies._checkpoint import sync_state_path
+from lightning_sync.strategies._base import sync_state_path
 
 TIMEOUT = pytest.mark.timeout(180)
 

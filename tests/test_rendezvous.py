@@ -1,5 +1,5 @@
-"""How a strategy's ranks meet (``strategies/_rendezvous.py``): a short ``timeout_s`` bounds every wait once they have
-met, not the meeting itself, where a rank may still be importing torch and Lightning."""
+"""How a strategy's ranks meet (``strategies/_base.py``'s ``join_default_group``): a short ``timeout_s`` bounds every
+wait once they have met, not the meeting itself, where a rank may still be importing torch and Lightning."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment  # noqa: 
 
 from lightning_sync.apps.bench.launch import free_port  # noqa: E402
 from lightning_sync.comm.peer_errors import rendezvous_timeout_s  # noqa: E402
-from lightning_sync.strategies._rendezvous import join_default_group  # noqa: E402
+from lightning_sync.strategies._base import join_default_group  # noqa: E402
 
 TIMEOUT_S = 1.0
 LATE_S = 4.0  # how late rank 1 comes: past timeout_s, well within the rendezvous' bound

@@ -32,7 +32,7 @@ from lightning_sync.comm.peer_errors import PeerError
 from lightning_sync.comm.periodic import AdaptiveOptions, PeriodicAverager, StreamingOptions
 from lightning_sync.comm.streaming import stagger_offsets
 from lightning_sync.config import PeriodicConfig
-from lightning_sync.strategies._checkpoint import sync_state_path
+from lightning_sync.strategies._base import sync_state_path
 
 WIDTH = 64
 PAPER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)  # DiLoCo's outer optimizer

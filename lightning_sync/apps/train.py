@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -263,20 +264,22 @@ def _end_job(
     import torch.distributed as dist
 
     from lightning_sync.strategies._launcher import describe_exit
+    from lightning_sync.strategies._lightning import PopenLauncher, launcher_children
 
     launcher = getattr(trainer.strategy, "launcher", None)
-    wait_children = getattr(launcher, "wait_children", None)
-    if launcher is not None and wait_children is not None:  # (a launcher is there when wait_children is)
+    if isinstance(launcher, PopenLauncher):
+        children = launcher_children(launcher)
         if failed:
             if error is not None:
                 message = str(error).strip().splitlines()
                 print(f"error: {type(error).__name__}: {message[0] if message else ''}", file=sys.stderr, flush=True)
-            for rank, code in launcher.exited_children().items():  # the likely cause of this rank's error
-                print(f"error: rank {rank} (local) was lost first: {describe_exit(code)}", file=sys.stderr)
+            for rank, code in enumerate([proc.poll() for proc in children], start=1):  # the likely cause of the error
+                if code not in (None, 0):
+                    print(f"error: rank {rank} (local) was lost first: {describe_exit(code)}", file=sys.stderr)
             launcher.kill(signal.SIGKILL)
         if not failed:  # the ranks the servers dropped (a strategy that tolerates it) are not waited for
-            _kill_dropped_children(trainer.strategy, launcher)
-        lost = wait_children(timeout=trainer.strategy.config.timeout_s)
+            _kill_dropped_children(trainer.strategy, children)
+        lost = _wait_children(children, timeout=trainer.strategy.config.timeout_s)
         if lost and not failed and getattr(trainer.strategy, "tolerates_lost_ranks", False):
             for rank, code in lost.items():
                 print(
@@ -294,16 +297,34 @@ def _end_job(
             os.environ[key] = value
 
 
-def _kill_dropped_children(strategy: Any, launcher: Any) -> None:
+def _kill_dropped_children(strategy: Any, children: list[subprocess.Popen]) -> None:
     """SIGKILLs the child ranks the servers dropped (``strategy.lost_workers``) that still run: a frozen one would
-    otherwise hold the job for ``timeout_s`` before :meth:`wait_children` kills it."""
+    otherwise hold the job for ``timeout_s`` before :func:`_wait_children` kills it."""
     import signal
 
     first = strategy.node_rank * strategy.num_processes
     for worker in getattr(strategy, "lost_workers", {}):
         local = worker - first
-        if 1 <= local <= len(launcher.children) and launcher.children[local - 1].poll() is None:
-            launcher.children[local - 1].send_signal(signal.SIGKILL)
+        if 1 <= local <= len(children) and children[local - 1].poll() is None:
+            children[local - 1].send_signal(signal.SIGKILL)
+
+
+def _wait_children(children: list[subprocess.Popen], timeout: float) -> dict[int, int]:
+    """Waits for the child ranks to exit (between the jobs of a sweep, so ports and cores are free again); one still
+    running after ``timeout`` seconds in all is SIGKILLed (which also ends a stopped one).
+
+    Returns:
+        ``{local_rank: exit_code}`` of the children that failed (``-9``: killed here).
+    """
+    deadline = time.monotonic() + timeout
+    codes = {}
+    for local_rank, proc in enumerate(children, start=1):
+        try:
+            codes[local_rank] = proc.wait(timeout=max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes[local_rank] = proc.wait()
+    return {rank: code for rank, code in codes.items() if code != 0}
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")

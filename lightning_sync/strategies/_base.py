@@ -6,8 +6,10 @@ teardown come from it) that connects the algorithms of :mod:`lightning_sync.comm
 
 from __future__ import annotations
 
+import atexit
 import gc
 import inspect
+import os
 import textwrap
 import warnings
 from collections.abc import Callable, Generator, Iterator, Mapping
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -27,15 +30,13 @@ from lightning_sync.comm.compression import Compressor
 from lightning_sync.comm.consistency import TensorMismatch, check_replicas, check_same_structure, named_replicated_state
 from lightning_sync.comm.meter import CommMeter, CommStats
 from lightning_sync.comm.nonfinite import NonFiniteStepWarning, drop_grads, grads_are_finite, skipped_step_message
-from lightning_sync.comm.peer_errors import PeerError, naming_peer
+from lightning_sync.comm.peer_errors import PeerError, naming_peer, rendezvous_timeout_s
 from lightning_sync.config import StrategyConfig, knob_docs
-from lightning_sync.errors import ConfigError
-from lightning_sync.strategies import _checkpoint
+from lightning_sync.errors import CheckpointError, ConfigError
+from lightning_sync.ft.config import as_fault_tolerance, require_torchft
 from lightning_sync.strategies._gradients import GradientAllReduce
 from lightning_sync.strategies._launcher import configure_launcher
 from lightning_sync.strategies._lightning import LightningDDPHooks, insert_callback_first
-from lightning_sync.strategies._metrics import SyncMetricsLogger
-from lightning_sync.strategies._rendezvous import join_default_group
 
 LIGHTNING_ARGUMENTS: dict[str, str] = {
     "accelerator": "Lightning's accelerator (``None``: the Trainer's).",
@@ -66,11 +67,10 @@ def freeze_startup_heap() -> None:
 def release_startup_heap() -> None:
     """Returns the frozen objects to the collector, once the last fit that froze them has released them."""
     global _frozen_fits
-    if _frozen_fits == 0:
-        return
-    _frozen_fits -= 1
-    if _frozen_fits == 0:
-        gc.unfreeze()
+    if _frozen_fits > 0:
+        _frozen_fits -= 1
+        if _frozen_fits == 0:
+            gc.unfreeze()
 
 
 def _args_section(strategy: type) -> str:
@@ -92,6 +92,146 @@ def _args_section(strategy: type) -> str:
     return "\n".join(lines)
 
 
+def join_default_group(strategy: Any) -> None:
+    """Joins the default process group through a ``TCPStore`` that waits :func:`rendezvous_timeout_s` for the ranks
+    and then ``timeout_s`` for any key; the group's collectives wait ``timeout_s``. Lightning then leaves the group.
+
+    Under torchrun the agent's store outlives a restart, so each attempt's keys are prefixed by its restart count: a
+    restarted rank would otherwise read a peer's address from the failed attempt ("Gloo connectFullMesh failed",
+    torch issue #135712; ``tests/test_restart.py``).
+
+    Args:
+        strategy: a lightning_sync strategy whose world ranks are set (``set_world_ranks``).
+    """
+    if dist.is_initialized():
+        return
+    env, timeout_s = strategy.cluster_environment, strategy.config.timeout_s
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        env.main_address,
+        env.main_port,
+        strategy.world_size,
+        is_master=strategy.global_rank == 0 and not agent_store,
+        timeout=timedelta(seconds=rendezvous_timeout_s(timeout_s)),
+        wait_for_workers=True,
+        multi_tenant=True,  # as torch's env:// rendezvous: other stores of this process may share the port
+    )
+    store.set_timeout(timedelta(seconds=timeout_s))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = env.main_address, str(env.main_port)  # as Lightning does
+    device = strategy.root_device
+    backend = strategy.process_group_backend or dist.get_default_backend_for_device(device)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"lightning_sync/attempt_{attempt}", store),
+        rank=strategy.global_rank,
+        world_size=strategy.world_size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=None if device.type == "cpu" else device,
+    )
+    if backend == "nccl":  # as Lightning does: torch warns at exit about an NCCL group left alive
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+
+
+_CHECKPOINT_KEY = "lightning_sync"
+_WEIGHTS_ONLY_HINT = (
+    "to start a new run from its weights only, load them into the module (e.g. Module.load_from_checkpoint) and fit "
+    "without ckpt_path"
+)
+
+
+def sync_state_path(checkpoint_path: str | Path, rank: int) -> Path:
+    """The file holding rank ``rank``'s sync state, next to the checkpoint ``checkpoint_path`` (a symlink, as
+    ``ModelCheckpoint(save_last="link")`` writes for ``last.ckpt``, is followed to the file it names)."""
+    path = Path(checkpoint_path)
+    if path.is_symlink():
+        path = path.resolve()
+    return path.with_name(f"{path.name}.rank{rank}.pt")
+
+
+def _read_checkpoint(path: Path, load: Callable[[], Any]) -> Any:
+    """``load()``, the reading of ``path``.
+
+    Raises:
+        CheckpointError: the file is missing, truncated, corrupt or not a PyTorch checkpoint.
+    """
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist (or is not a file)")
+    try:
+        return load()
+    except Exception as error:  # torch.load raises many types for a truncated or foreign file
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} cannot be read ({type(error).__name__}: {error}); the file is truncated, "
+            "corrupt or not a PyTorch checkpoint"
+        ) from error
+
+
+def _check_resumable(checkpoint: Any, path: Path, strategy: str, ranks: int, rank: int) -> Path:
+    """Checks that Lightning's ``checkpoint`` (read from ``path``) was saved by a ``strategy`` run of ``ranks``
+    ranks, with rank ``rank``'s sync-state file next to it.
+
+    Returns:
+        That file (:func:`sync_state_path`).
+
+    Raises:
+        CheckpointError: it is not a Lightning checkpoint, has no lightning_sync state, was saved by another
+            strategy or another number of ranks, or the rank's file is missing.
+    """
+    if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint:
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a Lightning checkpoint (no 'state_dict')")
+    saved = checkpoint.get(_CHECKPOINT_KEY)
+    if saved is None:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has no lightning_sync state (it was saved by another strategy, e.g. "
+            f"Lightning's own), so this {strategy!r} run cannot resume from it; {_WEIGHTS_ONLY_HINT}"
+        )
+    if saved.get("strategy") != strategy:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was saved by strategy {saved.get('strategy')!r}, this run uses "
+            f"{strategy!r}; resume with the same strategy, or {_WEIGHTS_ONLY_HINT}"
+        )
+    if saved.get("world_size") != ranks:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was saved by {saved.get('world_size')} ranks, this run has "
+            f"{ranks}; resume with the same number of ranks, or {_WEIGHTS_ONLY_HINT}"
+        )
+    own = sync_state_path(path, rank)
+    if not own.is_file():
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has no sync state of rank {rank}: {str(own)!r} does not exist "
+            "(each rank writes its own file next to the checkpoint; copy or move them together)"
+        )
+    return own
+
+
+class SyncMetricsLogger(pl.Callback):
+    """Logs a lightning_sync strategy's metrics (``comm/*``, ``sync/*``) after each training batch.
+
+    Logs ``trainer.strategy.step_metrics(write)`` with ``LightningModule.log_dict`` (on step, not synced across ranks);
+    ``write``: whether the logger writes this step (``global_step`` a multiple of ``log_every_n_steps``, or the end).
+    """
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step_metrics = getattr(trainer.strategy, "step_metrics", None)
+        if step_metrics is None:
+            return
+        every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning's logger connector
+        metrics = step_metrics((every > 0 and trainer.global_step % every == 0) or trainer.should_stop)
+        if metrics:
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """First among the callbacks' ``on_train_end``: a strategy whose ranks ran apart (``ps`` async/ssp) ends
+        that run and has the ranks meet again, so the other callbacks' ``on_train_end`` may use collectives."""
+        end_detached_run = getattr(trainer.strategy, "end_detached_run", None)
+        if end_detached_run is not None:
+            end_detached_run()
+
+
 class SyncStrategyBase(LightningDDPHooks):
     """Base of the lightning_sync strategies.
 
@@ -102,8 +242,7 @@ class SyncStrategyBase(LightningDDPHooks):
 
     A mode holds its algorithm objects and this class forwards Lightning's hooks to them (a mode that all-reduces
     gradients by hand sets :attr:`gradients`). Every mode gets here the replica checks (:meth:`check_replicas`),
-    Lightning's collectives with a lost peer named, and per-rank sync state in checkpoints
-    (:mod:`~lightning_sync.strategies._checkpoint`).
+    Lightning's collectives with a lost peer named, and per-rank sync state in checkpoints (:meth:`save_checkpoint`).
 
     Args:
         arguments: the mode's constructor arguments, by name: one per field of ``config_class`` and one per
@@ -117,12 +256,12 @@ class SyncStrategyBase(LightningDDPHooks):
         config: the validated config.
         meter: the communication meter (made in :meth:`setup_environment`, once the process group exists).
         gradients: the hand-made gradient all-reduce, where the mode has one (``None``: torch DDP, or none).
+        fault_tolerance: the ``fault_tolerance`` knob of ``allreduce`` and ``periodic`` (``None``: none): the
+            strategy's ranks are one replica group of :mod:`lightning_sync.ft`.
         skipped_steps: optimizer steps skipped because the gradients held a NaN or Inf (``skip_nonfinite``).
     """
 
     config_class: ClassVar[type[StrategyConfig]] = StrategyConfig
-    skips_nonfinite_steps: ClassVar[bool] = True
-    """Whether ``skip_nonfinite`` applies to this mode (see :mod:`lightning_sync.comm.nonfinite`)."""
     strategy_name: ClassVar[str] = ""
     """The name registered with Lightning's ``StrategyRegistry`` (the first docstring line is its description)."""
     config: Any  # a config_class instance: each mode reads its own knobs
@@ -135,6 +274,9 @@ class SyncStrategyBase(LightningDDPHooks):
         self.gradients: GradientAllReduce | None = None  # a mode's _check_algorithm_knobs may build it
         try:
             self.config = self.config_class.from_arguments(arguments)
+            self.fault_tolerance = as_fault_tolerance(getattr(self.config, "fault_tolerance", None))
+            if self.fault_tolerance is not None:
+                require_torchft()  # a one-line error naming the lightning-sync[ft] extra
             self._check_algorithm_knobs()
         except ConfigError as error:
             raise error.under("strategy") from None
@@ -179,9 +321,19 @@ class SyncStrategyBase(LightningDDPHooks):
         """Lightning's launcher for the start method, Hydra-aware for ``popen`` (see ``_launcher``)."""
         configure_launcher(self, super().configure_launcher)
 
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """With fault tolerance, this group's ranks read shard ``replica_group`` of ``num_replica_groups``."""
+        kwargs, ft = super().distributed_sampler_kwargs, self.fault_tolerance
+        if ft is None:
+            return kwargs
+        size = int(kwargs["num_replicas"])
+        return dict(kwargs, num_replicas=size * ft.num_replica_groups, rank=ft.replica_group * size + kwargs["rank"])
+
     @override
     def setup_distributed(self) -> None:
-        """Joins the process group (:func:`~lightning_sync.strategies._rendezvous.join_default_group`: the ranks
+        """Joins the process group (:func:`join_default_group`: the ranks
         meet within ``rendezvous_timeout_s(timeout_s)``), then sets up as Lightning does."""
         self.set_world_ranks()
         join_default_group(self)
@@ -202,8 +354,7 @@ class SyncStrategyBase(LightningDDPHooks):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         """Sets up the model and optimizers, restores sync state from a checkpoint being resumed, and adds the
-        :class:`~lightning_sync.strategies._metrics.SyncMetricsLogger` callback (first, so that the other callbacks'
-        batch-end hooks see this step's ``comm/*`` and ``sync/*``).
+        :class:`SyncMetricsLogger` callback (first: the other callbacks' batch-end hooks see this step's metrics).
 
         Raises:
             ReplicaMismatchError: the ranks' models have different parameters or buffers (names, shapes, dtypes);
@@ -320,13 +471,15 @@ class SyncStrategyBase(LightningDDPHooks):
     def _skipping_nonfinite(self, closure: Callable[[], Any], optimizer: Optimizer) -> Callable[[], Any]:
         """``closure``, then, if the (synced) gradients hold a NaN or Inf, the step is skipped and counted (see
         :mod:`lightning_sync.comm.nonfinite`; with a GradScaler the scaler skips it)."""
-        if not (self.config.skip_nonfinite and self.skips_nonfinite_steps):
+        if not self.config.skip_nonfinite:
             return closure
 
         def run() -> Any:
             output = closure()
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            if not self._synced_grads_finite(params):
+            # the synchronizer's verdict on this round, taken once (it checked each bucket as it arrived), or else
+            verdict = None if self.gradients is None else self.gradients.take_finite_verdict()  # the gradients' own
+            if not (grads_are_finite(params) if verdict is None else verdict):
                 self._count_skipped_step(alone=not self._syncs_gradients)
                 if getattr(self.precision_plugin, "scaler", None) is None:
                     drop_grads(params)
@@ -355,12 +508,6 @@ class SyncStrategyBase(LightningDDPHooks):
         else:
             rank_zero_warn(skipped_step_message(mode, step), category=NonFiniteStepWarning)
 
-    def _synced_grads_finite(self, params: list[nn.Parameter]) -> bool:
-        """Whether the (synced) gradients of ``params`` hold no NaN or Inf: :attr:`gradients`' verdict on this
-        round, taken once (it checked each bucket as it arrived), or else the gradients' own."""
-        verdict = None if self.gradients is None else self.gradients.take_finite_verdict()
-        return grads_are_finite(params) if verdict is None else verdict
-
     def on_sync_step_end(self) -> None:
         """Called after every optimizer step that the strategy took: advances the compressors' step counts."""
         if self.gradients is not None:
@@ -369,7 +516,7 @@ class SyncStrategyBase(LightningDDPHooks):
     # ------------------------------------------------------------------ metrics
     def step_metrics(self, write: bool) -> dict[str, float]:
         """The metrics to log after a training batch (called by
-        :class:`~lightning_sync.strategies._metrics.SyncMetricsLogger`): ``ft/*`` with fault tolerance, and
+        :class:`SyncMetricsLogger`): ``ft/*`` with fault tolerance, and
         ``comm/*``.
 
         Args:
@@ -381,7 +528,7 @@ class SyncStrategyBase(LightningDDPHooks):
             return metrics
         steps, self._steps_unlogged = self._steps_unlogged, 0
         metrics.update({key: value / steps for key, value in self.meter.step().as_metrics().items()})
-        if self.config.skip_nonfinite and self.skips_nonfinite_steps:
+        if self.config.skip_nonfinite:
             metrics["sync/skipped_steps"] = float(self.skipped_steps)
         return metrics
 
@@ -409,15 +556,24 @@ class SyncStrategyBase(LightningDDPHooks):
                 raise
             raise PeerError(f"{error}; {cause}") from error.__cause__
 
+    @property
+    def _detached(self) -> bool:
+        """Whether Lightning's collectives act on this rank alone now (``ps`` async/ssp; read by the benchmark's
+        timer): each returns this rank's own value, and ``reduce_boolean_decision`` its own decision."""
+        return False
+
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        """Lightning's barrier; a silent or lost rank is named."""
-        with self._naming_lost_peer("barrier"):
-            super().barrier(*args, **kwargs)
+        """Lightning's barrier (none while :attr:`_detached`); a silent or lost rank is named."""
+        if not self._detached:
+            with self._naming_lost_peer("barrier"):
+                super().barrier(*args, **kwargs)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Lightning's broadcast; a silent or lost rank is named."""
+        if self._detached:
+            return obj
         with self._naming_lost_peer("broadcast"):
             return super().broadcast(obj, src)
 
@@ -425,12 +581,17 @@ class SyncStrategyBase(LightningDDPHooks):
     def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         """Lightning's reduce (``self.log(sync_dist=True)``, ``reduce_boolean_decision``); a silent or lost rank is
         named."""
+        if self._detached:
+            return tensor
         with self._naming_lost_peer("reduce"):
             return super().reduce(tensor, *args, **kwargs)
 
     @override
     def all_gather(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's all_gather; a silent or lost rank is named."""
+        """Lightning's all_gather (this rank's tensor as the only row while :attr:`_detached`); a silent or lost rank
+        is named."""
+        if self._detached:
+            return tensor.unsqueeze(0)
         with self._naming_lost_peer("all_gather"):
             return super().all_gather(tensor, *args, **kwargs)
 
@@ -458,7 +619,7 @@ class SyncStrategyBase(LightningDDPHooks):
         the authority)."""
         return None
 
-    # ------------------------------------------------------------------ checkpoint (see _checkpoint)
+    # ------------------------------------------------------------------ checkpoint
     def _active_compressor(self) -> Compressor | None:
         """The compressor whose memory belongs in checkpoints (``None``: none yet, or the mode has none)."""
         return None if self.gradients is None else self.gradients.compressor
@@ -491,7 +652,6 @@ class SyncStrategyBase(LightningDDPHooks):
         if self.gradients is not None:
             state["synchronizer"] = self.gradients.state_dict()
         if not self.keeps_replicas_identical:
-            assert self.lightning_module is not None
             state["module_state"] = self.lightning_module.state_dict()
             state["optimizer_states"] = [opt.state_dict() for opt in self.optimizers]
         return state
@@ -502,7 +662,6 @@ class SyncStrategyBase(LightningDDPHooks):
         self._sync_steps = int(state["sync_steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         if "module_state" in state:
-            assert self.lightning_module is not None
             self.lightning_module.load_state_dict(state["module_state"])
         self._comm_resumed = CommStats(**state.get("comm", {}))
         compressor = self._active_compressor()
@@ -516,13 +675,16 @@ class SyncStrategyBase(LightningDDPHooks):
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
         """Rank 0 writes Lightning's checkpoint, marked with the strategy and the number of ranks; every rank writes
-        its own sync state next to it (:func:`~lightning_sync.strategies._checkpoint.sync_state_path`). Called on
+        its own sync state next to it (:func:`sync_state_path`). Called on
         every rank (Lightning's ``Trainer.save_checkpoint`` waits at a barrier afterwards); no rank sends its state
         to another."""
         # not world_size, which a detached fit (ps) reports as 1
-        _checkpoint.mark(checkpoint, self.strategy_name, self.num_nodes * self.num_processes)
+        checkpoint[_CHECKPOINT_KEY] = {
+            "strategy": self.strategy_name,
+            "world_size": self.num_nodes * self.num_processes,
+        }
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        own = _checkpoint.sync_state_path(filepath, self.global_rank)
+        own = sync_state_path(filepath, self.global_rank)
         self.checkpoint_io.save_checkpoint(self.sync_state_dict(), own)
 
     @override
@@ -530,7 +692,7 @@ class SyncStrategyBase(LightningDDPHooks):
         """Rank 0 removes Lightning's file, every rank its own sync-state file (``ModelCheckpoint`` calls this on
         every rank)."""
         super().remove_checkpoint(filepath)
-        self.checkpoint_io.remove_checkpoint(_checkpoint.sync_state_path(filepath, self.global_rank))
+        self.checkpoint_io.remove_checkpoint(sync_state_path(filepath, self.global_rank))
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -539,13 +701,12 @@ class SyncStrategyBase(LightningDDPHooks):
         strategy is set up.
 
         Raises:
-            CheckpointError: a file is missing or unreadable, or the checkpoint has no lightning_sync state, or was
-                saved by another strategy or another number of ranks.
+            CheckpointError: see :func:`_read_checkpoint` and :func:`_check_resumable`.
         """
         path = Path(checkpoint_path)
-        checkpoint = _checkpoint.read(path, lambda: super(SyncStrategyBase, self).load_checkpoint(path, weights_only))
-        own = _checkpoint.check_resumable(checkpoint, path, self.strategy_name, self.world_size, self.global_rank)
-        self._pending_sync_state = _checkpoint.read(
+        checkpoint = _read_checkpoint(path, lambda: super(SyncStrategyBase, self).load_checkpoint(path, weights_only))
+        own = _check_resumable(checkpoint, path, self.strategy_name, self.world_size, self.global_rank)
+        self._pending_sync_state = _read_checkpoint(
             own, lambda: self.checkpoint_io.load_checkpoint(own, weights_only=weights_only is not False)
         )
         self._pending_optimizer_states = self._pending_sync_state.get("optimizer_states")

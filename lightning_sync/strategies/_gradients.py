@@ -1,6 +1,7 @@
 """The all-reduce gradient path that ``allreduce`` and ``periodic`` (``mode="gradient"``, warmup) hold: a
 :class:`~lightning_sync.comm.bucketing.GradientSynchronizer` (and, with fault tolerance, a torchft link across replica
-groups) behind the hooks :class:`~lightning_sync.strategies._base.SyncStrategyBase` forwards to it."""
+groups, :func:`replica_group_link`) behind the hooks :class:`~lightning_sync.strategies._base.SyncStrategyBase`
+forwards to it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -18,16 +19,34 @@ from lightning_sync.comm.meter import CommMeter
 from lightning_sync.config import AllReduceConfig, PeriodicConfig
 from lightning_sync.ft.config import FaultTolerance
 from lightning_sync.ft.replica import ReplicaGroupLink, average_gradients_across
-from lightning_sync.strategies._fault_tolerance import replica_group_link
+
+
+def replica_group_link(strategy: ParallelStrategy, config: FaultTolerance) -> ReplicaGroupLink:
+    """This rank's link to the other replica groups (joins the lighthouse; rank 0 of the group first checks that one
+    answers within ``timeout_s``); a healing group pulls the LightningModule's and the optimizers' state."""
+    link = ReplicaGroupLink(config, group_rank=strategy.global_rank, group_world_size=strategy.world_size)
+    module = strategy.lightning_module
+    assert module is not None
+
+    def save() -> dict[str, Any]:
+        return {"model": module.state_dict(), "optimizers": [o.state_dict() for o in strategy.optimizers]}
+
+    def load(state: dict[str, Any]) -> None:
+        module.load_state_dict(state["model"])
+        for optimizer, saved in zip(strategy.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(saved)
+
+    link.register_state("training", save, load)
+    return link
 
 
 class GradientAllReduce:
     """Averages the gradients of a strategy's model once per optimizer step.
 
     Args:
-        config: the bucketing knobs (``bucketing``, ``bucket_cap_mb``, ...).
+        config: the bucketing knobs (``bucketing``, ``bucket_cap_mb``, ...) and ``skip_nonfinite`` (then the
+            synchronizer checks each averaged bucket for a NaN or Inf).
         new_compressor: builds the gradient compressor.
-        check_finite: whether the synchronizer checks each averaged bucket for a NaN or Inf (``skip_nonfinite``).
         fault_tolerance: averages the gradients across replica groups too (``None``: within the strategy's ranks).
 
     Attributes:
@@ -39,12 +58,10 @@ class GradientAllReduce:
         self,
         config: AllReduceConfig | PeriodicConfig,
         new_compressor: Callable[[], Compressor],
-        check_finite: bool,
         fault_tolerance: FaultTolerance | None = None,
     ) -> None:
         self.config = config
         self.new_compressor = new_compressor
-        self.check_finite = check_finite
         self.fault_tolerance = fault_tolerance
         self.synchronizer: GradientSynchronizer | None = None
         self.link: ReplicaGroupLink | None = None
@@ -59,7 +76,7 @@ class GradientAllReduce:
             list(strategy.model.parameters()),
             compressor=self.new_compressor(),
             meter=meter,
-            check_finite=self.check_finite,
+            check_finite=self.config.skip_nonfinite,
             same_host_cpu=strategy.num_nodes == 1,
             **self.config.arguments_for(GradientSynchronizer),
         )

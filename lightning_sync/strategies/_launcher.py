@@ -1,24 +1,27 @@
 """How a strategy launches its ranks, and the failures of a rank that Lightning's launchers leave running.
 
 - Under Hydra, Lightning's ``popen`` launcher re-runs ``sys.argv`` in every child, so a ``hydra -m`` child re-runs the
-  whole sweep: :class:`HydraJobSubprocessLauncher` starts each child on the parent's job only.
+  whole sweep (Lightning issue #15689): each child runs :func:`hydra_job_command`, the parent's job only
+  (``test_multirun_gives_one_sweep_folder``).
 - A lost child rank of a ``ps`` job that tolerates it (``async``, ``ssp``, elastic ``sync``) would make Lightning's
   observer SIGKILL every rank: :class:`ChildObserver` names it and lets the job go on (``tests/test_ps_elastic_kill.py``).
   A lost worker comes back the way a new one joins: its supervisor runs the ``strategy.join=true`` command again.
 - A rank stopped by a signal (SIGSTOP, SIGTSTP) never times out itself, and torch and Lightning end the other ranks
   with signals it does not act on. Its peers' collectives fail after ``timeout_s``, naming it; each failing rank then
   SIGKILLs the stopped ranks it can see (:func:`kill_frozen_ranks`): a ``popen`` main process its stopped children
-  (Lightning kills them only on ``KeyboardInterrupt``); a ``popen`` child its parent, the job's main process
-  (:data:`LAUNCHER_PID_ENV`; ``test_frozen_main_process_is_killed_by_its_child_rank``); a ``fork``/``spawn`` rank its
-  stopped siblings (torch's join SIGKILLs them only 30 s after its SIGTERM;
-  ``test_fork_rank_frozen_mid_run_is_named_and_killed``). Only state ``T`` in ``/proc/<pid>/stat`` is killed, never a
-  running process nor one stopped by a debugger (``t``); without ``/proc`` nothing is found.
+  (Lightning kills them only on ``KeyboardInterrupt``; ``test_lost_rank_fails_the_job_in_time_and_leaves_no_process``);
+  a ``popen`` child its parent, the job's main process (:data:`LAUNCHER_PID_ENV`;
+  ``test_frozen_main_process_is_killed_by_its_child_rank``); a ``fork``/``spawn`` rank its stopped siblings (torch's
+  join SIGKILLs them only 30 s after its SIGTERM; ``test_fork_rank_frozen_mid_run_is_named_and_killed``). Only state
+  ``T`` in ``/proc/<pid>/stat`` is killed, never a running process nor one stopped by a debugger (``t``); without
+  ``/proc`` nothing is found.
 
 The Lightning internals used are reached through :mod:`lightning_sync.strategies._lightning`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing
 import os
@@ -31,9 +34,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from typing_extensions import override
-
-from lightning_sync._proc import stat_fields
 from lightning_sync.strategies._lightning import (
     PopenLauncher,
     launcher_children,
@@ -56,18 +56,11 @@ def _hydra_in_use() -> bool:
 
 def _config_flags(argv: Sequence[str]) -> list[str]:
     """The config-selecting flags of ``argv`` (``-cn x``, ``--config-dir=y``), kept for the child."""
-    kept: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        name = arg.split("=", 1)[0]
-        if name in _HYDRA_CONFIG_FLAGS:
-            takes_next = "=" not in arg and i + 1 < len(argv)
-            kept.extend(argv[i : i + 2] if takes_next else [arg])
-            i += 2 if takes_next else 1
-        else:
-            i += 1
-    return kept
+    return [
+        arg
+        for i, arg in enumerate(argv)
+        if arg.split("=", 1)[0] in _HYDRA_CONFIG_FLAGS or (i > 0 and argv[i - 1] in _HYDRA_CONFIG_FLAGS)
+    ]
 
 
 def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
@@ -79,15 +72,10 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
 
     hydra_cfg = HydraConfig.get()
     spec = getattr(__main__, "__spec__", None)
-    if spec is None:
-        command = [sys.executable, to_absolute_path(sys.argv[0])]
-    else:
-        command = [sys.executable, "-m", spec.name]
-    command += _config_flags(sys.argv[1:])
-    command += list(hydra_cfg.overrides.task)
-    output_dir = hydra_cfg.runtime.output_dir
+    command = [sys.executable, *([to_absolute_path(sys.argv[0])] if spec is None else ["-m", spec.name])]
+    command += [*_config_flags(sys.argv[1:]), *hydra_cfg.overrides.task]
     command += [
-        f"hydra.run.dir={output_dir}",
+        f"hydra.run.dir={hydra_cfg.runtime.output_dir}",
         f"hydra.job.name={hydra_cfg.job.name}_rank{local_rank}",
         "hydra.output_subdir=null",
         "hydra/hydra_logging=disabled",
@@ -96,81 +84,29 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
     return command, get_original_cwd()
 
 
-class HydraJobSubprocessLauncher(PopenLauncher):
-    """Lightning's ``popen`` launcher, except that under Hydra a child runs the parent's job, never its sweep.
-
-    Under Hydra, :meth:`start_children` starts each child on :func:`hydra_job_command` (Lightning issue #15689:
-    its children re-run the whole ``-m`` sweep). :meth:`exited_children` and :meth:`wait_children` serve the app's
-    end of job, so that no child outlives a job holding the next one's ports and cores.
-    """
-
-    @override
-    def start_children(self) -> None:
-        if not _hydra_in_use():
-            super().start_children()
-            return
-        self.check_can_start_children()
-        self.children = []
-        env = self.cluster_environment
-        os.environ.update(
-            MASTER_ADDR=env.main_address,
-            MASTER_PORT=str(env.main_port),
-            NODE_RANK=str(env.node_rank()),
-            LOCAL_RANK=str(env.local_rank()),
-            WORLD_SIZE=str(self.num_processes * self.num_nodes),
-        )
-        for local_rank in range(1, self.num_processes):
-            child_env = dict(os.environ, LOCAL_RANK=str(local_rank))
-            if os.environ.get("PL_GLOBAL_SEED") is None:
-                child_env.pop("PL_GLOBAL_SEED", None)
-            command, cwd = hydra_job_command(local_rank)
-            self.children.append(subprocess.Popen(command, env=child_env, cwd=cwd))
-
-    def exited_children(self) -> dict[int, int]:
-        """``{local_rank: exit_code}`` of the children that have already exited with an error (now, no waiting)."""
-        codes = {local_rank: proc.poll() for local_rank, proc in enumerate(self.children, start=1)}
-        return {rank: code for rank, code in codes.items() if code not in (None, 0)}
-
-    def wait_children(self, timeout: float | None = None) -> dict[int, int]:
-        """Waits for the children to exit (between the jobs of a sweep, so ports and cores are free again).
-
-        Args:
-            timeout: seconds the children together may take; one still running then is killed (SIGKILL, which
-                also ends a stopped process) and reported with exit code ``-9``.
-
-        Returns:
-            ``{local_rank: exit_code}`` of the children that failed (empty when all exited with 0).
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        codes = {}
-        for local_rank, proc in enumerate(self.children, start=1):
-            try:
-                codes[local_rank] = proc.wait(timeout=None if deadline is None else max(deadline - time.monotonic(), 0))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                codes[local_rank] = proc.wait()
-        return {rank: code for rank, code in codes.items() if code != 0}
-
-
 def configure_launcher(strategy: Any, lightning_default: Callable[[], None]) -> None:
-    """Sets ``strategy``'s launcher: :class:`HydraJobSubprocessLauncher` for ``popen``, else Lightning's own.
+    """Sets ``strategy``'s launcher (for ``popen``, a :class:`PopenLauncher` with the hooks above, else Lightning's own),
+    whose ranks kill the frozen ones when they fail.
 
     Args:
         strategy: a Lightning ``DDPStrategy``, before launch.
         lightning_default: Lightning's way to set the launcher (used for the other start methods).
     """
-    if start_method(strategy) != "popen":
+    if start_method(strategy) == "popen":
+        assert strategy.cluster_environment is not None
+        tolerant = getattr(strategy, "tolerates_lost_ranks", False)
+        launcher = PopenLauncher(
+            strategy.cluster_environment,
+            strategy.num_processes,
+            strategy.num_nodes,
+            child_command=hydra_job_command if _hydra_in_use() else None,
+            observer=(lambda children: ChildObserver(children).start()) if tolerant else None,
+        )
+        set_launcher(strategy, launcher)
+    else:
         lightning_default()
-        return end_frozen_ranks_on_failure(strategy.launcher, strategy)
-    assert strategy.cluster_environment is not None
-    observer = None  # Lightning's, unless the strategy lets a lost rank leave the job running
-    if getattr(strategy, "tolerates_lost_ranks", False):
-        tolerated = lambda: bool(strategy.tolerates_lost_ranks)  # noqa: E731  # asked when a rank is lost
-        observer = lambda children: ChildObserver(children, tolerated).start()  # noqa: E731
-    env = strategy.cluster_environment
-    launcher = HydraJobSubprocessLauncher(env, strategy.num_processes, strategy.num_nodes, observer=observer)
-    set_launcher(strategy, launcher)
-    end_frozen_ranks_on_failure(launcher, strategy)  # a failing rank kills the frozen ones
+    launch = strategy.launcher.launch
+    replace_launch(strategy.launcher, functools.partial(_launch, launch, strategy.launcher, strategy))
 
 
 def describe_exit(code: int) -> str:
@@ -179,61 +115,49 @@ def describe_exit(code: int) -> str:
 
 
 class ChildObserver(threading.Thread):
-    """Watches the child ranks of the main process; a child that exits with an error is lost, and the job goes on
-    when ``tolerated()`` says so, or ends (every child and the main process SIGKILLed, as Lightning's observer does)
-    when it does not.
+    """Watches the child ranks of the main process, in place of Lightning's observer, where a lost rank leaves the job
+    running: a child that exits with an error is named on stderr, once, and the job goes on.
 
     Args:
         children: the child ranks, local ranks ``1..n-1`` in order.
-        tolerated: whether a lost rank leaves the job running (asked when one is lost).
         period_s: seconds between two looks.
     """
 
-    def __init__(self, children: list[subprocess.Popen], tolerated: Callable[[], bool], period_s: float = 0.5) -> None:
+    def __init__(self, children: list[subprocess.Popen], period_s: float = 0.5) -> None:
         super().__init__(daemon=True, name="lightning_sync-child-observer")
-        self.children, self.tolerated, self.period_s = children, tolerated, period_s
+        self.children, self.period_s = children, period_s
         self.lost: dict[int, int] = {}  # local rank -> exit code of the children lost while the job went on
 
     def run(self) -> None:
-        while True:
+        while not self.look():
             time.sleep(self.period_s)
-            if self.look():
-                return
 
     def look(self) -> bool:
-        """One look at every child; whether the watch is over (every child exited, or the job was ended)."""
+        """One look at every child; whether the watch is over (every child exited)."""
         codes = [proc.poll() for proc in self.children]
         for local_rank, code in enumerate(codes, start=1):
-            if code in (None, 0) or local_rank in self.lost:
-                continue
-            if not self.tolerated():
+            if code not in (None, 0) and local_rank not in self.lost:
+                self.lost[local_rank] = code
                 print(
-                    f"error: rank {local_rank} (local) was lost ({describe_exit(code)}): ending the job",
+                    f"warning: rank {local_rank} (local) was lost ({describe_exit(code)}); the job goes on with the "
+                    "other ranks",
                     file=sys.stderr,
                     flush=True,
                 )
-                self.end_job()
-                return True
-            self.lost[local_rank] = code
-            print(
-                f"warning: rank {local_rank} (local) was lost ({describe_exit(code)}); the job goes on with the "
-                "other ranks",
-                file=sys.stderr,
-                flush=True,
-            )
-        return all(code is not None for code in codes)
-
-    def end_job(self) -> None:
-        """SIGKILL to every child and to the main process (a rank may hang in a collective; SIGKILL also ends a
-        frozen one)."""
-        for proc in self.children:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
+        return None not in codes
 
 
 LAUNCHER_PID_ENV = "LIGHTNING_SYNC_LAUNCHER_PID"
 """Set for the ``popen`` children of a main process: its pid (so a child knows its parent is the job's main)."""
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first, then the parent pid); ``None`` if
+    the process is gone or there is no ``/proc``."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 def kill_if_stopped(pid: int, who: str) -> None:
@@ -241,15 +165,9 @@ def kill_if_stopped(pid: int, who: str) -> None:
     fields = stat_fields(pid)
     if fields is None or fields[0] != "T":
         return
-    print(
-        f"error: {who}, pid {pid}, is frozen (stopped by a signal): killing it so that the job ends",
-        file=sys.stderr,
-        flush=True,
-    )
-    try:
+    print(f"error: {who}, pid {pid}, is frozen (stopped by a signal): killing it so that the job ends", file=sys.stderr)
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _stopped_sibling_ranks() -> list[int]:
@@ -266,12 +184,10 @@ def _stopped_sibling_ranks() -> list[int]:
         fields = stat_fields(pid)
         if fields is None or fields[0] != "T" or int(fields[1]) != parent:
             continue
-        try:
+        with contextlib.suppress(OSError):
             theirs = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if theirs == mine or (theirs.endswith(spawned) and mine.endswith(spawned)):
-            found.append(pid)
+            if theirs == mine or (theirs.endswith(spawned) and mine.endswith(spawned)):
+                found.append(pid)
     return found
 
 
@@ -304,14 +220,8 @@ def _run_rank(function: Callable[..., Any], launcher: Any, strategy: Any, *args:
 def _launch(
     launch: Callable[..., Any], launcher: Any, strategy: Any, function: Callable[..., Any], *args: Any, **kwargs: Any
 ) -> Any:
-    """``launcher.launch`` that runs each rank's function through :func:`_run_rank`."""
+    """``launcher.launch`` that runs each rank's function through :func:`_run_rank` (in partials, which ``spawn`` can
+    pickle)."""
     if isinstance(launcher, PopenLauncher) and not strategy.cluster_environment.creates_processes_externally:
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the children this main process starts inherit it
     return launch(functools.partial(_run_rank, function, launcher, strategy), *args, **kwargs)
-
-
-def end_frozen_ranks_on_failure(launcher: Any, strategy: Any) -> None:
-    """Makes every rank that ``launcher`` (``None``: nothing to do) runs kill the frozen ranks it sees when it fails,
-    by wrapping ``launcher.launch`` once (in partials, which ``spawn`` can pickle)."""
-    if launcher is not None and getattr(launcher.launch, "func", None) is not _launch:
-        replace_launch(launcher, functools.partial(_launch, launcher.launch, launcher, strategy))

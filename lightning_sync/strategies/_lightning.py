@@ -6,32 +6,13 @@ nowhere else (``make lint`` fails on a private Lightning name or an :data:`UNSTA
 pytest turns a ``DeprecationWarning`` naming one into an error). Verified for :data:`LIGHTNING_VERIFIED`; a new
 Lightning release is checked against this module first.
 
-What is used, and where Lightning defines it:
-
-- ``DDPStrategy._configure_launcher`` and ``DDPStrategy._register_ddp_hooks``: overridden, forwarded to
-  :meth:`LightningDDPHooks.configure_launcher` and :meth:`LightningDDPHooks.register_ddp_hooks`.
-- ``DDPStrategy._launcher`` and ``DDPStrategy._start_method``: set by :func:`set_launcher`, read by
-  :func:`start_method`.
-- ``lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher``: the ``popen`` launcher,
-  subclassed by :class:`PopenLauncher`, which overrides only ``_call_children_scripts`` (reached through
-  :meth:`PopenLauncher.start_children`; ``_check_can_spawn_children`` through
-  :meth:`PopenLauncher.check_can_start_children`; its ``procs`` list through :attr:`PopenLauncher.children` and
-  :func:`launcher_children`). Its ``launch`` is Lightning's, except with an observer of ours
-  (:attr:`PopenLauncher.observer`, for a job that a lost rank may leave running): then it is restated, the same steps
-  with that observer in place of Lightning's, ``_set_num_threads_if_needed`` called as Lightning's ``launch`` does.
-  Its ``kill`` is used as it is.
-- ``launcher.launch``: replaced on one launcher instance by :func:`replace_launch`.
-- ``Trainer.limit_val_batches``, ``Trainer.fit_loop.max_epochs`` and ``Trainer.accumulate_grad_batches``: written
-  during ``fit`` by :func:`set_loop_limits` and :func:`set_accumulate_grad_batches`.
-- ``Trainer.callbacks``: a callback inserted first by :func:`insert_callback_first`.
-- ``Precision.clip_gradients``: replaced on the strategy's plugin instance by :func:`route_clip_gradients` and put
-  back by :func:`restore_clip_gradients`.
-- The fit loop's step counters (``fit_loop.epoch_loop``'s optimizer step progress, automatic and manual, and its
-  ``_batches_that_stepped``): written by :func:`set_global_step` before a joining rank's first batch.
+What is used is listed in :data:`PRIVATE_NAMES` and :data:`UNSTABLE_USES`; each function or class below says
+which Lightning attribute it reads, writes or overrides.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -64,7 +45,6 @@ PRIVATE_NAMES = (
 UNSTABLE_USES = (
     "launcher.procs",
     "launcher.launch (replaced)",
-    "Trainer.limit_val_batches (written)",
     "Trainer.fit_loop.max_epochs (written)",
     "Trainer.accumulate_grad_batches (written)",
     "Trainer.callbacks.insert",
@@ -105,18 +85,24 @@ def set_launcher(strategy: DDPStrategy, launcher: Any) -> None:
 
 
 class PopenLauncher(_SubprocessScriptLauncher):
-    """Lightning's ``popen`` launcher, its private parts behind names of ours.
+    """Lightning's ``popen`` launcher, with two hooks of ours.
 
-    ``_call_children_scripts`` is overridden: it calls :meth:`start_children`, which subclasses override. ``launch``
-    starts the children through it, then Lightning's child observer (a child that exits with an error makes it
-    SIGKILL the other children and this process), or ``observer(children)`` if given, then runs the rank's function.
+    Args:
+        child_command: ``(command, cwd)`` of the child for a local rank, in place of Lightning's re-run of this
+            process's command line (``None``: Lightning's).
+        observer: watches the children in place of Lightning's observer, which SIGKILLs every rank when a child exits
+            with an error; ``launch`` is then Lightning's, restated with it.
     """
 
     def __init__(
-        self, *args: Any, observer: Callable[[list[subprocess.Popen]], None] | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        child_command: Callable[[int], tuple[list[str], str]] | None = None,
+        observer: Callable[[list[subprocess.Popen]], None] | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.observer = observer
+        self.child_command, self.observer = child_command, observer
 
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
@@ -125,30 +111,28 @@ class PopenLauncher(_SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
-            self.observer(self.children)
+            self.observer(self.procs)
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
-    @property
-    def children(self) -> list[subprocess.Popen]:
-        """The child ranks this process started (local ranks 1..n-1, in order)."""
-        return self.procs
-
-    @children.setter
-    def children(self, procs: list[subprocess.Popen]) -> None:
-        self.procs = procs
-
     @override
     def _call_children_scripts(self) -> None:
-        self.start_children()
-
-    def start_children(self) -> None:
-        """Starts local ranks 1..n-1 (Lightning's: each re-runs this process's command line)."""
-        super()._call_children_scripts()
-
-    def check_can_start_children(self) -> None:
-        """Raises ``RuntimeError`` if children were started already or this is not local rank 0."""
+        """Lightning's, restated with :attr:`child_command` where given."""
+        if self.child_command is None:
+            super()._call_children_scripts()
+            return
         self._check_can_spawn_children()
+        env = self.cluster_environment
+        os.environ.update(
+            MASTER_ADDR=env.main_address,
+            MASTER_PORT=str(env.main_port),
+            NODE_RANK=str(env.node_rank()),
+            LOCAL_RANK=str(env.local_rank()),
+            WORLD_SIZE=str(self.num_processes * self.num_nodes),
+        )
+        for local_rank in range(1, self.num_processes):
+            command, cwd = self.child_command(local_rank)
+            self.procs.append(subprocess.Popen(command, env=dict(os.environ, LOCAL_RANK=str(local_rank)), cwd=cwd))
 
 
 def launcher_children(launcher: Any) -> list[subprocess.Popen]:
@@ -161,14 +145,8 @@ def replace_launch(launcher: Any, launch: Callable[..., Any]) -> None:
     launcher.launch = launch
 
 
-def loop_limits(trainer: pl.Trainer) -> tuple[Any, int | None]:
-    """``(limit_val_batches, fit_loop.max_epochs)`` of ``trainer``, as :func:`set_loop_limits` takes them."""
-    return trainer.limit_val_batches, trainer.fit_loop.max_epochs
-
-
-def set_loop_limits(trainer: pl.Trainer, limit_val_batches: Any, max_epochs: int | None) -> None:
-    """Sets the Trainer's validation batch limit and its fit loop's epoch limit (``-1``: none), during ``fit``."""
-    trainer.limit_val_batches = limit_val_batches
+def set_max_epochs(trainer: pl.Trainer, max_epochs: int | None) -> None:
+    """Sets the fit loop's epoch limit (``-1``: none), during ``fit``."""
     trainer.fit_loop.max_epochs = max_epochs
 
 

@@ -13,7 +13,6 @@ from lightning_sync.algorithms import build_parts
 from lightning_sync.comm.compression import Compressor
 from lightning_sync.config import AllReduceConfig
 from lightning_sync.strategies._base import SyncStrategyBase
-from lightning_sync.strategies._fault_tolerance import fault_tolerance_of, replica_group_shard
 from lightning_sync.strategies._gradients import GradientAllReduce
 
 
@@ -70,24 +69,12 @@ class AllReduceStrategy(SyncStrategyBase):
         cfg = self.config
         new_compressor = build_parts(cfg).new_compressor
         assert new_compressor is not None  # set for every gradient-syncing mode
-        check_finite = cfg.skip_nonfinite and self.skips_nonfinite_steps
-        self.gradients = GradientAllReduce(cfg, new_compressor, check_finite, fault_tolerance_of(cfg.fault_tolerance))
+        self.gradients = GradientAllReduce(cfg, new_compressor, self.fault_tolerance)
 
     @override
     def configure_ddp(self) -> None:
-        """Keeps the module unwrapped: broadcasts rank 0's state and builds the gradient synchronizer.
-
-        Guarantees: afterwards every rank holds rank 0's parameters and buffers, and each parameter with
-        ``requires_grad`` belongs to exactly one bucket.
-        """
+        """Keeps the module unwrapped (see :meth:`~lightning_sync.strategies._base.SyncStrategyBase._setup_gradients`)."""
         self._setup_gradients()
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """With fault tolerance, this group's ranks read shard ``replica_group`` of ``num_replica_groups``."""
-        assert self.gradients is not None
-        return replica_group_shard(super().distributed_sampler_kwargs, self.gradients.fault_tolerance)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

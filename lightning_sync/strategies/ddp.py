@@ -85,11 +85,8 @@ class DDPSyncStrategy(SyncStrategyBase):
 
     @override
     def register_ddp_hooks(self) -> None:
-        """Registers the metered compressor hook on the DDP model, whatever the device.
-
-        Guarantees: after this, every gradient bucket DDP reduces goes through ``self.hook_state.compressor`` and
-        is counted by ``self.meter``; ``self.hook_state.calls`` counts the buckets.
-        """
+        """Registers the metered compressor hook on the DDP model, whatever the device: every bucket DDP reduces goes
+        through ``hook_state.compressor`` and is counted by the meter (``hook_state.calls``: the buckets)."""
         assert isinstance(self.model, DistributedDataParallel)
         assert self.meter is not None
         assert self._new_compressor is not None

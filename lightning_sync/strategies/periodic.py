@@ -23,13 +23,7 @@ from lightning_sync.comm.periodic import PeriodicAverager
 from lightning_sync.config import PeriodicConfig
 from lightning_sync.errors import CheckpointError, ConfigError
 from lightning_sync.strategies._base import SyncStrategyBase
-from lightning_sync.strategies._fault_tolerance import (
-    fault_tolerance_of,
-    replica_group_link,
-    replica_group_shard,
-    stop_at_healed_max_steps,
-)
-from lightning_sync.strategies._gradients import GradientAllReduce
+from lightning_sync.strategies._gradients import GradientAllReduce, replica_group_link
 from lightning_sync.strategies._lightning import set_accumulate_grad_batches
 
 
@@ -114,23 +108,15 @@ class PeriodicSyncStrategy(SyncStrategyBase):
         constructor checks the schedule, and the gradient path (``gradient`` mode, the averager's warmup)."""
         self._parts = build_parts(self.config)
         self.averager: PeriodicAverager | None = self._parts.averager
-        self.fault_tolerance = fault_tolerance_of(self.config.fault_tolerance)
         if self.averager is None or self.averager.warmup_steps > 0:
             assert self._parts.new_compressor is not None  # set for every gradient-syncing mode
-            check_finite = self.config.skip_nonfinite and self.skips_nonfinite_steps
-            self.gradients = GradientAllReduce(self.config, self._parts.new_compressor, check_finite)
+            self.gradients = GradientAllReduce(self.config, self._parts.new_compressor)
 
     @property
     @override
     def _syncs_gradients(self) -> bool:
         """``gradient`` mode, and the averager's warmup steps, all-reduce gradients; local steps do not."""
         return self.averager is None or self.averager.in_warmup
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """With fault tolerance, this group's ranks read shard ``replica_group`` of ``num_replica_groups``."""
-        return replica_group_shard(super().distributed_sampler_kwargs, self.fault_tolerance)
 
     @property
     def period(self) -> int:
@@ -188,12 +174,7 @@ class PeriodicSyncStrategy(SyncStrategyBase):
     @override
     def configure_ddp(self) -> None:
         """Broadcasts rank 0's state, builds the gradient synchronizer (``gradient`` mode, warmup) and sets up the
-        averager's groups.
-
-        Raises:
-            ConfigError: ``module_sync_every`` has a pattern that matches no parameter, or a parameter matched by
-                two patterns.
-        """
+        averager's groups (a bad ``module_sync_every`` pattern raises ``ConfigError``, as :meth:`validate_model`)."""
         self._setup_gradients()
         assert self.model is not None and self.meter is not None
         if self._parts.fault_tolerant_averager is not None:
@@ -230,7 +211,10 @@ class PeriodicSyncStrategy(SyncStrategyBase):
             self._sync_metrics["sync/divergence"] = divergence
         fault_tolerant = self._parts.fault_tolerant_averager
         if fault_tolerant is not None:
-            stop_at_healed_max_steps(self.lightning_module.trainer, fault_tolerant.steps)
+            # a group that healed took a live group's step count, ahead of its own loop: all end at the same sync
+            trainer = self.lightning_module.trainer
+            if trainer.max_steps is not None and 0 <= trainer.max_steps <= fault_tolerant.steps:
+                trainer.should_stop = True
             if fault_tolerant.link.stats.quorums != self._quorums:
                 self._quorums = fault_tolerant.link.stats.quorums
                 self._sync_metrics.update(fault_tolerant.link.stats.metrics())

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -17,9 +20,10 @@ from lightning.pytorch.plugins import CheckpointIO, ClusterEnvironment, Precisio
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
+from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_sync.algorithms import build_parts, ps_settings
+from lightning_sync.algorithms import ps_settings
 from lightning_sync.comm.averaging import OptimizerCallable
 from lightning_sync.comm.compression import Compressor
 from lightning_sync.comm.peer_errors import PeerError, names_a_silent_peer
@@ -38,11 +42,17 @@ from lightning_sync.ps import (
     optimizer_spec,
     start_servers,
 )
+from lightning_sync.ps.elastic import servers_at_end
 from lightning_sync.ps.outer import LocalSteps
 from lightning_sync.strategies._base import SyncStrategyBase
-from lightning_sync.strategies._detached import Detachment
-from lightning_sync.strategies._lightning import restore_clip_gradients, route_clip_gradients, set_global_step
-from lightning_sync.strategies._ps_membership import Membership, check_join_address, publish_fit, running_fit
+from lightning_sync.strategies._lightning import (
+    restore_clip_gradients,
+    route_clip_gradients,
+    set_global_step,
+    set_max_epochs,
+)
+
+_FIT_KEY = "lightning_sync/ps/fit"  # "<prefix> <worker ranks> <spare slots> <servers>" of the running fit, for join
 
 
 class ParameterServerStrategy(SyncStrategyBase):
@@ -55,7 +65,7 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     ``sync`` keeps the workers in lockstep. In ``async`` and ``ssp`` the servers' version counts the steps
     (``max_steps=N``: N pushes; ``max_epochs=E``: E epochs' worth of samples) and the workers never wait for each
-    other (:class:`~lightning_sync.strategies._detached.Detachment`). Logged: ``ps/*`` (see :class:`ReplyMetrics`).
+    other (:class:`Detachment`). Logged: ``ps/*`` (see :meth:`step_metrics`).
 
     Example::
 
@@ -68,7 +78,6 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     config_class = ParameterServerConfig
     strategy_name = "sync_ps"
-    skips_nonfinite_steps = True  # the push carries the check and the servers skip (see _skipping_nonfinite)
 
     def __init__(
         self,
@@ -108,15 +117,16 @@ class ParameterServerStrategy(SyncStrategyBase):
         self._group: PSGroup | None = None
         self._resume_state: dict[str, Any] = {}
         self._straggler: Straggler | None = None
-        self._clips = ServerClips()  # the clipping each optimizer's next push asks the servers for
+        self._clips: dict[int, Clip] = {}  # by id(optimizer): the clipping its next push asks the servers for
         self._local: LocalSteps | None = None  # local_steps > 1: the worker's side of async local SGD
         self._detachment = Detachment()  # async/ssp: the collectives act on this rank alone during the fit
-        self.membership = Membership(elastic=self.tolerates_lost_ranks, late=self.config.join)
-        self._reply_metrics = ReplyMetrics(staleness=self.config.mode != "sync", elastic=self.tolerates_lost_ranks)
+        self.membership = Membership(elastic=self.tolerates_lost_ranks)
+        self._logged: tuple[int, tuple[int, ...]] | None = None  # version and servers' ingress at the last ps/* log
 
     @override
     def _check_algorithm_knobs(self) -> None:
-        build_parts(self.config)
+        """Builds the servers' settings (``max_updates`` is added once training starts)."""
+        self._settings = ps_settings(self.config)
 
     @property
     def tolerates_lost_ranks(self) -> bool:
@@ -136,8 +146,8 @@ class ParameterServerStrategy(SyncStrategyBase):
         return self.membership.added
 
     @property
+    @override
     def _detached(self) -> bool:
-        """Whether Lightning's collectives act on this rank alone now (read by the benchmark's timer)."""
         return self._detachment.detached
 
     # ------------------------------------------------------------------ launch and setup
@@ -147,7 +157,12 @@ class ParameterServerStrategy(SyncStrategyBase):
         added to a running job (``join``) launches nothing: it is one process, which needs the job's address."""
         world, cfg = self.num_processes * self.num_nodes, self.config
         if cfg.join:
-            check_join_address()
+            missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+            if missing:
+                raise ConfigError(
+                    f"strategy.join=true needs {' and '.join(missing)} in the environment: the address and port of "
+                    "the running job's rank 0 (start that job with MASTER_PORT set, and give this process the same)"
+                )
             return
         if cfg.placement == "colocated" and cfg.num_servers > world:
             raise ConfigError(
@@ -163,9 +178,8 @@ class ParameterServerStrategy(SyncStrategyBase):
         """Joins the process group as the base does. A worker added with ``join`` is a world of its own instead:
         Lightning's default process group needs every rank at once, so its collectives act on itself; it samples
         the whole training set."""
-        if self.config.join and not dist.is_initialized():
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        self._detachment.alone = self.config.join
+        if self.config.join:
+            self._detachment.go_alone()
         super().setup_distributed()
 
     @override
@@ -174,27 +188,19 @@ class ParameterServerStrategy(SyncStrategyBase):
         lets the servers' version end the run and keeps validation metrics local to each worker."""
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            self._check_module(trainer)
+            if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
+                raise ConfigError(
+                    "strategy=ps does not support precision='16-mixed': each worker's GradScaler would "
+                    "never see the servers' steps; use 32 or bf16-mixed"
+                )
             if self.tolerates_lost_ranks:  # the workers run apart: no Lightning collective among them
                 self._detachment.hand_the_end_to_the_mode(trainer)
         super().setup(trainer)
         if fitting:
             self._join_servers()
-            if self._local_steps == 1:  # with local steps the workers' own optimizers step, and clip
-                self._clip_on_the_servers()
-
-    def _clip_on_the_servers(self) -> None:
-        """Gradient clipping goes with the optimizer's next push, and the servers clip
-        (:class:`ServerClips`). :meth:`teardown` puts the plugin's own back."""
-        self._clips = ServerClips()
-        route_clip_gradients(self.precision_plugin, self._clips.record)
-
-    def _check_module(self, trainer: pl.Trainer) -> None:
-        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
-            raise ConfigError(
-                "strategy=ps does not support precision='16-mixed': each worker's GradScaler would "
-                "never see the servers' steps; use 32 or bf16-mixed"
-            )
+            if self._settings.local_steps == 1:  # the servers clip (_record_clip); teardown puts the plugin's own
+                self._clips = {}  # back. With local steps the workers' own optimizers step, and clip
+                route_clip_gradients(self.precision_plugin, self._record_clip)
 
     def _join_servers(self) -> None:
         """Agrees on a store prefix for this fit, starts this rank's servers, and joins the PS group (worker ranks:
@@ -207,7 +213,8 @@ class ParameterServerStrategy(SyncStrategyBase):
         members = self.membership
         members.ps_rank = self.global_rank
         if cfg.join:  # the fit's group is running: its prefix and layout are in the store, its servers are up
-            prefix, workers, spares, servers = running_fit(store)
+            prefix, *counts = store.get(_FIT_KEY).decode().split()  # (waits for rank 0 within the store's timeout)
+            workers, spares, servers = map(int, counts)
             members.ps_rank = claim_spare_slot(store, workers, spares, prefix)
         else:
             prefix = f"lightning_sync/ps/{self.broadcast(uuid.uuid4().hex)}"
@@ -215,19 +222,13 @@ class ParameterServerStrategy(SyncStrategyBase):
                 cfg.placement, self.global_rank, host, port, workers, servers, timeout_s=cfg.timeout_s,
                 prefix=prefix, spare_workers=spares,
             )  # fmt: skip
-            if self.global_rank == 0:
-                publish_fit(store, prefix, workers, spares, servers)
+            if self.global_rank == 0:  # for the workers that take part late
+                store.set(_FIT_KEY, f"{prefix} {workers} {spares} {servers}")
         members.first_workers = workers - spares
         self._group = PSGroup(
             store, members.ps_rank, workers, servers, cfg.timeout_s, prefix=prefix, meter=self.meter, rejoin=cfg.join
         )
         self._straggler = Straggler(members.ps_rank, cfg.slow_worker if cfg.slow_worker >= 0 else None, cfg.slowdown)
-
-    @property
-    def _local_steps(self) -> int:
-        """Inner steps per push (``auto``: the fastest worker's, ``max_local_steps``)."""
-        cfg = self.config
-        return cfg.max_local_steps if cfg.local_steps == "auto" else cfg.local_steps
 
     @override
     def configure_ddp(self) -> None:
@@ -248,15 +249,17 @@ class ParameterServerStrategy(SyncStrategyBase):
             max_updates = int(epochs) * int(trainer.num_training_batches) * per_batch * len(self.optimizers)
             if self.config.mode == "sync" and not module.automatic_optimization and not self.config.elastic:
                 max_updates = None  # steps per batch are the module's: Lightning's own loop ends a lockstep run
-        if max_updates is not None and self._local_steps > 1:  # one push per local_steps worker steps (auto: the
-            max_updates = -(-max_updates // self._local_steps)  # fastest worker's count)
+        local_steps = self._settings.local_steps  # auto: the fastest worker's count
+        if max_updates is not None and local_steps > 1:  # one push per local_steps worker steps
+            max_updates = -(-max_updates // local_steps)
         params = [p for p in module.parameters() if p.requires_grad]
         assert self._group is not None
         spec = optimizer_spec(self.optimizers, params)
         # an end in epochs counts the live workers' samples: a lost worker's unused share of the updates is withdrawn
         withdraw = by_epochs and self.config.mode != "sync"  # a sync round is one batch of each live worker already
-        settings = ps_settings(self.config, max_updates)
-        settings = dataclasses.replace(settings, elastic=self.config.elastic, withdraw_lost_share=withdraw)
+        settings = dataclasses.replace(
+            self._settings, max_updates=max_updates, elastic=self.config.elastic, withdraw_lost_share=withdraw
+        )
         self.client = PSClient(self._group, params, spec, settings)
         if self.membership.ps_rank == 0:
             self.client.init_servers(self._resume_state.get("servers"))
@@ -264,11 +267,11 @@ class ParameterServerStrategy(SyncStrategyBase):
             self.client.load_state_dict(self._resume_state["client"])
         self.last_reply = self.client.pull()
         if self.config.join:  # the step count the servers keep for this worker: its pushes applied, raised to the
-            set_global_step(trainer, max(self.last_reply.clocks) * self._local_steps)  # slowest live worker's
-        if self._local_steps > 1:
+            set_global_step(trainer, max(self.last_reply.clocks) * local_steps)  # slowest live worker's
+        if local_steps > 1:
             adaptive = self.config.local_steps == "auto"
             lrs = lambda: current_lrs(self.optimizers)  # noqa: E731
-            self._local = LocalSteps(self.client, self._local_steps, lrs, adaptive=adaptive)
+            self._local = LocalSteps(self.client, local_steps, lrs, adaptive=adaptive)
             self._local.start()
         self._detachment.detached = self.tolerates_lost_ranks
 
@@ -292,13 +295,13 @@ class ParameterServerStrategy(SyncStrategyBase):
     def _optimizer_to_step(self, optimizer: Optimizer) -> Any:
         """The optimizer with a push in place of ``step``: ``on_before_optimizer_step`` and clipping see this
         worker's gradients, which are then pushed, and the model then holds the servers' fresh parameters."""
-        return optimizer if self._local_steps > 1 else ServerStepOptimizer(optimizer, self._push)
+        return optimizer if self._settings.local_steps > 1 else ServerStepOptimizer(optimizer, self._push)
 
     @override
     def _skipping_nonfinite(self, closure: Callable[[], Any], optimizer: Optimizer) -> Callable[[], Any]:
         """The closure as it is: the push carries the check and the servers skip (:meth:`_push` counts it). With
         local steps, an inner step is skipped on the worker, as in the other modes."""
-        if self._local_steps > 1:
+        if self._settings.local_steps > 1:
             return super()._skipping_nonfinite(closure, optimizer)
         return closure
 
@@ -320,8 +323,19 @@ class ParameterServerStrategy(SyncStrategyBase):
             return  # optimization: several opt.step() per batch); the model holds the final parameters
         self._prepare_push()
         index = next((i for i, opt in enumerate(self.optimizers) if opt is optimizer), 0)
-        clip = self._clips.pop(optimizer)
+        clip = self._clips.pop(id(optimizer), None)
         self._take_reply(self.client.push(current_lrs(self.optimizers), index, clip))
+
+    def _record_clip(self, optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
+        """Stands in for the precision plugin's ``clip_gradients``: the clipping goes with ``optimizer``'s next push
+        (none for ``clip_val`` ``None`` or ``<= 0``), and the servers clip what they step with (in sync the average of
+        the workers' gradients, as DDP clips the all-reduced gradient)."""
+        if clip_val is None or float(clip_val) <= 0:
+            return
+        algorithm = CLIP_ALGORITHMS[str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm))]
+        if isinstance(optimizer, LightningOptimizer):  # manual optimization hands the wrapper in
+            optimizer = optimizer.optimizer
+        self._clips[id(optimizer)] = Clip(algorithm, float(clip_val))
 
     def _prepare_push(self) -> None:
         assert self.client is not None
@@ -343,11 +357,24 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     @override
     def step_metrics(self, write: bool) -> dict[str, float]:
-        """``comm/*`` as the base logs them, plus the replies' ``ps/*`` (see
-        :class:`ReplyMetrics`)."""
-        metrics = super().step_metrics(write)
-        if write and self.last_reply is not None:
-            metrics.update(self._reply_metrics.of(self.last_reply))
+        """``comm/*`` as the base logs them, plus, when written, the last reply's ``ps/version``; ``ps/staleness``
+        (async, ssp); each server's ingress per update since the last written reply; and in the elastic modes, the
+        workers each server counts as live, has dropped, and the rejoins it accepted."""
+        metrics, reply = super().step_metrics(write), self.last_reply
+        if not write or reply is None:
+            return metrics
+        metrics["ps/version"] = float(reply.version)
+        if reply.stalest >= 0 and self.config.mode != "sync":
+            metrics["ps/staleness"] = float(reply.stalest)
+        if self.tolerates_lost_ranks:
+            for i, (live, lost, joins) in enumerate(zip(reply.live_workers, reply.lost_workers, reply.joins)):
+                metrics[f"ps/server{i}_live_workers"] = float(live)
+                metrics[f"ps/server{i}_lost_workers"] = float(lost)
+                metrics[f"ps/server{i}_joins"] = float(joins)
+        if self._logged is not None and reply.version > self._logged[0]:
+            for i, (now, then) in enumerate(zip(reply.server_bytes_recv, self._logged[1])):
+                metrics[f"ps/server{i}_ingress_per_update"] = (now - then) / (reply.version - self._logged[0])
+        self._logged = (reply.version, reply.server_bytes_recv)
         return metrics
 
     @override
@@ -365,7 +392,7 @@ class ParameterServerStrategy(SyncStrategyBase):
             time.sleep(0.2)
         return None if reported is None else f"{group.name(reported[0])} reported: {reported[1]}"
 
-    # ------------------------------------------------------------------ Lightning's collectives, while detached
+    # ------------------------------------------------------------------ Lightning's view while detached
     @property
     @override
     def world_size(self) -> int:
@@ -381,32 +408,6 @@ class ParameterServerStrategy(SyncStrategyBase):
             return {"num_replicas": 1, "rank": 0}
         return super().distributed_sampler_kwargs
 
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        """No wait while detached."""
-        if not self._detachment.detached:
-            super().barrier(*args, **kwargs)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """This rank's own object while detached."""
-        return obj if self._detachment.detached else super().broadcast(obj, src)
-
-    @override
-    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        """This rank's own value while detached."""
-        return tensor if self._detachment.detached else super().reduce(tensor, *args, **kwargs)
-
-    @override
-    def all_gather(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        """This rank's own tensor, as the only row, while detached."""
-        return tensor.unsqueeze(0) if self._detachment.detached else super().all_gather(tensor, *args, **kwargs)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """This rank's own decision while detached."""
-        return decision if self._detachment.detached else super().reduce_boolean_decision(decision, all=all)
-
     # ------------------------------------------------------------------ the end, and checkpoints
     @override
     def on_train_end(self) -> None:
@@ -417,10 +418,11 @@ class ParameterServerStrategy(SyncStrategyBase):
     def end_detached_run(self) -> None:
         """Ends the servers' run, then the ranks meet and attach again. Called first in ``on_train_end`` by
         :class:`~lightning_sync.callbacks.SyncMetricsLogger` (the other callbacks may use collectives there), then by
-        :meth:`on_train_end` (a no-op). After a lost rank, or on a worker added with ``join``, the rank stays a world
-        of its own (:attr:`~lightning_sync.strategies._ps_membership.Membership.can_attach`)."""
+        :meth:`on_train_end` (a no-op). After a lost rank the survivors stay apart, each a world of its own (a
+        collective would wait for the lost rank); so does a worker added with ``join``, which is in no one's default
+        process group (the others attach as usual)."""
         self._end_mode_run()
-        if self._detachment.detached and self.membership.can_attach:
+        if self._detachment.detached and not (self.membership.lost or self.config.join):
             self._detachment.detached = False
             self.barrier("lightning_sync.attach")
         elif self._detachment.detached:
@@ -452,17 +454,14 @@ class ParameterServerStrategy(SyncStrategyBase):
     def _authority_pull(self) -> Any | None:
         """The servers hold the authoritative parameters: ``on_mismatch="resync"`` pulls them (with local steps, the
         next interval starts from them)."""
-        if self.client is None:
-            return None
-        client, local = self.client, self._local
+        return None if self.client is None else self._pull_from_servers
 
-        def pull() -> Any:
-            reply = client.pull()
-            if local is not None:
-                local.start()
-            return reply
-
-        return pull
+    def _pull_from_servers(self) -> Any:
+        assert self.client is not None
+        reply = self.client.pull()
+        if self._local is not None:
+            self._local.start()
+        return reply
 
     @override
     def check_replicas(self, atol: float = 0.0) -> list[Any]:
@@ -498,55 +497,91 @@ class ParameterServerStrategy(SyncStrategyBase):
         super().teardown()
 
 
-class ServerClips:
-    """The clipping each optimizer's next push asks the servers for: the Trainer's clipping is not done on the
-    worker; the servers clip what they step with (in sync the average of the workers' gradients, as DDP clips the
-    all-reduced gradient)."""
+class Detachment:
+    """Whether this rank's Lightning collectives act on it alone now (``ps`` async/ssp: then they return the rank's
+    own value and ``world_size`` reads 1, so no rank issues one the others would have to match), and what the fit
+    changed for that."""
 
     def __init__(self) -> None:
-        self._by_optimizer: dict[int, Clip] = {}
+        self.detached = False  # the strategy's collectives act on this rank alone
+        self.alone = False  # this rank is a world of its own for the rest of the job (joined late, or a rank was lost)
+        self._fit: tuple[pl.Trainer, int | None] | None = None  # the trainer and its max_epochs, while the mode ends it
+        self._metric_syncs: list[tuple[Metric, Callable[[], bool]]] = []  # each metric's own distributed_available_fn
 
-    def record(self, optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
-        """Stands in for the precision plugin's ``clip_gradients``: keeps the clipping for ``optimizer``'s next push
-        (none for ``clip_val`` ``None`` or ``<= 0``)."""
-        if clip_val is None or float(clip_val) <= 0:
-            return
-        algorithm = CLIP_ALGORITHMS[str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm))]
-        if isinstance(optimizer, LightningOptimizer):  # manual optimization hands the wrapper in
-            optimizer = optimizer.optimizer
-        self._by_optimizer[id(optimizer)] = Clip(algorithm, float(clip_val))
+    @property
+    def in_fit(self) -> bool:
+        """Whether a fit whose ranks run apart is under way (from :meth:`hand_the_end_to_the_mode` to :meth:`restore`)."""
+        return self._fit is not None
 
-    def pop(self, optimizer: Any) -> Clip | None:
-        """The clipping for ``optimizer``'s push now (``None``: none asked), forgotten after."""
-        return self._by_optimizer.pop(id(optimizer), None)
+    @property
+    def max_epochs(self) -> int | None:
+        """The fit's own ``max_epochs`` while the mode ends the run (``None`` otherwise)."""
+        return None if self._fit is None else self._fit[1]
+
+    def hand_the_end_to_the_mode(self, trainer: pl.Trainer) -> None:
+        """For a fit whose ranks will detach: no epoch limit (the mode ends the run by setting ``should_stop``), and
+        the module's torchmetrics keep their values local while detached. :meth:`restore` undoes both."""
+        self._fit = (trainer, trainer.max_epochs)
+        set_max_epochs(trainer, -1)
+        # a torchmetrics Metric syncs its state in compute() through torch.distributed itself, not the strategy:
+        # while detached, each reads as not distributed (its documented distributed_available_fn), waiting for no one
+        module = trainer.lightning_module
+        self._metric_syncs = [(m, m.distributed_available_fn) for m in module.modules() if isinstance(m, Metric)]
+        for metric, available in self._metric_syncs:
+            metric.distributed_available_fn = functools.partial(_unless_detached, self, available)
+
+    def restore(self) -> None:
+        """Puts back the epoch limit and the metrics' own ``distributed_available_fn``."""
+        if self._fit is not None:
+            set_max_epochs(*self._fit)
+            self._fit = None
+        for metric, available in self._metric_syncs:
+            metric.distributed_available_fn = available
+        self._metric_syncs = []
+
+    def go_alone(self) -> None:
+        """For the rest of the job this rank is a world of its own (joined late, or a rank was lost): the default
+        process group, if any, is replaced by a one-member group (Lightning's own calls on it, e.g. a test's
+        module-state broadcast, then wait for no one), collectives stay local and every dataloader covers the whole
+        dataset."""
+        self.alone = True
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
-class ReplyMetrics:
-    """``ps/*`` metrics of each logged reply: ``ps/version``; ``ps/staleness`` (async, ssp); each server's ingress
-    per update since the last logged reply; and in the elastic modes, the workers each server counts as live, has
-    dropped, and the rejoins it accepted.
+def _unless_detached(detachment: Detachment, available: Callable[[], bool]) -> bool:
+    return not detachment.detached and available()
+
+
+class Membership:
+    """Who takes part in the ``ps`` fit: this worker's rank in the PS group, the workers the fit started with, and
+    at the end, the workers the servers dropped (and why) and took in a spare slot, by worker rank.
 
     Args:
-        staleness: log ``ps/staleness`` (async and ssp; in sync it is always 0).
-        elastic: log ``ps/server<i>_live_workers``, ``ps/server<i>_lost_workers`` and ``ps/server<i>_joins``.
+        elastic: whether a lost worker leaves the job running (then :meth:`take_at_end` asks the servers).
     """
 
-    def __init__(self, staleness: bool, elastic: bool) -> None:
-        self.staleness, self.elastic = staleness, elastic
-        self._logged: tuple[int, tuple[int, ...]] | None = None  # version and servers' ingress at the last one
+    def __init__(self, elastic: bool) -> None:
+        self.elastic = elastic
+        self.ps_rank = -1  # this worker's rank in the PS group: its global rank, or (join) the spare slot it took
+        self.first_workers = 0  # the workers the fit started with (the PS group's worker ranks before the spare slots)
+        self.lost: dict[int, str] = {}  # elastic modes: the workers the servers dropped, and why
+        self.added: list[int] = []  # the workers added to the run in a spare slot (their ranks)
 
-    def of(self, reply: Any) -> dict[str, float]:
-        """The metrics of ``reply`` (a :class:`~lightning_sync.ps.client.PSReply`), to be logged now."""
-        metrics = {"ps/version": float(reply.version)}
-        if reply.stalest >= 0 and self.staleness:
-            metrics["ps/staleness"] = float(reply.stalest)
-        if self.elastic:
-            for i, (live, lost, joins) in enumerate(zip(reply.live_workers, reply.lost_workers, reply.joins)):
-                metrics[f"ps/server{i}_live_workers"] = float(live)
-                metrics[f"ps/server{i}_lost_workers"] = float(lost)
-                metrics[f"ps/server{i}_joins"] = float(joins)
-        if self._logged is not None and reply.version > self._logged[0]:
-            for i, (now, then) in enumerate(zip(reply.server_bytes_recv, self._logged[1])):
-                metrics[f"ps/server{i}_ingress_per_update"] = (now - then) / (reply.version - self._logged[0])
-        self._logged = (reply.version, reply.server_bytes_recv)
-        return metrics
+    def take_at_end(self, client: Any, timeout_s: float) -> None:
+        """After the stop, before the goodbye (elastic modes): who was lost once every worker is accounted for
+        (:func:`~lightning_sync.ps.elastic.servers_at_end`), and the servers' joins: a join in a spare slot (a
+        rank of ``first_workers`` or more) is an added worker. Worker 0 names each in a warning."""
+        if not self.elastic:
+            return
+        grace = timeout_s + min(timeout_s / 4, 5.0) + 5.0
+        self.lost, stats = servers_at_end(client, grace)
+        joined = {int(worker) for server in stats for worker in server.get("joins", {})}
+        self.added = sorted(w for w in joined if w >= self.first_workers)
+        if self.ps_rank == 0 and self.lost:
+            names = "; ".join(f"worker {w} (rank {w}): {why}" for w, why in self.lost.items())
+            warnings.warn(f"the ps run ended on the live workers; lost: {names}", stacklevel=2)
+        if self.ps_rank == 0 and self.added:
+            names = ", ".join(f"worker {w}" for w in self.added)
+            warnings.warn(f"the ps run took in workers added to it: {names}", stacklevel=2)

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning_sync
-from lightning_sync._proc import descendants
 from lightning_sync.apps.netns import EmulatedHost, emulated_hosts
 
 NODES = 2
@@ -97,6 +96,22 @@ def _node_command(node: int, nodes: int, master: str, port: int, spec_path: Path
     ]
 
 
+def _descendants(pids: list[int]) -> list[int]:
+    """Every live descendant of ``pids`` (children, their children, ...), from one read of ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, IndexError):
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    found: list[int] = []
+    todo = list(pids)
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
 def _kill(procs: list[subprocess.Popen]) -> None:
     """SIGKILLs each node's whole process group and every descendant, then reaps them.
 
@@ -104,7 +119,7 @@ def _kill(procs: list[subprocess.Popen]) -> None:
     worker that is still importing running until its rendezvous gives up; its pids are read before the kill.
     """
     live = [proc.pid for proc in procs if proc.poll() is None]
-    for pid in descendants(live):
+    for pid in _descendants(live):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     for pid in live:
