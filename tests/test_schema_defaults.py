@@ -27,7 +27,6 @@ from lightning_sync.comm.sync_groups import SyncGroup
 from lightning_sync.config import AllReduceConfig, DDPConfig, ParameterServerConfig, PeriodicConfig, StrategyConfig
 from lightning_sync.ps.server import ParameterServer
 from lightning_sync.ps.settings import PSConfig
-from lightning_sync.ps.straggler import Straggler
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -40,7 +39,6 @@ SCHEMA: dict[type, type[StrategyConfig]] = {
     SyncGroup: PeriodicConfig,
     GradientSynchronizer: AllReduceConfig,
     PSConfig: ParameterServerConfig,
-    Straggler: ParameterServerConfig,
     ParameterServer: ParameterServerConfig,
 }
 
@@ -50,7 +48,6 @@ SPELLED_OTHERWISE: dict[tuple[type, str], tuple[str, Any]] = {
     (PeriodicAverager, "new_compressor"): ("compression", "codec"),  # the codec, as its class
     (PSConfig, "push_scale"): ("push_scale", {"auto": None}),
     (PSConfig, "codec"): ("compression", "spec"),  # the codec, as its spec (None: uncompressed)
-    (Straggler, "slow_worker"): ("slow_worker", {-1: None}),
 }
 
 #: ``(class, argument)``: an argument that has a knob's name but is another setting (with the reason).

@@ -40,7 +40,7 @@ class ParameterServerConfig(StrategyConfig):
     slow_worker: int = knob(-1, """For experiments: the worker rank to slow down (-1: none).""")
     slowdown: float = knob(
         1.0,
-        "For experiments: ``slow_worker`` sleeps so that its steps take this many times as long (>= 1).",
+        "For experiments: ``slow_worker``'s batches take this many times as long (a ``StragglerCallback``; >= 1).",
     )
     push_scale: Any = knob(
         "auto",

@@ -5,7 +5,7 @@ every wait bounded), :mod:`~lightning_sync.ps.client` (the worker's side, and wh
 :mod:`~lightning_sync.ps.server` and :mod:`~lightning_sync.ps.shard` (the server loop and the arithmetic of a step),
 :mod:`~lightning_sync.ps.optim_spec` (the worker's optimizer as a picklable recipe), :mod:`~lightning_sync.ps.liveness`
 and :mod:`~lightning_sync.ps.elastic` (lost workers), :mod:`~lightning_sync.ps.placement` (dedicated processes,
-``python -m lightning_sync.ps``, or colocated threads) and :mod:`~lightning_sync.ps.straggler` (experiments).
+``python -m lightning_sync.ps``, or colocated threads).
 """
 
 from lightning_sync.ps._protocol import CLIP_ALGORITHMS, Clip
@@ -24,7 +24,6 @@ from lightning_sync.ps.placement import ServerProcesses, start_colocated_server,
 from lightning_sync.ps.server import ParameterServer, run_server
 from lightning_sync.ps.settings import PSConfig
 from lightning_sync.ps.shard import ServerShard
-from lightning_sync.ps.straggler import Straggler
 
 __all__ = [
     "CLIP_ALGORITHMS",
@@ -42,7 +41,6 @@ __all__ = [
     "ServerProcesses",
     "ServerShard",
     "ServerStepOptimizer",
-    "Straggler",
     "build_shard_optimizer",
     "claim_spare_slot",
     "connect_store",

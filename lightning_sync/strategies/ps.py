@@ -24,6 +24,7 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_sync.algorithms import ps_settings
+from lightning_sync.callbacks.straggler import StragglerCallback
 from lightning_sync.comm.averaging import OptimizerCallable
 from lightning_sync.comm.compression import Compressor
 from lightning_sync.comm.peer_errors import PeerError, names_a_silent_peer
@@ -35,7 +36,6 @@ from lightning_sync.ps import (
     PSClient,
     PSGroup,
     ServerStepOptimizer,
-    Straggler,
     claim_spare_slot,
     connect_store,
     current_lrs,
@@ -46,6 +46,7 @@ from lightning_sync.ps.elastic import servers_at_end
 from lightning_sync.ps.outer import LocalSteps
 from lightning_sync.strategies._base import SyncStrategyBase
 from lightning_sync.strategies._lightning import (
+    insert_callback_first,
     restore_clip_gradients,
     route_clip_gradients,
     set_global_step,
@@ -116,7 +117,6 @@ class ParameterServerStrategy(SyncStrategyBase):
         self.final_server_states: list[dict[str, Any]] | None = None
         self._group: PSGroup | None = None
         self._resume_state: dict[str, Any] = {}
-        self._straggler: Straggler | None = None
         self._clips: dict[int, Clip] = {}  # by id(optimizer): the clipping its next push asks the servers for
         self._local: LocalSteps | None = None  # local_steps > 1: the worker's side of async local SGD
         self._detachment = Detachment()  # async/ssp: the collectives act on this rank alone during the fit
@@ -198,6 +198,9 @@ class ParameterServerStrategy(SyncStrategyBase):
         super().setup(trainer)
         if fitting:
             self._join_servers()
+            slow = self.membership.ps_rank == self.config.slow_worker  # experiments: this worker's batches take
+            if slow and not any(isinstance(cb, StragglerCallback) for cb in trainer.callbacks):  # type: ignore[attr-defined]
+                insert_callback_first(trainer, StragglerCallback(slowdown=self.config.slowdown))  # slowdown x as long
             if self._settings.local_steps == 1:  # the servers clip (_record_clip); teardown puts the plugin's own
                 self._clips = {}  # back. With local steps the workers' own optimizers step, and clip
                 route_clip_gradients(self.precision_plugin, self._record_clip)
@@ -228,7 +231,6 @@ class ParameterServerStrategy(SyncStrategyBase):
         self._group = PSGroup(
             store, members.ps_rank, workers, servers, cfg.timeout_s, prefix=prefix, meter=self.meter, rejoin=cfg.join
         )
-        self._straggler = Straggler(members.ps_rank, cfg.slow_worker if cfg.slow_worker >= 0 else None, cfg.slowdown)
 
     @override
     def configure_ddp(self) -> None:
@@ -285,13 +287,6 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     # ------------------------------------------------------------------ the step
     @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Starts the straggler's clock (experiments with ``slow_worker``)."""
-        super().on_train_batch_start(batch, batch_idx)
-        if self._straggler is not None:
-            self._straggler.step_start()
-
-    @override
     def _optimizer_to_step(self, optimizer: Optimizer) -> Any:
         """The optimizer with a push in place of ``step``: ``on_before_optimizer_step`` and clipping see this
         worker's gradients, which are then pushed, and the model then holds the servers' fresh parameters."""
@@ -314,8 +309,6 @@ class ParameterServerStrategy(SyncStrategyBase):
         reply = self._local.after_step()
         if reply is not None:
             self._take_reply(reply)
-        elif self._straggler is not None:
-            self._straggler.step_end()
 
     def _push(self, optimizer: Optimizer) -> None:
         assert self.client is not None
@@ -349,8 +342,6 @@ class ParameterServerStrategy(SyncStrategyBase):
         self.last_reply = reply
         if self.last_reply.skipped:  # a NaN or Inf gradient (skip_nonfinite): in sync every worker skipped it
             self._count_skipped_step(alone=self.config.mode != "sync")
-        if self._straggler is not None:  # after the push: the whole step, round trip included, takes slowdown x
-            self._straggler.step_end()
         if self.last_reply.stop:
             trainer.should_stop = True
             self._end_mode_run()
