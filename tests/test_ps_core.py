@@ -1072,3 +1072,25 @@ def test_a_reply_to_a_closed_worker_is_reported_as_that_workers_error_and_the_ot
     worker, generation, request, payload, error = channels.next(timeout_s=1.0)
     assert (worker, generation, request, payload) == (1, 0, None, None)
     assert isinstance(error, PSPeerLostError)
+
+
+@pytest.mark.unit
+def test_workers_meet_only_when_all_have_come_and_a_missing_one_is_counted():
+    """``PSGroup.meet``: a member waits until the other has come too; one alone fails after ``connect_timeout_s``,
+    saying how many of the workers came."""
+    import threading
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    first, second = (ps.PSGroup(store, 2 + i, 2, 2, 5.0, connect_timeout_s=60, prefix="t") for i in range(2))
+    waiting = threading.Thread(target=first.meet, args=("the start", 2), daemon=True)
+    waiting.start()
+    waiting.join(timeout=0.5)
+    assert waiting.is_alive()  # it waits for the second worker (whatever the load: nothing else lets it return)
+    second.meet("the start", 2)
+    waiting.join(timeout=60)
+    assert not waiting.is_alive()
+    alone = ps.PSGroup(store, 2, 2, 2, 5.0, connect_timeout_s=0.5, prefix="u")
+    with pytest.raises(ps.PSTimeoutError, match="1 of the 2 workers reached the start within 0.5 s"):
+        alone.meet("the start", 2)

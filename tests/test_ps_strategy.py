@@ -39,7 +39,8 @@ class TwoGroups(DigitsClassifier):
 
 
 class _Record(pl.Callback):
-    """In every rank at the end of fit: replicas identical; rank 0 writes what the strategy saw to a JSON file."""
+    """Each rank writes, at the end of fit, its parameters, its step count and what the strategy saw to a JSON file
+    of its own (in async/ssp the workers are worlds apart: no collective ties them after fit)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -53,30 +54,33 @@ class _Record(pl.Callback):
         self.ingress.append({k: float(v) for k, v in metrics.items() if k.endswith("_ingress_per_update")})
 
     def on_train_end(self, trainer, pl_module) -> None:
-        flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
-        rows = trainer.strategy.all_gather(flat)
-        assert torch.equal(rows[0], rows[1]), "workers hold different parameters after fit"
         strategy = trainer.strategy
-        steps = trainer.strategy.all_gather(torch.tensor(trainer.global_step))
+        record = {
+            "params": torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]).tolist(),
+            "step": trainer.global_step,
+        }
         if trainer.is_global_zero and isinstance(strategy, ParameterServerStrategy):
-            record = {
+            record |= {
                 "version": strategy.last_reply.version,
-                "steps": steps.tolist(),
                 "staleness": self.staleness,
                 "ingress": self.ingress,
                 "shard_bytes": strategy.client.shard_nbytes,
                 "push_bytes": [strategy.client.push_nbytes(i) for i in range(strategy.config.num_servers)],
             }
-            self.path.write_text(json.dumps(record))
+        self.path.with_suffix(f".rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
 def _fit(strategy: Any, tmp_path: Path, model: type[pl.LightningModule] = DigitsClassifier, **kwargs: Any):
+    """Fits on 2 ranks; returns the module and rank 0's record, with both ranks' steps, after checking that the
+    workers end holding the same parameters."""
     pl.seed_everything(0, verbose=False)
     module = model()
     out = tmp_path / f"{id(strategy)}.json"
     trainer = make_trainer(strategy, callbacks=[_Record(out)], **kwargs)
     trainer.fit(module, datamodule=DigitsDataModule(batch_size=32))
-    return module, (json.loads(out.read_text()) if out.is_file() else None)
+    ranks = [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(WORLD)]
+    assert ranks[0]["params"] == ranks[1]["params"], "workers hold different parameters after fit"
+    return module, dict(ranks[0], steps=[rank["step"] for rank in ranks])
 
 
 def _max_diff(a: nn.Module, b: nn.Module) -> float:

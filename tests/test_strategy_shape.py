@@ -43,12 +43,14 @@ def test_allreduce_and_periodic_hold_the_same_gradient_path():
     assert STRATEGIES["sync_ddp"]().gradients is None  # torch DDP's own buckets
 
 
-def test_ps_holds_its_detachment_and_membership():
-    """ps keeps what its workers running apart and its elastic membership need in objects of its own."""
+def test_ps_holds_its_membership_and_says_which_workers_are_worlds_of_their_own():
+    """ps keeps its elastic membership in an object of its own; the modes that tolerate a lost rank (and a worker
+    added with join) make each worker a world of its own, which Lightning sees as world_size 1."""
     a, b = STRATEGIES["sync_ps"](mode="async"), STRATEGIES["sync_ps"](mode="async")
-    assert a._detachment is not b._detachment and a.membership is not b.membership
+    assert a.membership is not b.membership
     assert a.tolerates_lost_ranks and not STRATEGIES["sync_ps"]().tolerates_lost_ranks
-    assert a.lost_workers == {} and a.added_workers == [] and not a._detached
+    assert a.own_world and STRATEGIES["sync_ps"](elastic=True).own_world and not STRATEGIES["sync_ps"]().own_world
+    assert a.lost_workers == {} and a.added_workers == []
 
 
 def test_state_lives_on_instances():

@@ -82,7 +82,8 @@ class Timeline(pl.Callback):
         params = [p for p in pl_module.parameters() if p.requires_grad]
         return {
             "rank": trainer.global_rank,
-            "workers": strategy.num_processes * strategy.num_nodes,  # world_size reads 1 once async workers detach
+            "workers": strategy.num_processes
+            * strategy.num_nodes,  # world_size reads 1 where each worker is a world of its own
             "mode": getattr(getattr(strategy, "config", None), "mode", None),
             "model_bytes": sum(p.numel() * p.element_size() for p in params),
             "fit_start": time.monotonic(),

@@ -307,6 +307,25 @@ class PSGroup:
         self._best_effort(read)
         return out
 
+    def meet(self, what: str, workers: int) -> None:
+        """Returns once the first ``workers`` workers have all called ``meet(what)``, within ``connect_timeout_s``: the
+        job's workers start training together, so that no server counts one as silent while it is still starting
+        (``test_elastic_sync_finishes_on_the_live_workers``).
+
+        Raises:
+            PSTimeoutError: not all of them came in time.
+        """
+        key = f"{self.prefix}/meet/{what}"
+        if int(self._store.add(key, 1)) == workers:
+            self._store.set(key + "/all", "1")
+        try:
+            self._store.wait([key + "/all"], _seconds(self.connect_timeout_s))
+        except dist.DistStoreError as exc:
+            came = int(self._store.add(key, 0))
+            raise PSTimeoutError(
+                f"{self.name()}: {came} of the {workers} workers reached {what} within {self.connect_timeout_s:.1f} s"
+            ) from exc
+
     def close(self) -> None:
         """Shuts this member's links down (peers' pending operations on them fail), not the dropped ones."""
         self._closed = True

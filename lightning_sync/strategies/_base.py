@@ -225,11 +225,11 @@ class SyncMetricsLogger(pl.Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """First among the callbacks' ``on_train_end``: a strategy whose ranks ran apart (``ps`` async/ssp) ends
-        that run and has the ranks meet again, so the other callbacks' ``on_train_end`` may use collectives."""
-        end_detached_run = getattr(trainer.strategy, "end_detached_run", None)
-        if end_detached_run is not None:
-            end_detached_run()
+        """First among the callbacks' ``on_train_end``: a mode whose run outlasts Lightning's loop (``ps``: the servers'
+        run, and the final pull) ends it, so the other callbacks see the final parameters."""
+        end_mode_run = getattr(trainer.strategy, "end_mode_run", None)
+        if end_mode_run is not None:
+            end_mode_run()
 
 
 class SyncStrategyBase(LightningDDPHooks):
@@ -556,24 +556,15 @@ class SyncStrategyBase(LightningDDPHooks):
                 raise
             raise PeerError(f"{error}; {cause}") from error.__cause__
 
-    @property
-    def _detached(self) -> bool:
-        """Whether Lightning's collectives act on this rank alone now (``ps`` async/ssp; read by the benchmark's
-        timer): each returns this rank's own value, and ``reduce_boolean_decision`` its own decision."""
-        return False
-
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        """Lightning's barrier (none while :attr:`_detached`); a silent or lost rank is named."""
-        if not self._detached:
-            with self._naming_lost_peer("barrier"):
-                super().barrier(*args, **kwargs)
+        """Lightning's barrier; a silent or lost rank is named."""
+        with self._naming_lost_peer("barrier"):
+            super().barrier(*args, **kwargs)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Lightning's broadcast; a silent or lost rank is named."""
-        if self._detached:
-            return obj
         with self._naming_lost_peer("broadcast"):
             return super().broadcast(obj, src)
 
@@ -581,17 +572,12 @@ class SyncStrategyBase(LightningDDPHooks):
     def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         """Lightning's reduce (``self.log(sync_dist=True)``, ``reduce_boolean_decision``); a silent or lost rank is
         named."""
-        if self._detached:
-            return tensor
         with self._naming_lost_peer("reduce"):
             return super().reduce(tensor, *args, **kwargs)
 
     @override
     def all_gather(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's all_gather (this rank's tensor as the only row while :attr:`_detached`); a silent or lost rank
-        is named."""
-        if self._detached:
-            return tensor.unsqueeze(0)
+        """Lightning's all_gather; a silent or lost rank is named."""
         with self._naming_lost_peer("all_gather"):
             return super().all_gather(tensor, *args, **kwargs)
 
@@ -623,6 +609,11 @@ class SyncStrategyBase(LightningDDPHooks):
     def _active_compressor(self) -> Compressor | None:
         """The compressor whose memory belongs in checkpoints (``None``: none yet, or the mode has none)."""
         return None if self.gradients is None else self.gradients.compressor
+
+    @property
+    def num_ranks(self) -> int:
+        """The job's ranks, as launched (``world_size`` reads 1 where a mode makes each rank a world of its own)."""
+        return self.num_nodes * self.num_processes
 
     @property
     def keeps_replicas_identical(self) -> bool:
@@ -678,11 +669,7 @@ class SyncStrategyBase(LightningDDPHooks):
         its own sync state next to it (:func:`sync_state_path`). Called on
         every rank (Lightning's ``Trainer.save_checkpoint`` waits at a barrier afterwards); no rank sends its state
         to another."""
-        # not world_size, which a detached fit (ps) reports as 1
-        checkpoint[_CHECKPOINT_KEY] = {
-            "strategy": self.strategy_name,
-            "world_size": self.num_nodes * self.num_processes,
-        }
+        checkpoint[_CHECKPOINT_KEY] = {"strategy": self.strategy_name, "world_size": self.num_ranks}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         own = sync_state_path(filepath, self.global_rank)
         self.checkpoint_io.save_checkpoint(self.sync_state_dict(), own)
@@ -705,7 +692,7 @@ class SyncStrategyBase(LightningDDPHooks):
         """
         path = Path(checkpoint_path)
         checkpoint = _read_checkpoint(path, lambda: super(SyncStrategyBase, self).load_checkpoint(path, weights_only))
-        own = _check_resumable(checkpoint, path, self.strategy_name, self.world_size, self.global_rank)
+        own = _check_resumable(checkpoint, path, self.strategy_name, self.num_ranks, self.global_rank)
         self._pending_sync_state = _read_checkpoint(
             own, lambda: self.checkpoint_io.load_checkpoint(own, weights_only=weights_only is not False)
         )

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
+import datetime
+import itertools
 import os
 import time
 import uuid
@@ -20,14 +21,13 @@ from lightning.pytorch.plugins import CheckpointIO, ClusterEnvironment, Precisio
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
-from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_sync.algorithms import ps_settings
 from lightning_sync.callbacks.straggler import StragglerCallback
 from lightning_sync.comm.averaging import OptimizerCallable
 from lightning_sync.comm.compression import Compressor
-from lightning_sync.comm.peer_errors import PeerError, names_a_silent_peer
+from lightning_sync.comm.peer_errors import PeerError, names_a_silent_peer, rendezvous_timeout_s
 from lightning_sync.config import ParameterServerConfig
 from lightning_sync.errors import ConfigError
 from lightning_sync.ps import (
@@ -53,7 +53,8 @@ from lightning_sync.strategies._lightning import (
     set_max_epochs,
 )
 
-_FIT_KEY = "lightning_sync/ps/fit"  # "<prefix> <worker ranks> <spare slots> <servers>" of the running fit, for join
+_FIT_KEY = "lightning_sync/ps/fit"  # "<prefix> <worker ranks> <spare slots> <servers>" of the latest fit, for join
+_FITS = itertools.count()  # this process's ps fits: the job's ranks run the same fits, so fit N's key is FIT_KEY/N
 
 
 class ParameterServerStrategy(SyncStrategyBase):
@@ -66,7 +67,8 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     ``sync`` keeps the workers in lockstep. In ``async`` and ``ssp`` the servers' version counts the steps
     (``max_steps=N``: N pushes; ``max_epochs=E``: E epochs' worth of samples) and the workers never wait for each
-    other (:class:`Detachment`). Logged: ``ps/*`` (see :meth:`step_metrics`).
+    other: each is a world of its own (:attr:`own_world`), tied to the others by the PS group alone. Logged: ``ps/*``
+    (see :meth:`step_metrics`).
 
     Example::
 
@@ -116,10 +118,12 @@ class ParameterServerStrategy(SyncStrategyBase):
         self.last_reply: Any = None
         self.final_server_states: list[dict[str, Any]] | None = None
         self._group: PSGroup | None = None
+        self._store: dist.TCPStore | None = None  # the job's store: rank 0 hosts it where each worker is a world
         self._resume_state: dict[str, Any] = {}
         self._clips: dict[int, Clip] = {}  # by id(optimizer): the clipping its next push asks the servers for
         self._local: LocalSteps | None = None  # local_steps > 1: the worker's side of async local SGD
-        self._detachment = Detachment()  # async/ssp: the collectives act on this rank alone during the fit
+        self._epoch_limit: tuple[pl.Trainer, int | None] | None = None  # own world: the fit's max_epochs, lifted
+        self._fitting = False
         self.membership = Membership(elastic=self.tolerates_lost_ranks)
         self._logged: tuple[int, tuple[int, ...]] | None = None  # version and servers' ingress at the last ps/* log
 
@@ -130,10 +134,17 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     @property
     def tolerates_lost_ranks(self) -> bool:
-        """Whether losing a worker rank other than 0 leaves the job running (``async``, ``ssp``, elastic ``sync``);
-        then the workers run apart during the fit. Losing rank 0 (the store, dedicated servers) or a server always
-        ends the job."""
+        """Whether losing a worker rank other than 0 leaves the job running (``async``, ``ssp``, elastic ``sync``).
+        Losing rank 0 (the store, dedicated servers) or a server always ends the job."""
         return self.config.mode != "sync" or self.config.elastic
+
+    @property
+    def own_world(self) -> bool:
+        """Whether this worker is a world of its own, as each replica group is in torchft: in the modes that
+        tolerate a lost rank, and for a worker added with ``join``. Its default process group has this one member
+        from the start, so Lightning's collectives (``self.log(sync_dist=True)``, torchmetrics, EarlyStopping,
+        ModelCheckpoint) act on it alone and no worker waits for another; the PS group ties the workers together."""
+        return self.tolerates_lost_ranks or self.config.join
 
     @property
     def lost_workers(self) -> dict[int, str]:
@@ -144,11 +155,6 @@ class ParameterServerStrategy(SyncStrategyBase):
     def added_workers(self) -> list[int]:
         """After the fit: the workers added to it in a spare slot (their ranks)."""
         return self.membership.added
-
-    @property
-    @override
-    def _detached(self) -> bool:
-        return self._detachment.detached
 
     # ------------------------------------------------------------------ launch and setup
     @override
@@ -175,26 +181,37 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     @override
     def setup_distributed(self) -> None:
-        """Joins the process group as the base does. A worker added with ``join`` is a world of its own instead:
-        Lightning's default process group needs every rank at once, so its collectives act on itself; it samples
-        the whole training set."""
-        if self.config.join:
-            self._detachment.go_alone()
+        """Joins the process group as the base does, or, for a worker that is a world of its own
+        (:attr:`own_world`), makes a default process group of this one member.
+
+        Raises:
+            ConfigError: this process is already in a larger default process group (an earlier fit of another mode).
+        """
+        if self.own_world and not dist.is_initialized():
+            backend = self.process_group_backend or dist.get_default_backend_for_device(self.root_device)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        elif self.own_world and dist.get_world_size() != 1:
+            raise ConfigError(
+                f"strategy.mode={self.config.mode!r} makes each worker a world of its own, but this process is "
+                f"already in a process group of {dist.get_world_size()} ranks (an earlier fit of another mode); "
+                "run it in a fresh process"
+            )
         super().setup_distributed()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         """For ``fit``: checks what a server can run, starts the servers and joins their group; in async/ssp,
         lets the servers' version end the run and keeps validation metrics local to each worker."""
-        fitting = trainer.state.fn == TrainerFn.FITTING
+        fitting = self._fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
                 raise ConfigError(
                     "strategy=ps does not support precision='16-mixed': each worker's GradScaler would "
                     "never see the servers' steps; use 32 or bf16-mixed"
                 )
-            if self.tolerates_lost_ranks:  # the workers run apart: no Lightning collective among them
-                self._detachment.hand_the_end_to_the_mode(trainer)
+            if self.tolerates_lost_ranks:  # the servers' version ends the run (should_stop), not the worker's epochs
+                self._epoch_limit = (trainer, trainer.max_epochs)
+                set_max_epochs(trainer, -1)
         super().setup(trainer)
         if fitting:
             self._join_servers()
@@ -211,22 +228,29 @@ class ParameterServerStrategy(SyncStrategyBase):
         cfg, env = self.config, self.cluster_environment
         assert env is not None and self.meter is not None
         host, port = env.main_address, env.main_port
-        store = connect_store(host, port, is_host=False, timeout_s=cfg.timeout_s)
-        workers, spares, servers = self.world_size + cfg.spare_workers, cfg.spare_workers, cfg.num_servers
+        # rank 0 hosts the store: through its default process group's, or, where each worker is a world of its own,
+        # as its own (kept by the strategy for the job)
+        hosts = self.global_rank == 0 and self.own_world and not cfg.join
+        store = self._store = connect_store(host, port, is_host=hosts, timeout_s=rendezvous_timeout_s(cfg.timeout_s))
         members = self.membership
         members.ps_rank = self.global_rank
-        if cfg.join:  # the fit's group is running: its prefix and layout are in the store, its servers are up
-            prefix, *counts = store.get(_FIT_KEY).decode().split()  # (waits for rank 0 within the store's timeout)
-            workers, spares, servers = map(int, counts)
+        key = _FIT_KEY if cfg.join else f"{_FIT_KEY}/{next(_FITS)}"
+        if self.global_rank == 0 and not cfg.join:
+            workers, spares = self.num_ranks + cfg.spare_workers, cfg.spare_workers
+            store.set(key, f"lightning_sync/ps/{uuid.uuid4().hex} {workers} {spares} {cfg.num_servers}")
+        # a worker added with join: the running fit's (its servers are up); the others: rank 0's for this fit
+        prefix, *counts = store.get(key).decode().split()  # (waits for rank 0 as long as the ranks' rendezvous)
+        workers, spares, servers = map(int, counts)
+        store.set_timeout(datetime.timedelta(seconds=cfg.timeout_s))
+        if cfg.join:
             members.ps_rank = claim_spare_slot(store, workers, spares, prefix)
         else:
-            prefix = f"lightning_sync/ps/{self.broadcast(uuid.uuid4().hex)}"
             self.servers = start_servers(
                 cfg.placement, self.global_rank, host, port, workers, servers, timeout_s=cfg.timeout_s,
                 prefix=prefix, spare_workers=spares,
             )  # fmt: skip
             if self.global_rank == 0:  # for the workers that take part late
-                store.set(_FIT_KEY, f"{prefix} {workers} {spares} {servers}")
+                store.set(_FIT_KEY, store.get(key).decode())
         members.first_workers = workers - spares
         self._group = PSGroup(
             store, members.ps_rank, workers, servers, cfg.timeout_s, prefix=prefix, meter=self.meter, rejoin=cfg.join
@@ -238,16 +262,15 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     @override
     def on_train_start(self) -> None:
-        """Worker 0 gives the servers their shards (or the checkpoint's states), every worker pulls, and in
-        async/ssp the workers detach."""
+        """Worker 0 gives the servers their shards (or the checkpoint's states), and every worker pulls."""
         super().on_train_start()
         trainer, module = self.lightning_module.trainer, self.lightning_module
         max_updates = trainer.max_steps  # Lightning counts every optimizer's steps, as the servers do
         by_epochs = max_updates is None or max_updates < 0
         if by_epochs:  # E epochs' worth of samples
-            epochs = trainer.max_epochs if self._detachment.max_epochs is None else self._detachment.max_epochs
+            epochs = trainer.max_epochs if self._epoch_limit is None else self._epoch_limit[1]
             assert epochs is not None  # Lightning sets max_epochs when max_steps is unset
-            per_batch = 1 if self.config.mode == "sync" else self.world_size  # async/ssp: an update per worker batch
+            per_batch = 1 if self.config.mode == "sync" else self.membership.first_workers  # one per worker batch
             max_updates = int(epochs) * int(trainer.num_training_batches) * per_batch * len(self.optimizers)
             if self.config.mode == "sync" and not module.automatic_optimization and not self.config.elastic:
                 max_updates = None  # steps per batch are the module's: Lightning's own loop ends a lockstep run
@@ -263,6 +286,8 @@ class ParameterServerStrategy(SyncStrategyBase):
             self._settings, max_updates=max_updates, elastic=self.config.elastic, withdraw_lost_share=withdraw
         )
         self.client = PSClient(self._group, params, spec, settings)
+        if not self.config.join:  # (a worker added with join enters a running fit)
+            self._group.meet("the start of training", self.membership.first_workers)
         if self.membership.ps_rank == 0:
             self.client.init_servers(self._resume_state.get("servers"))
         if "client" in self._resume_state:
@@ -275,14 +300,13 @@ class ParameterServerStrategy(SyncStrategyBase):
             lrs = lambda: current_lrs(self.optimizers)  # noqa: E731
             self._local = LocalSteps(self.client, local_steps, lrs, adaptive=adaptive)
             self._local.start()
-        self._detachment.detached = self.tolerates_lost_ranks
 
     @override
     def on_validation_start(self) -> None:
         """In async/ssp during fit, each worker validates the parameters it pulls now (no worker waits for
         another): the servers' latest, not the reply to its last push."""
         super().on_validation_start()
-        if self._detachment.detached and self._local is None and self.client is not None and not self.client.stopped:
+        if self.own_world and self._local is None and self.client is not None and not self.client.stopped:
             self.last_reply = self.client.pull()  # (with local steps, the worker validates its own replica)
 
     # ------------------------------------------------------------------ the step
@@ -344,7 +368,7 @@ class ParameterServerStrategy(SyncStrategyBase):
             self._count_skipped_step(alone=self.config.mode != "sync")
         if self.last_reply.stop:
             trainer.should_stop = True
-            self._end_mode_run()
+            self.end_mode_run()
 
     @override
     def step_metrics(self, write: bool) -> dict[str, float]:
@@ -383,44 +407,34 @@ class ParameterServerStrategy(SyncStrategyBase):
             time.sleep(0.2)
         return None if reported is None else f"{group.name(reported[0])} reported: {reported[1]}"
 
-    # ------------------------------------------------------------------ Lightning's view while detached
+    # ------------------------------------------------------------------ Lightning's view of a world of its own
     @property
     @override
     def world_size(self) -> int:
-        """1 while detached."""
-        return 1 if self._detachment.detached else super().world_size
+        """1 for a worker that is a world of its own (:attr:`own_world`), as its default process group says."""
+        return 1 if self.own_world else super().world_size
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """The whole dataset for a rank that is a world of its own (added with ``join``, or a survivor of a lost
-        rank, see :meth:`end_detached_run`)."""
-        if self._detachment.alone:
+        """During ``fit``, this worker's shard of each dataset (the job's ranks share them); the whole dataset for a
+        worker added with ``join``, and outside ``fit`` for a worker that is a world of its own, whose test and
+        predict then cover every sample."""
+        if self.config.join or (self.own_world and not self._fitting):
             return {"num_replicas": 1, "rank": 0}
         return super().distributed_sampler_kwargs
 
     # ------------------------------------------------------------------ the end, and checkpoints
     @override
     def on_train_end(self) -> None:
-        """Ends the servers' run if Lightning stopped first; the workers attach again (see ``end_detached_run``)."""
+        """Ends the servers' run if Lightning stopped first (see :meth:`end_mode_run`)."""
         super().on_train_end()
-        self.end_detached_run()
+        self.end_mode_run()
 
-    def end_detached_run(self) -> None:
-        """Ends the servers' run, then the ranks meet and attach again. Called first in ``on_train_end`` by
-        :class:`~lightning_sync.callbacks.SyncMetricsLogger` (the other callbacks may use collectives there), then by
-        :meth:`on_train_end` (a no-op). After a lost rank the survivors stay apart, each a world of its own (a
-        collective would wait for the lost rank); so does a worker added with ``join``, which is in no one's default
-        process group (the others attach as usual)."""
-        self._end_mode_run()
-        if self._detachment.detached and not (self.membership.lost or self.config.join):
-            self._detachment.detached = False
-            self.barrier("lightning_sync.attach")
-        elif self._detachment.detached:
-            self._detachment.go_alone()
-
-    def _end_mode_run(self) -> None:
-        """After the run: each pulls the final parameters, worker 0 keeps the servers' state, all say goodbye."""
+    def end_mode_run(self) -> None:
+        """After the run: each pulls the final parameters, worker 0 keeps the servers' state, all say goodbye.
+        Called first in ``on_train_end`` by :class:`~lightning_sync.callbacks.SyncMetricsLogger`, so that the other
+        callbacks see the final parameters, then by :meth:`on_train_end` (a no-op)."""
         if self.client is None or self.final_server_states is not None:
             return
         if not self.client.stopped:
@@ -456,9 +470,9 @@ class ParameterServerStrategy(SyncStrategyBase):
 
     @override
     def check_replicas(self, atol: float = 0.0) -> list[Any]:
-        """Nothing to compare while the ranks run apart (the collectives would pair wrongly); with local steps, only
-        right after a push (every sync worker pushes at the same step)."""
-        if self._detachment.in_fit or (self._local is not None and self._local.steps != 0):
+        """With local steps, only right after a push (every sync worker pushes at the same step); a worker that is a
+        world of its own has no one to compare with."""
+        if self._local is not None and self._local.steps != 0:
             return []
         return super().check_replicas(atol)
 
@@ -478,7 +492,9 @@ class ParameterServerStrategy(SyncStrategyBase):
     @override
     def teardown(self) -> None:
         """Ends this rank's servers (awaited after a clean run, stopped after a failure), then tears down."""
-        self._detachment.restore()
+        if self._epoch_limit is not None:
+            set_max_epochs(*self._epoch_limit)
+            self._epoch_limit = None
         restore_clip_gradients(self.precision_plugin)
         servers, self.servers, self.client = self.servers, None, None
         if servers is not None and self.final_server_states is None:
@@ -486,63 +502,6 @@ class ParameterServerStrategy(SyncStrategyBase):
         elif servers is not None:
             servers.finish(self.config.timeout_s)
         super().teardown()
-
-
-class Detachment:
-    """Whether this rank's Lightning collectives act on it alone now (``ps`` async/ssp: then they return the rank's
-    own value and ``world_size`` reads 1, so no rank issues one the others would have to match), and what the fit
-    changed for that."""
-
-    def __init__(self) -> None:
-        self.detached = False  # the strategy's collectives act on this rank alone
-        self.alone = False  # this rank is a world of its own for the rest of the job (joined late, or a rank was lost)
-        self._fit: tuple[pl.Trainer, int | None] | None = None  # the trainer and its max_epochs, while the mode ends it
-        self._metric_syncs: list[tuple[Metric, Callable[[], bool]]] = []  # each metric's own distributed_available_fn
-
-    @property
-    def in_fit(self) -> bool:
-        """Whether a fit whose ranks run apart is under way (from :meth:`hand_the_end_to_the_mode` to :meth:`restore`)."""
-        return self._fit is not None
-
-    @property
-    def max_epochs(self) -> int | None:
-        """The fit's own ``max_epochs`` while the mode ends the run (``None`` otherwise)."""
-        return None if self._fit is None else self._fit[1]
-
-    def hand_the_end_to_the_mode(self, trainer: pl.Trainer) -> None:
-        """For a fit whose ranks will detach: no epoch limit (the mode ends the run by setting ``should_stop``), and
-        the module's torchmetrics keep their values local while detached. :meth:`restore` undoes both."""
-        self._fit = (trainer, trainer.max_epochs)
-        set_max_epochs(trainer, -1)
-        # a torchmetrics Metric syncs its state in compute() through torch.distributed itself, not the strategy:
-        # while detached, each reads as not distributed (its documented distributed_available_fn), waiting for no one
-        module = trainer.lightning_module
-        self._metric_syncs = [(m, m.distributed_available_fn) for m in module.modules() if isinstance(m, Metric)]
-        for metric, available in self._metric_syncs:
-            metric.distributed_available_fn = functools.partial(_unless_detached, self, available)
-
-    def restore(self) -> None:
-        """Puts back the epoch limit and the metrics' own ``distributed_available_fn``."""
-        if self._fit is not None:
-            set_max_epochs(*self._fit)
-            self._fit = None
-        for metric, available in self._metric_syncs:
-            metric.distributed_available_fn = available
-        self._metric_syncs = []
-
-    def go_alone(self) -> None:
-        """For the rest of the job this rank is a world of its own (joined late, or a rank was lost): the default
-        process group, if any, is replaced by a one-member group (Lightning's own calls on it, e.g. a test's
-        module-state broadcast, then wait for no one), collectives stay local and every dataloader covers the whole
-        dataset."""
-        self.alone = True
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-
-
-def _unless_detached(detachment: Detachment, available: Callable[[], bool]) -> bool:
-    return not detachment.detached and available()
 
 
 class Membership:

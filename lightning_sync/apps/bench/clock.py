@@ -61,7 +61,8 @@ class TargetClock:
 
     Every ``every`` optimizer steps all ranks meet (the wait counts as training time: a rank that is ahead waits
     for the others, as it would at a collective), rank 0 scores its replica, and its score is broadcast, so every
-    rank takes the same decision.
+    rank takes the same decision. Where each rank is a world of its own (``ps`` async), each is its own rank 0: it
+    scores its own replica and decides alone.
 
     Args:
         score: rank 0's score of a model (accuracy, or a validation loss).
@@ -70,8 +71,6 @@ class TargetClock:
         broadcast: sends rank 0's value to every rank (all ranks call it together).
         lower_is_better: a loss (``True``) or an accuracy (``False``).
         give_up_s: stop when this much training time has passed without reaching the target (``None``: never).
-        alone: whether this rank decides alone (a detached mode such as ps async, where ranks do not meet): then
-            it scores its own replica and no rank waits for another (``None``: never).
     """
 
     def __init__(
@@ -82,12 +81,10 @@ class TargetClock:
         broadcast: Callable[[float], float],
         lower_is_better: bool = False,
         give_up_s: float | None = None,
-        alone: Callable[[], bool] | None = None,
     ) -> None:
         self.score, self.target, self.every, self.broadcast = score, target, every, broadcast
         self.lower_is_better = lower_is_better
         self.give_up_s = give_up_s
-        self.alone = alone or (lambda: False)
         self.trajectory: list[tuple[float, int, float]] = []  # (seconds, step, score)
         self.seconds_to_target: float | None = None
         self.steps_to_target: int | None = None
@@ -103,23 +100,20 @@ class TargetClock:
         or ``give_up_s`` has passed); the same answer on every rank."""
         if step % self.every:
             return False
-        alone = self.alone()
-        if not alone:
-            self.broadcast(0.0)  # the ranks meet, clock running
+        self.broadcast(0.0)  # the ranks meet, clock running
         paused_at = time.perf_counter()
         elapsed = paused_at - self._started - self._paused
         value = 0.0
-        if alone or not dist.is_initialized() or dist.get_rank() == 0:
+        if not dist.is_initialized() or dist.get_rank() == 0:
             was_training = model.training
             model.eval()
             with torch.no_grad():
                 value = self.score(model)
             model.train(was_training)
-        if not alone:
-            value = float(self.broadcast(value))
-            # rank 0's training time too: each rank's own clock differs a little, and a give-up decided on it would
-            # let one rank stop a step before another (which then waits in a collective for a rank that is gone)
-            elapsed = float(self.broadcast(elapsed))
+        value = float(self.broadcast(value))
+        # rank 0's training time too: each rank's own clock differs a little, and a give-up decided on it would
+        # let one rank stop a step before another (which then waits in a collective for a rank that is gone)
+        elapsed = float(self.broadcast(elapsed))
         self.trajectory.append((elapsed, step, value))
         reached = self.target is not None and first_reaching(
             [(elapsed, step, value)], self.target, self.lower_is_better

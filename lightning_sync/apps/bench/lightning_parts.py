@@ -29,7 +29,7 @@ class NoSyncStrategy(AllReduceStrategy):
 class TimeToTarget(pl.Callback):
     """Stops the fit on every rank once rank 0's replica reaches the target score (scored every ``every``
     optimizer steps, clock stopped meanwhile) or ``give_up_s`` of training time has passed; :attr:`clock` holds
-    the times. In a detached mode (ps async) every rank scores its own replica and stops on its own.
+    the times. Where each worker is a world of its own (ps async) it scores its own replica and stops on its own.
 
     Args:
         score: makes the scorer from the datamodule (``datamodule -> (model -> float)``).
@@ -66,7 +66,6 @@ class TimeToTarget(pl.Callback):
             lambda value: strategy.broadcast(value, src=0),
             lower_is_better=self.lower_is_better,
             give_up_s=self.give_up_s,
-            alone=lambda: bool(getattr(strategy, "_detached", False)),
         )
         self.clock.start()
 
