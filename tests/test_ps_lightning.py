@@ -9,6 +9,7 @@ and the metrics stay local to it (no worker waits for another); rank 0's are the
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning_utils import make_trainer
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -100,10 +102,28 @@ class _Predicted(pl.Callback):
             self.path.write_text(json.dumps({"count": self.count, "valid": self.valid}))
 
 
-def _trainer(mode: str, ckpt_dir: Path, record: Path, early: EarlyStopping, **kwargs: Any) -> pl.Trainer:
+class _LoggerFolderFirst(pl.Callback):
+    """An injected order: rank 1 sets up only once rank 0's logger has made its folder (``version_0``), so that rank
+    1's own logger, asked for its version, would say ``version_1``. At the end each rank writes the folder its
+    ModelCheckpoint used."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        deadline = time.monotonic() + 60
+        while trainer.global_rank == 1 and not (self.logs / "version_0").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        (self.logs.parent / f"dirpath{trainer.global_rank}").write_text(str(trainer.checkpoint_callback.dirpath))
+
+
+def _trainer(mode: str, ckpt_dir: Path | None, record: Path, early: EarlyStopping, **kwargs: Any) -> pl.Trainer:
     extra = {"max_staleness": 1} if mode == "ssp" else {}
     strategy = ParameterServerStrategy(start_method="fork", timeout_s=30, mode=mode, **extra)
     callbacks = [ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", save_last=True), early, _Seen(record)]
+    callbacks += kwargs.pop("callbacks", [])
     common = dict(limit_train_batches=6, limit_val_batches=4, num_sanity_val_steps=0)
     return make_trainer(strategy, callbacks=callbacks, enable_checkpointing=True, **common, **kwargs)
 
@@ -149,11 +169,19 @@ def test_an_ordinary_module_fits_resumes_tests_and_predicts(tmp_path, mode):
 @pytest.mark.parametrize("mode", ["async", "ssp"])
 def test_early_stopping_on_a_validation_metric_stops_every_worker(tmp_path, mode):
     """No improvement of 10 in val_loss can happen: EarlyStopping (patience 1) stops at the second validation on
-    whichever worker decides first; the servers carry the stop to the other, and the fit ends long before 50 epochs."""
+    whichever worker decides first; the servers carry the stop to the other, and the fit ends long before 50 epochs.
+    Each worker is a world of its own, yet both checkpoint into rank 0's logger folder (the default dirpath), though
+    rank 1's own logger would name the next version."""
     pl.seed_everything(0, verbose=False)
     early = EarlyStopping(monitor="val_loss", min_delta=10.0, patience=1)
-    trainer = _trainer(mode, tmp_path / "ckpt", tmp_path / "seen.json", early, max_epochs=50)
+    logger = CSVLogger(tmp_path / "logs")
+    folder_first = _LoggerFolderFirst(tmp_path / "logs" / "lightning_logs")
+    trainer = _trainer(
+        mode, None, tmp_path / "seen.json", early, max_epochs=50, logger=logger, callbacks=[folder_first]
+    )
     trainer.fit(Ordinary(), datamodule=Digits(batch_size=32))
     seen = json.loads((tmp_path / "seen.json").read_text())
     assert 2 <= len(seen["val_epochs"]) <= 3, seen
     assert trainer.current_epoch <= 4, trainer.current_epoch
+    dirpaths = [(tmp_path / "logs" / f"dirpath{rank}").read_text() for rank in (0, 1)]
+    assert dirpaths[0] == dirpaths[1] == str(tmp_path / "logs" / "lightning_logs" / "version_0" / "checkpoints")

@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -215,6 +216,8 @@ class ParameterServerStrategy(SyncStrategyBase):
         super().setup(trainer)
         if fitting:
             self._join_servers()
+            if self.own_world and not self.config.join:
+                self._share_checkpoint_dirs(trainer)
             slow = self.membership.ps_rank == self.config.slow_worker  # experiments: this worker's batches take
             if slow and not any(isinstance(cb, StragglerCallback) for cb in trainer.callbacks):  # type: ignore[attr-defined]
                 insert_callback_first(trainer, StragglerCallback(slowdown=self.config.slowdown))  # slowdown x as long
@@ -255,6 +258,19 @@ class ParameterServerStrategy(SyncStrategyBase):
         self._group = PSGroup(
             store, members.ps_rank, workers, servers, cfg.timeout_s, prefix=prefix, meter=self.meter, rejoin=cfg.join
         )
+
+    def _share_checkpoint_dirs(self, trainer: pl.Trainer) -> None:
+        """Every worker takes rank 0's folder for each ``ModelCheckpoint``: each picks one from its own logger's
+        version, and Lightning's broadcast of rank 0's reaches no one in a world of one; through the job's store
+        instead, so each worker's sync state lands next to rank 0's checkpoint, where a resume looks for it."""
+        assert self._store is not None and self._group is not None
+        checkpoints = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+        for i, callback in enumerate(checkpoints):
+            key = f"{self._group.prefix}/checkpoint_dir/{i}"
+            if self.global_rank == 0:
+                self._store.set(key, str(callback.dirpath))
+            else:
+                callback.dirpath = self._store.get(key).decode()
 
     @override
     def configure_ddp(self) -> None:
