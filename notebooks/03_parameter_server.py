@@ -127,7 +127,8 @@ plt.show()
 # gains nothing over sync (ssp is for stragglers that come and go). Measured, ssp can still come out ahead of sync
 # (the table's `vs sync` says whether it does beyond the seeds' range), as the straggler itself may run faster in
 # ssp than in sync: between batches a sync worker also waits in Lightning's collectives (the SIGTERM-flag broadcast
-# every batch, the divergence guard's exchange every 10), which detached async/ssp workers skip.
+# every batch, the divergence guard's exchange every 10), where async/ssp workers, each a world of
+# its own, wait for no one.
 #
 # How much slower is the straggler? `strategy.slowdown=3` sleeps after each push twice what its whole step took, so
 # it pushes about 3x less often than a fast worker in async. The three workers and the server process share 2
