@@ -159,17 +159,17 @@ def test_checkpoint_of_another_strategy_names_both(allreduce_checkpoint):
 
 def test_checkpoint_of_another_world_size_names_both(allreduce_checkpoint):
     with pytest.raises(CheckpointError, match=r"saved by 2 ranks, this run has 3"):
-        _load_with(_WithWorldSize(3), allreduce_checkpoint)
+        _load_with(_WithRanks(3), allreduce_checkpoint)
 
 
-class _WithWorldSize(AllReduceStrategy):
-    def __init__(self, world_size: int) -> None:
+class _WithRanks(AllReduceStrategy):
+    def __init__(self, ranks: int) -> None:
         super().__init__()
-        self._fake_world_size = world_size
+        self._fake_ranks = ranks
 
     @property
-    def world_size(self) -> int:  # type: ignore[override]
-        return self._fake_world_size
+    def num_ranks(self) -> int:  # type: ignore[override]
+        return self._fake_ranks
 
 
 def test_plain_lightning_checkpoint_is_refused_with_a_way_out(allreduce_checkpoint, tmp_path):

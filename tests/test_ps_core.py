@@ -547,21 +547,33 @@ def test_sync_ingress_per_step_is_workers_times_shard_bytes(procs):
 
 
 # ---------------------------------------------------------------------------------------------------------- async/ssp
-def _straggling_worker(rank: int, port: int, mode: str, max_staleness: int, steps: int, step_s: float) -> dict:
-    _, server, group = _join(rank, port, 3, 1, timeout_s=10)
+def _straggling_worker(
+    rank: int, port: int, mode: str, max_staleness: int, steps: int, step_s: float, order: list[int] | None = None
+) -> dict:
+    """Worker ``rank`` of 3 pushes ``steps`` times, each after ``step_s`` of "compute" (worker 2: 3x as long); with
+    ``order`` (worker ranks, one per push), the pushes of all three go in that order, each once the one before has
+    its reply and every worker has pulled (an injected order: the staleness each sees is then fixed)."""
+    store, server, group = _join(rank, port, 3, 1, timeout_s=10)
     model = _model()
     opt = _optimizer(model, "sgd")
     client = _client(group, model, opt, mode=mode, max_staleness=max_staleness)
     if rank == 0:
         client.init_servers()
     client.pull()
+    turns = [i for i, r in enumerate(order or []) if r == rank]
+    if order is not None and int(store.add("pulled", 1)) == 3:
+        store.set("turn/0", "")
     log = []
     for step in range(steps):
         _backward(model, rank, step)
         time.sleep(step_s * (3 if rank == 2 else 1))  # the "compute" of a step; worker 2 is 3x slower
+        if order is not None:
+            store.wait([f"turn/{turns[step]}"])
         sent = time.monotonic()
         reply = client.push(ps.current_lrs(opt))
         log.append({"sent": sent, "replied": time.monotonic(), "reply": reply})
+        if order is not None:
+            store.set(f"turn/{turns[step] + 1}", "")
     stats = client.server_stats()[0] if rank == 0 else None
     client.close()
     if server is not None:
@@ -572,9 +584,11 @@ def _straggling_worker(rank: int, port: int, mode: str, max_staleness: int, step
 @pytest.mark.dist
 @pytest.mark.timeout(40)
 def test_async_records_staleness_and_the_straggler_is_stalest(procs):
+    """The straggler (worker 2) pushes once for every two of each fast worker, then its last four alone."""
     port, steps = _free_port(), 8
+    order = [0, 1, 0, 1, 2] * 4 + [2] * 4
     for rank in range(3):
-        procs.start(f"worker{rank}", _straggling_worker, rank, port, "async", 0, steps, 0.02)
+        procs.start(f"worker{rank}", _straggling_worker, rank, port, "async", 0, steps, 0.0, order)
     out = procs.ok([f"worker{r}" for r in range(3)], timeout=30)
     # worker 0 asked for the stats when it finished; the others may still have been pushing then
     histogram = out["worker0"]["stats"]["staleness_histogram"]
@@ -584,7 +598,8 @@ def test_async_records_staleness_and_the_straggler_is_stalest(procs):
     fast = [e["reply"].staleness[0] for r in (0, 1) for e in out[f"worker{r}"]["log"]]
     assert all(s >= 0 for s in straggler + fast)
     assert histogram[2] == dict(Counter(straggler[: counted[2]]))  # the reply carries what the server recorded
-    assert max(straggler) >= 2 and sum(straggler) / len(straggler) > sum(fast) / len(fast), (straggler, fast)
+    assert straggler == [4, 4, 4, 4, 0, 0, 0, 0], straggler  # four others' pushes since its last reply; then alone
+    assert sorted(fast) == sorted([0, 1, 1, 1] + [2, 2, 1, 1] * 3), fast  # one or two since their own
 
 
 @pytest.mark.dist
