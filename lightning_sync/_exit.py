@@ -48,6 +48,8 @@ class DaemonWorker(Executor):
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             future, call = job
+            if not future.set_running_or_notify_cancel():  # cancelled while queued
+                continue
             try:
                 future.set_result(call())
             except BaseException as exc:  # noqa: BLE001 - delivered to the job's owner through its Future

@@ -126,25 +126,20 @@ class WorkerLiveness:
 
     def check(self, initialized: bool, held: Collection[int]) -> None:
         """Raises :class:`PSTimeoutError` naming each worker :meth:`silent` finds, and for how long."""
-        silent = self.silent(initialized, held)
-        if silent:
-            names = "; ".join(f"{self._name(w)} sent nothing for {s:.1f} s" for w, s in silent.items())
-            raise PSTimeoutError(
-                f"{names} ({self._name(None)} heard from other workers meanwhile: frozen, dead, or slower than "
-                f"timeout_s={self.timeout_s:g})"
-            )
+        if silent := self.silent(initialized, held):
+            raise self._error(silent, "heard from other workers meanwhile")
 
     def silence_error(self, held: Collection[int], context: str) -> PSTimeoutError:
         """The error once no request at all arrived within :meth:`bound`, naming the live workers not in ``held`` (all
         if every one is), longest silent first; ``context``: what the server waited for."""
-        now = self._clock()
         live = [w for w in range(len(self.live)) if self.live[w]]
         suspects = sorted([w for w in live if w not in held] or live, key=lambda w: self.last_contact[w])
-        parts = [f"{self._name(w)} sent nothing for {now - self.last_contact[w]:.1f} s" for w in suspects]
-        return PSTimeoutError(
-            f"{'; '.join(parts)} ({self._name(None)} {context}; no request at all for {self.waited():.1f} s: "
-            "frozen, dead, or slower than timeout_s)"
-        )
+        return self._error(suspects, f"{context}; no request at all for {self.waited():.1f} s")
+
+    def _error(self, workers: Collection[int], context: str) -> PSTimeoutError:
+        parts = (f"{self._name(w)} sent nothing for {self._clock() - self.last_contact[w]:.1f} s" for w in workers)
+        why = f"frozen, dead, or slower than timeout_s={self.timeout_s:g}"
+        return PSTimeoutError(f"{'; '.join(parts)} ({self._name(None)} {context}: {why})")
 
 
 #: One reply: the worker it goes to, its header and its data (``None``: none).
