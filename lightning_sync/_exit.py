@@ -19,8 +19,8 @@ _registered = False
 
 def skip_final_collection() -> None:
     """Freezes every object at exit (``gc.freeze``, once per process), so the exit's full collections, about a second
-    of CPU per process that imported torch and Lightning, find nothing to walk; handlers registered after it run first,
-    and a reference cycle alive at exit stays unfinalized (``test_an_app_process_exits_without_collecting_the_heap``)."""
+    of CPU per process that imported torch and Lightning, find nothing to walk; handlers registered after it run
+    first, and a cycle alive at exit stays unfinalized (``test_an_app_process_exits_without_collecting_the_heap``)."""
     global _registered
     if not _registered:
         atexit.register(gc.freeze)

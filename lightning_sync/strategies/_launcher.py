@@ -32,9 +32,9 @@ LAUNCHER_PID_ENV = "LIGHTNING_SYNC_LAUNCHER_PID"
 
 
 def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
-    """The command and working directory that re-run the current Hydra job, not the sweep, as ``local_rank``: Lightning's
-    ``popen`` children re-run ``sys.argv``, so a ``hydra -m`` child would re-run the whole sweep (Lightning issue
-    #15689; ``test_multirun_gives_one_sweep_folder``)."""
+    """The command and working directory that re-run the current Hydra job, not the sweep, as ``local_rank``:
+    Lightning's ``popen`` children re-run ``sys.argv``, so a ``hydra -m`` child would re-run the whole sweep (Lightning
+    issue #15689; ``test_multirun_gives_one_sweep_folder``)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_original_cwd, to_absolute_path
 
@@ -140,7 +140,7 @@ def kill_frozen_ranks(launcher: Any, rank: int, error: BaseException) -> None:
 
 
 def _run_rank(function: Callable[..., Any], launcher: Any, strategy: Any, *args: Any, **kwargs: Any) -> Any:
-    """A rank's function; when it fails, the rank first kills the frozen ranks it sees."""
+    """A rank's function; when it fails, the rank first kills the frozen ranks it sees (:func:`kill_frozen_ranks`)."""
     try:
         return function(*args, **kwargs)
     except BaseException as error:
@@ -152,7 +152,8 @@ def _launch(
     launch: Callable[..., Any], launcher: Any, strategy: Any, function: Callable[..., Any], *args: Any, **kwargs: Any
 ) -> Any:
     """``launcher.launch`` running each rank's function through :func:`_run_rank` (a partial, which ``spawn`` can
-    pickle); a ``popen`` main process tells its children its pid (:data:`LAUNCHER_PID_ENV`)."""
+    pickle); a ``popen`` main process tells its children its pid (:data:`LAUNCHER_PID_ENV`), so that one of them can
+    kill it frozen (``test_frozen_main_process_is_killed_by_its_child_rank``)."""
     if isinstance(launcher, PopenLauncher) and not strategy.cluster_environment.creates_processes_externally:
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     return launch(functools.partial(_run_rank, function, launcher, strategy), *args, **kwargs)
