@@ -268,7 +268,7 @@ def test_server_shard_state_dict_round_trip_is_bitwise():
 @pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_worker_liveness_declares_only_unheld_silent_workers_lost():
-    from lightning_sync.ps.liveness import WorkerLiveness
+    from lightning_sync.ps.server import WorkerLiveness
 
     clock = FakeClock()
     names = {None: "server 0", 0: "worker 0", 1: "worker 1", 2: "worker 2"}
@@ -292,7 +292,7 @@ def test_worker_liveness_declares_only_unheld_silent_workers_lost():
 @pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_a_worker_whose_held_reply_is_released_is_not_taken_for_silent():
-    from lightning_sync.ps.liveness import WorkerLiveness
+    from lightning_sync.ps.server import WorkerLiveness
 
     clock = FakeClock()
     watch = WorkerLiveness(2, timeout_s=4.0, connect_timeout_s=20.0, name=str, clock=clock)
@@ -997,7 +997,7 @@ def _dedicated_worker(rank: int, port: int) -> dict:
     out = {"version": reply.version}
     if servers is not None:
         out["codes"] = servers.wait(timeout_s=20)
-        out["pids"] = servers.pids
+        out["pids"] = [p.pid for p in servers.processes]
     return out
 
 
@@ -1030,7 +1030,7 @@ def _parent_of_servers(port: int, pids: Any) -> None:
     store = ps.connect_store(HOST, port, is_host=True, timeout_s=60)
     servers = ps.start_server_processes(HOST, port, 1, 1, timeout_s=30)
     group = ps.PSGroup(store, 0, 1, 1, 30.0, connect_timeout_s=60)  # returns once the server has joined
-    pids.put(servers.pids)
+    pids.put([p.pid for p in servers.processes])
     time.sleep(60)  # the group stays open: a server sees a worker's closed connection at once
     group.close()
 

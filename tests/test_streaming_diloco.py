@@ -13,7 +13,10 @@ import math
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -720,6 +723,33 @@ def test_frozen_peer_during_an_in_flight_outer_sync_fails_within_timeout_s(tmp_p
     print(f"frozen peer: rank 0 failed after {float(seconds):.1f} s (timeout_s={FROZEN_TIMEOUT_S:g}): {message}")
     assert float(seconds) < FROZEN_TIMEOUT_S + 10, seconds
     assert f"rank 1 did not answer within {FROZEN_TIMEOUT_S:g} s" in message, message
+
+
+_STUCK_OUTER_SYNC = """
+import sys, threading
+import torch.distributed as dist
+from torch import nn
+from lightning_sync.comm.meter import CommMeter
+from lightning_sync.comm.periodic import PeriodicAverager, StreamingOptions
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+averager = PeriodicAverager(sync_every=4, outer=True, streaming=StreamingOptions(fragments=2, sync_delay=1))
+model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+averager.setup(model.named_parameters(), model.named_buffers(), CommMeter())
+averager._worker.submit(threading.Event().wait)  # as an outer sync stuck on a frozen peer
+print("leaving", flush=True)
+"""
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_an_outer_sync_stuck_on_a_frozen_peer_does_not_hold_the_exit(tmp_path):
+    """The outer syncs run on a daemon thread: the interpreter's exit does not wait for a stuck one (it joins a
+    ``ThreadPoolExecutor``'s thread, for ever here, up to ``timeout_s`` in a job)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    command = [sys.executable, "-c", _STUCK_OUTER_SYNC, str(tmp_path / "pg")]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0 and "leaving" in proc.stdout, proc.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------------------- Lightning

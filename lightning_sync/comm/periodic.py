@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from lightning_sync._exit import DaemonWorker
 from lightning_sync.comm.adaptive import AdaptiveOptions, AdaptivePeriod, ComputeTimer, agree_max
 from lightning_sync.comm.averaging import (
     OUTER_OPTIMIZER,
@@ -180,7 +181,7 @@ class PeriodicAverager:
         self.skip_nonfinite = bool(skip_nonfinite)
         self.timeout_s = timeout_s
         self.clock = clock
-        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._worker: DaemonWorker | None = None
         self._across_jobs: dict[int, concurrent.futures.Future] = {}
         self.groups: list[SyncGroup] = []
         self.steps = 0
@@ -227,7 +228,7 @@ class PeriodicAverager:
         sync_group = group
         if self.sync_delay > 0:
             sync_group = new_stream_group(group, self.timeout_s)
-            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-sync")
+            self._worker = DaemonWorker("outer-sync")
 
         def new_averager(params: list[nn.Parameter]) -> tuple[ModelAverager, torch.optim.Optimizer | None]:
             """A fragment's global copy, and DiLoCo's outer optimizer over it (``None`` for local SGD)."""

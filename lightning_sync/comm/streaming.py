@@ -2,8 +2,9 @@
 process group of the outer syncs in flight.
 
 :class:`~lightning_sync.comm.periodic.PeriodicAverager` owns the schedule, :mod:`lightning_sync.comm.fragments` the
-fragments. With ``sync_delay > 0`` it launches a fragment's outer sync at step ``t`` on a one-thread executor, which
-runs the codec's collectives on a process group of its own, in launch order, while inner steps go on; at step
+fragments. With ``sync_delay > 0`` it launches a fragment's outer sync at step ``t`` on a daemon worker thread
+(:class:`~lightning_sync._exit.DaemonWorker`: the exit does not wait for one stuck on a frozen peer), which runs the
+codec's collectives on a process group of its own, in launch order, while inner steps go on; at step
 ``t + sync_delay`` it waits for the result (at most ``timeout_s``), steps the outer optimizer and mixes the
 parameters by ``fragment_alpha``. The training thread and the worker never share a process group, so every rank
 sees each group's collectives in the same order (gloo needs it).

@@ -2,9 +2,9 @@
 
 One module per concern: :mod:`~lightning_sync.ps.group` (the PS process group of ``W`` worker and ``k`` server ranks,
 every wait bounded), :mod:`~lightning_sync.ps.client` (the worker's side, and which server holds which parameter),
-:mod:`~lightning_sync.ps.server` and :mod:`~lightning_sync.ps.shard` (the server loop and the arithmetic of a step),
-:mod:`~lightning_sync.ps.optim_spec` (the worker's optimizer as a picklable recipe), :mod:`~lightning_sync.ps.liveness`
-and :mod:`~lightning_sync.ps.elastic` (lost workers), :mod:`~lightning_sync.ps.placement` (dedicated processes,
+:mod:`~lightning_sync.ps.server` and :mod:`~lightning_sync.ps.shard` (the server loop, which declares a silent worker
+lost, and the arithmetic of a step), :mod:`~lightning_sync.ps.optim_spec` (the worker's optimizer as a picklable
+recipe), :mod:`~lightning_sync.ps.elastic` (lost workers), :mod:`~lightning_sync.ps.placement` (dedicated processes,
 ``python -m lightning_sync.ps``, or colocated threads).
 """
 

@@ -1,28 +1,22 @@
 """Where servers run: dedicated processes (:func:`start_server_processes`, on worker 0, which hosts the store), or
 daemon threads of the first worker processes (:func:`start_colocated_server`), each its own member of the group. Both
 run :func:`~lightning_sync.ps.server.run_server` and return after the last worker's goodbye.
-
-A dedicated server, ``python -m lightning_sync.ps``, exits when its parent's connection closes, when the thread that
-started it ends (the parent-death signal, :func:`lightning_sync.ps.__main__.die_with_parent`: a frozen server too), on
-Ctrl-C and SIGTERM, and when no worker talks to it for ``timeout_s``; an ``atexit`` hook stops the ones still running.
 """
 
 from __future__ import annotations
 
-import atexit
+import contextlib
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-import weakref
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 from typing import Any
 
+from lightning_sync._exit import DaemonWorker
 from lightning_sync._server_process import SERVER_PROCESS_ENV
 from lightning_sync.errors import check_range
 from lightning_sync.ps.errors import PSError, PSTimeoutError
@@ -31,18 +25,15 @@ from lightning_sync.ps.server import run_server
 
 
 class ServerProcesses:
-    """Handle on dedicated server processes (from :func:`start_server_processes`).
+    """Handle on dedicated server processes (from :func:`start_server_processes`), ``processes`` in server order.
 
-    Attributes:
-        processes: one ``subprocess.Popen`` per server, in server order.
+    A server exits when its parent's connection closes, when no worker talks to it for ``timeout_s``, on SIGTERM, and,
+    frozen, when the thread that started it ends (:func:`lightning_sync.ps.__main__.die_with_parent`;
+    ``test_dedicated_server_processes_die_with_their_parent``).
     """
 
     def __init__(self, processes: list[subprocess.Popen]) -> None:
         self.processes = processes
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
 
     def raise_if_failed(self) -> None:
         """Raises :class:`PSError` naming every server that exited with an error."""
@@ -50,117 +41,69 @@ class ServerProcesses:
         if failed:
             raise PSError(f"parameter server process(es) failed: {', '.join(failed)}")
 
-    def wait(self, timeout_s: float) -> list[int]:
-        """Waits up to ``timeout_s`` for every server to exit; returns the exit codes.
-
-        Raises:
-            PSTimeoutError: some are still running (they are left running; see :meth:`stop`).
-        """
+    def wait(self, timeout_s: float) -> list[int | None]:
+        """Waits up to ``timeout_s`` in all for every server to exit; their exit codes (``None``: still running)."""
         deadline = time.monotonic() + timeout_s
-        try:
-            return [p.wait(timeout=max(deadline - time.monotonic(), 0.0)) for p in self.processes]
-        except subprocess.TimeoutExpired:
-            alive = [i for i, p in enumerate(self.processes) if p.poll() is None]
-            raise PSTimeoutError(f"server process(es) {alive} still running after {timeout_s:.1f} s") from None
+        for p in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        return [p.poll() for p in self.processes]
 
     def stop(self, grace_s: float = 5.0) -> list[int]:
-        """Ends every server still running: SIGTERM, then SIGKILL after ``grace_s``; returns the exit codes. SIGCONT
-        follows SIGTERM (as systemd's): a frozen server would hold the SIGTERM pending for the whole grace."""
+        """Ends every server still running, SIGTERM then SIGKILL after ``grace_s``; the exit codes. SIGCONT follows
+        SIGTERM, which a frozen server would hold pending for the whole grace
+        (``test_stop_ends_a_frozen_server_with_sigterm_not_after_the_grace``)."""
         for p in self.processes:
             p.send_signal(signal.SIGTERM)  # nothing once it has exited
             p.send_signal(signal.SIGCONT)
-        deadline = time.monotonic() + grace_s
+        self.wait(grace_s)
         for p in self.processes:
-            try:
-                p.wait(timeout=max(deadline - time.monotonic(), 0.0))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        return [int(p.returncode) for p in self.processes]
+            p.kill()
+        return [p.wait() for p in self.processes]
 
     def finish(self, timeout_s: float) -> None:
         """After the workers' goodbyes: waits up to ``timeout_s`` for a clean exit, stops what still runs, and
         raises for a server that failed (or had to be stopped)."""
-        try:
-            self.wait(timeout_s)
-        finally:
-            self.stop()
+        self.wait(timeout_s)
+        self.stop()
         self.raise_if_failed()
 
 
 def start_server_processes(
-    host: str,
-    port: int,
-    num_workers: int,
-    num_servers: int,
-    *,
-    timeout_s: float,
-    connect_timeout_s: float | None = None,
-    prefix: str = DEFAULT_PREFIX,
-    env: Mapping[str, str] | None = None,
-    python: str | None = None,
+    host: str, port: int, num_workers: int, num_servers: int, *, timeout_s: float, prefix: str = DEFAULT_PREFIX,
     spare_workers: int = 0,
-) -> ServerProcesses:
-    """Starts ``num_servers`` server processes that join the PS group through the store at ``host:port``; they exit
-    with code 0 after every worker's goodbye, 1 after an error. Call from a thread that lives as long as training:
-    the parent-death signal follows it. The arguments are :func:`~lightning_sync.ps.server.run_server`'s, and:
-
-    Args:
-        env: environment of the servers (default: this process's, with ``OMP_NUM_THREADS=1`` unless set).
-        python: interpreter to run (default: this one).
+) -> ServerProcesses:  # fmt: skip
+    """Starts ``num_servers`` server processes (``python -m lightning_sync.ps``, on torch alone, ``OMP_NUM_THREADS=1``
+    unless set) with :func:`~lightning_sync.ps.server.run_server`'s arguments; they exit with code 0 after every
+    worker's goodbye, 1 after an error. Call from a thread that lives as long as training: the parent-death signal
+    follows it.
 
     Raises:
         ValueError: bad counts.
     """
     check_counts(num_workers, num_servers)
-    environ = dict(os.environ if env is None else env)
-    environ.setdefault("OMP_NUM_THREADS", "1")
-    environ[SERVER_PROCESS_ENV] = "1"  # the server runs on torch alone: no Lightning import (see lightning_sync)
+    env = {"OMP_NUM_THREADS": "1", **os.environ, SERVER_PROCESS_ENV: "1"}
     arguments = dict(
-        host=host,
-        port=port,
-        num_workers=num_workers,
-        num_servers=num_servers,
-        timeout_s=timeout_s,
-        connect_timeout_s=connect_timeout_s,
-        prefix=prefix,
-        spare_workers=spare_workers,
-        parent_pid=os.getpid(),
-    )
-    options = [part for k, v in arguments.items() if v is not None for part in (f"--{k.replace('_', '-')}", str(v))]
-    command = [python or sys.executable, "-m", "lightning_sync.ps", *options]
-    handle = ServerProcesses(
-        [subprocess.Popen([*command, "--server", str(server)], env=environ) for server in range(num_servers)]
-    )
-    reference = weakref.ref(handle)
-
-    def _stop_at_exit() -> None:
-        live = reference()
-        if live is not None:  # servers already gone: nothing to do
-            live.stop(grace_s=2.0)
-
-    atexit.register(_stop_at_exit)
-    return handle
+        host=host, port=port, num_workers=num_workers, num_servers=num_servers, timeout_s=timeout_s, prefix=prefix,
+        spare_workers=spare_workers, parent_pid=os.getpid(),
+    )  # fmt: skip
+    command = [sys.executable, "-m", "lightning_sync.ps"]
+    command += [part for k, v in arguments.items() for part in (f"--{k.replace('_', '-')}", str(v))]
+    return ServerProcesses([subprocess.Popen([*command, "--server", str(s)], env=env) for s in range(num_servers)])
 
 
 class ColocatedServer:
-    """Handle on a server loop running in a daemon thread of a worker process (from :func:`start_colocated_server`),
-    with the interface of :class:`ServerProcesses`.
-
-    Attributes:
-        future: the loop's final stats, or the exception it ended with.
+    """Handle on server ``server``'s loop (``target``) running in a daemon thread of a worker process, with the
+    interface of :class:`ServerProcesses`; ``future``: the loop's final stats, or the exception it ended with. A gloo
+    wait cannot be interrupted: the thread ends with its process, which does not wait for it
+    (``test_an_outer_sync_stuck_on_a_frozen_peer_does_not_hold_the_exit`` for the same :class:`DaemonWorker`).
     """
 
     def __init__(self, server: int, target: Callable[[], dict[str, Any]]) -> None:
         self.server = server
-        self.future: Future[dict[str, Any]] = Future()
-        threading.Thread(target=self._run, args=(target,), name=f"ps-server-{server}", daemon=True).start()
-
-    def _run(self, target: Callable[[], dict[str, Any]]) -> None:
-        try:
-            self.future.set_result(target())
-        except BaseException as exc:  # noqa: BLE001 - kept for the owner to raise in its own thread
-            self.future.set_exception(exc)
+        worker = DaemonWorker(f"ps-server-{server}")
+        self.future = worker.submit(target)
+        worker.shutdown()
 
     def raise_if_failed(self) -> None:
         """Re-raises, in the calling thread, the error the loop ended with (if any)."""
@@ -169,12 +112,8 @@ class ColocatedServer:
             raise PSError(f"colocated server {self.server} failed: {error}") from error
 
     def join(self, timeout_s: float) -> dict[str, Any]:
-        """Waits up to ``timeout_s`` for the loop to end (after every worker's goodbye); returns its stats.
-
-        Raises:
-            PSError: the loop failed.
-            PSTimeoutError: the loop is still running.
-        """
+        """Waits up to ``timeout_s`` for the loop to end (after every worker's goodbye); its stats. Raises
+        :class:`PSError` if it failed, :class:`PSTimeoutError` if it still runs."""
         try:
             self.future.exception(timeout_s)
         except FutureTimeout:
@@ -185,23 +124,14 @@ class ColocatedServer:
     finish = join
 
     def stop(self, grace_s: float = 0.0) -> list[int]:
-        """Nothing to do: a gloo wait cannot be interrupted, so the daemon thread ends with its process (or after
-        ``timeout_s`` without requests)."""
+        """Nothing to do (see the class)."""
         return []
 
 
 def start_colocated_server(
-    host: str,
-    port: int,
-    server: int,
-    num_workers: int,
-    num_servers: int,
-    *,
-    timeout_s: float,
-    connect_timeout_s: float | None = None,
-    prefix: str = DEFAULT_PREFIX,
-    spare_workers: int = 0,
-) -> ColocatedServer:
+    host: str, port: int, server: int, num_workers: int, num_servers: int, *, timeout_s: float,
+    prefix: str = DEFAULT_PREFIX, spare_workers: int = 0,
+) -> ColocatedServer:  # fmt: skip
     """Starts server ``server`` in a daemon thread of this process (meant for worker ``server``'s), which joins the
     group while this process's worker member does; the arguments are :func:`~lightning_sync.ps.server.run_server`'s.
 
@@ -210,39 +140,27 @@ def start_colocated_server(
     """
     check_counts(num_workers, num_servers)
     check_range("server", server, low=0, high=num_servers - 1, integer=True)
-
     target = partial(
-        run_server, host, port, server, num_workers, num_servers, timeout_s=timeout_s,
-        connect_timeout_s=connect_timeout_s, prefix=prefix, spare_workers=spare_workers,
+        run_server, host, port, server, num_workers, num_servers, timeout_s=timeout_s, prefix=prefix,
+        spare_workers=spare_workers,
     )  # fmt: skip
     return ColocatedServer(server, target)
 
 
 def start_servers(
-    placement: str,
-    worker: int,
-    host: str,
-    port: int,
-    num_workers: int,
-    num_servers: int,
-    *,
-    timeout_s: float,
-    prefix: str = DEFAULT_PREFIX,
-    spare_workers: int = 0,
-) -> Any | None:
+    placement: str, worker: int, host: str, port: int, num_workers: int, num_servers: int, *, timeout_s: float,
+    prefix: str = DEFAULT_PREFIX, spare_workers: int = 0,
+) -> Any | None:  # fmt: skip
     """Starts the servers that worker ``worker`` is responsible for under ``placement`` (call on every worker):
     ``dedicated``, worker 0 all the processes; ``colocated``, worker ``r < num_servers`` server ``r`` in a thread.
-
-    Returns:
-        A handle with ``raise_if_failed()``, ``stop()`` and ``finish(timeout_s)``, or ``None`` if it starts none.
+    Returns a handle with ``raise_if_failed()``, ``stop()`` and ``finish(timeout_s)``, or ``None`` if it starts none.
 
     Raises:
         ValueError: bad counts.
     """
+    args = (host, port, num_workers, num_servers)
     if placement == "dedicated" and worker == 0:
-        return start_server_processes(
-            host, port, num_workers, num_servers, timeout_s=timeout_s, prefix=prefix, spare_workers=spare_workers
-        )
+        return start_server_processes(*args, timeout_s=timeout_s, prefix=prefix, spare_workers=spare_workers)
     if placement == "colocated" and worker < num_servers:
         return start_colocated_server(
             host, port, worker, num_workers, num_servers, timeout_s=timeout_s, prefix=prefix,

@@ -13,7 +13,7 @@ returns after every worker's goodbye (with several async servers the last round 
 
 Failure: each worker has a receiving thread of its own (:class:`WorkerChannels`) and replies are never waited for, so
 no worker can stall the loop. A worker silent for ``timeout_s`` that the server is not itself holding back
-(:mod:`~lightning_sync.ps.liveness`), or whose connection closes, is lost: in the elastic modes
+(:class:`WorkerLiveness`), or whose connection closes, is lost: in the elastic modes
 (:attr:`~lightning_sync.ps.settings.PSConfig.drops_lost_workers`) it is dropped and the run goes on with the live ones
 (only losing all fails the loop); its rank may come back on new links (``PSGroup(..., rejoin=True)``), its clock raised
 to the slowest live worker's. Otherwise the loop raises naming it and leaves the message in the store.
@@ -27,6 +27,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -53,15 +54,92 @@ from lightning_sync.ps._protocol import (
     stop_reason,
     to_blob,
 )
-from lightning_sync.ps.errors import PSError, PSPeerLostError
+from lightning_sync.ps.errors import PSError, PSPeerLostError, PSTimeoutError
 from lightning_sync.ps.group import DEFAULT_PREFIX, PSGroup, connect_store
-from lightning_sync.ps.liveness import WorkerLiveness
 from lightning_sync.ps.optim_spec import OptimizerSpec
 from lightning_sync.ps.settings import PSConfig
 from lightning_sync.ps.shard import ServerShard
 
 #: Seconds between two looks, while a worker is dropped, at whether it rejoined.
 JOIN_POLL_S = 0.25
+
+
+class WorkerLiveness:
+    """When the server declares a worker lost: a live worker it is not itself holding back (a pending sync gradient,
+    a withheld ssp reply, a deferred pull) that completes no request for ``timeout_s``; every worker once no request
+    or reply went for that long (``connect_timeout_s`` before the initial parameters). A frozen worker thus stalls
+    neither the server nor, chained, the others (``test_a_frozen_worker_neither_stalls_the_server_nor_chains_waits``).
+
+    Args:
+        name: the group's name of a worker (``name(w)``) or, with ``None``, of this server.
+        clock: seconds, monotonic (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        timeout_s: float,
+        connect_timeout_s: float,
+        name: Callable[[int | None], str],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.timeout_s, self.connect_timeout_s, self._name, self._clock = timeout_s, connect_timeout_s, name, clock
+        self.live = [True] * num_workers
+        self.last_contact = [clock()] * num_workers
+        self.last_exchange = clock()  # the last request heard or reply sent
+
+    def heard(self, worker: int) -> None:
+        """``worker`` completed a request now, or (as :meth:`answered`) the server answered it (a worker whose reply
+        was held back sent nothing meanwhile): its silence, and the wait for the next request, count from here."""
+        self.last_contact[worker] = self.last_exchange = self._clock()
+
+    answered = heard
+
+    def restart(self) -> None:
+        """The initial parameters arrived: every worker's silence counts from now."""
+        self.last_contact = [self._clock()] * len(self.live)
+
+    def bound(self, initialized: bool) -> float:
+        """The longest wait for any request after the last request or reply."""
+        return self.timeout_s if initialized else self.connect_timeout_s
+
+    def patience(self, initialized: bool, held: Collection[int]) -> float:
+        """Seconds until a worker not in ``held`` would be lost, or the wait for any request would end."""
+        deadlines = [self.last_exchange + self.bound(initialized)]
+        if initialized:
+            deadlines += [t + self.timeout_s for w, t in enumerate(self.last_contact) if self.live[w] and w not in held]
+        return max(min(deadlines) - self._clock(), 0.0) + 0.01
+
+    def waited(self) -> float:
+        """Seconds since the last request or reply."""
+        return self._clock() - self.last_exchange
+
+    def silent(self, initialized: bool, held: Collection[int]) -> dict[int, float]:
+        """``{worker: seconds silent}`` of the live workers not in ``held`` silent for more than ``timeout_s`` (none
+        before the initial parameters)."""
+        now = self._clock()
+        return {
+            w: now - t
+            for w, t in enumerate(self.last_contact)
+            if initialized and self.live[w] and w not in held and now - t > self.timeout_s
+        }
+
+    def check(self, initialized: bool, held: Collection[int]) -> None:
+        """Raises :class:`PSTimeoutError` naming each worker :meth:`silent` finds, and for how long."""
+        if silent := self.silent(initialized, held):
+            raise self._error(silent, "heard from other workers meanwhile")
+
+    def silence_error(self, held: Collection[int], context: str) -> PSTimeoutError:
+        """The error once no request at all arrived within :meth:`bound`, naming the live workers not in ``held`` (all
+        if every one is), longest silent first; ``context``: what the server waited for."""
+        live = [w for w in range(len(self.live)) if self.live[w]]
+        suspects = sorted([w for w in live if w not in held] or live, key=lambda w: self.last_contact[w])
+        return self._error(suspects, f"{context}; no request at all for {self.waited():.1f} s")
+
+    def _error(self, workers: Collection[int], context: str) -> PSTimeoutError:
+        parts = (f"{self._name(w)} sent nothing for {self._clock() - self.last_contact[w]:.1f} s" for w in workers)
+        why = f"frozen, dead, or slower than timeout_s={self.timeout_s:g}"
+        return PSTimeoutError(f"{'; '.join(parts)} ({self._name(None)} {context}: {why})")
 
 
 #: One reply: the worker it goes to, its header and its data (``None``: none).
