@@ -101,8 +101,14 @@ def test_compare_smoke_prints_only_progress_results_and_table(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_compare_shows_a_real_divergence(tmp_path):
-    """SGD at lr 5 (momentum 0.9) blows the digits MLP's loss up within the first epoch."""
-    proc = _compare(tmp_path, "--epochs", "3", "--workloads", "digits", "--seeds", "0", "--cases", "ddp", "model.lr=5")
+    """SGD at lr 5 (momentum 0.9) blows the digits MLP's loss up within the first epoch.
+
+    The job's ``main`` runs in a fork of this process (its ranks are forked from it, as from the job's own process):
+    no interpreter start-up. The test above runs the job as ``python -m lightning_sync.compare``."""
+    from lightning_sync.apps.compare import main
+
+    args = ["--out", str(tmp_path / "out"), "--epochs", "3", "--workloads", "digits", "--seeds", "0", "--cases", "ddp"]
+    proc = run_forked(main, ["lightning_sync.compare", *args, "model.lr=5"], tmp_path, _env(), timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((tmp_path / "out" / "digits" / "ddp" / "seed0" / "summary.json").read_text())
     assert summary["diverged"] is True and summary["diverged_reason"] in ("exploded", "not finite"), summary

@@ -64,7 +64,7 @@ def test_a_rank_later_than_timeout_s_still_joins_and_later_waits_are_timeout_s()
     ends after about ``timeout_s``."""
     assert rendezvous_timeout_s(TIMEOUT_S) > LATE_S * 5
     port = free_port()  # below the ephemeral range: another test's connection cannot take it meanwhile
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork")
     errors = ctx.SimpleQueue()
     procs = [ctx.Process(target=_rank, args=(rank, port, errors)) for rank in range(2)]
     for p in procs:
