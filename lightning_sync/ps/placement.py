@@ -70,9 +70,15 @@ class ServerProcesses:
 
 
 def start_server_processes(
-    host: str, port: int, num_workers: int, num_servers: int, *, timeout_s: float, prefix: str = DEFAULT_PREFIX,
+    host: str,
+    port: int,
+    num_workers: int,
+    num_servers: int,
+    *,
+    timeout_s: float,
+    prefix: str = DEFAULT_PREFIX,
     spare_workers: int = 0,
-) -> ServerProcesses:  # fmt: skip
+) -> ServerProcesses:
     """Starts ``num_servers`` server processes (``python -m lightning_sync.ps``, on torch alone, ``OMP_NUM_THREADS=1``
     unless set) with :func:`~lightning_sync.ps.server.run_server`'s arguments; they exit with code 0 after every
     worker's goodbye, 1 after an error. Call from a thread that lives as long as training: the parent-death signal
@@ -84,9 +90,15 @@ def start_server_processes(
     check_counts(num_workers, num_servers)
     env = {"OMP_NUM_THREADS": "1", **os.environ, SERVER_PROCESS_ENV: "1"}
     arguments = dict(
-        host=host, port=port, num_workers=num_workers, num_servers=num_servers, timeout_s=timeout_s, prefix=prefix,
-        spare_workers=spare_workers, parent_pid=os.getpid(),
-    )  # fmt: skip
+        host=host,
+        port=port,
+        num_workers=num_workers,
+        num_servers=num_servers,
+        timeout_s=timeout_s,
+        prefix=prefix,
+        spare_workers=spare_workers,
+        parent_pid=os.getpid(),
+    )
     command = [sys.executable, "-m", "lightning_sync.ps"]
     command += [part for k, v in arguments.items() for part in (f"--{k.replace('_', '-')}", str(v))]
     return ServerProcesses([subprocess.Popen([*command, "--server", str(s)], env=env) for s in range(num_servers)])
@@ -112,8 +124,12 @@ class ColocatedServer:
             raise PSError(f"colocated server {self.server} failed: {error}") from error
 
     def join(self, timeout_s: float) -> dict[str, Any]:
-        """Waits up to ``timeout_s`` for the loop to end (after every worker's goodbye); its stats. Raises
-        :class:`PSError` if it failed, :class:`PSTimeoutError` if it still runs."""
+        """Waits up to ``timeout_s`` for the loop to end (after every worker's goodbye); returns its stats.
+
+        Raises:
+            PSError: the loop failed.
+            PSTimeoutError: the loop is still running.
+        """
         try:
             self.future.exception(timeout_s)
         except FutureTimeout:
@@ -129,9 +145,16 @@ class ColocatedServer:
 
 
 def start_colocated_server(
-    host: str, port: int, server: int, num_workers: int, num_servers: int, *, timeout_s: float,
-    prefix: str = DEFAULT_PREFIX, spare_workers: int = 0,
-) -> ColocatedServer:  # fmt: skip
+    host: str,
+    port: int,
+    server: int,
+    num_workers: int,
+    num_servers: int,
+    *,
+    timeout_s: float,
+    prefix: str = DEFAULT_PREFIX,
+    spare_workers: int = 0,
+) -> ColocatedServer:
     """Starts server ``server`` in a daemon thread of this process (meant for worker ``server``'s), which joins the
     group while this process's worker member does; the arguments are :func:`~lightning_sync.ps.server.run_server`'s.
 
@@ -148,12 +171,22 @@ def start_colocated_server(
 
 
 def start_servers(
-    placement: str, worker: int, host: str, port: int, num_workers: int, num_servers: int, *, timeout_s: float,
-    prefix: str = DEFAULT_PREFIX, spare_workers: int = 0,
-) -> Any | None:  # fmt: skip
+    placement: str,
+    worker: int,
+    host: str,
+    port: int,
+    num_workers: int,
+    num_servers: int,
+    *,
+    timeout_s: float,
+    prefix: str = DEFAULT_PREFIX,
+    spare_workers: int = 0,
+) -> Any | None:
     """Starts the servers that worker ``worker`` is responsible for under ``placement`` (call on every worker):
     ``dedicated``, worker 0 all the processes; ``colocated``, worker ``r < num_servers`` server ``r`` in a thread.
-    Returns a handle with ``raise_if_failed()``, ``stop()`` and ``finish(timeout_s)``, or ``None`` if it starts none.
+
+    Returns:
+        A handle with ``raise_if_failed()``, ``stop()`` and ``finish(timeout_s)``, or ``None`` if it starts none.
 
     Raises:
         ValueError: bad counts.

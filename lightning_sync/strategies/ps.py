@@ -240,9 +240,11 @@ class ParameterServerStrategy(SyncStrategyBase):
         key = _FIT_KEY if cfg.join else f"{_FIT_KEY}/{next(_FITS)}"
         if self.global_rank == 0 and not cfg.join:
             workers, spares = self.num_ranks + cfg.spare_workers, cfg.spare_workers
-            store.set(key, f"lightning_sync/ps/{uuid.uuid4().hex} {workers} {spares} {cfg.num_servers}")
-        # a worker added with join: the running fit's (its servers are up); the others: rank 0's for this fit
-        prefix, *counts = store.get(key).decode().split()  # (waits for rank 0 as long as the ranks' rendezvous)
+            fit = f"lightning_sync/ps/{uuid.uuid4().hex} {workers} {spares} {cfg.num_servers}"
+            store.set(key, fit)
+        else:  # a worker added with join: the running fit's (its servers are up); the others: rank 0's for this fit
+            fit = store.get(key).decode()  # (waits for rank 0 as long as the ranks' rendezvous)
+        prefix, *counts = fit.split()
         workers, spares, servers = map(int, counts)
         store.set_timeout(datetime.timedelta(seconds=cfg.timeout_s))
         if cfg.join:
@@ -253,7 +255,7 @@ class ParameterServerStrategy(SyncStrategyBase):
                 prefix=prefix, spare_workers=spares,
             )  # fmt: skip
             if self.global_rank == 0:  # for the workers that take part late
-                store.set(_FIT_KEY, store.get(key).decode())
+                store.set(_FIT_KEY, fit)
         members.first_workers = workers - spares
         self._group = PSGroup(
             store, members.ps_rank, workers, servers, cfg.timeout_s, prefix=prefix, meter=self.meter, rejoin=cfg.join
