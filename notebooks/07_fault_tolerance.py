@@ -32,13 +32,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 SMOKE = os.environ.get("SMOKE", "0") == "1"
 GROUPS = 3
 SYNC_EVERY = 8
-# Every group ends at MAX_STEPS (for a healed group: the live step count). The survivors must still be training when
-# the restarted group has started up (seconds of imports and Lightning's set-up), so MAX_STEPS leaves room for that.
-MAX_STEPS = 400 if SMOKE else 800
+# Every group ends at MAX_STEPS (for a healed group: the live step count).
+MAX_STEPS = 160 if SMOKE else 800
 KILL_AT_STEP = 40 if SMOKE else 200  # group 2 is SIGKILLed once its clock shows this step
 RESTART_AFTER_S = 1.0 if SMOKE else 10.0
-# SMOKE: a model a few times smaller, each batch paced to 0.05 s (StepPacer), so the survivors still train while the
-# restarted group starts up, at a fraction of the CPU
+# The survivors hold at HOLD_AT_STEP until the restarted group trains (a FileGate): the demo then does not depend
+# on how fast a fresh interpreter starts up (seconds of imports and Lightning's set-up) beside two training ones.
+HOLD_AT_STEP = 80 if SMOKE else 480
+# SMOKE: a model a few times smaller, each batch paced to 0.05 s (StepPacer), at a fraction of the CPU
 SMOKE_APP = ["model.d_model=32", "model.n_layer=1", "callbacks.pacer.step_s=0.05"]
 CALLBACKS = "default,step_clock,pacer" if SMOKE else "default,step_clock"
 OUT = os.environ.get("NOTEBOOK_OUT", "outputs/notebook_fault_tolerance")
@@ -52,7 +53,14 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-from lightning_sync.apps.ft_local import group_command, read_commits, start_lighthouse, start_process, stop_process
+from lightning_sync.apps.ft_local import (
+    FileGate,
+    group_command,
+    read_commits,
+    start_lighthouse,
+    start_process,
+    stop_process,
+)
 from lightning_sync.apps.markdown import markdown_table
 from lightning_sync.apps.provenance import provenance, summary_line
 from lightning_sync.callbacks import read_step_clock
@@ -68,6 +76,9 @@ APP = [
     "trainer.limit_val_batches=0",
     "test=false",
     f"callbacks=[{CALLBACKS}]",
+    f"+callbacks.gate._target_={FileGate.__module__}.FileGate",
+    f"+callbacks.gate.path={out / 'restarted'}",
+    f"+callbacks.gate.at_step={HOLD_AT_STEP}",
     *(SMOKE_APP if SMOKE else []),
 ]
 
@@ -89,7 +100,9 @@ def start_group(group, attempt):
 # ## The run
 # The lighthouse drops a group whose heartbeat is 1 s old; a quorum waits for every live group of the last one, or,
 # once 2 groups are in (`--min_replicas 2`), up to 5 s for a late one (`--join_timeout_ms 5000`). Each group runs
-# with `ft.min_replicas=2` and `ft.timeout_s=5`.
+# with `ft.min_replicas=2` and `ft.timeout_s=5`. The survivors wait at step `HOLD_AT_STEP` until the restarted group
+# has taken its first step (a `FileGate` on a file this notebook writes), so that they are still training when it
+# comes back however long its start takes.
 
 # %%
 lighthouse = start_lighthouse(out / "lighthouse.log", min_replicas=2, join_timeout_ms=5000, heartbeat_timeout_ms=1000)
@@ -106,6 +119,11 @@ try:
     time.sleep(RESTART_AFTER_S)
     runs[2].append(start_group(2, 1))
     restarted = time.time()
+    while not any(t > restarted for t, _, _ in read_step_clock(clock_file(2)).steps):  # its first step
+        assert runs[2][-1][1].poll() is None, "the restarted group ended before its first step"
+        assert time.monotonic() < deadline, "the restarted group did not train"
+        time.sleep(0.1)
+    (out / "restarted").touch()  # lets the survivors on past HOLD_AT_STEP
     codes = {g: r[-1][1].wait(timeout=900) for g, r in runs.items()}
 finally:
     for group_runs in runs.values():

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_sync.apps.ft_local import Commit, descendants, read_commits, start_process, stop_process
+from lightning_sync.apps.ft_local import Commit, FileGate, descendants, read_commits, start_process, stop_process
 from lightning_sync.callbacks import StepClock, StepPacer, read_step_clock
 from lightning_sync.errors import ConfigError
 
@@ -77,6 +77,16 @@ def test_step_pacer_pads_a_short_batch_to_step_s_and_leaves_a_long_one_alone():
     assert now[0] == pytest.approx(0.7) and pacer.slept_s == pytest.approx(0.15)
     with pytest.raises(ConfigError, match=r"step_s=0 is not allowed; it must be > 0"):
         StepPacer(0)
+
+
+@pytest.mark.unit
+def test_file_gate_holds_only_its_step_and_only_until_the_file_exists(tmp_path):
+    gate = FileGate(tmp_path / "go", at_step=3, timeout_s=0.3)
+    gate.on_train_batch_start(SimpleNamespace(global_step=2), None, None, 0)  # another step: no wait, no file needed
+    with pytest.raises(TimeoutError, match=r"go did not appear within timeout_s=0.3 s"):
+        gate.on_train_batch_start(SimpleNamespace(global_step=3), None, None, 0)
+    (tmp_path / "go").touch()
+    gate.on_train_batch_start(SimpleNamespace(global_step=3), None, None, 0)
 
 
 @pytest.mark.dist

@@ -97,11 +97,10 @@ def _run_with_a_joiner(tmp_path: Path, devices: int, killed: str | None = None) 
     worker. Both must exit 0, and no process of the job is left. Returns the job's summary, the pushes the servers
     applied per worker rank (rank 0's checkpoint), and the job's stderr.
 
-    The job's ranks hold at step 10 (``gate.FileGate``) until the added worker has trained a few steps, so the test
+    The job's ranks hold at step 10 (``FileGate``) until the added worker has trained a few steps, so the test
     does not race the added worker's start (an interpreter importing Lightning) against the job's end."""
     port = free_port()
-    tests_dir = str(Path(__file__).resolve().parent)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": tests_dir}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     overrides = [
         "strategy=ps",
         "strategy.mode=async",
@@ -116,7 +115,7 @@ def _run_with_a_joiner(tmp_path: Path, devices: int, killed: str | None = None) 
     ]
     run_dir, joined_dir, gate = tmp_path / "run", tmp_path / "joined", tmp_path / "gate"
     joiner_log = tmp_path / "joiner.stderr"
-    gated = ["+callbacks.gate._target_=gate.FileGate", f"+callbacks.gate.path={gate}", "+callbacks.gate.at_step=10"]
+    gated = ["+callbacks.gate._target_=lightning_sync.apps.ft_local.FileGate", f"+callbacks.gate.path={gate}"]
     job = _start_training([*overrides, *gated], run_dir, after_s=0.0, env=env)
     try:
         if killed is not None:
