@@ -654,7 +654,7 @@ def case_ps_client(rank: int, world: int, device: str, port: int) -> dict[str, A
     params = [torch.nn.Parameter(t.clone().to(device)) for t in start]
     optimizer = torch.optim.SGD(params, lr=0.1)
     store = ps.connect_store(HOST, port, is_host=rank == 0, timeout_s=60)
-    server = ps.start_colocated_server(HOST, port, rank, world, 1, timeout_s=60) if rank == 0 else None
+    server = ps.start_servers("colocated", rank, HOST, port, world, 1, timeout_s=60) if rank == 0 else None
     group = ps.PSGroup(store, rank, world, 1, 60.0, connect_timeout_s=60)
     client = ps.PSClient(group, params, ps.optimizer_spec(optimizer, params), ps.PSConfig(mode="sync"))
     expected = [t.clone() for t in start]
@@ -673,7 +673,7 @@ def case_ps_client(rank: int, world: int, device: str, port: int) -> dict[str, A
                 e.sub_(0.1 * torch.stack(gs).mean(dim=0))
         client.close()
         if server is not None:
-            server.join(30)
+            server.finish(30)
     finally:
         if server is not None:
             server.stop()

@@ -201,7 +201,7 @@ def _ps_worker(rank: int, port: int, factory: Callable[..., torch.optim.Optimize
         local.after_step()
     client.close()
     if server is not None:
-        server.join(10)
+        server.finish(10)
     return [p.detach().clone() for p in model.parameters()]
 
 

@@ -89,7 +89,7 @@ def test_a_server_process_imports_the_server_and_not_lightning(tmp_path, monkeyp
 
     with monkeypatch.context() as patch:  # (subprocess.Popen itself: undone before the real run below)
         patch.setattr(placement.subprocess, "Popen", _Popen)
-        placement.start_server_processes("127.0.0.1", 1, num_workers=2, num_servers=2, timeout_s=5)
+        placement.start_servers("dedicated", 0, "127.0.0.1", 1, num_workers=2, num_servers=2, timeout_s=5)
     assert [env.get(SERVER_PROCESS_ENV) for env in started] == ["1", "1"], started
     code = textwrap.dedent(
         """

@@ -55,7 +55,7 @@ def _one_push(rank: int, port: int, kind: str, push_scale: float | None) -> dict
     stats = client.server_stats()[0] if rank == 0 else None
     client.close()
     if server is not None:
-        server.join(10)
+        server.finish(10)
     return {"params": [p.detach().clone() for p in model.parameters()], "stats": stats}
 
 
@@ -325,7 +325,7 @@ def _turn_taking_worker(rank: int, port: int, mode: str, burst: int, seed: int, 
         client.pull()
     client.close()
     if server is not None:
-        server.join(10)
+        server.finish(10)
     return {"params": [p.detach().clone() for p in params], "stats": stats}
 
 

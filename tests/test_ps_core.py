@@ -1,7 +1,7 @@
 """The parameter-server core (``lightning_sync.ps``) on plain torch.distributed, no Lightning.
 
 Workers and servers run in forked processes (servers also as threads of the workers, or as the dedicated
-interpreters of ``start_server_processes``); assertions run inside them and every failure comes back through a
+interpreters that ``start_servers`` starts); assertions run inside them and every failure comes back through a
 queue. ``tests/dist_utils.run_ranks``
 does not fit here: it builds a default process group (the PS group must not use one), gives every process the same
 role, and cannot signal a process from outside or collect results.
@@ -146,7 +146,7 @@ def _join(rank: int, port: int, num_workers: int, num_servers: int, timeout_s: f
     store = ps.connect_store(HOST, port, is_host=rank == 0, timeout_s=30)
     server = None
     if colocated and rank < num_servers:
-        server = ps.start_colocated_server(HOST, port, rank, num_workers, num_servers, timeout_s=timeout_s)
+        server = ps.start_servers("colocated", rank, HOST, port, num_workers, num_servers, timeout_s=timeout_s)
     group = ps.PSGroup(store, rank, num_workers, num_servers, timeout_s, connect_timeout_s=30)
     return store, server, group
 
@@ -437,7 +437,7 @@ def _sync_worker(rank: int, port: int, opt_kind: str, steps: int, config: dict, 
         assert replies[-1].versions == (version, version) and replies[-1].staleness == (0, 0)
     client.close()
     if server is not None:
-        server.join(10)
+        server.finish(10)
     return {
         "params": [p.detach().clone() for p in model.parameters()],
         "recv": [r.server_bytes_recv for r in replies],
@@ -577,7 +577,7 @@ def _straggling_worker(
     stats = client.server_stats()[0] if rank == 0 else None
     client.close()
     if server is not None:
-        server.join(10)
+        server.finish(10)
     return {"log": log, "stats": stats}
 
 
@@ -638,7 +638,7 @@ def _stopping_worker(rank: int, port: int, mode: str, max_updates: int | None, s
     stats = client.server_stats()[0]
     client.close()
     if server is not None:
-        server.join(10)
+        server.finish(10)
     return {"pushes": pushes, "stop": reply.stop, "reason": reply.stop_reason, "version": stats["version"]}
 
 
@@ -678,7 +678,7 @@ def _mismatched_worker(rank: int, port: int) -> dict:
         out["error"] = str(exc)
     client.close()
     if server is not None:
-        server.join(10)
+        server.finish(10)
     return out
 
 
@@ -714,7 +714,7 @@ def _resuming_worker(rank: int, port: int, first: int, steps: int, states: dict 
         out["servers"] = client.server_states()
     client.close()
     if server is not None:
-        server.join(10)
+        server.finish(10)
     return out
 
 
@@ -987,7 +987,7 @@ def test_a_worker_stops_at_once_when_a_peer_already_gave_up(procs):
 # ---------------------------------------------------------------------------------------------------------- placement
 def _dedicated_worker(rank: int, port: int) -> dict:
     store = ps.connect_store(HOST, port, is_host=rank == 0, timeout_s=60)
-    servers = ps.start_server_processes(HOST, port, 2, 2, timeout_s=20) if rank == 0 else None
+    servers = ps.start_servers("dedicated", 0, HOST, port, 2, 2, timeout_s=20) if rank == 0 else None
     group = ps.PSGroup(store, rank, 2, 2, 20.0, connect_timeout_s=60)
     model, opt, client = _started_sgd_worker(group, rank, mode="sync")
     for step in range(3):
@@ -1028,7 +1028,7 @@ def test_stop_ends_a_frozen_server_with_sigterm_not_after_the_grace():
 
 def _parent_of_servers(port: int, pids: Any) -> None:
     store = ps.connect_store(HOST, port, is_host=True, timeout_s=60)
-    servers = ps.start_server_processes(HOST, port, 1, 1, timeout_s=30)
+    servers = ps.start_servers("dedicated", 0, HOST, port, 1, 1, timeout_s=30)
     group = ps.PSGroup(store, 0, 1, 1, 30.0, connect_timeout_s=60)  # returns once the server has joined
     pids.put([p.pid for p in servers.processes])
     time.sleep(60)  # the group stays open: a server sees a worker's closed connection at once

@@ -80,7 +80,7 @@ def _local_worker(rank: int, port: int, mode: str, local_steps: int, steps: int)
     sent = client.group.meter.total.bytes_sent - before.bytes_sent
     client.close()
     if server is not None:
-        server.join(10)
+        server.finish(10)
     return {"params": [p.detach().clone() for p in model.parameters()], "sent_per_step": sent / steps}
 
 
@@ -215,7 +215,7 @@ def _adaptive_worker(rank: int, port: int, fast_posted: Any) -> dict:
                 fast_posted.set()
     client.close()
     if server is not None:
-        server.join(10)
+        server.finish(10)
     return {"local_steps": local.local_steps, "intervals": intervals, "pushes": pushes, "steps": steps}
 
 

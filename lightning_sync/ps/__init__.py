@@ -20,7 +20,7 @@ from lightning_sync.ps.optim_spec import (
     optimizer_spec,
     scales_learning_rate,
 )
-from lightning_sync.ps.placement import ServerProcesses, start_colocated_server, start_server_processes, start_servers
+from lightning_sync.ps.placement import ColocatedServer, ServerProcesses, start_servers
 from lightning_sync.ps.server import ParameterServer, run_server
 from lightning_sync.ps.settings import PSConfig
 from lightning_sync.ps.shard import ServerShard
@@ -28,6 +28,7 @@ from lightning_sync.ps.shard import ServerShard
 __all__ = [
     "CLIP_ALGORITHMS",
     "Clip",
+    "ColocatedServer",
     "OptimizerSpec",
     "PSClient",
     "PSConfig",
@@ -50,7 +51,5 @@ __all__ = [
     "scales_learning_rate",
     "servers_at_end",
     "shard_by_bytes",
-    "start_colocated_server",
-    "start_server_processes",
     "start_servers",
 ]

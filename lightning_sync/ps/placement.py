@@ -1,6 +1,6 @@
-"""Where servers run: dedicated processes (:func:`start_server_processes`, on worker 0, which hosts the store), or
-daemon threads of the first worker processes (:func:`start_colocated_server`), each its own member of the group. Both
-run :func:`~lightning_sync.ps.server.run_server` and return after the last worker's goodbye.
+"""Where servers run (:func:`start_servers`): dedicated processes started by worker 0, which hosts the store, or
+daemon threads of the first worker processes, each its own member of the group. Both run
+:func:`~lightning_sync.ps.server.run_server` and end after the last worker's goodbye.
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ from typing import Any
 
 from lightning_sync._exit import DaemonWorker
 from lightning_sync._server_process import SERVER_PROCESS_ENV
-from lightning_sync.errors import check_range
 from lightning_sync.ps.errors import PSError, PSTimeoutError
 from lightning_sync.ps.group import DEFAULT_PREFIX, check_counts
 from lightning_sync.ps.server import run_server
 
 
 class ServerProcesses:
-    """Handle on dedicated server processes (from :func:`start_server_processes`), ``processes`` in server order.
+    """Handle on dedicated server processes (from :func:`start_servers`), ``processes`` in server order.
 
     A server exits when its parent's connection closes, when no worker talks to it for ``timeout_s``, on SIGTERM, and,
     frozen, when the thread that started it ends (:func:`lightning_sync.ps.__main__.die_with_parent`;
@@ -69,41 +68,6 @@ class ServerProcesses:
         self.raise_if_failed()
 
 
-def start_server_processes(
-    host: str,
-    port: int,
-    num_workers: int,
-    num_servers: int,
-    *,
-    timeout_s: float,
-    prefix: str = DEFAULT_PREFIX,
-    spare_workers: int = 0,
-) -> ServerProcesses:
-    """Starts ``num_servers`` server processes (``python -m lightning_sync.ps``, on torch alone, ``OMP_NUM_THREADS=1``
-    unless set) with :func:`~lightning_sync.ps.server.run_server`'s arguments; they exit with code 0 after every
-    worker's goodbye, 1 after an error. Call from a thread that lives as long as training: the parent-death signal
-    follows it.
-
-    Raises:
-        ValueError: bad counts.
-    """
-    check_counts(num_workers, num_servers)
-    env = {"OMP_NUM_THREADS": "1", **os.environ, SERVER_PROCESS_ENV: "1"}
-    arguments = dict(
-        host=host,
-        port=port,
-        num_workers=num_workers,
-        num_servers=num_servers,
-        timeout_s=timeout_s,
-        prefix=prefix,
-        spare_workers=spare_workers,
-        parent_pid=os.getpid(),
-    )
-    command = [sys.executable, "-m", "lightning_sync.ps"]
-    command += [part for k, v in arguments.items() for part in (f"--{k.replace('_', '-')}", str(v))]
-    return ServerProcesses([subprocess.Popen([*command, "--server", str(s)], env=env) for s in range(num_servers)])
-
-
 class ColocatedServer:
     """Handle on server ``server``'s loop (``target``) running in a daemon thread of a worker process, with the
     interface of :class:`ServerProcesses`; ``future``: the loop's final stats, or the exception it ended with. A gloo
@@ -123,7 +87,7 @@ class ColocatedServer:
         if error is not None:
             raise PSError(f"colocated server {self.server} failed: {error}") from error
 
-    def join(self, timeout_s: float) -> dict[str, Any]:
+    def finish(self, timeout_s: float) -> dict[str, Any]:
         """Waits up to ``timeout_s`` for the loop to end (after every worker's goodbye); returns its stats.
 
         Raises:
@@ -137,37 +101,9 @@ class ColocatedServer:
         self.raise_if_failed()
         return self.future.result()
 
-    finish = join
-
     def stop(self, grace_s: float = 0.0) -> list[int]:
         """Nothing to do (see the class)."""
         return []
-
-
-def start_colocated_server(
-    host: str,
-    port: int,
-    server: int,
-    num_workers: int,
-    num_servers: int,
-    *,
-    timeout_s: float,
-    prefix: str = DEFAULT_PREFIX,
-    spare_workers: int = 0,
-) -> ColocatedServer:
-    """Starts server ``server`` in a daemon thread of this process (meant for worker ``server``'s), which joins the
-    group while this process's worker member does; the arguments are :func:`~lightning_sync.ps.server.run_server`'s.
-
-    Raises:
-        ValueError: ``server`` is not in ``[0, num_servers)`` or bad counts.
-    """
-    check_counts(num_workers, num_servers)
-    check_range("server", server, low=0, high=num_servers - 1, integer=True)
-    target = partial(
-        run_server, host, port, server, num_workers, num_servers, timeout_s=timeout_s, prefix=prefix,
-        spare_workers=spare_workers,
-    )  # fmt: skip
-    return ColocatedServer(server, target)
 
 
 def start_servers(
@@ -181,9 +117,13 @@ def start_servers(
     timeout_s: float,
     prefix: str = DEFAULT_PREFIX,
     spare_workers: int = 0,
-) -> Any | None:
-    """Starts the servers that worker ``worker`` is responsible for under ``placement`` (call on every worker):
-    ``dedicated``, worker 0 all the processes; ``colocated``, worker ``r < num_servers`` server ``r`` in a thread.
+) -> ServerProcesses | ColocatedServer | None:
+    """Starts the servers that worker ``worker`` is responsible for under ``placement`` (call on every worker), with
+    :func:`~lightning_sync.ps.server.run_server`'s arguments. ``dedicated``: worker 0 starts one process per server
+    (``python -m lightning_sync.ps``, on torch alone, ``OMP_NUM_THREADS=1`` unless set), which exits with code 0
+    after every worker's goodbye, 1 after an error; call it from a thread that lives as long as training, which the
+    parent-death signal follows. ``colocated``: worker ``r < num_servers`` runs server ``r`` in a daemon thread, which
+    joins the group while this process's worker member does.
 
     Returns:
         A handle with ``raise_if_failed()``, ``stop()`` and ``finish(timeout_s)``, or ``None`` if it starts none.
@@ -191,12 +131,14 @@ def start_servers(
     Raises:
         ValueError: bad counts.
     """
-    args = (host, port, num_workers, num_servers)
-    if placement == "dedicated" and worker == 0:
-        return start_server_processes(*args, timeout_s=timeout_s, prefix=prefix, spare_workers=spare_workers)
+    check_counts(num_workers, num_servers)
+    arguments: dict[str, Any] = dict(host=host, port=port, num_workers=num_workers, num_servers=num_servers)
+    arguments.update(timeout_s=timeout_s, prefix=prefix, spare_workers=spare_workers)
     if placement == "colocated" and worker < num_servers:
-        return start_colocated_server(
-            host, port, worker, num_workers, num_servers, timeout_s=timeout_s, prefix=prefix,
-            spare_workers=spare_workers,
-        )  # fmt: skip
-    return None
+        return ColocatedServer(worker, partial(run_server, server=worker, **arguments))
+    if placement != "dedicated" or worker != 0:
+        return None
+    env = {"OMP_NUM_THREADS": "1", **os.environ, SERVER_PROCESS_ENV: "1"}
+    command = [sys.executable, "-m", "lightning_sync.ps", "--parent-pid", str(os.getpid())]
+    command += [part for k, v in arguments.items() for part in (f"--{k.replace('_', '-')}", str(v))]
+    return ServerProcesses([subprocess.Popen([*command, "--server", str(s)], env=env) for s in range(num_servers)])
