@@ -9,6 +9,7 @@ naming the field and a non-zero exit, before any rank starts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -52,6 +53,9 @@ OmegaConf.register_new_resolver("run_stamp", _run_stamp, use_cache=True, replace
 register_strategy_schemas()  # conf/strategy/*.yaml start from these
 register_help_resolvers(CONFIG_DIR)  # --help
 # Environment variables Lightning's popen launcher sets in the parent; cleared between the jobs of a sweep.
+LOST_CHILD_GRACE_S = 2.0
+"""After this rank failed: how long a ``popen`` child rank that is still running has to show an exit (a killed one:
+its sockets, whose reset this rank may have just seen, close before its exit status shows), so the error names it."""
 _LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
@@ -273,7 +277,13 @@ def _end_job(
             if error is not None:
                 message = str(error).strip().splitlines()
                 print(f"error: {type(error).__name__}: {message[0] if message else ''}", file=sys.stderr, flush=True)
-            for rank, code in enumerate([proc.poll() for proc in children], start=1):  # the likely cause of the error
+            # the likely cause of the error: a child that was killed. Its sockets close (this rank's "connection
+            # reset") before its exit shows, so a child still running gets a moment to show it (LOST_CHILD_GRACE_S).
+            deadline = time.monotonic() + LOST_CHILD_GRACE_S
+            for proc in children:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            for rank, code in enumerate([proc.poll() for proc in children], start=1):
                 if code not in (None, 0):
                     print(f"error: rank {rank} (local) was lost first: {describe_exit(code)}", file=sys.stderr)
             launcher.kill(signal.SIGKILL)
