@@ -104,13 +104,26 @@ def start_group(group, attempt):
 # has taken its first step (a `FileGate` on a file this notebook writes), so that they are still training when it
 # comes back however long its start takes.
 
+
 # %%
+def last_step(group):
+    steps = read_step_clock(clock_file(group)).steps
+    return steps[-1][1] if steps else -1
+
+
+def time_to_kill():
+    """Group 2 has reached KILL_AT_STEP, or it has trained while both survivors wait at HOLD_AT_STEP: a group 2 that
+    started late would wait for a quorum that they never join."""
+    survivors_wait = all(last_step(g) >= HOLD_AT_STEP for g in range(GROUPS - 1))
+    return last_step(2) >= KILL_AT_STEP or (survivors_wait and last_step(2) >= 1)
+
+
 lighthouse = start_lighthouse(out / "lighthouse.log", min_replicas=2, join_timeout_ms=5000, heartbeat_timeout_ms=1000)
 started = time.time()
 runs = {g: [start_group(g, 0)] for g in range(GROUPS)}
 try:
     deadline = time.monotonic() + 300
-    while not any(step >= KILL_AT_STEP for _, step, _ in read_step_clock(clock_file(2)).steps):
+    while not time_to_kill():
         assert all(p.poll() is None for _, p in (r[-1] for r in runs.values())), "a group ended before the kill"
         assert time.monotonic() < deadline, "group 2 did not reach the step of the kill"
         time.sleep(0.1)
