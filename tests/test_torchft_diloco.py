@@ -1,8 +1,9 @@
 """Streaming DiLoCo against torchft's ``DiLoCo`` (torchft 0.2, the ``ft`` extra) on a model with repeated blocks.
 
 torchft's side runs as torchft's own tests run it: two replica groups of one rank each, as two threads of one
-(forked) process, each with its own ``Manager``, its ``TCPStore`` and torchft's ``ProcessGroupGloo``, joined by a
-localhost ``LighthouseServer``. Its fragments are built here by hand, as the paper forms them: block ``i`` in
+(spawned) process, each with its own ``Manager``, its ``TCPStore`` and torchft's ``ProcessGroupGloo``, joined by a
+localhost ``LighthouseServer``. Spawned, not forked: a fork of a test worker that other tests have left threads in
+crashed once (SIGSEGV in torchft's side, one fresh-clone run of 731 tests). Its fragments are built here by hand, as the paper forms them: block ``i`` in
 fragment ``i % k``, the embedding with the first block, the final norm and the head with the last block. Our side is
 :class:`~lightning_sync.comm.periodic.PeriodicAverager` on 2 forked gloo ranks, with the same initial weights, the
 same data on each replica and the same inner and outer optimizers; it must form the same fragments by itself, and end
@@ -183,7 +184,7 @@ def _our_ranks(rank: int, world: int, k: int, delay: int, alpha: float, out: str
 def test_streaming_diloco_equals_torchft_diloco_on_a_model_with_blocks(tmp_path, k, delay, alpha):
     """13 inner steps, sync_every=4: every fragment synced at least twice, and some local steps since."""
     out = str(tmp_path / "torchft.pt")
-    child = multiprocessing.get_context("fork").Process(target=_torchft_side, args=(k, delay, alpha, out))
+    child = multiprocessing.get_context("spawn").Process(target=_torchft_side, args=(k, delay, alpha, out))
     child.start()
     child.join(240)
     if child.is_alive():
