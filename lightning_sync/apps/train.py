@@ -52,10 +52,10 @@ CONFIG_DIR = _config_dir()
 OmegaConf.register_new_resolver("run_stamp", _run_stamp, use_cache=True, replace=True)
 register_strategy_schemas()  # conf/strategy/*.yaml start from these
 register_help_resolvers(CONFIG_DIR)  # --help
-# Environment variables Lightning's popen launcher sets in the parent; cleared between the jobs of a sweep.
 LOST_CHILD_GRACE_S = 2.0
 """After this rank failed: how long a ``popen`` child rank that is still running has to show an exit (a killed one:
 its sockets, whose reset this rank may have just seen, close before its exit status shows), so the error names it."""
+# Environment variables Lightning's popen launcher sets in the parent; cleared between the jobs of a sweep.
 _LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
