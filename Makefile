@@ -19,8 +19,9 @@ PIP := $(PY) -m pip
 LOCK := requirements.lock
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test` and `make test-fast` (0: all in this one process), each taking a whole test
-# file at a time (`--dist loadfile`), the files with the most tests first. Three workers on 2 cores: the tests that
-# time a failure spend much of their time waiting out a frozen peer's timeout, which the others fill. (Not
+# file at a time (`--dist loadfile`), in the order tests/conftest.py collects them (`--no-loadscope-reorder`): the
+# files that run whole jobs first, so that short files, not one long job, end the run. Three workers on 2 cores: the
+# tests that time a failure spend much of their time waiting out a frozen peer's timeout, which the others fill. (Not
 # `--dist loadgroup`: with pytest 9.2 and pytest-xdist 3.8 it ignores the groups, pytest-dev/pytest-xdist#1386.)
 TEST_WORKERS ?= 3
 COMPARE_ARGS ?=
@@ -50,11 +51,12 @@ lock: $(PY)
 
 # Any non-zero pytest exit, 5 ("no tests ran") included, fails the target and so `make` and .ci/run (nothing masks it).
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		$(PYTEST_ARGS)
 
 test-fast: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 -n $(TEST_WORKERS) --dist loadfile -m "$(FAST_MARKERS)" \
-		$(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		-m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 # The checks CI runs before the tests.
 check: lint typecheck imports docs

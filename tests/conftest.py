@@ -25,6 +25,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 TIERS = ("unit", "dist", "e2e", "netns")
 HEAVIER_THAN_UNIT = ("dist", "e2e", "netns")
+LONG_MARKERS = ("e2e", "netns", "slow", "timed")
 
 # The warning filters of the Python interpreters that tests start (a popen rank, a ps server, an app), as
 # PYTHONWARNINGS entries ``action:message:category:module`` (message: a literal prefix; module: exact; the last
@@ -73,6 +74,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _file(item.nodeid) in TIMED_FILES:
             item.add_marker(pytest.mark.timed)
+    # The long files first (those with a test that runs a whole job, waits out a timeout or trains for long: fresh
+    # interpreters, tens of seconds each), in the order collected, then the rest: with `--dist loadfile
+    # --no-loadscope-reorder` (Makefile) many short files, not one long one, end the run.
+    long = {_file(item.nodeid) for item in items if any(item.get_closest_marker(m) for m in LONG_MARKERS)}
+    items.sort(key=lambda item: _file(item.nodeid) not in long)
 
 
 @pytest.fixture(scope="session", autouse=True)
