@@ -53,8 +53,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
+from lightning_sync.apps.file_gate import FileGate
 from lightning_sync.apps.ft_local import (
-    FileGate,
     group_command,
     read_commits,
     start_lighthouse,

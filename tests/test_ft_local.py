@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_sync.apps.ft_local import Commit, FileGate, descendants, read_commits, start_process, stop_process
+from lightning_sync.apps.file_gate import FileGate
+from lightning_sync.apps.ft_local import Commit, descendants, read_commits, start_process, stop_process
 from lightning_sync.callbacks import StepClock, StepPacer, read_step_clock
 from lightning_sync.errors import ConfigError
 

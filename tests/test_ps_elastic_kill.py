@@ -118,7 +118,7 @@ def test_a_killed_worker_is_replaced_by_running_the_join_command(tmp_path):
     ]
     run_dir, joined_dir, gate = tmp_path / "run", tmp_path / "joined", tmp_path / "gate"
     joiner_log = tmp_path / "joiner.stderr"
-    gated = ["+callbacks.gate._target_=lightning_sync.apps.ft_local.FileGate", f"+callbacks.gate.path={gate}"]
+    gated = ["+callbacks.gate._target_=lightning_sync.apps.file_gate.FileGate", f"+callbacks.gate.path={gate}"]
     job = _start_training([*overrides, *gated], run_dir, after_s=0.0, env=env)
     try:
         victims = job_processes(run_dir, job.pid)

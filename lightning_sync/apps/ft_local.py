@@ -3,8 +3,8 @@
 Used by notebook 07, ``benchmarks/ft_goodput.py`` and the tests: :func:`start_lighthouse` runs torchft's own
 ``torchft_lighthouse`` binary as a process (as a user runs it) and returns its address; :func:`group_command` is
 the Hydra app's command line for one replica group; :func:`read_commits` reads the groups' commit lines back from
-their logs, with the time, torchft's step and the groups that took part; :class:`FileGate` holds a job at a step
-until a file exists, so that the one starting it decides when it goes on instead of racing it.
+their logs, with the time, torchft's step and the groups that took part. Standard library only: Lightning's
+:class:`~lightning_sync.apps.file_gate.FileGate` is a module of its own.
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import lightning.pytorch as pl
-from typing_extensions import override
 
 COMMIT_LINE = re.compile(
     r"^\[(?P<when>[\d-]+ [\d:,]+)\]\S* - replica group (?P<group>\d+): sync committed "
@@ -174,31 +171,3 @@ def read_commits(*logs: str | Path) -> list[Commit]:
             groups = tuple(int(g) for g in match["groups"].replace(" ", "").split(",") if g)
             found.append(Commit(when, int(match["step"]), int(match["group"]), groups))
     return sorted(found, key=lambda c: c.time)
-
-
-class FileGate(pl.Callback):
-    """Holds training before global step ``at_step`` until ``path`` exists: whoever started the job decides when it
-    goes on (notebook 07 holds the surviving replica groups until the restarted one trains; a test holds a ps job
-    until an added worker trains) instead of racing a fresh interpreter's start against the job's end.
-
-    Raises ``TimeoutError`` naming the file after ``timeout_s``.
-
-    Example::
-
-        python -m lightning_sync.train +callbacks.gate._target_=lightning_sync.apps.ft_local.FileGate \\
-            +callbacks.gate.path=/tmp/go +callbacks.gate.at_step=10
-    """
-
-    def __init__(self, path: str | Path, at_step: int = 10, timeout_s: float = 300.0) -> None:
-        self.path, self.at_step, self.timeout_s = Path(path), at_step, timeout_s
-
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
-    ) -> None:
-        """Waits for the file at step ``at_step`` (checked every 0.1 s)."""
-        deadline = time.monotonic() + self.timeout_s
-        while trainer.global_step == self.at_step and not self.path.exists():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"FileGate: {self.path} did not appear within timeout_s={self.timeout_s:g} s")
-            time.sleep(0.1)
