@@ -1,8 +1,10 @@
 """Runs a command-line app's ``main`` in a process forked from the test process, as its own process would run it.
 
-A fresh interpreter spends about 4.5 s of CPU importing torch, Lightning and torchmetrics before the app reads its
-first argument; a fork of the test process, which has imported them already, starts in milliseconds. Only for runs
-that start no rank: a rank launcher re-runs ``__main__``, which in a fork is the test runner, not the app.
+A fresh interpreter spends about 7 s of CPU importing torch, Lightning and torchmetrics before the app reads its
+first argument; a fork of the test process, which has imported them already, starts in milliseconds. A fork that
+stands for ``python -m <module>`` (its ``command``) has that module's spec as ``__main__.__spec__``, so that a rank
+launcher (Lightning's ``popen`` one, which re-runs ``__main__``) starts its other ranks as that command, fresh
+interpreters as a user's run starts them.
 
 The child is a session of its own (killed with its process group), writes stdout and stderr to files, and gets the
 argument list, environment, working directory, warnings and logging a fresh interpreter would have.
@@ -10,6 +12,7 @@ argument list, environment, working directory, warnings and logging a fresh inte
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import logging
 import os
@@ -22,6 +25,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def _fresh_logging() -> None:
@@ -37,6 +41,11 @@ def _fresh_logging() -> None:
             logger.removeHandler(handler)
         logger.addHandler(logging.StreamHandler(sys.stderr))
         logger.propagate = False
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, *_: Any) -> None:
+    """Writes a warning to stderr, as the interpreter does."""
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno))
 
 
 def _child(
@@ -63,8 +72,12 @@ def _child(
     os.environ.update(env)
     sys.argv = list(argv)
     sys.orig_argv = list(command)  # what provenance records as the command line
+    if len(command) > 2 and command[1] == "-m":
+        import __main__  # the test runner's: this fork is the app now
+
+        __main__.__spec__ = importlib.util.find_spec(command[2])
     warnings.resetwarnings()
-    warnings.showwarning = warnings._showwarning_orig  # type: ignore[attr-defined]  # pytest records them
+    warnings.showwarning = _show_warning  # pytest's catch_warnings(record=True) would keep collecting them
     if "ignore" in env.get("PYTHONWARNINGS", "").split(","):
         warnings.simplefilter("ignore")
     _fresh_logging()
@@ -124,7 +137,7 @@ class ForkedApp:
                     except Exception:  # noqa: BLE001
                         pass
                 os._exit(code)
-        self.pid = pid
+        self.pid, self.out = pid, out
         self.returncode: int | None = None
 
     def poll(self) -> int | None:

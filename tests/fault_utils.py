@@ -1,6 +1,10 @@
 """Fault tests' helpers: run the Hydra app as a user does (``popen`` launcher: rank 0 is the command, rank 1 its
 child, a ``ps`` server a process that rank 0 starts), hit one of its processes with a signal mid-run, and see how the
 job ends and whether any process is left. Processes are found through ``/proc`` by their command lines.
+
+Rank 0, the command, is the app's ``main`` in a fork of the test process standing for ``python -m
+lightning_sync.train`` (:class:`app_utils.ForkedApp`: no fresh interpreter's imports); the ranks it launches and the
+servers it starts are fresh interpreters, as in a user's run.
 """
 
 from __future__ import annotations
@@ -8,12 +12,14 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from app_utils import ForkedApp
+
+from lightning_sync.apps.train import main as train_main
 from lightning_sync.strategies._launcher import stat_fields
 
 HAS_PROC = Path("/proc/self/cmdline").exists()
@@ -51,11 +57,11 @@ def _parent_and_session(pid: int) -> tuple[int, ...]:
 def job_processes(run_dir: Path, main_pid: int) -> dict[str, int]:
     """``{"rank0": pid, "rank1": pid, "server0": pid}`` of a job (``"rank2"`` ... with more ranks; whichever of them
     exist now)."""
-    found = {}
+    found = {"rank0": main_pid} if (stat_fields(main_pid) or ["Z"])[0] != "Z" else {}  # the fork, until reaped
     for pid, cmd in _cmdlines().items():
         if f"hydra.run.dir={run_dir}" in cmd and "lightning_sync.train" in cmd:
             child = re.search(r"hydra\.job\.name=\S*_rank(\d+)", cmd)  # a popen child runs its rank's job name
-            found["rank0" if pid == main_pid else f"rank{child.group(1) if child else 1}"] = pid
+            found[f"rank{child.group(1) if child else 1}"] = pid
         elif "lightning_sync.ps" in cmd and "--server 0" in cmd and main_pid in _parent_and_session(pid):
             found["server0"] = pid  # by its session too: a server whose parent died is an orphan of this job
     return found
@@ -66,37 +72,43 @@ class FaultOutcome:
     """How a job hit by a signal ended."""
 
     returncode: int
-    seconds: float  # from the signal to the exit of the job's command (and of every process holding its stderr)
+    seconds: float  # from the signal to the exit of the job's command
     stderr: str
     left: dict[str, int]  # processes of the job still there after it ended (each is SIGKILLed before returning)
 
 
 def _start_training(
     overrides: list[str], run_dir: Path, after_s: float = 1.0, env: dict[str, str] | None = None
-) -> subprocess.Popen:
-    """Starts the job (``env``: added to its environment) and returns once it has trained for ``after_s`` seconds;
-    an exit before that fails the test. (The ranks' rendezvous waits at least 60 s whatever the job's short
-    ``timeout_s``: ``rendezvous_timeout_s``.)"""
-    command = [sys.executable, "-m", "lightning_sync.train", *overrides, f"hydra.run.dir={run_dir}"]
-    job = subprocess.Popen(
-        command,
-        env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+) -> ForkedApp:
+    """Starts the job (``env``: added to its environment; its command's stdout and stderr go to ``stdout.txt`` and
+    ``stderr.txt`` in ``<run_dir>.out``) and returns once it has trained for ``after_s`` seconds; an exit before that fails the test.
+    (The ranks' rendezvous waits at least 60 s whatever the job's short ``timeout_s``: ``rendezvous_timeout_s``.)"""
+    args = [*overrides, f"hydra.run.dir={run_dir}"]
+    out = run_dir.with_name(f"{run_dir.name}.out")
+    out.mkdir(parents=True)
+    job = ForkedApp(
+        train_main,
+        ["lightning_sync.train", *args],
+        run_dir.parent,
+        dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
+        out,
+        [sys.executable, "-m", "lightning_sync.train", *args],
     )
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and not (run_dir / "metrics.csv").is_file():
         if job.poll() is not None:
-            raise AssertionError(job.communicate()[1][-3000:])
+            raise AssertionError(job_stderr(job)[-3000:])
         time.sleep(0.2)
     if not (run_dir / "metrics.csv").is_file():
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
+        job.kill()
         raise AssertionError("the job did not start training within 90 s")
     time.sleep(after_s)  # training is under way
     return job
+
+
+def job_stderr(job: ForkedApp) -> str:
+    """What the job's command wrote on stderr so far."""
+    return (job.out / "stderr.txt").read_text()
 
 
 def run_and_hit(
@@ -115,12 +127,12 @@ def run_and_hit(
         assert target in victims, victims
         os.kill(victims[target], how)
         hit = time.monotonic()
-        _, stderr = job.communicate(timeout=wait_s)
+        job.wait(wait_s)
         seconds = time.monotonic() - hit
     finally:
         if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
+            job.kill()  # with its process group
+    stderr = job_stderr(job)
     deadline = time.monotonic() + 3.0  # a process that has just been killed may take a moment to leave /proc
     while (left := job_processes(run_dir, job.pid)) and time.monotonic() < deadline:
         time.sleep(0.2)

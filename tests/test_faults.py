@@ -41,10 +41,14 @@ MODES = {
     "allreduce": ["strategy=allreduce"],
     "local_sgd": ["strategy=periodic", "strategy.mode=local_sgd"],
 }
-# How the job names the rank it lost: the process that killed it frozen, or that saw it (or its connection) go.
+# How the job names the rank it lost: the process that killed it frozen, or that saw it (or its connection) go. A
+# killed child is seen by whichever looks first: rank 0's failed collective and the app's exit, or Lightning's child
+# observer (every 5 s; it names the child, then SIGKILLs every process of the job, the main one included).
 _NAMED = {
     (1, "SIGSTOP"): re.compile(r"rank 1 \(local\), pid \d+, is frozen"),
-    (1, "SIGKILL"): re.compile(r"rank 1 \(local\) was lost|rank 1 closed its connection"),
+    (1, "SIGKILL"): re.compile(
+        r"rank 1 \(local\) was lost|rank 1 closed its connection|\[rank: 1\] Child process with PID \d+ terminated"
+    ),
     (0, "SIGSTOP"): re.compile(r"rank 0 \(local, the main process\), pid \d+, is frozen"),
 }
 

@@ -13,16 +13,17 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import signal  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from fault_utils import HAS_PROC, _start_training, job_processes, run_and_hit  # noqa: E402
+from app_utils import ForkedApp  # noqa: E402
+from fault_utils import HAS_PROC, _start_training, job_processes, job_stderr, run_and_hit  # noqa: E402
 from test_ps_elastic import _summary  # noqa: E402
 
 from lightning_sync.apps.bench.launch import free_port  # noqa: E402
+from lightning_sync.apps.train import main as train_main  # noqa: E402
 
 # Nothing here waits out timeout_s: a killed worker's connection closes at once.
 TIMEOUT_S = 15.0
@@ -101,7 +102,7 @@ def test_a_killed_worker_is_replaced_by_running_the_join_command(tmp_path):
     were applied. Both commands exit 0 and no process of the job is left.
 
     The job's ranks hold at step 10 (``FileGate``) until the added worker has trained a few steps, so the test
-    does not race the added worker's start (an interpreter importing Lightning) against the job's end."""
+    does not race the added worker's start against the job's end."""
     port = free_port()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     overrides = [
@@ -117,40 +118,34 @@ def test_a_killed_worker_is_replaced_by_running_the_join_command(tmp_path):
         "test=false",
     ]
     run_dir, joined_dir, gate = tmp_path / "run", tmp_path / "joined", tmp_path / "gate"
-    joiner_log = tmp_path / "joiner.stderr"
     gated = ["+callbacks.gate._target_=lightning_sync.apps.file_gate.FileGate", f"+callbacks.gate.path={gate}"]
-    job = _start_training([*overrides, *gated], run_dir, after_s=0.0, env=env)
+    job, joiner = _start_training([*overrides, *gated], run_dir, after_s=0.0, env=env), None
     try:
         victims = job_processes(run_dir, job.pid)
         assert "rank1" in victims, victims
         os.kill(victims["rank1"], signal.SIGKILL)
-        joiner = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "lightning_sync.train",
-                *overrides,
-                "strategy.join=true",
-                f"hydra.run.dir={joined_dir}",
-            ],
-            env=dict(os.environ, OMP_NUM_THREADS="1", **env),
-            stdout=subprocess.DEVNULL,
-            stderr=joiner_log.open("w"),  # a file: a full pipe would stall the joiner while the test polls
+        joined = [*overrides, "strategy.join=true", f"hydra.run.dir={joined_dir}"]
+        (tmp_path / "joiner").mkdir()
+        joiner = ForkedApp(
+            train_main,
+            ["lightning_sync.train", *joined],
+            tmp_path,
+            dict(os.environ, OMP_NUM_THREADS="1", **env),
+            tmp_path / "joiner",
+            [sys.executable, "-m", "lightning_sync.train", *joined],
         )
         deadline = time.monotonic() + 100
         while not (joined_dir / "metrics.csv").is_file() and joiner.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)  # the added worker has trained 5 steps once its metrics.csv exists
         gate.touch()
-        joiner.wait(timeout=180.0)
-        _, stderr = job.communicate(timeout=180.0)
+        joiner.wait(180.0)
+        job.wait(180.0)
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-        if "joiner" in locals() and joiner.poll() is None:
-            joiner.kill()
-            joiner.wait()
-    assert joiner.returncode == 0, joiner_log.read_text()[-4000:]
+        for process in (job, joiner):
+            if process is not None and process.poll() is None:
+                process.kill()
+    stderr = job_stderr(job)
+    assert joiner is not None and joiner.returncode == 0, job_stderr(joiner)[-4000:]
     assert job.returncode == 0, stderr[-4000:]
     assert _summary(joined_dir)["optimizer_steps"] > 0, _summary(joined_dir)
     assert not job_processes(run_dir, job.pid), "a process of the job was left behind"
