@@ -78,8 +78,8 @@ def _child(
         __main__.__spec__ = importlib.util.find_spec(command[2])
     warnings.resetwarnings()
     warnings.showwarning = _show_warning  # pytest's catch_warnings(record=True) would keep collecting them
-    if "ignore" in env.get("PYTHONWARNINGS", "").split(","):
-        warnings.simplefilter("ignore")
+    # PYTHONWARNINGS's filters, set as the interpreter sets them at start (conftest's deprecations-as-errors)
+    warnings._processoptions([o for o in env.get("PYTHONWARNINGS", "").split(",") if o])  # type: ignore[attr-defined]
     _fresh_logging()
     try:
         from hydra.core.global_hydra import GlobalHydra
