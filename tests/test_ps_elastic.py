@@ -269,9 +269,9 @@ def _summary(run_dir) -> dict:
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not HAS_PROC, reason="needs /proc")
 def test_a_frozen_ssp_worker_is_dropped_and_the_job_ends_on_the_others(tmp_path):
-    """3 workers, ssp with ``max_staleness=2``: worker 1 is SIGSTOPped. The others are held back by it for at most
-    ``timeout_s`` (the server then drops it), finish, and the job exits 0 naming it; the frozen process is killed
-    at the end, not left behind."""
+    """2 workers, ssp with ``max_staleness=2``: worker 1 is SIGSTOPped. Worker 0 is held back by it for at most
+    ``timeout_s`` (the server then drops it), finishes, and the job exits 0 naming it; the frozen process is killed
+    at the end, not left behind. (A lost worker of 3: ``test_ps_elastic_kill.py``.)"""
     timeout_s = TIMEOUT_S
     run_dir = tmp_path / "run"
     overrides = [
@@ -279,7 +279,7 @@ def test_a_frozen_ssp_worker_is_dropped_and_the_job_ends_on_the_others(tmp_path)
         "strategy.mode=ssp",
         "strategy.max_staleness=2",
         f"strategy.timeout_s={timeout_s}",
-        "trainer.devices=3",
+        "trainer.devices=2",
         "trainer.max_epochs=10",
         "+logger.csv.flush_logs_every_n_steps=5",
         "test=false",

@@ -46,7 +46,8 @@ def test_lost_process_fails_the_job_in_time_and_leaves_no_orphan(tmp_path, targe
 def test_a_lost_worker_of_an_async_job_is_dropped_and_rank_0_finishes(tmp_path, mode, how):
     """Async and ssp are elastic: the server drops the lost worker (after ``timeout_s`` when frozen, at once when its
     connection closes) and rank 0 finishes the run; the job exits 0, naming the lost worker, and leaves no process
-    (the frozen one is killed at the end). ``tests/test_ps_elastic.py`` has the other two cases, with 3 workers."""
+    (the frozen one is killed at the end). The other two cases: ssp-SIGSTOP in ``tests/test_ps_elastic.py``, async-SIGKILL
+    with 3 workers in ``tests/test_ps_elastic_kill.py``."""
     overrides = ["strategy=ps", f"strategy.mode={mode}", f"strategy.timeout_s={TIMEOUT_S}", "trainer.max_epochs=12"]
     overrides += ["+logger.csv.flush_logs_every_n_steps=5", "test=false"]  # metrics.csv early: the hit is mid-run
     outcome = run_and_hit(overrides, tmp_path / "run", "rank1", how, wait_s=TIMEOUT_S + WAIT_S)
