@@ -6,25 +6,21 @@ Standard library only (``test_packaging`` loads the module alone).
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from functools import partial
 from typing import Any
 
-_registered = False
 
-
+@functools.cache
 def skip_final_collection() -> None:
     """Freezes every object at exit (``gc.freeze``, once per process), so the exit's full collections, about a second
     of CPU per process that imported torch and Lightning, find nothing to walk; handlers registered after it run
     first, and a cycle alive at exit stays unfinalized (``test_an_app_process_exits_without_collecting_the_heap``)."""
-    global _registered
-    if not _registered:
-        atexit.register(gc.freeze)
-        _registered = True
+    atexit.register(gc.freeze)
 
 
 class DaemonWorker(Executor):
@@ -38,7 +34,7 @@ class DaemonWorker(Executor):
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         future: Future[Any] = Future()
-        self._jobs.put((future, partial(fn, *args, **kwargs)))
+        self._jobs.put((future, functools.partial(fn, *args, **kwargs)))
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
