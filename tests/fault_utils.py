@@ -77,23 +77,22 @@ class FaultOutcome:
     left: dict[str, int]  # processes of the job still there after it ended (each is SIGKILLed before returning)
 
 
+def fork_train(args: list[str], out: Path, env: dict[str, str] | None = None) -> ForkedApp:
+    """``python -m lightning_sync.train <args>`` as the app's ``main`` in a fork of the test process (``env``: added to
+    its environment; its stdout and stderr go to ``stdout.txt`` and ``stderr.txt`` in ``out``, made here)."""
+    out.mkdir(parents=True)
+    environment = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    command = [sys.executable, "-m", "lightning_sync.train", *args]
+    return ForkedApp(train_main, ["lightning_sync.train", *args], out.parent, environment, out, command)
+
+
 def _start_training(
     overrides: list[str], run_dir: Path, after_s: float = 1.0, env: dict[str, str] | None = None
 ) -> ForkedApp:
-    """Starts the job (``env``: added to its environment; its command's stdout and stderr go to ``stdout.txt`` and
-    ``stderr.txt`` in ``<run_dir>.out``) and returns once it has trained for ``after_s`` seconds; an exit before that fails the test.
-    (The ranks' rendezvous waits at least 60 s whatever the job's short ``timeout_s``: ``rendezvous_timeout_s``.)"""
-    args = [*overrides, f"hydra.run.dir={run_dir}"]
-    out = run_dir.with_name(f"{run_dir.name}.out")
-    out.mkdir(parents=True)
-    job = ForkedApp(
-        train_main,
-        ["lightning_sync.train", *args],
-        run_dir.parent,
-        dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
-        out,
-        [sys.executable, "-m", "lightning_sync.train", *args],
-    )
+    """Starts the job (:func:`fork_train`, its output in ``<run_dir>.out``) and returns once it has trained for
+    ``after_s`` seconds; an exit before that fails the test. (The ranks' rendezvous waits at least 60 s whatever the
+    job's short ``timeout_s``: ``rendezvous_timeout_s``.)"""
+    job = fork_train([*overrides, f"hydra.run.dir={run_dir}"], run_dir.with_name(f"{run_dir.name}.out"), env)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and not (run_dir / "metrics.csv").is_file():
         if job.poll() is not None:

@@ -13,17 +13,14 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import signal  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from app_utils import ForkedApp  # noqa: E402
-from fault_utils import HAS_PROC, _start_training, job_processes, job_stderr, run_and_hit  # noqa: E402
+from fault_utils import HAS_PROC, _start_training, fork_train, job_processes, job_stderr, run_and_hit  # noqa: E402
 from test_ps_elastic import _summary  # noqa: E402
 
 from lightning_sync.apps.bench.launch import free_port  # noqa: E402
-from lightning_sync.apps.train import main as train_main  # noqa: E402
 
 # Nothing here waits out timeout_s: a killed worker's connection closes at once.
 TIMEOUT_S = 15.0
@@ -124,16 +121,7 @@ def test_a_killed_worker_is_replaced_by_running_the_join_command(tmp_path):
         victims = job_processes(run_dir, job.pid)
         assert "rank1" in victims, victims
         os.kill(victims["rank1"], signal.SIGKILL)
-        joined = [*overrides, "strategy.join=true", f"hydra.run.dir={joined_dir}"]
-        (tmp_path / "joiner").mkdir()
-        joiner = ForkedApp(
-            train_main,
-            ["lightning_sync.train", *joined],
-            tmp_path,
-            dict(os.environ, OMP_NUM_THREADS="1", **env),
-            tmp_path / "joiner",
-            [sys.executable, "-m", "lightning_sync.train", *joined],
-        )
+        joiner = fork_train([*overrides, "strategy.join=true", f"hydra.run.dir={joined_dir}"], tmp_path / "joiner", env)
         deadline = time.monotonic() + 100
         while not (joined_dir / "metrics.csv").is_file() and joiner.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)  # the added worker has trained 5 steps once its metrics.csv exists
