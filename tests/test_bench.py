@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import pathlib
 import re
-import shutil
 import subprocess
 import time
 
@@ -136,35 +134,31 @@ def test_tiny_run_on_loopback_writes_json_markdown_and_plots(tmp_path, capsys):
         [
             "--out",
             str(out),
-            "workloads=digits,payload",
+            "workloads=digits",
             "cases=torch_ddp,allreduce",
             "repeats=1",
             "warmup_steps=2",
             "target_accuracy=0.5",
             "max_epochs=3",
             "eval_every=4",
-            "payload_mb=2",
-            "payload_iters=2",
             "timeout_s=150",
         ]
     )
     printed = capsys.readouterr().out
-    assert printed.count("] loopback ") == 3, printed  # one line per finished run
+    assert printed.count("] loopback ") == 2, printed  # one line per finished run
     results, table = _report(out)
     records = results["records"]
     assert [(r["workload"], r["case"]) for r in records] == [
         ("digits", "torch_ddp"),
         ("digits", "allreduce"),
-        ("payload", "allreduce"),
     ]
     assert all(r["ok"] for r in records), records
-    for r in records[:2]:
+    for r in records:
         assert r["step_time_ms"] > 0 and r["seconds_to_target"] > 0 and r["steps_to_target"] % 4 == 0
         assert r["final_accuracy"] >= 0.5 and r["trajectory"][-1][2] == r["final_accuracy"]
     assert records[1]["bytes_sent_per_step"] == pytest.approx(104_488)  # the digits MLP, ring formula, 2 ranks
-    assert records[2]["busbw_mbit"] > 0 and records[2]["payload_bytes"] == 2 * 1024 * 1024
     assert "| torch_ddp |" in table and "| allreduce" in table and "vs torch_ddp" in table
-    assert "network loopback" in table and "busbw Mbit/s" in table
+    assert "network loopback" in table
     tta = json.loads((out / "time_to_accuracy.json").read_text())
     assert {(r["case"], r["rate"], r["target"]) for r in tta} == {
         ("torch_ddp", "loopback", 0.5),
@@ -172,7 +166,7 @@ def test_tiny_run_on_loopback_writes_json_markdown_and_plots(tmp_path, capsys):
     }
     assert all(r["seconds_to_target"] > 0 for r in tta)
     if importlib.util.find_spec("matplotlib") is not None:
-        assert (out / "digits.png").stat().st_size > 0 and (out / "payload.png").stat().st_size > 0
+        assert (out / "digits.png").stat().st_size > 0
 
 
 @pytest.mark.e2e
@@ -201,39 +195,6 @@ def test_a_run_past_its_timeout_fails_cleanly(tmp_path, capsys):
         if pathlib.Path(f"/proc/{pid}/stat").exists()
     }
     assert not leftover, f"processes of the run are still alive after 10 s: {states}"
-
-
-NETNS = os.name == "posix" and os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
-
-
-@pytest.mark.e2e
-@pytest.mark.skipif(not NETNS, reason="needs root with iproute2 (ip netns, tc) to emulate hosts")
-@pytest.mark.timeout(180)
-def test_tiny_run_between_emulated_hosts_at_1gbit(tmp_path):
-    out = tmp_path / "bench"
-    prefix = f"tb{os.getpid() % 10000:04d}"
-    main(
-        [
-            "--out",
-            str(out),
-            "workloads=payload",
-            "repeats=1",
-            "payload_mb=4",
-            "payload_iters=2",
-            "network.rate=1gbit",
-            f"network.prefix={prefix}",
-            "plots=false",
-            "timeout_s=150",
-        ]
-    )
-    results, table = _report(out)
-    records = {r["case"]: r for r in results["records"]}
-    assert all(r["ok"] for r in records.values()) and set(records) == {"gloo_allreduce", "allreduce"}, records
-    for case, record in records.items():
-        assert 300 < record["busbw_mbit"] < 1050, (case, record)  # the 1 Gbit/s link bounds it (loopback: ~4,000)
-    assert "network 1gbit" in table and "of link" in table
-    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert prefix not in namespaces
 
 
 @pytest.mark.unit

@@ -166,13 +166,15 @@ def test_the_end_counts_the_live_workers(procs, withdraw):  # noqa: F811
     assert "stats" in procs.ok(["server"], timeout=10)["server"]
 
 
-def _survivor(rank: int, port: int, hit_at: Any, joined: Any) -> dict:
-    """Worker ``rank`` of 3 pushes until ``joined`` and 2 s more (worker 2 kills itself at push ``FREEZE_AT``)."""
+def _survivor(rank: int, port: int, hit_at: Any, joined: Any, pushed: Any) -> dict:
+    """Worker ``rank`` of 3 pushes until ``joined`` and 2 s more (worker 2 kills itself at push ``FREEZE_AT``);
+    ``pushed[rank]``: its pushes so far."""
     store = ps.connect_store(HOST, port, is_host=rank == 0, timeout_s=30)
     group = ps.PSGroup(store, rank, 3, 1, 10.0, connect_timeout_s=30)
     model, opt, client = _started_sgd_worker(group, rank, mode="ssp", max_staleness=2)
 
     def hit(step: int) -> None:
+        pushed[rank] = step
         if rank == 2 and step == FREEZE_AT:
             hit_at.value = time.monotonic()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -238,12 +240,14 @@ def test_a_killed_worker_restarted_with_rejoin_is_served_again(procs):  # noqa: 
     pushes are applied again, the others are not held back by it, the server's stats count the join, and at the end
     no worker counts as lost."""
     port = _free_port()
-    hit_at, joined = procs.ctx.Value("d", 0.0), procs.ctx.Value("d", 0.0)
+    hit_at, joined, pushed = procs.ctx.Value("d", 0.0), procs.ctx.Value("d", 0.0), procs.ctx.Array("i", 3)
     procs.start("server", _server_process, port, 0, 3, 1, 10.0)
     for rank in range(3):
-        procs.start(f"worker{rank}", _survivor, rank, port, hit_at, joined)
+        procs.start(f"worker{rank}", _survivor, rank, port, hit_at, joined, pushed)
+    # the join comes once worker 2 is dead and the survivors are past what ssp allowed them while it lived (their
+    # clocks above FREEZE_AT + max_staleness), whichever way the OS shares the CPU
     deadline = time.monotonic() + 60
-    while not hit_at.value and time.monotonic() < deadline:
+    while not (hit_at.value and min(pushed[:2]) > FREEZE_AT + 2) and time.monotonic() < deadline:
         time.sleep(0.05)
     procs.start("rejoiner", _rejoiner, port, joined)
     out = procs.ok(["worker0", "worker1", "rejoiner"], timeout=70)

@@ -1,7 +1,8 @@
 """Bytes measured on the wire against the meter's bytes, between two emulated hosts (root with iproute2 only).
 
 Each run reads both hosts' interface counters over its training phase; the bytes sent on the link must match what
-the meter books as crossing it, within TCP/IP framing, for a dense mode, a compressed one and the parameter server.
+the meter books as crossing it, within TCP/IP framing, for a dense mode, a compressed one and the parameter server;
+and the emulated link's rate bounds the bus bandwidth of an all-reduce.
 """
 
 from __future__ import annotations
@@ -79,17 +80,21 @@ def test_wire_totals_add_the_ranks_and_divide_by_what_crosses(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.skipif(not NETNS, reason="needs root with iproute2 (ip netns, tc) to emulate hosts")
 @pytest.mark.timeout(900)
-def test_wire_bytes_agree_with_the_meter_for_dense_compressed_and_ps(tmp_path):
+def test_wire_bytes_agree_with_the_meter_and_the_link_bounds_the_bus_bandwidth(tmp_path):
+    """Between two hosts joined by a 1 Gbit/s link: a dense mode, a compressed one and the parameter server send on
+    the wire what the meter books, and an all-reduce of a 4 MiB payload (ours and gloo's) runs at most at the link's rate."""
     out = tmp_path / "bench"
     prefix = f"tw{os.getpid() % 10000:04d}"
     main(
         [
             "--out",
             str(out),
-            "workloads=char_lm",
-            "cases=allreduce,topk,ps_async",
+            "workloads=char_lm,payload",
+            "cases=allreduce,topk,ps_async,gloo_allreduce",  # each workload runs those it has
             "window=1",  # step times, no target loss: no lightning_ddp run needed
             "budget_steps=16",
+            "payload_mb=4",
+            "payload_iters=2",
             "repeats=1",
             "network.rate=1gbit",
             f"network.prefix={prefix}",
@@ -97,15 +102,27 @@ def test_wire_bytes_agree_with_the_meter_for_dense_compressed_and_ps(tmp_path):
             "timeout_s=300",
         ]
     )
-    records = {r["case"]: r for r in json.loads((out / "results.json").read_text())["records"]}
-    assert set(records) == {"allreduce", "topk", "ps_async"}
-    for case, record in records.items():
-        assert record["ok"], record
+    results = json.loads((out / "results.json").read_text())
+    records = {(r["workload"], r["case"]): r for r in results["records"]}
+    assert set(records) == {("char_lm", c) for c in ("allreduce", "topk", "ps_async")} | {
+        ("payload", c) for c in ("allreduce", "gloo_allreduce")
+    }
+    assert all(record["ok"] for record in records.values()), records
+    for (_, case), record in records.items():
+        if record["workload"] != "char_lm":
+            continue
         ratio = record["wire_over_meter"]
         # headers of TCP/IP/Ethernet (66 bytes per segment, fewer with TSO), the ACKs of what the host receives,
         # gloo's and the store's messages: a few percent over the payload, never under it
         assert ratio is not None and 1.0 <= ratio <= 1.10, (case, ratio, record["wire"])
         assert record["wire_bytes_per_step"] > 0
     # the compressed payload is what crosses: topk's wire bytes are a small share of allreduce's
-    assert records["topk"]["wire_bytes_per_step"] < 0.2 * records["allreduce"]["wire_bytes_per_step"]
+    dense, sparse = (records["char_lm", c]["wire_bytes_per_step"] for c in ("allreduce", "topk"))
+    assert sparse < 0.2 * dense, (sparse, dense)
+    for case in ("allreduce", "gloo_allreduce"):
+        payload = records["payload", case]
+        assert payload["payload_bytes"] == 4 * 1024 * 1024
+        assert 300 < payload["busbw_mbit"] < 1050, payload  # the 1 Gbit/s link bounds it (loopback: ~4,000)
+    table = " ".join((out / "results.md").read_text().split())
+    assert "network 1gbit" in table and "busbw Mbit/s" in table and "of link" in table
     assert prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
