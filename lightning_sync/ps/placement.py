@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -26,9 +25,11 @@ from lightning_sync.ps.server import run_server
 class ServerProcesses:
     """Handle on dedicated server processes (from :func:`start_servers`), ``processes`` in server order.
 
-    A server exits when its parent's connection closes, when no worker talks to it for ``timeout_s``, on SIGTERM, and,
-    frozen, when the thread that started it ends (:func:`lightning_sync.ps.__main__.die_with_parent`;
-    ``test_dedicated_server_processes_die_with_their_parent``).
+    A server exits when its parent's connection closes, when no worker talks to it for ``timeout_s``, and, frozen,
+    when the thread that started it ends (:func:`lightning_sync.ps.__main__.die_with_parent`;
+    ``test_dedicated_server_processes_die_with_their_parent``). It has nothing to clean up (SIGTERM ends it at once),
+    so a server still running when the job ends is SIGKILLed, which also ends a frozen one
+    (``test_stop_ends_a_frozen_server_at_once``).
     """
 
     def __init__(self, processes: list[subprocess.Popen]) -> None:
@@ -40,31 +41,23 @@ class ServerProcesses:
         if failed:
             raise PSError(f"parameter server process(es) failed: {', '.join(failed)}")
 
-    def wait(self, timeout_s: float) -> list[int | None]:
-        """Waits up to ``timeout_s`` in all for every server to exit; their exit codes (``None``: still running)."""
+    def wait(self, timeout_s: float) -> list[int]:
+        """Waits up to ``timeout_s`` in all for every server to exit, SIGKILLs those still running; the exit codes."""
         deadline = time.monotonic() + timeout_s
         for p in self.processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        return [p.poll() for p in self.processes]
-
-    def stop(self, grace_s: float = 5.0) -> list[int]:
-        """Ends every server still running, SIGTERM then SIGKILL after ``grace_s``; the exit codes. SIGCONT follows
-        SIGTERM, which a frozen server would hold pending for the whole grace
-        (``test_stop_ends_a_frozen_server_with_sigterm_not_after_the_grace``)."""
-        for p in self.processes:
-            p.send_signal(signal.SIGTERM)  # nothing once it has exited
-            p.send_signal(signal.SIGCONT)
-        self.wait(grace_s)
-        for p in self.processes:
-            p.kill()
+            p.kill()  # nothing once it has exited
         return [p.wait() for p in self.processes]
 
+    def stop(self) -> list[int]:
+        """Ends every server still running, at once; the exit codes."""
+        return self.wait(0.0)
+
     def finish(self, timeout_s: float) -> None:
-        """After the workers' goodbyes: waits up to ``timeout_s`` for a clean exit, stops what still runs, and
-        raises for a server that failed (or had to be stopped)."""
+        """After the workers' goodbyes: waits up to ``timeout_s`` for a clean exit, and raises for a server that
+        failed (or had to be killed)."""
         self.wait(timeout_s)
-        self.stop()
         self.raise_if_failed()
 
 
@@ -101,7 +94,7 @@ class ColocatedServer:
         self.raise_if_failed()
         return self.future.result()
 
-    def stop(self, grace_s: float = 0.0) -> list[int]:
+    def stop(self) -> list[int]:
         """Nothing to do (see the class)."""
         return []
 
